@@ -1,0 +1,37 @@
+"""decodekit: language-model inference algorithms behind one API.
+
+    import decodekit as dk
+    model = dk.load_model("shakespeare")
+    [[completion]] = dk.generate(model, ["ROMEO:"], dk.SamplingParams(max_new_tokens=40))
+"""
+
+from decodekit.completion import Completion, Usage
+from decodekit.params import SamplingParams
+
+__all__ = [
+    "Completion",
+    "SamplingParams",
+    "Usage",
+    "beam_search",
+    "generate",
+    "load_model",
+    "stream",
+]
+
+
+def __getattr__(name):
+    # Model loading and decoding import torch and transformers; keep `import decodekit`
+    # (and so `decodekit --help`) cheap by importing them on first use.
+    if name == "load_model":
+        from decodekit.models.registry import load_model
+
+        return load_model
+    if name in ("generate", "stream"):
+        from decodekit.decode import sample
+
+        return getattr(sample, name)
+    if name == "beam_search":
+        from decodekit.decode.beam import beam_search
+
+        return beam_search
+    raise AttributeError(f"module 'decodekit' has no attribute {name!r}")

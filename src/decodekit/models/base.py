@@ -1,0 +1,108 @@
+"""The `LanguageModel` contract every model implements (ARCHITECTURE.md).
+
+A model scores token ids: `forward(tokens [B, T], cache, mask) -> logits [B, T, V]`
+returns float32 logits for every position and grows the cache by T. Rows of one
+batch may hold prompts of different lengths: they are left-padded and `mask`
+marks the real tokens, so padding is never attended to and never advances a
+row's positions.
+
+A cache is the model's own object with three operations:
+- `fork(rows)`   a new cache whose row i continues row `rows[i]` of this one
+                 (copy-on-write where the model supports it);
+- `select(rows)` in place: keep and reorder rows (beam search);
+- `crop(length)` in place: roll every row back to `length` positions
+                 (speculative decoding after rejected draft tokens).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class Cache(ABC):
+    """Per-row key/value state of a model. `length` counts positions, padding included."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int: ...
+
+    @abstractmethod
+    def fork(self, rows: Sequence[int]) -> Cache: ...
+
+    @abstractmethod
+    def select(self, rows: Sequence[int]) -> None: ...
+
+    @abstractmethod
+    def crop(self, length: int) -> None: ...
+
+
+class LanguageModel(ABC):
+    """A causal language model over token ids.
+
+    Attributes: `name`, `vocab_size`, `eos_token_ids`, `tokenizer` (a Hugging Face
+    tokenizer, or None for models with their own `encode`/`decode`) and
+    `max_context` (positions the model can attend over).
+    """
+
+    name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any | None
+    max_context: int
+
+    @abstractmethod
+    def new_cache(self, batch_size: int) -> Cache:
+        """An empty cache for `batch_size` rows."""
+
+    @abstractmethod
+    def forward(
+        self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [B, T, V] float32 for tokens [B, T] (long); `mask` [B, T] bool marks real tokens."""
+
+    def num_parameters(self) -> int:
+        return 0
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise TypeError(f"model {self.name!r} has no tokenizer; pass token ids instead of text")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise TypeError(f"model {self.name!r} has no tokenizer; it cannot decode text")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token on its own (for display; may be a partial character)."""
+        return self.decode([token_id])
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to one tensor. Returns tokens [B, T] long and mask [B, T] bool."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = True
+    return tokens, mask
+
+
+def prefill(model: LanguageModel, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Cache]:
+    """Run the prompts through a fresh cache; returns next-token logits [B, V] and the cache."""
+    longest = max((len(p) for p in prompts), default=0)
+    if longest > model.max_context:
+        raise ValueError(
+            f"prompt has {longest} tokens, more than the model's context of {model.max_context}"
+        )
+    tokens, mask = left_pad(prompts)
+    cache = model.new_cache(len(prompts))
+    logits = model.forward(tokens, cache, mask)  # [B, T, V]
+    return logits[:, -1, :], cache
