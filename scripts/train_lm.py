@@ -1,0 +1,331 @@
+"""Train a small Llama-architecture causal LM on a token stream: seeded, resumable, time-bounded.
+
+Library use (the arithmetic-task script imports this):
+
+    from train_lm import train_causal_lm
+    result = train_causal_lm(model, train_ids, val_ids, out_dir="runs/x", seq_len=256,
+                             batch_size=16, steps=2000, lr=3e-3, max_minutes=40)
+
+Command line (the embedded Shakespeare models, see MODELS.md):
+
+    python scripts/train_lm.py --config shakespeare --steps 3000 --out runs/shakespeare \
+        --max-minutes 45
+    python scripts/train_lm.py --config shakespeare-draft --steps 10 --out /tmp/x --tiny
+
+Training samples random windows of `seq_len + 1` tokens from one stream in which documents
+are separated by EOS, optimises next-token cross-entropy with AdamW and a linear-warmup cosine
+schedule, and writes `out_dir/checkpoint.pt` (model, optimizer, step, RNG states, history)
+every `eval_every` steps so that a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+EOS = "<|endoftext|>"
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "src" / "decodekit" / "models" / "assets"
+EVAL_WINDOWS = 64  # windows of seq_len scored at each periodic evaluation
+
+
+# ---------------------------------------------------------------- data
+
+
+def encode_documents(tokenizer, text: str) -> torch.Tensor:
+    """One long stream [N] of token ids: each EOS-separated document followed by EOS."""
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    ids: list[int] = []
+    for doc in text.split(EOS):
+        doc = doc.strip("\n")
+        if doc:
+            ids.extend(tokenizer.encode(doc, add_special_tokens=False))
+            ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def random_windows(ids: torch.Tensor, seq_len: int, batch_size: int, gen: torch.Generator):
+    """Inputs and targets [B, seq_len] from random windows of seq_len + 1 tokens."""
+    starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=gen)
+    rows = torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])  # [B, T+1]
+    return rows[:, :-1], rows[:, 1:]
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model, ids: torch.Tensor, seq_len: int, batch_size: int, max_windows: int | None = None
+) -> tuple[float, int]:
+    """Mean next-token loss (nats) over non-overlapping windows of `ids`, and tokens scored.
+
+    Each window starts a fresh context, as in nanoGPT's evaluation; the first token of the
+    stream is never predicted. `max_windows` spreads that many windows evenly over the stream.
+    """
+    n_windows = (len(ids) - 1) // seq_len
+    if n_windows < 1:
+        raise ValueError(f"need more than seq_len={seq_len} tokens to evaluate, got {len(ids)}")
+    starts = [i * seq_len for i in range(n_windows)]
+    if max_windows is not None and n_windows > max_windows:
+        stride = n_windows / max_windows
+        starts = [starts[int(i * stride)] for i in range(max_windows)]
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for b in range(0, len(starts), batch_size):
+        rows = torch.stack([ids[s : s + seq_len + 1] for s in starts[b : b + batch_size]])
+        logits = model(input_ids=rows[:, :-1]).logits  # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(), reduction="sum")
+        total += loss.item()
+        count += rows[:, 1:].numel()
+    model.train(was_training)
+    return total / count, count
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def learning_rate(progress: float, step: int, lr: float, warmup: int) -> float:
+    """Linear warmup for `warmup` steps, then cosine decay to lr/10 as progress goes 0 -> 1."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def make_optimizer(model, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (nanoGPT): norms and biases are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+# ---------------------------------------------------------------- training loop
+
+
+def train_causal_lm(
+    model,
+    train_ids: torch.Tensor,
+    val_ids: torch.Tensor,
+    *,
+    out_dir: str,
+    seq_len: int,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    warmup: int = 100,
+    eval_every: int = 100,
+    log_every: int = 10,
+    resume: bool = True,
+    max_minutes: float | None = None,
+) -> dict:
+    """Train `model` (a transformers causal LM) and save it to `out_dir/final`.
+
+    Stops after `steps` optimizer steps or `max_minutes` of training time, whichever comes
+    first. With `max_minutes` the cosine schedule follows max(step / steps, minutes /
+    max_minutes), so the learning rate has decayed when the clock runs out; such runs are
+    seeded but not bit-for-bit reproducible. Returns {"history", "val_loss", "train_minutes"}.
+    """
+    if train_ids.dim() != 1 or val_ids.dim() != 1:
+        raise ValueError("train_ids and val_ids must be 1-D token streams")
+    if len(train_ids) <= seq_len + 1:
+        raise ValueError(f"train_ids has {len(train_ids)} tokens, need more than seq_len + 1")
+    if steps < 1 or batch_size < 1 or seq_len < 1:
+        raise ValueError(f"steps, batch_size, seq_len must be >= 1, got {steps}, {batch_size}, "
+                         f"{seq_len}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = make_optimizer(model, lr)
+    step, minutes_before, history = 0, 0.0, []
+    if resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        step, minutes_before, history = state["step"], state["minutes"], state["history"]
+        print(f"resumed from {ckpt_path} at step {step} ({minutes_before:.1f} min)", flush=True)
+
+    def save_checkpoint(minutes: float) -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "data_rng": gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "step": step,
+            "minutes": minutes,
+            "history": history,
+        }
+        torch.save(state, str(ckpt_path) + ".tmp")
+        os.replace(str(ckpt_path) + ".tmp", ckpt_path)  # never leave a half-written checkpoint
+
+    model.train()
+    start = time.perf_counter()
+    running, running_n, t_log = 0.0, 0, time.perf_counter()
+    minutes = minutes_before
+    while True:
+        minutes = minutes_before + (time.perf_counter() - start) / 60
+        progress = step / steps
+        if max_minutes is not None:
+            progress = max(progress, minutes / max_minutes)
+        if step >= steps or progress >= 1.0:
+            break
+        rate = learning_rate(progress, step, lr, warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        inputs, targets = random_windows(train_ids, seq_len, batch_size, gen)  # [B, T] each
+        logits = model(input_ids=inputs).logits  # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        running += loss.item()
+        running_n += 1
+
+        if step % log_every == 0 or step == 1:
+            sec = (time.perf_counter() - t_log) / running_n
+            print(f"step {step:5d} | loss {running / running_n:.4f} | lr {rate:.2e} | "
+                  f"{sec:.2f} s/step | {minutes:.1f} min", flush=True)
+            history.append({"step": step, "train_loss": running / running_n, "lr": rate,
+                            "minutes": minutes})
+            running, running_n, t_log = 0.0, 0, time.perf_counter()
+        if step % eval_every == 0:
+            val, _ = evaluate_loss(model, val_ids, seq_len, batch_size, EVAL_WINDOWS)
+            print(f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}", flush=True)
+            history.append({"step": step, "val_loss": val, "minutes": minutes})
+            save_checkpoint(minutes_before + (time.perf_counter() - start) / 60)
+
+    val, n_tokens = evaluate_loss(model, val_ids, seq_len, batch_size)
+    print(f"final step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f} "
+          f"over {n_tokens} tokens | {minutes:.1f} min", flush=True)
+    history.append({"step": step, "val_loss": val, "minutes": minutes, "final": True})
+    save_checkpoint(minutes)
+    model.save_pretrained(out / "final", safe_serialization=True)
+    result = {"history": history, "val_loss": val, "train_minutes": minutes}
+    (out / "history.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+# ---------------------------------------------------------------- the Shakespeare models
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Architecture and training hyper-parameters of one embedded model."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_context: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    warmup: int
+
+
+CONFIGS = {
+    # target: ~5M parameters, grouped-query attention (4 query heads share 2 KV heads)
+    "shakespeare": LMConfig(256, 6, 4, 2, 688, 512, 256, 16, 2e-3, 100),
+    # draft / amateur: ~25x fewer parameters, 2 layers
+    "shakespeare-draft": LMConfig(64, 2, 2, 1, 172, 512, 256, 16, 4e-3, 50),
+    # smoke test only
+    "tiny": LMConfig(32, 1, 2, 1, 64, 64, 32, 4, 1e-3, 1),
+}
+
+
+def build_model(cfg: LMConfig, tokenizer):
+    """A freshly initialised LlamaForCausalLM with tied embeddings for `tokenizer`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_context,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def load_texts(data_dir: Path, tiny: bool) -> tuple[str, str]:
+    """Train and validation text; `tiny` slices the validation text shipped in the package."""
+    if tiny:
+        text = (ASSETS / "data" / "shakespeare_val.txt").read_text()
+        return text[:20_000], text[20_000:26_000]
+    return (data_dir / "train.txt").read_text(), (data_dir / "val.txt").read_text()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", choices=["shakespeare", "shakespeare-draft"], required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="smoke run: tiny model and data")
+    parser.add_argument("--data", default=str(REPO / "data" / "shakespeare"))
+    parser.add_argument("--tokenizer", default=str(ASSETS / "shakespeare"),
+                        help="directory AutoTokenizer loads (prepare_corpus.py writes one)")
+    parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-resume", action="store_true")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    torch.set_num_threads(args.threads)  # the one place threading is set (STYLE.md 9)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    cfg = CONFIGS["tiny" if args.tiny else args.config]
+    train_text, val_text = load_texts(Path(args.data), args.tiny)
+    train_ids = encode_documents(tokenizer, train_text)
+    val_ids = encode_documents(tokenizer, val_text)
+    model = build_model(cfg, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.config}{' (tiny)' if args.tiny else ''}: {n_params:,} parameters, "
+          f"{len(train_ids):,} train / {len(val_ids):,} val tokens, {asdict(cfg)}", flush=True)
+    result = train_causal_lm(
+        model, train_ids, val_ids, out_dir=args.out, seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size, steps=args.steps, lr=cfg.lr, seed=args.seed,
+        warmup=min(cfg.warmup, max(1, args.steps // 10)),
+        eval_every=min(100, args.steps), log_every=1 if args.tiny else 10,
+        resume=not args.no_resume, max_minutes=args.max_minutes,
+    )
+    final = Path(args.out) / "final"
+    tokenizer.save_pretrained(final)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                     max_length=cfg.max_context).save_pretrained(final)
+    print(f"saved {final} | val ppl {math.exp(result['val_loss']):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
