@@ -1,1 +1,15 @@
+"""Sampling adapters (logits -> logits), the per-request chain and state, and selectors."""
 
+from decodekit.sampling import processors
+from decodekit.sampling.chain import SamplerState, build_chain
+from decodekit.sampling.select import logprobs_of, sample_categorical, select_tokens, top_logprobs
+
+__all__ = [
+    "SamplerState",
+    "build_chain",
+    "logprobs_of",
+    "processors",
+    "sample_categorical",
+    "select_tokens",
+    "top_logprobs",
+]

@@ -1,0 +1,205 @@
+"""A request's sampling chain and its state.
+
+`build_chain(params, tokenizer)` is built once per request and returns one adapter,
+`(logits [R, V], state) -> logits [R, V]`, that applies the active adapters of
+`processors` in `params.order`; adapters at their off values are left out. The
+per-request state (histories, the mirostat target, the request's random generator)
+lives in `SamplerState`, and the decode loop calls, per step:
+
+    processed = chain(raw_logits, state)
+    tokens = select_tokens(processed, state)
+    state.accept(tokens, processed)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from decodekit.params import SamplingParams
+from decodekit.sampling import processors as P
+
+Chain = Callable[[torch.Tensor, "SamplerState"], torch.Tensor]
+
+
+class SamplerState:
+    """State of one request's R rows (R = n samples, or beams).
+
+    `generator` (CPU) is seeded by `params.seed`, or by a fresh random seed when it is
+    None; it belongs to the request, so a seed reproduces the request's draws whatever
+    else shares the batch. `generated[r]` lists the tokens accepted for row r. `mu` [R]
+    is the mirostat v2 target surprise (None unless mirostat is in the chain).
+    `tokenizer` is kept for callers; text-to-token mapping happens in `build_chain`.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        num_rows: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer: Any = None,
+    ):
+        if num_rows < 1:
+            raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+        params.check_vocab(vocab_size)
+        self.params = params
+        self.prompt_ids = list(prompt_ids)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        # Tokens that end a sequence, masked by min_tokens until min_new_tokens are out.
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self.stop_token_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        self.seed = params.seed if params.seed is not None else _fresh_seed()
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.generated: list[list[int]] = [[] for _ in range(num_rows)]
+        self.mu: torch.Tensor | None = None
+        if params.mirostat_tau is not None and "mirostat" in params.order:
+            # Mirostat v2 starts its target at twice the target surprise tau.
+            self.mu = torch.full((num_rows,), 2.0 * params.mirostat_tau, dtype=torch.float64)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.generated)
+
+    def contexts(self) -> list[list[int]]:
+        """Prompt + generated tokens of every row."""
+        return [self.prompt_ids + row for row in self.generated]
+
+    def accept(self, tokens: torch.Tensor, processed_logits: torch.Tensor) -> None:
+        """Record the chosen tokens [R] drawn from `processed_logits` [R, V]."""
+        assert tokens.shape == (self.num_rows,), (tokens.shape, self.num_rows)
+        for row, token in enumerate(tokens.tolist()):
+            self.generated[row].append(int(token))
+        if self.mu is not None:
+            # Mirostat v2: mu <- mu - eta * (surprise - tau), surprise in bits under the
+            # distribution the token was drawn from.
+            log_probs = torch.log_softmax(processed_logits.double(), dim=-1)
+            chosen = log_probs.gather(-1, tokens.to(log_probs.device).long()[:, None])[:, 0]
+            surprise = -chosen.cpu() / math.log(2)
+            self.mu = self.mu - self.params.mirostat_eta * (surprise - self.params.mirostat_tau)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep and reorder rows (beam search): row i becomes a copy of old row rows[i]."""
+        self.generated = [list(self.generated[r]) for r in rows]
+        if self.mu is not None:
+            self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long)].clone()
+
+
+def build_chain(params: SamplingParams, tokenizer: Any = None) -> Chain:
+    """The request's adapters, in `params.order`, as one function (logits, state) -> logits."""
+    p, keep = params, params.min_tokens_to_keep
+    bad = bad_word_sequences(p.bad_words, tokenizer)
+    breakers = dry_breaker_sequences(p.dry_sequence_breakers, tokenizer) if p.dry_multiplier else []
+    # name -> adapter, or None when the adapter is at its off value
+    adapters: dict[str, Chain | None] = {
+        "logit_bias": _on(p.logit_bias, lambda x, s: P.logit_bias(x, p.logit_bias)),
+        "allowed_tokens": _on(
+            p.allowed_token_ids is not None,
+            lambda x, s: P.allowed_tokens(x, p.allowed_token_ids),
+        ),
+        "bad_words": _on(bad, lambda x, s: P.bad_words(x, s.contexts(), bad)),
+        "min_tokens": _on(
+            p.min_new_tokens > 0,
+            lambda x, s: P.min_tokens(
+                x, [len(g) for g in s.generated], p.min_new_tokens, s.stop_token_ids
+            ),
+        ),
+        "no_repeat_ngram": _on(
+            p.no_repeat_ngram_size > 0,
+            lambda x, s: P.no_repeat_ngram(x, s.contexts(), p.no_repeat_ngram_size),
+        ),
+        "repetition_penalty": _on(
+            p.repetition_penalty != 1.0,
+            lambda x, s: P.repetition_penalty(x, s.contexts(), p.repetition_penalty),
+        ),
+        "frequency_presence": _on(
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0,
+            lambda x, s: P.frequency_presence(
+                x, s.generated, p.frequency_penalty, p.presence_penalty
+            ),
+        ),
+        "dry": _on(
+            p.dry_multiplier > 0,
+            lambda x, s: P.dry(
+                x, s.contexts(), p.dry_multiplier, p.dry_base, p.dry_allowed_length, breakers
+            ),
+        ),
+        "temperature": _on(p.temperature != 1.0, lambda x, s: P.temperature(x, p.temperature)),
+        "top_k": _on(p.top_k > 0, lambda x, s: P.top_k(x, p.top_k, keep)),
+        "top_p": _on(p.top_p < 1.0, lambda x, s: P.top_p(x, p.top_p, keep)),
+        "min_p": _on(p.min_p > 0.0, lambda x, s: P.min_p(x, p.min_p, keep)),
+        "typical": _on(p.typical_p < 1.0, lambda x, s: P.typical(x, p.typical_p, keep)),
+        "epsilon": _on(p.epsilon > 0.0, lambda x, s: P.epsilon(x, p.epsilon, keep)),
+        "eta": _on(p.eta > 0.0, lambda x, s: P.eta(x, p.eta, keep)),
+        "top_n_sigma": _on(
+            p.top_n_sigma is not None, lambda x, s: P.top_n_sigma(x, p.top_n_sigma, keep)
+        ),
+        "xtc": _on(
+            p.xtc_probability > 0.0,
+            lambda x, s: P.xtc(x, p.xtc_threshold, p.xtc_probability, s.generator, keep),
+        ),
+        "mirostat": _on(p.mirostat_tau is not None, lambda x, s: P.mirostat(x, s.mu, keep)),
+    }
+    active = [adapters[name] for name in p.order if adapters[name] is not None]
+
+    def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
+        for adapter in active:
+            logits = adapter(logits, state)
+        return logits if active else logits.clone()
+
+    return chain
+
+
+def bad_word_sequences(
+    words: Sequence[str | tuple[int, ...]], tokenizer: Any = None
+) -> list[tuple[int, ...]]:
+    """Token sequences to ban. Text is tokenised without special tokens, alone and (as vLLM
+    does) after a space when that gives a different word token of the same length."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        if not isinstance(word, str):
+            sequences.append(tuple(word))
+            continue
+        if tokenizer is None:
+            raise TypeError(
+                f"bad_words entry {word!r} is text, which needs a model with a tokenizer; "
+                "give token-id tuples instead"
+            )
+        plain = _encode(tokenizer, word)
+        spaced = _encode(tokenizer, " " + word.lstrip())
+        sequences += [plain] if plain else []
+        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            sequences.append(spaced)
+    return list(dict.fromkeys(sequences))
+
+
+def dry_breaker_sequences(breakers: Sequence[str], tokenizer: Any = None) -> list[tuple[int, ...]]:
+    """DRY sequence breakers as token sequences: every token whose text contains a breaker
+    string (a single-token breaker), plus the breaker's own tokenisation when it is longer
+    than one token. Without a tokenizer there are none (REFERENCES: llama.cpp's rule)."""
+    breakers = [b for b in breakers if b]
+    if tokenizer is None or not breakers:
+        return []
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    sequences = [(i,) for i, text in enumerate(texts) if any(b in text for b in breakers)]
+    sequences += [ids for ids in (_encode(tokenizer, b) for b in breakers) if len(ids) > 1]
+    return sequences
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _on(active: Any, adapter: Chain) -> Chain | None:
+    return adapter if active else None
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1

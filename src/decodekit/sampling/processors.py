@@ -1,0 +1,345 @@
+"""Token-level sampling adapters: pure functions from logits [R, V] to new logits [R, V].
+
+R is the number of rows of one request (n samples, or beams) and V the vocabulary.
+Every adapter returns a new tensor (the input is never modified) and never samples;
+a removed token gets -inf. The rules follow REFERENCES.md ("Token-level sampling
+adapters"); p = softmax(logits), H = -sum p log p (nats).
+
+Conventions shared by the truncation adapters (top_k ... mirostat):
+- Ties are kept: a token whose value equals the value at the cut is never removed
+  (top-k keeps every token tied with the k-th largest logit, as HF and vLLM do; top-p
+  and typical keep every token tied with the last one of the kept prefix; XTC keeps
+  every token tied with the least likely token above the threshold). The kept set is
+  therefore a function of the distribution alone, never of how a sort breaks ties.
+- `min_keep` (SamplingParams.min_tokens_to_keep, >= 1): the `min_keep` first tokens
+  (with ties) of the adapter's order always survive, so no truncation removes every
+  token: the most likely ones, or for typical the most typical ones (as HF does).
+- Only top-p and typical sort the vocabulary (typical by its own key); every other
+  truncation is a threshold test or a partial `topk`, so a step sorts the vocabulary
+  by probability at most once however many truncations the chain holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+_LOG_FLOAT_MAX = 88.7228391  # log(float32 max): caps DRY's exponent, as llama.cpp does
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value of each row, [R, 1] (k is clipped to V)."""
+    k = min(k, logits.shape[-1])
+    return torch.topk(logits, k, dim=-1).values[..., -1:]
+
+
+def _remove(
+    logits: torch.Tensor, remove: torch.Tensor, min_keep: int, rank: torch.Tensor | None = None
+) -> torch.Tensor:
+    """-inf where `remove` [R, V] is true, except for the `min_keep` tokens (and ties) that
+    rank highest: by logit, or by `rank` [R, V] for adapters with their own order."""
+    rank = logits if rank is None else rank
+    remove = remove & (rank < _kth_largest(rank, min_keep))
+    return logits.masked_fill(remove, NEG_INF)
+
+
+def _probs64(logits: torch.Tensor) -> torch.Tensor:
+    # Thresholds and cumulative sums in float64, so a hand-computed boundary is not
+    # decided by float32 rounding.
+    return torch.softmax(logits.double(), dim=-1)
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Mass strictly before each position of a row."""
+    return torch.cumsum(x, dim=-1) - x
+
+
+def _prefix_cutoff(sorted_key: torch.Tensor, sorted_probs: torch.Tensor, mass: float):
+    """Key value of the last element of the shortest sorted prefix whose mass >= `mass`."""
+    num_kept = (_exclusive_cumsum(sorted_probs) < mass).sum(dim=-1, keepdim=True)  # >= 1
+    return sorted_key.gather(-1, num_kept - 1)  # [R, 1]
+
+
+def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
+    """How often each token occurs in each row's history: [R, V] float32."""
+    counts = torch.zeros(len(histories), vocab_size, device=device)
+    for row, history in enumerate(histories):
+        if history:
+            ids = torch.as_tensor(list(history), dtype=torch.long, device=device)
+            counts[row].index_add_(0, ids, torch.ones(len(ids), device=device))
+    return counts
+
+
+def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """-inf at banned[row] for each row."""
+    out = logits.clone()
+    for row, ids in enumerate(banned):
+        if ids:
+            out[row, torch.as_tensor(list(ids), dtype=torch.long, device=out.device)] = NEG_INF
+    return out
+
+
+# -- temperature and truncation --------------------------------------------------------------
+
+
+def temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
+    """l / t. t == 0 is greedy: only the argmax (first of tied maxima) stays, a one-hot p."""
+    if t == 0:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep.scatter_(-1, logits.argmax(dim=-1, keepdim=True), True)
+        return logits.masked_fill(~keep, NEG_INF)
+    return logits / t
+
+
+def top_k(logits: torch.Tensor, k: int, min_keep: int = 1) -> torch.Tensor:
+    """Keep the k largest logits and every token tied with the k-th; k >= V keeps all."""
+    if k >= logits.shape[-1]:
+        return logits.clone()
+    return _remove(logits, logits < _kth_largest(logits, k), min_keep)
+
+
+def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
+    """Nucleus: the smallest set of most probable tokens with mass >= p (plus ties)."""
+    if p >= 1.0:
+        return logits.clone()
+    probs = _probs64(logits)
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    cutoff = _prefix_cutoff(sorted_probs, sorted_probs, p)
+    return _remove(logits, probs < cutoff, min_keep)
+
+
+def min_p(logits: torch.Tensor, p_base: float, min_keep: int = 1) -> torch.Tensor:
+    """Keep p_i >= p_base * max p."""
+    probs = _probs64(logits)
+    threshold = p_base * probs.max(dim=-1, keepdim=True).values
+    return _remove(logits, probs < threshold, min_keep)
+
+
+def typical(logits: torch.Tensor, mass: float, min_keep: int = 1) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022, HF's rule).
+
+    Sort tokens by |-log p_i - H| ascending and keep the shortest prefix with mass >= `mass`.
+    """
+    if mass >= 1.0:
+        return logits.clone()
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    probs = log_probs.exp()
+    entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=-1, keepdim=True)
+    distance = (-log_probs - entropy).abs()  # inf for removed tokens
+    sorted_distance, order = distance.sort(dim=-1)
+    cutoff = _prefix_cutoff(sorted_distance, probs.gather(-1, order), mass)
+    return _remove(logits, distance > cutoff, min_keep, rank=-distance)
+
+
+def epsilon(logits: torch.Tensor, eps: float, min_keep: int = 1) -> torch.Tensor:
+    """Epsilon sampling (Hewitt et al. 2022): drop p_i < eps."""
+    return _remove(logits, _probs64(logits) < eps, min_keep)
+
+
+def eta(logits: torch.Tensor, eta_value: float, min_keep: int = 1) -> torch.Tensor:
+    """Eta sampling (Hewitt et al. 2022): drop p_i < min(eta, sqrt(eta) * exp(-H))."""
+    probs = _probs64(logits)
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1, keepdim=True)
+    threshold = torch.clamp(math.sqrt(eta_value) * torch.exp(-entropy), max=eta_value)
+    return _remove(logits, probs < threshold, min_keep)
+
+
+def top_n_sigma(logits: torch.Tensor, n: float, min_keep: int = 1) -> torch.Tensor:
+    """Keep l_i >= max l - n * std(l), std the population deviation over finite logits."""
+    finite = torch.isfinite(logits)
+    count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+    values = torch.where(finite, logits.double(), 0.0)
+    mean = values.sum(dim=-1, keepdim=True) / count
+    var = (torch.where(finite, values - mean, 0.0) ** 2).sum(dim=-1, keepdim=True) / count
+    spread = n * var.sqrt() if math.isfinite(n) else torch.full_like(var, math.inf)
+    threshold = logits.double().max(dim=-1, keepdim=True).values - spread
+    return _remove(logits, logits.double() < threshold, min_keep)
+
+
+def xtc(
+    logits: torch.Tensor,
+    threshold: float,
+    probability: float,
+    generator: torch.Generator,
+    min_keep: int = 1,
+) -> torch.Tensor:
+    """Exclude top choices (llama.cpp's XTC).
+
+    With probability `probability` (one uniform per row from the request's generator),
+    remove every token with p >= threshold except the least likely of them (and its
+    ties); only when at least two tokens reach the threshold and `min_keep` remain.
+    """
+    if probability <= 0:
+        return logits.clone()
+    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
+    applies = (draw < probability).to(logits.device)[:, None]  # [R, 1]
+    probs = _probs64(logits)
+    above = probs >= threshold
+    least = torch.where(above, probs, math.inf).min(dim=-1, keepdim=True).values
+    remove = above & (probs > least)
+    remaining = (probs > 0).sum(-1, keepdim=True) - remove.sum(-1, keepdim=True)
+    ok = applies & (above.sum(-1, keepdim=True) >= 2) & (remaining >= min_keep)
+    return logits.masked_fill(remove & ok, NEG_INF)
+
+
+def mirostat(logits: torch.Tensor, mu: torch.Tensor, min_keep: int = 1) -> torch.Tensor:
+    """Mirostat v2 truncation: drop tokens whose surprise -log2 p exceeds mu [R].
+
+    The update of mu from the chosen token lives in `SamplerState.accept`.
+    """
+    surprise = -torch.log_softmax(logits.double(), dim=-1) / math.log(2)
+    return _remove(logits, surprise > mu.to(logits.device, torch.float64)[:, None], min_keep)
+
+
+# -- penalties and masks ---------------------------------------------------------------------
+
+
+def logit_bias(logits: torch.Tensor, bias: Mapping[int, float]) -> torch.Tensor:
+    """Add bias[token] to that token's logit in every row (OpenAI/vLLM logit_bias)."""
+    out = logits.clone()
+    if bias:
+        ids = torch.as_tensor(list(bias), dtype=torch.long, device=out.device)
+        values = torch.as_tensor(list(bias.values()), dtype=out.dtype, device=out.device)
+        out[:, ids] += values
+    return out
+
+
+def allowed_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """-inf everywhere except `token_ids` (vLLM's allowed_token_ids)."""
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[torch.as_tensor(list(token_ids), dtype=torch.long, device=logits.device)] = True
+    return logits.masked_fill(~keep, NEG_INF)
+
+
+def min_tokens(
+    logits: torch.Tensor,
+    num_generated: Sequence[int],
+    min_new_tokens: int,
+    stop_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """-inf at the stop tokens (EOS, stop_token_ids) of rows that generated < min_new_tokens."""
+    stops = list(stop_token_ids)
+    banned = [stops if count < min_new_tokens else [] for count in num_generated]
+    return _ban(logits, banned)
+
+
+def bad_words(
+    logits: torch.Tensor, contexts: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Ban the last token of every bad sequence whose other tokens end the context."""
+    banned = []
+    for context in contexts:
+        row = []
+        for seq in sequences:
+            prefix = list(seq[:-1])
+            if not prefix or list(context[len(context) - len(prefix) :]) == prefix:
+                row.append(seq[-1])
+        banned.append(row)
+    return _ban(logits, banned)
+
+
+def no_repeat_ngram(
+    logits: torch.Tensor, contexts: Sequence[Sequence[int]], n: int
+) -> torch.Tensor:
+    """N-gram blocking (seed 004, HF): ban tokens that would complete an n-gram already
+    present in the context (prompt + generated)."""
+    banned = []
+    for context in contexts:
+        if len(context) < n:
+            banned.append([])
+            continue
+        windows = torch.as_tensor(list(context), dtype=torch.long).unfold(0, n, 1)  # [W, n]
+        prefix = torch.as_tensor(list(context[len(context) - n + 1 :]), dtype=torch.long)
+        match = (windows[:, : n - 1] == prefix).all(dim=-1)
+        banned.append(windows[match, n - 1].tolist())
+    return _ban(logits, banned)
+
+
+def repetition_penalty(
+    logits: torch.Tensor, contexts: Sequence[Sequence[int]], penalty: float
+) -> torch.Tensor:
+    """CTRL/HF repetition penalty over seen tokens (prompt + generated): l > 0 -> l / r,
+    l <= 0 -> l * r."""
+    seen = _token_counts(contexts, logits.shape[-1], logits.device) > 0
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def frequency_presence(
+    logits: torch.Tensor, generated: Sequence[Sequence[int]], frequency: float, presence: float
+) -> torch.Tensor:
+    """OpenAI/vLLM penalties over generated tokens: l -= count * f + [count > 0] * p."""
+    counts = _token_counts(generated, logits.shape[-1], logits.device)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+
+
+def dry_match_lengths(context: Sequence[int], limit: int) -> list[int]:
+    """For each position j < N - 1: the length of the longest suffix of context[: j + 1]
+    that is also a suffix of the whole context, capped at `limit` (0 when none)."""
+    tokens = torch.as_tensor(list(context), dtype=torch.long)
+    last = len(tokens) - 1
+    lengths = torch.zeros(max(last, 0), dtype=torch.long)
+    if last < 1 or limit < 1:
+        return lengths.tolist()
+    alive = torch.nonzero(tokens[:last] == tokens[last]).flatten()  # matches of length >= 1
+    length = 0
+    while len(alive) and length < limit:
+        length += 1
+        lengths[alive] = length
+        alive = alive[alive >= length]  # can a match ending at j grow by one more token?
+        alive = alive[tokens[alive - length] == tokens[last - length]]
+    return lengths.tolist()
+
+
+def dry(
+    logits: torch.Tensor,
+    contexts: Sequence[Sequence[int]],
+    multiplier: float,
+    base: float,
+    allowed_length: int,
+    breakers: Sequence[Sequence[int]] = (),
+) -> torch.Tensor:
+    """DRY, "don't repeat yourself" (llama.cpp's rule).
+
+    A token that would extend a repeat of length L >= allowed_length (the longest suffix
+    of the context that also occurs earlier, followed there by this token) loses
+    multiplier * base ** (L - allowed_length). A repeat never reaches back past the last
+    sequence breaker (`breakers`: token sequences) in the context, and a single-token
+    breaker is never penalised itself.
+    """
+    single = {seq[0] for seq in breakers if len(seq) == 1}
+    max_exponent = int(_LOG_FLOAT_MAX / math.log(base)) if base > 1.000001 else 0
+    out = logits.clone()
+    for row, context in enumerate(contexts):
+        limit = _dry_repeat_limit(context, breakers)
+        if len(context) <= allowed_length or limit < allowed_length:
+            continue
+        longest: dict[int, int] = {}  # next token -> longest repeat it would extend
+        for j, length in enumerate(dry_match_lengths(context, limit)):
+            token = context[j + 1]
+            if length >= allowed_length and length > longest.get(token, 0):
+                longest[token] = length
+        for token, length in longest.items():
+            if token in single:
+                continue
+            exponent = length - allowed_length
+            if max_exponent > 0:
+                exponent = min(exponent, max_exponent)
+            out[row, token] -= multiplier * base**exponent
+    return out
+
+
+def _dry_repeat_limit(context: Sequence[int], breakers: Sequence[Sequence[int]]) -> int:
+    """Tokens after the most recent sequence breaker (the whole context when none)."""
+    for end in range(len(context), 0, -1):  # a breaker ending at context[end - 1]
+        for seq in breakers:
+            ends_here = seq[-1] == context[end - 1] and len(seq) <= end
+            if ends_here and list(context[end - len(seq) : end]) == list(seq):
+                return len(context) - end
+    return len(context)

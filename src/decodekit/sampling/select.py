@@ -1,0 +1,43 @@
+"""Selectors: turn processed logits into token ids, and logprob helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from decodekit.sampling.chain import SamplerState
+
+
+def select_tokens(processed_logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """Tokens [R] long from processed logits [R, V]: argmax when the request is greedy
+    (temperature 0), else one categorical draw per row from the request's generator."""
+    if state.params.greedy:
+        return processed_logits.argmax(dim=-1)
+    return sample_categorical(processed_logits, state.generator)
+
+
+def sample_categorical(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of softmax(logits) [R, V] by inverting the CDF at a uniform.
+
+    Each row uses exactly one uniform from the (CPU) generator, whatever V and the
+    device of `logits`, so a seed gives the same draws on every device. A token of zero
+    probability is never drawn: the search returns the first i with cdf[i] > u * total.
+    """
+    u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)  # [R] in [0, 1)
+    cdf = torch.cumsum(torch.softmax(logits.double(), dim=-1), dim=-1)  # [R, V]
+    target = u.to(cdf.device)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return tokens.clamp(max=logits.shape[-1] - 1)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[r, tokens[r]] for logits [R, V] and tokens [R]: [R] float32."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, tokens.long()[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """The k most likely tokens of each row of logits [R, V] with their log-probabilities."""
+    if k <= 0:
+        return [{} for _ in range(logits.shape[0])]
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]))
+    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

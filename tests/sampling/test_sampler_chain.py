@@ -1,0 +1,162 @@
+"""The chain built from SamplingParams, the request's SamplerState, and parameter errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.params import DEFAULT_ORDER, SamplingParams
+from decodekit.sampling import SamplerState, build_chain, select_tokens
+
+PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
+LOGITS = torch.tensor([[math.log(p) for p in PROBS]])  # [1, 5]
+
+
+def run(params, logits=LOGITS, prompt=(1,), rows=1, eos=(0,)):
+    state = SamplerState(params, prompt, rows, logits.shape[-1], eos)
+    return build_chain(params)(logits.repeat(rows, 1), state), state
+
+
+def dist(logits):
+    return torch.softmax(logits.double(), dim=-1).tolist()
+
+
+def test_default_params_leave_the_distribution_unchanged():
+    out, _ = run(SamplingParams())
+    assert torch.equal(out, LOGITS) and out.data_ptr() != LOGITS.data_ptr()
+
+
+def test_order_decides_whether_temperature_acts_before_top_p():
+    # temperature 0.5 squares and renormalises p: [0.16, 0.09, ...] / 0.285 = [0.561, ...]
+    first = SamplingParams(temperature=0.5, top_p=0.5)
+    (row,) = dist(run(first)[0])
+    assert row == pytest.approx([1, 0, 0, 0, 0])  # 0.561 >= 0.5: only the top survives
+    order = list(DEFAULT_ORDER)
+    order.remove("temperature")
+    order.insert(order.index("top_p") + 1, "temperature")  # llama.cpp's "temperature last"
+    (row,) = dist(run(first.replace(order=tuple(order)))[0])
+    # top-p first keeps {0.4, 0.3} (0.4 < 0.5); temperature 0.5 then gives 0.16 : 0.09
+    assert row == pytest.approx([0.64, 0.36, 0, 0, 0])
+
+
+def test_adapters_missing_from_order_are_not_applied():
+    params = SamplingParams(top_k=1, order=tuple(n for n in DEFAULT_ORDER if n != "top_k"))
+    out, _ = run(params)
+    assert torch.equal(out, LOGITS)
+
+
+def test_chain_combines_penalties_and_truncation():
+    # prompt holds token 0 with logit log 0.4: penalty 2 doubles its (negative) logit
+    params = SamplingParams(repetition_penalty=2.0, top_k=2)
+    out, _ = run(params, prompt=(0,))
+    p = [0.4**2, 0.3]  # exp(2 log 0.4) = 0.16
+    assert dist(out)[0] == pytest.approx([p[0] / sum(p), p[1] / sum(p), 0, 0, 0])
+
+
+def test_temperature_zero_selects_the_argmax_from_a_one_hot_distribution():
+    params = SamplingParams(temperature=0.0, seed=3)
+    out, state = run(params, logits=torch.tensor([[0.1, 2.0, -1.0, 2.0]]))
+    assert dist(out) == [[0.0, 1.0, 0.0, 0.0]]
+    assert select_tokens(out, state).tolist() == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_enough_are_generated():
+    params = SamplingParams(min_new_tokens=2, stop_token_ids=(3,))
+    state = SamplerState(params, [1], 1, 5, eos_token_ids=[0])
+    chain = build_chain(params)
+    masked = []
+    for token in (2, 2, 2):
+        out = chain(LOGITS, state)
+        masked.append(torch.isneginf(out[0]).nonzero().flatten().tolist())
+        state.accept(torch.tensor([token]), out)
+    assert masked == [[0, 3], [0, 3], []]
+    ignoring = SamplingParams(min_new_tokens=1, stop_token_ids=(3,), ignore_eos=True)
+    assert SamplerState(ignoring, [1], 1, 5, [0]).stop_token_ids == (3,)
+
+
+def test_penalties_see_prompt_and_accepted_tokens():
+    params = SamplingParams(no_repeat_ngram_size=3, frequency_penalty=1.0)
+    state = SamplerState(params, [1, 2, 3], 2, 5)
+    chain = build_chain(params)
+    state.accept(torch.tensor([1, 4]), LOGITS.repeat(2, 1))
+    state.accept(torch.tensor([2, 4]), LOGITS.repeat(2, 1))
+    assert state.generated == [[1, 2], [4, 4]]
+    out = chain(torch.zeros(2, 5), state)
+    # row 0: context 1 2 3 1 2 -> trigram (1, 2, 3) is banned; generated 1, 2 once each
+    # row 1: context 1 2 3 4 4 -> no trigram starts with (4, 4); token 4 generated twice
+    assert out.tolist() == [[0.0, -1.0, -1.0, -math.inf, 0.0], [0.0, 0.0, 0.0, 0.0, -2.0]]
+
+
+def test_mirostat_mu_starts_at_two_tau_and_follows_the_chosen_surprise():
+    params = SamplingParams(mirostat_tau=3.0, mirostat_eta=0.1, seed=0)
+    state = SamplerState(params, [1], 1, 5)
+    chain = build_chain(params)
+    assert state.mu.tolist() == [6.0]
+    out = chain(LOGITS, state)  # mu = 6 > every surprise (max 4.32 bits): nothing removed
+    assert dist(out)[0] == pytest.approx(PROBS)
+    state.accept(torch.tensor([2]), out)
+    surprise = -math.log2(0.15)  # 2.737 bits
+    mu = 6.0 - 0.1 * (surprise - 3.0)
+    assert state.mu.item() == pytest.approx(mu)
+    # force mu under the surprise of token 2 (2.74) but above token 1's (1.74)
+    state.mu = torch.tensor([2.0], dtype=torch.float64)
+    out = chain(LOGITS, state)
+    assert dist(out)[0] == pytest.approx([4 / 7, 3 / 7, 0, 0, 0])
+    state.accept(torch.tensor([1]), out)
+    assert state.mu.item() == pytest.approx(2.0 - 0.1 * (-math.log2(3 / 7) - 3.0))
+
+
+def test_select_rows_copies_histories_and_mu():
+    params = SamplingParams(mirostat_tau=2.0)
+    state = SamplerState(params, [1], 3, 5)
+    state.mu = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    state.accept(torch.tensor([0, 1, 2]), LOGITS.repeat(3, 1))
+    mu_after = state.mu.tolist()
+    state.select_rows([2, 2, 0])
+    assert state.generated == [[2], [2], [0]]
+    assert state.mu.tolist() == [mu_after[2], mu_after[2], mu_after[0]]
+    state.generated[0].append(4)  # rows are copies, not aliases
+    assert state.generated[1] == [2]
+
+
+def test_dry_in_the_chain_uses_tokenizer_breakers():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, ":": 3}, unk_token="a"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner)
+    params = SamplingParams(dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2)
+
+    def penalties(prompt, tok):
+        state = SamplerState(params, prompt, 1, 4)
+        return (-build_chain(params, tok)(torch.zeros(1, 4), state)).tolist()
+
+    # "a b c : a b": "a b" repeats and c would extend it; ":" lies before the repeat
+    assert penalties([0, 1, 2, 3, 0, 1], None) == [[0.0, 0.0, 1.0, 0.0]]
+    assert penalties([0, 1, 2, 3, 0, 1], tokenizer) == [[0.0, 0.0, 1.0, 0.0]]
+    # "a : b c a : b": "a : b" repeats (L = 3, penalty 2^1) unless ":" breaks it
+    assert penalties([0, 3, 1, 2, 0, 3, 1], None) == [[0.0, 0.0, 2.0, 0.0]]
+    assert penalties([0, 3, 1, 2, 0, 3, 1], tokenizer) == [[0.0, 0.0, 0.0, 0.0]]
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected():
+    with pytest.raises(ValueError, match=r"\[7\]"):
+        SamplerState(SamplingParams(logit_bias={7: 1.0}), [1], 1, 5)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
+        ("temperature", -0.5, r"temperature must be in \[0, inf\], got -0.5"),
+        ("top_k", -1, r"top_k must be an integer >= 0, got -1"),
+        ("min_p", 2.0, r"min_p .* got 2.0"),
+        ("repetition_penalty", 0.0, r"repetition_penalty .* got 0.0"),
+    ],
+)
+def test_bad_params_are_rejected_with_the_value(field, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SamplingParams(**{field: value})

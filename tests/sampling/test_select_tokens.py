@@ -1,0 +1,113 @@
+"""Selectors: categorical draws match the processed distribution, seeds reproduce, and a
+request's draws belong to its own generator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.params import SamplingParams
+from decodekit.sampling import (
+    SamplerState,
+    build_chain,
+    logprobs_of,
+    sample_categorical,
+    select_tokens,
+    top_logprobs,
+)
+
+PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
+LOGITS = torch.tensor([[math.log(p) for p in PROBS]])  # [1, 5]
+
+
+def chi_square(counts, expected_probs):
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, expected_probs))
+
+
+def draw_counts(params, rows):
+    """`rows` parallel samples of one step through the chain: counts per token."""
+    state = SamplerState(params, [1], rows, 5)
+    processed = build_chain(params)(LOGITS.repeat(rows, 1), state)
+    tokens = select_tokens(processed, state)
+    return torch.bincount(tokens, minlength=5).tolist()
+
+
+def test_draws_follow_the_raw_distribution():
+    counts = draw_counts(SamplingParams(seed=1234), 20_000)
+    # 5 categories: df = 4, critical value at alpha = 0.001 is 18.47
+    assert chi_square(counts, PROBS) < 18.47
+    # the test can fail: the same counts are far from a uniform distribution
+    assert chi_square(counts, [0.2] * 5) > 18.47
+
+
+def test_draws_follow_the_processed_distribution():
+    # temperature 0.5 then top-k 4: p^2 over the four most likely, [0.16, 0.09, 0.0225, 0.01]
+    counts = draw_counts(SamplingParams(seed=99, temperature=0.5, top_k=4), 20_000)
+    squared = [p * p for p in PROBS[:4]]
+    expected = [q / sum(squared) for q in squared]
+    assert counts[4] == 0  # a removed token is never drawn
+    # 4 categories: df = 3, critical value at alpha = 0.001 is 16.27
+    assert chi_square(counts[:4], expected) < 16.27
+    assert chi_square(counts[:4], [p / 0.95 for p in PROBS[:4]]) > 16.27  # not the raw p
+
+
+def test_tokens_of_zero_probability_are_never_drawn():
+    logits = torch.tensor([[-math.inf, 0.0, -math.inf, 0.0, -math.inf]]).repeat(5000, 1)
+    tokens = sample_categorical(logits, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {1, 3}
+
+
+def run_request(params, steps, rows=1):
+    state = SamplerState(params, [1], rows, 5)
+    chain = build_chain(params)
+    for _ in range(steps):
+        processed = chain(LOGITS.repeat(rows, 1), state)
+        state.accept(select_tokens(processed, state), processed)
+    return state.generated
+
+
+def test_same_seed_gives_same_draws_and_another_seed_differs():
+    params = SamplingParams(seed=7, xtc_probability=0.5, xtc_threshold=0.12)
+    first = run_request(params, 30)
+    assert run_request(params, 30) == first
+    assert run_request(params.replace(seed=8), 30) != first
+
+
+def test_a_requests_draws_do_not_depend_on_other_requests():
+    a = SamplingParams(seed=5)
+    alone = run_request(a, 20)
+    # interleave request a with a request b of other rows, seed and adapters
+    b = SamplingParams(seed=6, top_k=3, xtc_probability=1.0)
+    states = [SamplerState(a, [1], 1, 5), SamplerState(b, [2, 3], 4, 5)]
+    chains = [build_chain(a), build_chain(b)]
+    for _ in range(20):
+        for state, chain in zip(reversed(states), reversed(chains)):  # b goes first
+            processed = chain(LOGITS.repeat(state.num_rows, 1), state)
+            state.accept(select_tokens(processed, state), processed)
+    assert states[0].generated == alone
+
+
+def test_unseeded_requests_get_fresh_seeds():
+    seeds = {SamplerState(SamplingParams(), [1], 1, 5).seed for _ in range(4)}
+    assert len(seeds) == 4
+
+
+def test_greedy_selection_is_argmax_without_randomness():
+    state = SamplerState(SamplingParams(temperature=0.0), [1], 2, 3)
+    before = state.generator.get_state()
+    tokens = select_tokens(torch.tensor([[0.0, 2.0, 1.0], [5.0, 1.0, 5.0]]), state)
+    assert tokens.tolist() == [1, 0]
+    assert torch.equal(state.generator.get_state(), before)
+
+
+def test_logprob_helpers():
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]])
+    assert logprobs_of(logits, torch.tensor([1, 0])).tolist() == pytest.approx(
+        [math.log(0.75), math.log(0.5)]
+    )
+    top = top_logprobs(LOGITS, 2)
+    assert list(top[0]) == [0, 1]
+    assert list(top[0].values()) == pytest.approx([math.log(0.4), math.log(0.3)])

@@ -1,0 +1,215 @@
+"""Temperature and truncation adapters on hand-computed 4-6 token distributions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.sampling import processors as P
+
+INF = math.inf
+# A five-token distribution whose probabilities are round numbers.
+PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
+
+
+def logits_of(probs):
+    return torch.tensor([[math.log(p) if p > 0 else -INF for p in probs]])  # [1, V]
+
+
+def kept(probs, keep):
+    """Hand reference: zero the tokens not in `keep`, renormalise."""
+    total = sum(probs[i] for i in keep)
+    return [probs[i] / total if i in keep else 0.0 for i in range(len(probs))]
+
+
+def dist(logits):
+    return torch.softmax(logits.double(), dim=-1)[0].tolist()
+
+
+def assert_dist(logits, expected):
+    assert dist(logits) == pytest.approx(expected, abs=1e-6)
+    removed = torch.isneginf(logits[0]).tolist()
+    assert removed == [e == 0.0 for e in expected]
+
+
+def test_temperature_divides_logits():
+    out = P.temperature(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), 2.0)
+    assert out[0].tolist() == [0.5, 1.0, 1.5, 2.0]
+    z = sum(math.exp(x / 2) for x in (1, 2, 3, 4))
+    assert dist(out) == pytest.approx([math.exp(x / 2) / z for x in (1, 2, 3, 4)])
+
+
+def test_temperature_zero_is_one_hot_at_first_maximum():
+    out = P.temperature(torch.tensor([[3.0, 1.0, 3.0, 2.0]]), 0.0)
+    assert dist(out) == [1.0, 0.0, 0.0, 0.0]
+    assert out[0, 0].item() == 3.0  # the kept logit is unchanged
+
+
+def test_small_temperature_approaches_one_hot():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 2.5]])
+    top = [dist(P.temperature(logits, t))[2] for t in (1.0, 0.3, 0.1, 0.01)]
+    assert top == sorted(top)  # the argmax gains mass as T falls
+    # T = 0.1: p(argmax) = 1 / (1 + e^-5 + e^-10 + e^-20)
+    assert top[2] == pytest.approx(1 / (1 + math.exp(-5) + math.exp(-10) + math.exp(-20)))
+    assert top[3] > 1 - 1e-15
+
+
+def test_top_k_keeps_k_most_likely():
+    assert_dist(P.top_k(logits_of(PROBS), 2), kept(PROBS, {0, 1}))
+    assert_dist(P.top_k(logits_of(PROBS), 1), [1, 0, 0, 0, 0])
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    z = math.exp(2) + 2 * math.e
+    assert_dist(P.top_k(logits, 2), [math.exp(2) / z, math.e / z, math.e / z, 0.0])
+
+
+@pytest.mark.parametrize("k", [5, 6, 1000])
+def test_top_k_at_or_beyond_vocabulary_keeps_all(k):
+    assert_dist(P.top_k(logits_of(PROBS), k), PROBS)
+
+
+def test_top_k_honours_min_tokens_to_keep():
+    assert_dist(P.top_k(logits_of(PROBS), 1, min_keep=3), kept(PROBS, {0, 1, 2}))
+
+
+def test_top_p_keeps_smallest_set_with_mass_at_least_p():
+    assert_dist(P.top_p(logits_of(PROBS), 0.6), kept(PROBS, {0, 1}))  # 0.4 < 0.6 <= 0.7
+    assert_dist(P.top_p(logits_of(PROBS), 0.75), kept(PROBS, {0, 1, 2}))  # 0.7 < 0.75
+    assert_dist(P.top_p(logits_of(PROBS), 0.1), [1, 0, 0, 0, 0])
+
+
+def test_top_p_one_keeps_all():
+    assert_dist(P.top_p(logits_of(PROBS), 1.0), PROBS)
+
+
+def test_top_p_keeps_ties_of_the_last_kept_token():
+    probs = [0.3, 0.3, 0.2, 0.2]
+    # mass 0.6 < 0.7, so one 0.2 is needed; its twin is kept too
+    assert_dist(P.top_p(logits_of(probs), 0.7), probs)
+
+
+def test_top_p_honours_min_tokens_to_keep():
+    assert_dist(P.top_p(logits_of(PROBS), 0.1, min_keep=3), kept(PROBS, {0, 1, 2}))
+
+
+def test_min_p_scales_with_the_top_probability():
+    assert_dist(P.min_p(logits_of(PROBS), 0.3), kept(PROBS, {0, 1, 2}))  # p >= 0.12
+    assert_dist(P.min_p(logits_of(PROBS), 0.5), kept(PROBS, {0, 1}))  # p >= 0.2
+    assert_dist(P.min_p(logits_of(PROBS), 0.5, min_keep=4), kept(PROBS, {0, 1, 2, 3}))
+
+
+def test_epsilon_drops_tokens_below_epsilon_and_never_all():
+    assert_dist(P.epsilon(logits_of(PROBS), 0.12), kept(PROBS, {0, 1, 2}))
+    assert_dist(P.epsilon(logits_of(PROBS), 0.5), [1, 0, 0, 0, 0])  # all below: keep the top
+    assert_dist(P.epsilon(logits_of(PROBS), 0.5, min_keep=2), kept(PROBS, {0, 1}))
+
+
+def test_eta_threshold_is_min_of_eta_and_entropy_term():
+    entropy = -sum(p * math.log(p) for p in PROBS)  # 1.392 nats
+    threshold = min(0.2, math.sqrt(0.2) * math.exp(-entropy))  # 0.111: the entropy term
+    assert 0.1 < threshold < 0.15
+    assert_dist(P.eta(logits_of(PROBS), 0.2), kept(PROBS, {0, 1, 2}))
+    # eta = 0.06: sqrt(0.06) e^-H = 0.0609 > 0.06, so the threshold is eta itself
+    assert 0.05 < min(0.06, math.sqrt(0.06) * math.exp(-entropy)) == 0.06
+    assert_dist(P.eta(logits_of(PROBS), 0.06), kept(PROBS, {0, 1, 2, 3}))
+
+
+def test_typical_keeps_tokens_closest_to_the_entropy():
+    # |-log p - H| = [0.476, 0.188, 0.505, 0.910, 1.603]: order 1, 0, 2, 3, 4
+    entropy = -sum(p * math.log(p) for p in PROBS)
+    distance = [abs(-math.log(p) - entropy) for p in PROBS]
+    assert sorted(range(5), key=distance.__getitem__) == [1, 0, 2, 3, 4]
+    assert_dist(P.typical(logits_of(PROBS), 0.2), [0, 1, 0, 0, 0])  # drops the argmax
+    assert_dist(P.typical(logits_of(PROBS), 0.5), kept(PROBS, {0, 1}))  # 0.3 < 0.5 <= 0.7
+    assert_dist(P.typical(logits_of(PROBS), 0.8), kept(PROBS, {0, 1, 2}))  # 0.7 < 0.8
+    assert_dist(P.typical(logits_of(PROBS), 1.0), PROBS)
+    assert_dist(P.typical(logits_of(PROBS), 0.2, min_keep=2), kept(PROBS, {0, 1}))
+
+
+def test_top_n_sigma_uses_std_of_finite_logits():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -INF]])
+    std = math.sqrt((1.5**2 + 0.5**2 + 0.5**2 + 1.5**2) / 4)  # 1.118, the -inf excluded
+    z2, z3 = math.exp(3) + math.exp(2), math.exp(3) + math.exp(2) + math.e
+    assert 3 - 1 * std > 1  # n = 1 keeps 3 and 2
+    assert_dist(P.top_n_sigma(logits, 1.0), [math.exp(3) / z2, math.exp(2) / z2, 0, 0, 0])
+    assert 0 < 3 - 2 * std < 1  # n = 2 keeps 3, 2 and 1
+    assert_dist(
+        P.top_n_sigma(logits, 2.0), [math.exp(3) / z3, math.exp(2) / z3, math.e / z3, 0, 0]
+    )
+    assert_dist(P.top_n_sigma(logits, 0.0), [1, 0, 0, 0, 0])
+    assert torch.equal(P.top_n_sigma(logits, INF), logits)
+
+
+def test_xtc_with_probability_one_removes_top_choices_but_the_least_of_them():
+    generator = torch.Generator().manual_seed(0)
+    # p >= 0.12: tokens 0, 1, 2; the least likely of them (token 2) stays
+    out = P.xtc(logits_of(PROBS), 0.12, 1.0, generator)
+    assert_dist(out, kept(PROBS, {2, 3, 4}))
+    assert dist(out)[2] == pytest.approx(0.15 / 0.3)
+
+
+def test_xtc_needs_two_tokens_above_threshold_and_a_draw():
+    generator = torch.Generator().manual_seed(0)
+    assert_dist(P.xtc(logits_of(PROBS), 0.35, 1.0, generator), PROBS)  # only 0.4 >= 0.35
+    assert_dist(P.xtc(logits_of(PROBS), 0.12, 0.0, generator), PROBS)  # probability 0
+    assert_dist(P.xtc(logits_of(PROBS), 0.12, 1.0, generator, min_keep=4), PROBS)  # 3 left < 4
+
+
+def test_xtc_applies_to_each_row_with_its_probability():
+    generator = torch.Generator().manual_seed(0)
+    out = P.xtc(logits_of(PROBS).repeat(4000, 1), 0.12, 0.25, generator)
+    applied = torch.isneginf(out[:, 0])
+    assert torch.isneginf(out[applied, 1]).all() and not torch.isinf(out[~applied]).any()
+    # 4000 Bernoulli(0.25) rows: mean 1000, sd 27; +-5 sd
+    assert 865 < applied.sum().item() < 1135
+
+
+def test_mirostat_drops_tokens_more_surprising_than_mu():
+    # surprise -log2 p = [1.32, 1.74, 2.74, 3.32, 4.32]
+    assert_dist(P.mirostat(logits_of(PROBS), torch.tensor([3.0])), kept(PROBS, {0, 1, 2}))
+    assert_dist(P.mirostat(logits_of(PROBS), torch.tensor([0.5])), [1, 0, 0, 0, 0])
+    assert_dist(P.mirostat(logits_of(PROBS), torch.tensor([5.0])), PROBS)
+
+
+TRUNCATIONS = {
+    "top_k": lambda x: P.top_k(x, 2),
+    "top_p": lambda x: P.top_p(x, 0.5),
+    "min_p": lambda x: P.min_p(x, 0.5),
+    "typical": lambda x: P.typical(x, 0.5),
+    "epsilon": lambda x: P.epsilon(x, 0.3),
+    "eta": lambda x: P.eta(x, 0.5),
+    "top_n_sigma": lambda x: P.top_n_sigma(x, 1.0),
+    "xtc": lambda x: P.xtc(x, 0.1, 1.0, torch.Generator().manual_seed(0)),
+    "mirostat": lambda x: P.mirostat(x, torch.tensor([0.1])),
+    "temperature": lambda x: P.temperature(x, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRUNCATIONS))
+def test_all_but_one_token_removed_stays_one_hot(name):
+    logits = torch.tensor([[-INF, 1.0, -INF, -INF]])
+    out = TRUNCATIONS[name](logits)
+    assert dist(out) == [0.0, 1.0, 0.0, 0.0]
+    assert torch.isfinite(out[0, 1])
+
+
+@pytest.mark.parametrize("name", sorted(TRUNCATIONS))
+def test_adapters_return_a_new_tensor_and_leave_the_input(name):
+    logits = logits_of(PROBS)
+    before = logits.clone()
+    out = TRUNCATIONS[name](logits)
+    assert torch.equal(logits, before)
+    assert out.data_ptr() != logits.data_ptr() and out.dtype == torch.float32
+
+
+def test_rows_are_truncated_independently():
+    logits = torch.cat([logits_of(PROBS), logits_of([0.05, 0.1, 0.15, 0.3, 0.4])])
+    out = P.top_p(logits, 0.6)
+    assert torch.isfinite(out).tolist() == [
+        [True, True, False, False, False],
+        [False, False, False, True, True],
+    ]
