@@ -7,7 +7,8 @@ with H = I both are magnitude pruning. SparseGPT (Frantar & Alistarh, 2023) runs
 update column by column with the same Cholesky machinery as GPTQ (hessian.py), choosing
 the mask adaptively: at the start of each block of `block_size` columns (unstructured)
 or of each group of m columns (n:m), it prunes the weights with the lowest
-w² / U_jj², where U = chol(H⁻¹)ᵀ, among the weights as updated so far.
+w² / U_jj², where U = chol(H⁻¹)ᵀ, among the weights as updated so far; U_jj² is
+[H_F⁻¹]_jj for F the columns >= j, so this is seed 000's saliency w_p² / [H⁻¹]_pp.
 
 n:m sparsity here means n zeros in every m consecutive weights of a row (along the
 input dimension): "2:4" keeps 2 of every 4, the pattern sparse tensor cores run.
