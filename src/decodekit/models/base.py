@@ -74,8 +74,11 @@ class LanguageModel(ABC):
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
-            raise TypeError(f"model {self.name!r} has no tokenizer; it cannot decode text")
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+            return ""  # a model over raw ids has no text; its completions carry token_ids
+        # No clean-up of spaces: decoding a longer list must extend the shorter one's text.
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
 
     def token_text(self, token_id: int) -> str:
         """Text of one token on its own (for display; may be a partial character)."""

@@ -1,0 +1,1 @@
+"""Benchmark drivers behind `decodekit bench`; each returns a JSON-ready dict."""

@@ -1,0 +1,74 @@
+"""`decodekit bench decode`: tokens/s of `decodekit.generate` vs Hugging Face `generate()`.
+
+Same weights, same run, batch 1, a fixed number of new tokens (EOS ignored so both
+produce exactly that many), greedy and sampling at temperature 1. Each figure is
+the median of `repeats` timed runs after one warm-up run; ratios are what to
+compare across machines.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from datetime import date
+
+import torch
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    return {
+        "date": date.today().isoformat(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3) -> dict:
+    import transformers
+
+    import decodekit as dk
+    from decodekit.models.registry import resolve
+
+    model = dk.load_model(model_name)
+    _, path, _ = resolve(model_name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = "ROMEO:"
+    ids = torch.tensor([model.encode(prompt)])
+    results = {"model": model_name, "backend": type(model).__name__, "new_tokens": new_tokens,
+               "batch": 1, "machine": machine()}
+    for mode, temperature in (("greedy", 0.0), ("sample", 1.0)):
+        params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=temperature,
+                                   ignore_eos=True, seed=0)
+
+        def ours(params=params):
+            [c] = dk.generate(model, prompt, params)
+            assert len(c.token_ids) == new_tokens
+
+        def theirs(temperature=temperature):
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=temperature > 0, top_k=0, top_p=1.0,
+                                  pad_token_id=model.eos_token_ids[0])
+            assert out.shape[1] - ids.shape[1] == new_tokens
+
+        ours_s = _median_seconds(ours, repeats)
+        hf_s = _median_seconds(theirs, repeats)
+        results[mode] = {
+            "decodekit_tok_s": round(new_tokens / ours_s, 1),
+            "hf_tok_s": round(new_tokens / hf_s, 1),
+            "ratio": round(hf_s / ours_s, 3),
+        }
+    return results

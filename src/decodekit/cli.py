@@ -1,0 +1,198 @@
+"""The `decodekit` command: a thin layer over the Python API.
+
+Heavy modules (torch, transformers) are imported inside the command functions so
+that `decodekit --help` answers at once. User errors print one line to stderr and
+exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from decodekit.params import SamplingParams
+
+# SamplingParams fields exposed as flags: name -> type of one value.
+SAMPLING_FLAGS: dict[str, type] = {
+    "max_new_tokens": int,
+    "min_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "typical_p": float,
+    "epsilon": float,
+    "eta": float,
+    "top_n_sigma": float,
+    "min_tokens_to_keep": int,
+    "mirostat_tau": float,
+    "mirostat_eta": float,
+    "xtc_threshold": float,
+    "xtc_probability": float,
+    "dry_multiplier": float,
+    "dry_base": float,
+    "dry_allowed_length": int,
+    "repetition_penalty": float,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "no_repeat_ngram_size": int,
+    "seed": int,
+    "logprobs": int,
+}
+STRATEGIES = ("greedy", "sample", "beam")
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit status 2."""
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="shakespeare", help="embedded model name or local directory")
+    p.add_argument("--strategy", default="sample", help="|".join(STRATEGIES))
+    p.add_argument("--n", type=int, default=1, help="samples (or beams returned) per prompt")
+    for name, kind in SAMPLING_FLAGS.items():
+        if name != "seed":
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--order", default=None, help="comma-separated adapter order")
+    p.add_argument("--num-beams", type=int, default=4)
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print completions as JSON")
+    p.set_defaults(run=run_generate)
+
+
+def sampling_params(args) -> SamplingParams:
+    values = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if args.stop:
+        values["stop"] = tuple(args.stop)
+    if args.order:
+        values["order"] = tuple(s.strip() for s in args.order.split(","))
+    values["n"] = args.n
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
+    if args.strategy == "greedy":
+        if values.get("temperature", 0.0) != 0.0:
+            raise UsageError("--strategy greedy takes no --temperature (it is 0)")
+        values["temperature"] = 0.0
+    return SamplingParams(**values)
+
+
+def run_generate(args) -> None:
+    import decodekit as dk
+
+    params = sampling_params(args)
+    model = dk.load_model(args.model)
+    if args.strategy == "beam":
+        if args.stream:
+            raise UsageError("--stream works with --strategy greedy or sample, not beam")
+        completions = dk.beam_search(
+            model, args.prompt, params, num_beams=args.num_beams, length_penalty=args.length_penalty
+        )
+    elif args.stream and not args.json:
+        if params.n != 1:
+            raise UsageError(f"--stream prints one sample, so --n must be 1, got {params.n}")
+        sys.stdout.write(args.prompt)
+        for piece in dk.stream(model, args.prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    else:
+        completions = dk.generate(model, args.prompt, params)
+    if args.json:
+        print(json.dumps([completion_json(c) for c in completions], indent=2))
+        return
+    for i, c in enumerate(completions):
+        if len(completions) > 1:
+            score = f" score={c.score:.4f}" if c.score is not None else ""
+            print(f"--- sample {i} ({c.finish_reason}{score})")
+        print(args.prompt + c.text)
+
+
+def completion_json(c) -> dict:
+    return {
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "processed_logprobs": c.processed_logprobs,
+        "top_logprobs": c.top_logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "score": c.score,
+        "usage": {"prompt_tokens": c.usage.prompt_tokens, "completion_tokens": c.usage.completion_tokens},
+    }
+
+
+def add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the embedded models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_models)
+
+
+def run_models(args) -> None:
+    from decodekit.models.registry import embedded_models
+
+    models = embedded_models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return
+    print(f"{'name':<20} {'kind':<6} {'parameters':>11} {'size':>9}  measured")
+    for name, entry in models.items():
+        size = entry.get("size_bytes") or entry.get("size") or 0
+        size_text = f"{size / 1e6:.1f} MB" if isinstance(size, int | float) else str(size)
+        params = entry.get("parameters", "")
+        params_text = f"{params:,}" if isinstance(params, int) else str(params)
+        metric = entry.get("metric") or entry.get("metrics") or ""
+        if isinstance(metric, dict):
+            metric = ", ".join(f"{k}={v}" for k, v in metric.items())
+        print(f"{name:<20} {entry.get('kind', 'hf'):<6} {params_text:>11} {size_text:>9}  {metric}")
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print JSON")
+    p.add_argument("which", choices=["decode"])
+    p.add_argument("--model", default="shakespeare")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args) -> None:
+    from decodekit.bench.decode import bench_decode
+
+    result = bench_decode(args.model, args.new_tokens, args.repeats)
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="decodekit", description="Language-model decoding, meta-generation and alignment."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate(sub)
+    add_models(sub)
+    add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (UsageError, ValueError, TypeError, FileNotFoundError) as error:
+        print(f"decodekit {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Beam search with length normalisation (seeds 003, 004).
+
+Keeps the `num_beams` best prefixes by summed log-probability. A hypothesis that
+emits EOS (or a stop token) leaves the beam with score Σ log p / |y|^α, where |y|
+counts generated tokens only, the final EOS included (counting the prompt is a
+bug once reported against Hugging Face). The adapter chain of `SamplingParams`
+is applied before scoring, so n-gram blocking (`no_repeat_ngram_size`), bad
+words, logit bias and penalties work; temperature is ignored (set to 1).
+
+early_stopping=True stops once `num_beams` hypotheses have finished (the usual
+choice); False stops only when no live beam can still beat the worst kept
+hypothesis, which makes a wide enough beam equal exhaustive search.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from decodekit.completion import Completion, Usage
+from decodekit.decode.sample import Prompt, encode_prompt
+from decodekit.models.base import LanguageModel, prefill
+from decodekit.params import SamplingParams
+from decodekit.sampling import SamplerState, build_chain
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]
+    logprobs: list[float] = field(default_factory=list)  # raw model log-probs
+    scores: list[float] = field(default_factory=list)  # processed log-probs (what beam sums)
+    finish_reason: str = "length"
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.scores))
+
+    def normalised(self, alpha: float) -> float:
+        return self.total / (max(len(self.tokens), 1) ** alpha)
+
+
+def beam_search(
+    model: LanguageModel,
+    prompts: Prompt | Sequence[Prompt],
+    params: SamplingParams | None = None,
+    *,
+    num_beams: int = 4,
+    length_penalty: float = 1.0,
+    early_stopping: bool = True,
+) -> list[Completion] | list[list[Completion]]:
+    """The `params.n` best hypotheses (n <= num_beams) per prompt, best first, with `score` set."""
+    params = params or SamplingParams()
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if params.n > num_beams:
+        raise ValueError(f"n must be <= num_beams ({num_beams}), got {params.n}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if params.stop:
+        raise ValueError("beam search stops on EOS and stop_token_ids; stop strings are not supported")
+    single = isinstance(prompts, str)
+    prompt_list = [prompts] if single else list(prompts)
+    results = [
+        _beam_one(model, encode_prompt(model, p), params, num_beams, length_penalty, early_stopping)
+        for p in prompt_list
+    ]
+    return results[0] if single else results
+
+
+def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping) -> list[Completion]:
+    params = params.replace(temperature=1.0)
+    params.check_vocab(model.vocab_size)
+    chain = build_chain(params, model.tokenizer)
+    state = SamplerState(params, prompt_ids, 1, model.vocab_size, model.eos_token_ids, model.tokenizer)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(model.eos_token_ids))
+    max_steps = min(params.max_new_tokens, model.max_context - len(prompt_ids))
+    logits, cache = prefill(model, [prompt_ids])  # [1, V]
+    beams = [Hypothesis([])]
+    finished: list[Hypothesis] = []
+    for step in range(max_steps):
+        processed = chain(logits, state)  # [K, V]
+        scores = torch.log_softmax(processed, dim=-1)
+        raw = torch.log_softmax(logits, dim=-1)
+        totals = torch.tensor([b.total for b in beams])[:, None] + scores  # [K, V]
+        k = min(2 * num_beams, int(torch.isfinite(totals).sum()))
+        best = totals.flatten().topk(k)
+        vocab = totals.shape[1]
+        parents, tokens, next_beams = [], [], []
+        for flat in best.indices.tolist():
+            parent, token = divmod(flat, vocab)
+            beam = beams[parent]
+            grown = Hypothesis(
+                beam.tokens + [token],
+                beam.logprobs + [float(raw[parent, token])],
+                beam.scores + [float(scores[parent, token])],
+            )
+            if token in stop_ids and len(grown.tokens) > params.min_new_tokens:
+                grown.finish_reason = "stop"
+                finished = _keep_best(finished + [grown], num_beams, alpha)
+            elif token not in stop_ids:
+                parents.append(parent)
+                tokens.append(token)
+                next_beams.append(grown)
+            if len(next_beams) == num_beams:
+                break
+        beams = next_beams
+        if not beams or _done(finished, beams, num_beams, alpha, early_stopping, step + 1, max_steps):
+            beams = []  # stopped early: live beams cannot beat the finished hypotheses
+            break
+        cache.select(parents)
+        state.select_rows(parents)
+        chosen = torch.tensor(tokens)
+        state.accept(chosen, processed[parents])
+        if step + 1 == max_steps:
+            break  # out of length: live beams finish with reason "length"
+        logits = model.forward(chosen[:, None], cache)[:, -1, :]  # [K, V]
+    finished = _keep_best(finished + beams, num_beams, alpha)
+    return [_completion(model, h, prompt_ids, alpha) for h in finished[: params.n]]
+
+
+def _keep_best(hypotheses: list[Hypothesis], num_beams: int, alpha: float) -> list[Hypothesis]:
+    return sorted(hypotheses, key=lambda h: h.normalised(alpha), reverse=True)[:num_beams]
+
+
+def _done(finished, beams, num_beams, alpha, early_stopping, length, max_length) -> bool:
+    """Whether search can stop: enough finished hypotheses and, unless early, no live beam can win."""
+    if len(finished) < num_beams:
+        return False
+    if early_stopping:
+        return True
+    worst = finished[-1].normalised(alpha)
+    best_total = max(b.total for b in beams)  # log-probs are <= 0: totals only fall
+    # The best a live beam can reach: its total, divided by the most favourable length.
+    reach = max_length if alpha > 0 else length + 1
+    return best_total / (reach**alpha) <= worst
+
+
+def _completion(model, h: Hypothesis, prompt_ids, alpha) -> Completion:
+    text_ids = h.tokens[:-1] if h.finish_reason == "stop" else h.tokens
+    return Completion(
+        token_ids=h.tokens,
+        text=model.decode(text_ids),
+        logprobs=h.logprobs,
+        processed_logprobs=h.scores,
+        finish_reason=h.finish_reason,
+        usage=Usage(len(prompt_ids), len(h.tokens)),
+        stop_reason=h.tokens[-1] if h.finish_reason == "stop" else None,
+        score=h.normalised(alpha),
+    )

@@ -1,0 +1,105 @@
+"""`HFModelLM`: any local Hugging Face `AutoModelForCausalLM` behind the LanguageModel contract.
+
+The fallback for architectures `NativeLM` does not implement. The cache wraps a
+transformers `DynamicCache` together with the attention mask of every position
+seen so far, so left-padded rows keep their own position ids.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from decodekit.models.base import Cache, LanguageModel
+
+
+class HFCache(Cache):
+    def __init__(self, batch_size: int):
+        from transformers import DynamicCache
+
+        self.kv = DynamicCache()
+        self.mask = torch.zeros((batch_size, 0), dtype=torch.bool)  # [B, L]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def fork(self, rows: Sequence[int]) -> HFCache:
+        other = copy.copy(self)
+        other.kv = copy.deepcopy(self.kv)
+        other.mask = self.mask
+        other.select(rows)
+        return other
+
+    def select(self, rows: Sequence[int]) -> None:
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        if self.length > 0:
+            self.kv.reorder_cache(index)
+        self.mask = self.mask[index]
+
+    def crop(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        if length < self.length:
+            self.kv.crop(length - self.length)  # transformers 5 takes minus the tokens to remove
+        self.mask = self.mask[:, :length]
+
+
+class HFModelLM(LanguageModel):
+    """A transformers causal LM run in float32 on the CPU, in inference mode."""
+
+    def __init__(self, model, tokenizer, name: str):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 2048))
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, name: str | None = None) -> HFModelLM:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(model, tokenizer, name or path.name)
+
+    def new_cache(self, batch_size: int) -> HFCache:
+        return HFCache(batch_size)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: HFCache, mask: torch.Tensor | None = None):
+        if mask is None:
+            mask = torch.ones_like(tokens, dtype=torch.bool)  # [B, T]
+        full_mask = torch.cat([cache.mask, mask], dim=1)  # [B, L + T]
+        # Padding does not advance a row's position: position = real tokens before it.
+        positions = full_mask.long().cumsum(dim=1)[:, -tokens.shape[1] :] - 1
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=full_mask.long(),
+            position_ids=positions.clamp(min=0),
+            past_key_values=cache.kv,
+            use_cache=True,
+        )
+        cache.mask = full_mask
+        return out.logits.float()  # [B, T, V]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the generation config, the model config and the tokenizer, deduplicated."""
+    found: list[int] = []
+    sources = [getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    sources += [getattr(model.config, "eos_token_id", None)]
+    sources += [getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None]
+    for value in sources:
+        for token in value if isinstance(value, list | tuple) else [value]:
+            if token is not None and token not in found:
+                found.append(int(token))
+    return tuple(found)

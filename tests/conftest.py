@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny checkpoints made in the test session (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TEXT = (
+    "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is "
+    "the sun. JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy "
+    "name. 0123456789 +-*/= The quick brown fox jumps over the lazy dog.\n"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama with a byte-level BPE tokenizer (vocab ~300), saved as HF files."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([TEXT] * 20, vocab_size=300, min_frequency=2, special_tokens=["<eos>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_llama_dir):
+    from decodekit.models.registry import load_model
+
+    return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def toy_lm():
+    """A Llama over a 6-token vocabulary with no tokenizer (EOS = 0): small enough to enumerate."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decodekit.models.hf import HFModelLM
+
+    config = LlamaConfig(
+        vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        eos_token_id=0, bos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharper distributions than the random init
+    return HFModelLM(model, None, "toy")
