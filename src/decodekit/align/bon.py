@@ -47,7 +47,8 @@ def _levels(p, r) -> tuple[np.ndarray, RewardLevels]:
 
 def _log_cdfs(lv: RewardLevels) -> tuple[np.ndarray, np.ndarray]:
     """log F and log F^- per level [L], each from whichever side is accurate."""
-    with np.errstate(divide="ignore"):
+    # np.where evaluates both sides; the unused one may see 1 - (1 + rounding) < 0.
+    with np.errstate(divide="ignore", invalid="ignore"):
         at_most = lv.below + lv.mass  # F
         log_f = np.where(at_most < 0.5, np.log(at_most), np.log1p(-lv.above))
         log_g = np.where(lv.below < 0.5, np.log(lv.below), np.log1p(-(lv.above + lv.mass)))
