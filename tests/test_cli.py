@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 import time
@@ -56,3 +57,23 @@ def test_prompt_longer_than_context_fails_cleanly(tiny_llama_dir, capsys):
     code = main(["generate", "x" * 500, "--model", str(tiny_llama_dir)])
     err = capsys.readouterr().err
     assert code == 2 and "the model's context is 96" in err
+
+
+def test_align_bon_json_and_plot(tmp_path):
+    plot = tmp_path / "bon.png"
+    out = run_cli("align", "bon", "--n", "4", "--p", "0.5,0.5", "--r", "0,1", "--json",
+                  "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    # seed 000's binary example: KL = log 2 - h(1/16), win rate 23/32
+    h = -(1 / 16) * math.log(1 / 16) - (15 / 16) * math.log(15 / 16)
+    assert report["kl"] == pytest.approx(math.log(2) - h, abs=1e-12)
+    assert report["win_rate"] == pytest.approx(23 / 32, abs=1e-12)
+    assert [row["n"] for row in report["curve"]] == [1, 2, 3, 4]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_align_bon_bad_p_is_one_line(capsys):
+    assert main(["align", "bon", "--n", "4", "--p", "0.5,0.6", "--r", "0,1"]) == 2
+    err = capsys.readouterr().err
+    assert "p must sum to 1" in err and err.count("\n") == 1

@@ -170,6 +170,46 @@ def run_bench(args) -> None:
     print(json.dumps(result, indent=None if args.json else 2))
 
 
+def add_align(sub) -> None:
+    p = sub.add_parser("align", help="inference-time alignment calculators")
+    align = p.add_subparsers(dest="align_command", required=True)
+    bon = align.add_parser("bon", help="best-of-n: exact KL, bound, estimate and win rate")
+    bon.add_argument("--n", type=int, required=True, help="number of samples")
+    bon.add_argument("--p", required=True, help="base probabilities, comma-separated")
+    bon.add_argument("--r", required=True, help="rewards, comma-separated (ties allowed)")
+    bon.add_argument("--json", action="store_true", help="print JSON (with the curve 1..n)")
+    bon.add_argument("--plot", default=None, help="write KL and win rate against n to FILE.png")
+    bon.set_defaults(run=run_align_bon)
+
+
+def float_list(flag: str, text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
+def run_align_bon(args) -> None:
+    from decodekit.align.report import bon_report, plot_bon
+
+    p, r = float_list("--p", args.p), float_list("--r", args.r)
+    report = bon_report(p, r, args.n, curve=args.json)
+    if args.plot:
+        plot_bon(p, r, args.n, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"best-of-{report['n']} over p = {report['p']}, r = {report['r']}")
+    print(f"  KL(pi_n || p)  exact     {report['kl']:.6f} nats")
+    print(f"                 bound     {report['kl_bound']:.6f}  (log n - (n-1)/n)")
+    print(f"                 estimate  {report['kl_estimate']:.6f}  (E over pi_n of D^(p(y)))")
+    print(f"                 max       {report['kl_max']:.6f}  (-log p(top reward))")
+    print(f"  win rate       exact     {report['win_rate']:.6f}  (ties count 1/2)")
+    print(f"                 bound     {report['win_rate_bound']:.6f}  (n/(n+1))")
+    if args.plot:
+        print(f"  plot: {args.plot}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="decodekit", description="Language-model decoding, meta-generation and alignment."
@@ -178,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_models(sub)
     add_bench(sub)
+    add_align(sub)
     return parser
 
 
