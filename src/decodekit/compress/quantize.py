@@ -148,10 +148,8 @@ def gptq_quantize(
         # Blocks hold whole groups, so a group's columns are all up to date at its start.
         block_size = max(group, block_size // group * group)
 
-    if act_order:
-        perm = torch.argsort(hessian.diagonal(), descending=True, stable=True)
-    else:
-        perm = torch.arange(k)
+    diagonal = hessian.diagonal()
+    perm = torch.argsort(diagonal, descending=True, stable=True) if act_order else torch.arange(k)
     w_all = w_all[:, perm]
     u = inverse_hessian_cholesky(hessian[perm][:, perm], damp)  # [K, K] upper
     column_group = perm // group  # [K] group (scale column) of each permuted column
