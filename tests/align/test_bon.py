@@ -119,7 +119,7 @@ def distributions(draw, max_size=8, integer_rewards=True):
 
 
 @settings(max_examples=60, deadline=None)
-@given(distributions(), st.integers(1, 200))
+@given(st.one_of(distributions(), distributions(integer_rewards=False)), st.integers(1, 200))
 def test_properties_on_random_distributions(dist, n):
     p, r = dist
     pmf = bon_pmf(p, r, n)

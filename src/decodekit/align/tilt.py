@@ -57,7 +57,7 @@ def _tilt(p: np.ndarray, r: np.ndarray, beta: float) -> Tilt:
     log_ratio = shifted - log_z_shifted  # [V]: log(pi / p)
     pi = np.where(support, np.exp(logits - log_z_shifted), 0.0)
     kl = float(np.sum(pi[support] * log_ratio[support]))
-    return Tilt(beta, pi, float(pi @ r), max(kl, 0.0), log_z_shifted + r_top / beta)
+    return Tilt(beta, pi, float(pi @ r), max(kl, 0.0), float(log_z_shifted + r_top / beta))
 
 
 def tilt(p, r, beta: float) -> Tilt:
