@@ -1,0 +1,198 @@
+"""A contiguous key/value cache and the attention function that reads it (NativeLM).
+
+One tensor per side holds every layer, `[layers, B, H_kv, capacity, D]`, so fork, select
+and growth are one indexing op each rather than a loop over layers. Capacity doubles
+when full (amortised O(1) appends, as a Python list does). `mask [B, capacity]` marks
+real tokens; left padding keeps its slot but is never attended to and never counts
+towards a row's position (ARCHITECTURE.md, LanguageModel contract).
+
+This is the simple engine-less cache; the paged engine (issue 4, item 2) replaces it
+behind the same `Cache` operations, and `attend` is the one function it swaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from decodekit.models.base import Cache
+
+_MIN_CAPACITY = 16
+
+
+class ContiguousKVCache(Cache):
+    """Per-layer keys and values of B rows, with per-row positions and a padding mask."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        capacity: int = _MIN_CAPACITY,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        shape = (num_layers, batch_size, num_kv_heads, max(capacity, 1), head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)  # [N, B, H_kv, C, D]
+        self.values = torch.zeros(shape, dtype=dtype)  # [N, B, H_kv, C, D]
+        self.slots = torch.zeros((batch_size, shape[3]), dtype=torch.bool)  # [B, C] real tokens
+        self.next_position = torch.zeros(batch_size, dtype=torch.long)  # [B] real tokens so far
+        self._length = 0
+        # True once any slot below `length` is padding: then rows need their own positions
+        # and an explicit attention mask; otherwise the fast shared-position path applies.
+        self.has_padding = False
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Real-token mask of the cached positions, [B, length] bool."""
+        return self.slots[:, : self._length]
+
+    @torch.inference_mode()
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions, doubling the capacity as needed."""
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity, _MIN_CAPACITY)
+        self.keys = _grow(self.keys, capacity, self._length)
+        self.values = _grow(self.values, capacity, self._length)
+        slots = torch.zeros((self.batch_size, capacity), dtype=torch.bool)
+        slots[:, : self._length] = self.mask
+        self.slots = slots
+
+    @torch.inference_mode()
+    def append(self, mask: torch.Tensor | None, count: int) -> None:
+        """Record `count` new positions (mask [B, count] bool, None = all real)."""
+        self.reserve(self._length + count)
+        end = self._length + count
+        if mask is None:
+            self.slots[:, self._length : end] = True
+            self.next_position += count
+        else:
+            self.slots[:, self._length : end] = mask
+            self.next_position += mask.sum(dim=1)
+            self.has_padding = True
+        self._length = end
+
+    def fork(self, rows: Sequence[int]) -> ContiguousKVCache:
+        index = self._row_index(rows)
+        other = ContiguousKVCache.__new__(ContiguousKVCache)
+        with torch.inference_mode():
+            # Copy only the filled part; the fork keeps the parent's capacity for its own growth.
+            other.keys = _take_rows(self.keys, index, self._length)
+            other.values = _take_rows(self.values, index, self._length)
+            other.slots = self.slots[index]
+            other.next_position = self.next_position[index]
+        other._length = self._length
+        other.has_padding = self.has_padding
+        other._refresh_padding()
+        return other
+
+    def select(self, rows: Sequence[int]) -> None:
+        index = self._row_index(rows)
+        with torch.inference_mode():
+            self.keys = self.keys[:, index]
+            self.values = self.values[:, index]
+            self.slots = self.slots[index]
+            self.next_position = self.next_position[index]
+        self._refresh_padding()
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"crop length must be in [0, {self._length}], got {length}")
+        with torch.inference_mode():
+            self.slots[:, length:] = False
+            self._length = length
+            self.next_position = self.mask.sum(dim=1)
+        self._refresh_padding()
+
+    def _row_index(self, rows: Sequence[int]) -> torch.Tensor:
+        rows = list(rows)
+        if not rows or any(not 0 <= r < self.batch_size for r in rows):
+            raise ValueError(
+                f"rows must be a non-empty list of ints in [0, {self.batch_size}), got {rows}"
+            )
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _refresh_padding(self) -> None:
+        self.has_padding = self.has_padding and not bool(self.mask.all())
+
+
+def _grow(tensor: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+    grown = tensor.new_zeros((*tensor.shape[:3], capacity, tensor.shape[4]))
+    grown[:, :, :, :length] = tensor[:, :, :, :length]
+    return grown
+
+
+def _take_rows(tensor: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    taken = tensor.new_zeros((tensor.shape[0], len(index), *tensor.shape[2:]))
+    taken[:, :, :, :length] = tensor[:, index, :, :length]
+    return taken
+
+
+def attention_mask(cache: ContiguousKVCache, num_new: int) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, S] for the last `num_new` of the cache's S positions, or None.
+
+    None means no mask: with one new token and no padding it attends to everything (the
+    fast decode path); with several new tokens into an empty, unpadded cache the caller
+    passes `causal=True` to `attend` instead.
+    A query may see a key when the key is a real token at or before it; every query also
+    sees its own slot, so a padding query never has an empty row (softmax of all -inf is
+    NaN) -- its output is meaningless but finite, and nothing real attends to it.
+    """
+    total = cache.length
+    start = total - num_new
+    if not cache.has_padding:
+        if num_new == 1 or start == 0:
+            return None
+        return causal_mask(start, num_new)[None, None]  # [1, 1, T, S]
+    keys = cache.mask[:, None, None, :]  # [B, 1, 1, S]
+    if num_new == 1:
+        visible = keys.clone()
+        visible[..., -1] = True
+        return visible
+    causal = causal_mask(start, num_new)  # [T, S]
+    own = torch.zeros_like(causal)
+    own[:, start:] = torch.eye(num_new, dtype=torch.bool)
+    return (keys & causal) | own  # [B, 1, T, S]
+
+
+def causal_mask(start: int, num_new: int) -> torch.Tensor:
+    """[T, start + T] bool: query t (at position start + t) sees keys 0 .. start + t."""
+    return torch.ones((num_new, start + num_new), dtype=torch.bool).tril(diagonal=start)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Grouped-query attention. q [B, H, T, D], k/v [B, H_kv, S, D] -> [B, H, T, D].
+
+    `causal` is only used with mask None and T == S (a prefill from an empty cache).
+    """
+    batch, heads, num_new, dim = q.shape
+    kv_heads = k.shape[1]
+    if num_new == 1 and heads != kv_heads:
+        # Decode step: fold the query heads that share a key head into the query axis,
+        # so one SDPA call reads each cached key once instead of an expanded copy per head.
+        folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
+        # A mask [B, 1, 1, S] broadcasts over the folded axis unchanged.
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)  # [B, H_kv, G, D]
+        return out.reshape(batch, heads, 1, dim)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=heads != kv_heads
+    )

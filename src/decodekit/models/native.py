@@ -1,0 +1,425 @@
+"""`NativeLM`: decodekit's own forward for Llama-family checkpoints (issue 4, item 1).
+
+Reads a Hugging Face checkpoint directory (config.json, model.safetensors or sharded
+safetensors with an index, tokenizer files) of Llama, Mistral, Qwen2, Qwen3 or SmolLM:
+pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE (rope.py), SwiGLU
+MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
+(Qwen3), tied or separate output embeddings.
+
+Design (STYLE.md; gpt-fast and nano-vllm do the same): q/k/v and gate/up are each one
+fused `nn.Linear` (fewer, larger matmuls; compress/ swaps any `nn.Linear` in `model.net`);
+cos/sin tables are precomputed; one attention mask per forward is shared by all layers;
+a single unpadded row decodes with no mask at all. Attention itself is `kv.attend`.
+
+Sliding-window attention (Mistral, Qwen2/3 with `use_sliding_window`) is not
+implemented: such a model's `max_context` is capped at its window, inside which
+sliding-window and full attention are the same function, so results stay exact.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodekit.models.base import Cache, LanguageModel
+from decodekit.models.kv import ContiguousKVCache, attend, attention_mask
+from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
+from decodekit.models.rope import rope_parameters as read_rope_parameters
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def unsupported_reason(config: dict[str, Any]) -> str | None:
+    """Why NativeLM cannot run this config.json, or None if it can."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES.values():
+        return f"model_type must be one of {sorted(ARCHITECTURES.values())}, got {model_type!r}"
+    unknown = [a for a in config.get("architectures") or [] if a not in ARCHITECTURES]
+    if unknown:
+        return f"architectures must be among {sorted(ARCHITECTURES)}, got {unknown}"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"hidden_act must be 'silu', got {config.get('hidden_act')!r}"
+    rope = read_rope_parameters(config)
+    if rope["rope_type"] not in ROPE_TYPES:
+        return f"rope_type must be one of {ROPE_TYPES}, got {rope['rope_type']!r}"
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        return f"partial_rotary_factor must be 1.0, got {partial}"
+    return None
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """The fields of a config.json that the forward uses."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    rope: RopeConfig
+    qkv_bias: bool = False
+    output_bias: bool = False  # o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # set only if some layer actually slides
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], tie_default: bool = False) -> NativeConfig:
+        """Parse a config.json dict; `tie_default` applies when it has no tie_word_embeddings."""
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise ValueError(f"NativeLM cannot load this model: {reason}")
+        model_type = config["model_type"]
+        heads = int(config["num_attention_heads"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        # Which projections carry a bias differs by family (transformers modeling_*.py).
+        attention_bias = bool(config.get("attention_bias", False))
+        qkv_bias = True if model_type == "qwen2" else attention_bias
+        output_bias = attention_bias if model_type in ("llama", "qwen3") else False
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_positions=int(config.get("max_position_embeddings", 2048)),
+            rope=rope_config(config, int(head_dim)),
+            qkv_bias=qkv_bias,
+            output_bias=output_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
+            sliding_window=_sliding_window(config),
+        )
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    window = config.get("sliding_window")
+    if window is None or config["model_type"] == "llama":
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if config["model_type"] in ("qwen2", "qwen3"):
+        return int(window) if config.get("use_sliding_window", False) else None
+    return int(window)  # mistral: every layer slides
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in float32 (Zhang & Sennrich 2019; as transformers)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.output_bias
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B or 1, T, 1, D]
+        sin: torch.Tensor,
+        cache: ContiguousKVCache,
+        layer: int,
+        mask: torch.Tensor | None,  # [B or 1, 1, T, S]
+        causal: bool,
+    ) -> torch.Tensor:
+        batch, num_new, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # One RoPE call over the query and key heads together.
+            qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
+            q, k = qk.split([heads, kv_heads], dim=2)
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :, :heads]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, :, heads : heads + kv_heads]), cos, sin)
+        v = qkv[:, :, heads + kv_heads :]
+        end = cache.length
+        start = end - num_new
+        cache.keys[layer, :, :, start:end] = k.transpose(1, 2)
+        cache.values[layer, :, :, start:end] = v.transpose(1, 2)
+        out = attend(
+            q.transpose(1, 2),  # [B, H, T, D]
+            cache.keys[layer, :, :, :end],  # [B, H_kv, S, D]
+            cache.values[layer, :, :, :end],
+            mask,
+            causal,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up fused."""
+
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        width = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, layer, mask, causal):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaNet(nn.Module):
+    """The weights: parameter names are the checkpoint's, minus `model.`, with q/k/v and
+    gate/up fused (see `fuse_checkpoint`)."""
+
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens, cos, sin, cache, mask, causal) -> torch.Tensor:
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        for index, block in enumerate(self.layers):
+            x = block(x, cos, sin, cache, index, mask, causal)
+        return self.lm_head(self.norm(x)).float()  # [B, T, V]
+
+
+def fuse_checkpoint(
+    state: dict[str, torch.Tensor], config: NativeConfig
+) -> dict[str, torch.Tensor]:
+    """Rename a transformers state dict to LlamaNet's: drop `model.`, concatenate q/k/v and
+    gate/up along the output dimension, drop the output head when it is tied."""
+    out = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+    out = {name: t for name, t in out.items() if not name.endswith("rotary_emb.inv_freq")}
+    fused = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+             "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}  # fmt: skip
+    for layer in range(config.num_layers):
+        for parent, (target, parts) in fused.items():
+            for suffix in ("weight", "bias"):
+                names = [f"layers.{layer}.{parent}.{part}.{suffix}" for part in parts]
+                if all(name in out for name in names):
+                    tensors = [out.pop(name) for name in names]
+                    out[f"layers.{layer}.{parent}.{target}.{suffix}"] = torch.cat(tensors)
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards named by its index."""
+    from safetensors.torch import load_file
+
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(single)
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(path / shard))
+        return state
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def eos_token_ids(path: Path, config: dict[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids of config.json and generation_config.json, in that order."""
+    ids: list[int] = []
+    sources = [config]
+    generation = path / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def _load_tokenizer(path: Path):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((path / name).exists() for name in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class NativeLM(LanguageModel):
+    """A Llama-family model run by decodekit's own forward. `net` holds the weights."""
+
+    def __init__(
+        self,
+        net: LlamaNet,
+        config: NativeConfig,
+        name: str = "native",
+        tokenizer: Any | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        self.net = net.eval()
+        self.config = config
+        self.name = name
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_positions
+        if config.sliding_window is not None:
+            self.max_context = min(self.max_context, config.sliding_window)
+        self.dtype = net.embed_tokens.weight.dtype
+        self.rope = RotaryTables(config.rope, self.dtype)
+
+    @staticmethod
+    def supports(config: dict[str, Any]) -> bool:
+        """Whether a config.json dict describes a model NativeLM can run."""
+        return unsupported_reason(config) is None
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: dict[str, Any],
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> NativeLM:
+        """Build from a config.json dict and a transformers-named state dict."""
+        parsed = NativeConfig.from_dict(config, tie_default="lm_head.weight" not in state)
+        with torch.device("meta"):
+            net = LlamaNet(parsed)  # no random initialisation: every weight is assigned below
+        weights = {name: t.to(dtype) for name, t in fuse_checkpoint(state, parsed).items()}
+        if parsed.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["embed_tokens.weight"]
+        net.load_state_dict(weights, strict=True, assign=True)
+        if parsed.tie_word_embeddings:
+            net.lm_head.weight = net.embed_tokens.weight
+        return cls(net, parsed, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
+    ) -> NativeLM:
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"no config.json in {path}")
+        config = json.loads((path / "config.json").read_text())
+        return cls.from_state_dict(
+            config,
+            load_safetensors(path),
+            dtype,
+            name=name or path.name,
+            tokenizer=_load_tokenizer(path),
+            eos_token_ids=eos_token_ids(path, config),
+        )
+
+    def new_cache(self, batch_size: int) -> ContiguousKVCache:
+        config = self.config
+        return ContiguousKVCache(
+            config.num_layers, batch_size, config.num_kv_heads, config.head_dim, self.dtype
+        )
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [B, T, V] float32 of tokens [B, T]; `mask` [B, T] marks real tokens."""
+        _check_inputs(tokens, cache, mask, self.vocab_size)
+        assert isinstance(cache, ContiguousKVCache)
+        num_new = tokens.shape[1]
+        if mask is not None and bool(mask.all()):
+            mask = None
+        start = cache.length
+        if mask is None and not cache.has_padding:
+            # Every row is at position `start`: slice the tables, no gather.
+            cos, sin = self.rope.tables(start + num_new)
+            cos, sin = cos[start : start + num_new, None], sin[start : start + num_new, None]
+        else:
+            real = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+            # Padding never advances a row's position: position = real tokens before it.
+            positions = cache.next_position[:, None] + real.long().cumsum(dim=1) - 1  # [B, T]
+            positions = positions.clamp(min=0)
+            cos, sin = self.rope.tables(int(positions.max()) + 1)
+            cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, T, 1, D]
+        cache.append(mask, num_new)
+        attn_mask = attention_mask(cache, num_new)
+        causal = attn_mask is None and num_new > 1
+        return self.net(tokens, cos, sin, cache, attn_mask, causal)
+
+
+def _check_inputs(tokens, cache, mask, vocab_size: int) -> None:
+    if not isinstance(cache, ContiguousKVCache):
+        raise TypeError(f"cache must come from NativeLM.new_cache, got {type(cache).__name__}")
+    if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.shape[1] == 0:
+        raise ValueError(
+            "tokens must be a [B, T] long tensor with T >= 1, "
+            f"got {tokens.dtype} {tuple(tokens.shape)}"
+        )
+    if tokens.shape[0] != cache.batch_size:
+        raise ValueError(f"tokens have {tokens.shape[0]} rows but the cache has {cache.batch_size}")
+    if mask is not None and (mask.shape != tokens.shape or mask.dtype != torch.bool):
+        raise ValueError(
+            f"mask must be a bool tensor of shape {tuple(tokens.shape)}, "
+            f"got {mask.dtype} {tuple(mask.shape)}"
+        )
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got ids in [{low}, {high}]")

@@ -1,0 +1,138 @@
+"""Rotary position embeddings (RoPE) with the scalings the Llama family uses.
+
+RoPE (Su et al. 2021, "RoFormer") rotates each pair (x_i, x_{i+D/2}) of a query or key by
+the angle position * inv_freq_i. Scalings change only `inv_freq`:
+- default:  inv_freq_i = theta^(-2i/D)
+- linear:   inv_freq / factor (position interpolation, Chen et al. 2023)
+- dynamic:  NTK-aware, theta is raised once positions exceed max_position_embeddings
+            (bloc97/emozilla; transformers `_compute_dynamic_ntk_parameters`)
+- llama3:   low frequencies / factor, high frequencies kept, a smooth ramp between
+            (Llama 3.1; transformers `_compute_llama3_parameters`)
+cos/sin tables are computed once in float32 exactly as transformers does, then sliced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    head_dim: int
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 2048
+    max_positions: int = 2048  # the model's max_position_embeddings (dynamic NTK threshold)
+
+    def __post_init__(self):
+        if self.kind not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.kind!r}")
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even number, got {self.head_dim}")
+        if self.kind != "default" and self.factor <= 0:
+            raise ValueError(f"rope factor must be > 0, got {self.factor}")
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE dict of an HF config.json, old (`rope_scaling` + `rope_theta`) or new
+    (`rope_parameters`, transformers >= 5) layout."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return params
+
+
+def rope_config(config: dict[str, Any], head_dim: int) -> RopeConfig:
+    params = rope_parameters(config)
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    return RopeConfig(
+        head_dim=head_dim,
+        theta=float(params["rope_theta"]),
+        kind=str(params["rope_type"]),
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_positions=int(params.get("original_max_position_embeddings", max_positions)),
+        max_positions=max_positions,
+    )
+
+
+def inverse_frequencies(rope: RopeConfig, num_positions: int) -> torch.Tensor:
+    """inv_freq [D/2] float32 for a sequence of `num_positions` positions."""
+    dim = rope.head_dim
+    theta = rope.theta
+    if rope.kind == "dynamic" and num_positions > rope.max_positions:
+        # NTK-aware: base * (factor * L / L_max - (factor - 1)) ^ (D / (D - 2)).
+        stretch = rope.factor * num_positions / rope.max_positions - (rope.factor - 1)
+        theta = theta * stretch ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        return _llama3_frequencies(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    low_freq_wavelen = rope.original_max_positions / rope.low_freq_factor
+    high_freq_wavelen = rope.original_max_positions / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_positions / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryTables:
+    """cos and signed sin tables [P, D] grown on demand, in the model's dtype.
+
+    `rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1.., +1..]`, so the sign is folded
+    into the sin table and applying RoPE is two multiplies, one roll and one add.
+    """
+
+    def __init__(self, rope: RopeConfig, dtype: torch.dtype, capacity: int = 256):
+        self.rope = rope
+        self.dtype = dtype
+        if rope.kind == "dynamic":
+            capacity = min(capacity, rope.max_positions)
+        self.cos, self.sin = self._build(capacity, 0)
+
+    def _build(self, num_positions: int, freq_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for positions [0, num_positions) with the frequencies of a sequence of
+        `freq_positions` positions (only dynamic NTK depends on it)."""
+        inv_freq = inverse_frequencies(self.rope, freq_positions)  # [D/2]
+        freqs = torch.arange(num_positions).float()[:, None] * inv_freq[None, :]  # [P, D/2]
+        half = inv_freq.shape[0]
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])  # [D]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        return angles.cos().to(self.dtype), (angles.sin() * sign).to(self.dtype)
+
+    def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin covering positions [0, num_positions)."""
+        if self.rope.kind == "dynamic" and num_positions > self.rope.max_positions:
+            # The base depends on the current length: recompute, never cache (as transformers).
+            return self._build(num_positions, num_positions)
+        if num_positions > self.cos.shape[0]:
+            capacity = max(num_positions, 2 * self.cos.shape[0])
+            if self.rope.kind == "dynamic":
+                capacity = min(capacity, self.rope.max_positions)
+            self.cos, self.sin = self._build(capacity, 0)
+        return self.cos, self.sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D], cos/sin broadcastable to it -> x rotated by its positions."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

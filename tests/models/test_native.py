@@ -1,0 +1,268 @@
+"""NativeLM against transformers on tiny random checkpoints of each supported family.
+
+Weights are re-drawn large enough (std 0.15, norm weights and biases away from their
+1 / 0 initialisation) that attention is far from uniform: a wrong rotation, bias, norm
+or mask changes the logits by far more than the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from decodekit.models.base import left_pad, prefill
+from decodekit.models.kv import ContiguousKVCache
+from decodekit.models.native import NativeLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=101,
+    max_position_embeddings=64,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
+    "llama-tied": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=True),
+    "llama-bias": lambda: transformers.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
+    "llama3-rope": lambda: transformers.LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE),
+    "linear-rope": lambda: transformers.LlamaConfig(
+        **TINY, rope_scaling={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}
+    ),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),  # head_dim != 64 / 4
+}
+PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14], [64, 9, 0, 12, 77, 3, 50]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models gain nothing from threads, and the test machine's cores are shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+def save_family(family: str, path) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]())
+    randomize(model, seed=len(family))
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = save_family(request.param, path)
+    return hf_model, NativeLM.from_pretrained(path)
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()  # [T, V]
+
+
+def native_logits(model: NativeLM, tokens: list[int]) -> torch.Tensor:
+    return model.forward(torch.tensor([tokens]), model.new_cache(1))[0]  # [T, V]
+
+
+def test_logits_equal_transformers_on_a_batch(pair):
+    hf_model, model = pair
+    tokens = torch.tensor([PROMPTS[0], PROMPTS[0][::-1], [3] * 10])
+    with torch.no_grad():
+        expected = hf_model(tokens).logits.float()  # [B, T, V]
+    got = model.forward(tokens, model.new_cache(3))
+    assert got.dtype == torch.float32 and got.shape == (3, 10, 101)
+    assert expected.abs().max() > 1.0  # the comparison is not between near-zero logits
+    assert (got - expected).abs().max() <= 1e-4
+
+
+def test_incremental_decoding_equals_full_forward(pair):
+    _, model = pair
+    tokens = PROMPTS[0]
+    full = native_logits(model, tokens)
+    cache = model.new_cache(1)
+    steps = [model.forward(torch.tensor([tokens[:4]]), cache)[0]]
+    steps.append(model.forward(torch.tensor([tokens[4:6]]), cache)[0])  # a chunk after a prefix
+    steps += [model.forward(torch.tensor([[t]]), cache)[0] for t in tokens[6:]]
+    assert cache.length == len(tokens)
+    assert (torch.cat(steps) - full).abs().max() <= 1e-4
+
+
+def test_left_padded_rows_equal_each_row_alone(pair):
+    _, model = pair
+    tokens, mask = left_pad(PROMPTS)
+    cache = model.new_cache(len(PROMPTS))
+    batched = model.forward(tokens, cache, mask)  # [B, T, V]
+    assert torch.isfinite(batched).all()  # padding positions too
+    width = tokens.shape[1]
+    alone = [native_logits(model, p) for p in PROMPTS]
+    for row, prompt in enumerate(PROMPTS):
+        assert (batched[row, width - len(prompt) :] - alone[row]).abs().max() <= 1e-4
+    # Decode two more tokens per row, with row 1 padded in the first step.
+    step = torch.tensor([[11], [21], [31]])
+    batched = model.forward(step, cache, torch.tensor([[True], [False], [True]]))
+    batched2 = model.forward(step + 1, cache)
+    for row, prompt in enumerate(PROMPTS):
+        extra = [11 + 10 * row, 12 + 10 * row] if row != 1 else [22]
+        expected = native_logits(model, prompt + extra)[-1]
+        assert (batched2[row, -1] - expected).abs().max() <= 1e-4
+        if row != 1:
+            expected = native_logits(model, prompt + [11 + 10 * row])[-1]
+            assert (batched[row, -1] - expected).abs().max() <= 1e-4
+
+
+def test_fork_equals_fresh_prefill(pair):
+    _, model = pair
+    logits, cache = prefill(model, PROMPTS)
+    fork = cache.fork([2, 0, 2])
+    assert fork.length == cache.length and fork.batch_size == 3
+    got = model.forward(torch.tensor([[4], [5], [6]]), fork)[:, -1]
+    for row, (source, token) in enumerate([(2, 4), (0, 5), (2, 6)]):
+        expected = native_logits(model, PROMPTS[source] + [token])[-1]
+        assert (got[row] - expected).abs().max() <= 1e-4
+    # The parent is untouched by the fork's growth.
+    assert cache.length == fork.length - 1
+    again = model.forward(torch.tensor([[9], [9], [9]]), cache)[:, -1]
+    for row, prompt in enumerate(PROMPTS):
+        assert (again[row] - native_logits(model, prompt + [9])[-1]).abs().max() <= 1e-4
+
+
+def test_crop_then_extend_equals_never_extended(pair):
+    _, model = pair
+    logits, cache = prefill(model, PROMPTS)
+    model.forward(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), cache)  # draft, rejected
+    cache.crop(cache.length - 3)
+    got = model.forward(torch.tensor([[50, 51], [52, 53], [54, 55]]), cache)
+    for row, prompt in enumerate(PROMPTS):
+        expected = native_logits(model, prompt + [50 + 2 * row, 51 + 2 * row])[-2:]
+        assert (got[row] - expected).abs().max() <= 1e-4
+
+
+def test_select_reorders_rows(pair):
+    _, model = pair
+    _, cache = prefill(model, PROMPTS)
+    cache.select([1, 1, 0])
+    got = model.forward(torch.tensor([[70], [71], [72]]), cache)[:, -1]
+    for row, (source, token) in enumerate([(1, 70), (1, 71), (0, 72)]):
+        expected = native_logits(model, PROMPTS[source] + [token])[-1]
+        assert (got[row] - expected).abs().max() <= 1e-4
+
+
+def test_greedy_tokens_equal_transformers_generate(pair):
+    hf_model, model = pair
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        # An explicit attention mask: the prompt holds token 0, which transformers would
+        # otherwise take for padding.
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+            max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    expected = out[0, len(prompt) :].tolist()
+    logits, cache = prefill(model, [prompt])
+    got = []
+    for _ in range(8):
+        token = int(logits[0].argmax())
+        got.append(token)
+        logits = model.forward(torch.tensor([[token]]), cache)[:, -1]
+    assert got == expected
+
+
+def test_dynamic_ntk_rope_beyond_max_positions_matches_transformers(tmp_path):
+    config = transformers.LlamaConfig(
+        **{**TINY, "max_position_embeddings": 16},
+        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config)
+    randomize(hf_model, seed=3)
+    hf_model.save_pretrained(tmp_path)
+    model = NativeLM.from_pretrained(tmp_path)
+    for length in (12, 24):  # within, then beyond, the 16 trained positions
+        tokens = [(7 * i + 3) % 101 for i in range(length)]
+        expected = hf_logits(hf_model.eval(), tokens)
+        assert (native_logits(model, tokens) - expected).abs().max() <= 1e-4
+
+
+def test_metadata_and_supports(tmp_path):
+    hf_model = save_family("qwen2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eos_token_id"] = [7, 9]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9 + 3}))
+    model = NativeLM.from_pretrained(tmp_path)
+    assert model.eos_token_ids == (7, 9, 12)
+    assert model.vocab_size == 101 and model.max_context == 64 and model.tokenizer is None
+    assert model.name == tmp_path.name
+    # Tied weights are counted once, as in transformers.
+    assert model.num_parameters() == sum(p.numel() for p in hf_model.parameters())
+    assert NativeLM.supports(config)
+    assert not NativeLM.supports({**config, "model_type": "gpt2"})
+    assert not NativeLM.supports({**config, "architectures": ["GPT2LMHeadModel"]})
+    assert not NativeLM.supports({**config, "rope_parameters": {"rope_type": "yarn"}})
+    assert not NativeLM.supports({**config, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="model_type"):
+        NativeLM.from_state_dict({**config, "model_type": "gpt2"}, {})
+
+
+def test_sliding_window_caps_max_context(tmp_path):
+    config = transformers.MistralConfig(**TINY, sliding_window=32)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    assert NativeLM.from_pretrained(tmp_path).max_context == 32
+
+
+def test_user_errors(pair):
+    _, model = pair
+    cache = model.new_cache(2)
+    with pytest.raises(ValueError, match="rows"):
+        model.forward(torch.zeros((3, 2), dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="token ids"):
+        model.forward(torch.full((2, 2), 101), cache)
+    with pytest.raises(ValueError, match="mask"):
+        wide_mask = torch.ones((2, 3), dtype=torch.bool)
+        model.forward(torch.zeros((2, 2), dtype=torch.long), cache, wide_mask)
+    with pytest.raises(TypeError, match="cache"):
+        model.forward(torch.zeros((2, 2), dtype=torch.long), object())
+    model.forward(torch.zeros((2, 2), dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="crop length"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match="rows"):
+        cache.fork([2])
+
+
+def test_cache_grows_past_its_capacity(pair):
+    _, model = pair
+    cache = model.new_cache(1)
+    assert isinstance(cache, ContiguousKVCache)
+    tokens = [(5 * i + 1) % 101 for i in range(40)]  # > the initial capacity of 16
+    steps = [model.forward(torch.tensor([tokens[:10]]), cache)[0]]
+    steps += [model.forward(torch.tensor([[t]]), cache)[0] for t in tokens[10:]]
+    assert cache.capacity >= 40
+    assert (torch.cat(steps) - native_logits(model, tokens)).abs().max() <= 1e-4
