@@ -37,6 +37,7 @@ LLAMA3_ROPE = {
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
     "llama-tied": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=True),
+    "llama-mha": lambda: transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 4}),
     "llama-bias": lambda: transformers.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
     "llama3-rope": lambda: transformers.LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE),
     "linear-rope": lambda: transformers.LlamaConfig(
@@ -211,25 +212,73 @@ def test_dynamic_ntk_rope_beyond_max_positions_matches_transformers(tmp_path):
         assert (native_logits(model, tokens) - expected).abs().max() <= 1e-4
 
 
-def test_metadata_and_supports(tmp_path):
-    hf_model = save_family("qwen2", tmp_path)
+def test_metadata_sharded_weights_and_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # (llama: transformers 5 picks Qwen2Tokenizer for a qwen2 config, whatever the files say)
+    hf_model = save_family("llama-tied", tmp_path / "full")
+    hf_model.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards + an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
     config = json.loads((tmp_path / "config.json").read_text())
     config["eos_token_id"] = [7, 9]
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9 + 3}))
+    vocab = {"<unk>": 0, "<eos>": 1, "to": 2, "be": 3, "or": 4, "not": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>"
+    )
+    fast.save_pretrained(tmp_path)
     model = NativeLM.from_pretrained(tmp_path)
-    assert model.eos_token_ids == (7, 9, 12)
-    assert model.vocab_size == 101 and model.max_context == 64 and model.tokenizer is None
+    # generation_config.json first, then config.json, then the tokenizer's (as HFModelLM).
+    assert model.eos_token_ids == (12, 7, 9, 1)
+    assert model.encode("to be or not") == [2, 3, 4, 5]
+    assert model.vocab_size == 101 and model.max_context == 64
     assert model.name == tmp_path.name
     # Tied weights are counted once, as in transformers.
     assert model.num_parameters() == sum(p.numel() for p in hf_model.parameters())
+    tokens = PROMPTS[0]
+    assert (native_logits(model, tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
+
+
+def test_old_config_layout_loads_the_same_rope(tmp_path):
+    """transformers < 5 writes `rope_theta` and `rope_scaling` at the top level."""
+    hf_model = save_family("linear-rope", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type": rope["rope_type"], "factor": rope["factor"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = NativeLM.from_pretrained(tmp_path)
+    assert model.config.rope.kind == "linear" and model.config.rope.theta == 500.0
+    tokens = PROMPTS[0]
+    assert (native_logits(model, tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
+
+
+def test_supports():
+    config = transformers.Qwen2Config(**TINY).to_dict()
+    config["architectures"] = ["Qwen2ForCausalLM"]
     assert NativeLM.supports(config)
     assert not NativeLM.supports({**config, "model_type": "gpt2"})
     assert not NativeLM.supports({**config, "architectures": ["GPT2LMHeadModel"]})
     assert not NativeLM.supports({**config, "rope_parameters": {"rope_type": "yarn"}})
     assert not NativeLM.supports({**config, "hidden_act": "gelu"})
+    assert not NativeLM.supports({**config, "quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(ValueError, match="model_type"):
         NativeLM.from_state_dict({**config, "model_type": "gpt2"}, {})
+
+
+def test_bfloat16_weights_give_float32_logits_close_to_float32(pair):
+    hf_model, _ = pair
+    state = {name: t.detach() for name, t in hf_model.state_dict().items()}
+    model = NativeLM.from_state_dict(hf_model.config.to_dict(), state, dtype=torch.bfloat16)
+    assert model.net.lm_head.weight.dtype == torch.bfloat16
+    tokens = PROMPTS[0]
+    got, expected = native_logits(model, tokens), hf_logits(hf_model, tokens)
+    assert got.dtype == torch.float32
+    # bfloat16 keeps 8 bits of mantissa: agreement to a few percent of the logit scale.
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
 
 
 def test_sliding_window_caps_max_context(tmp_path):

@@ -18,7 +18,6 @@ sliding-window and full attention are the same function, so results stay exact.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models.base import Cache, LanguageModel
+from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.kv import ContiguousKVCache, attend, attention_mask
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
@@ -56,6 +56,8 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         return f"partial_rotary_factor must be 1.0, got {partial}"
+    if config.get("quantization_config"):
+        return "pre-quantised checkpoints (quantization_config) are not supported"
     return None
 
 
@@ -263,46 +265,6 @@ def fuse_checkpoint(
     return out
 
 
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors, or of the shards named by its index."""
-    from safetensors.torch import load_file
-
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.exists():
-        return load_file(single)
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(path / shard))
-        return state
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
-def eos_token_ids(path: Path, config: dict[str, Any]) -> tuple[int, ...]:
-    """End-of-sequence ids of config.json and generation_config.json, in that order."""
-    ids: list[int] = []
-    sources = [config]
-    generation = path / "generation_config.json"
-    if generation.exists():
-        sources.append(json.loads(generation.read_text()))
-    for source in sources:
-        value = source.get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and int(token) not in ids:
-                ids.append(int(token))
-    return tuple(ids)
-
-
-def _load_tokenizer(path: Path):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((path / name).exists() for name in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 class NativeLM(LanguageModel):
     """A Llama-family model run by decodekit's own forward. `net` holds the weights."""
 
@@ -356,16 +318,15 @@ class NativeLM(LanguageModel):
         cls, path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
     ) -> NativeLM:
         path = Path(path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"no config.json in {path}")
-        config = json.loads((path / "config.json").read_text())
+        config = read_config(path)
+        tokenizer = load_tokenizer(path)
         return cls.from_state_dict(
             config,
             load_safetensors(path),
             dtype,
             name=name or path.name,
-            tokenizer=_load_tokenizer(path),
-            eos_token_ids=eos_token_ids(path, config),
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids(path, config, tokenizer),
         )
 
     def new_cache(self, batch_size: int) -> ContiguousKVCache:
