@@ -3,14 +3,21 @@
     generate(prompts, n, params) -> list[list[Completion]]   (n per prompt)
     score(prompt, continuations) -> list[float]              (log p(continuation | prompt))
 
-`LocalGenerator` runs a `LanguageModel` in this process: the n samples of a prompt
-share its prefill (the prompt is computed once and its KV forked). A remote
-OpenAI-compatible endpoint implements the same protocol (meta/remote.py), so
-meta-generators never know which they call. Every call is counted in a `Budget`.
+`n` is one count for every prompt or a sequence of counts, one per prompt (tree search
+gives each node its own number of children); `params` is one `SamplingParams` or one per
+prompt (a meta-generator gives each request its own seed, so two identical prefixes in one
+call do not draw identical samples). `params.n` is ignored: `n` says how many.
+
+`LocalGenerator` runs a `LanguageModel` in this process: the n samples of a prompt share
+its prefill (the prompt is computed once and its KV forked). A remote OpenAI-compatible
+endpoint implements the same protocol (meta/remote.py), so meta-generators never know
+which they call. Every call is counted in the generator's `Budget`; `call_generator`
+copies what a call spent into a meta-generator's own budget.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -21,36 +28,115 @@ from decodekit.meta.budget import Budget
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 
+PREFIX_MODES = ("shared", "replicated", "separate")
+
 
 @runtime_checkable
 class Generator(Protocol):
     budget: Budget
 
     def generate(
-        self, prompts: Sequence[str], n: int, params: SamplingParams
+        self,
+        prompts: Sequence[str],
+        n: int | Sequence[int],
+        params: SamplingParams | Sequence[SamplingParams],
     ) -> list[list[Completion]]: ...
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]: ...
 
 
+def per_prompt_counts(n: int | Sequence[int], count: int) -> list[int]:
+    """`n` as one count per prompt; every count must be an integer >= 1."""
+    counts = [n] * count if isinstance(n, int) and not isinstance(n, bool) else list(n)
+    if len(counts) != count:
+        raise ValueError(f"n must be an integer or one count per prompt ({count}), got {len(counts)}")
+    for k in counts:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"n must be an integer >= 1, got {k!r}")
+    return counts
+
+
+def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError(f"params must be a SamplingParams or one per prompt ({count})")
+    return params
+
+
+def derive_seed(seed: int | None, *keys: int | str) -> int | None:
+    """A reproducible seed for sub-request `keys` of a seeded run (None stays None)."""
+    if seed is None:
+        return None
+    # random.Random seeds a string through SHA-512: stable across runs and platforms.
+    return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
+
+
+def call_generator(
+    generator: Generator,
+    prompts: Sequence[str],
+    n: int | Sequence[int],
+    params: SamplingParams | Sequence[SamplingParams],
+    budget: Budget,
+) -> list[list[Completion]]:
+    """`generator.generate`, with what it spent also added to `budget` (once, if they are one)."""
+    if budget is generator.budget:
+        return generator.generate(prompts, n, params)
+    before = generator.budget.counts()
+    results = generator.generate(prompts, n, params)
+    budget.add_counts(generator.budget.since(before))
+    return results
+
+
 class LocalGenerator:
-    """A Generator over a local model. `budget` accumulates every call's tokens."""
+    """A Generator over a local model. `budget` accumulates every call's tokens.
 
-    def __init__(self, model: LanguageModel, budget: Budget | None = None):
+    prefix: "shared" (default) prefills each prompt once and forks its KV cache into the
+    n samples; "replicated" batches n copies of the prompt (each prefilled: no sharing);
+    "separate" makes one `generate` call per sample. The last two exist to measure what
+    sharing saves; samples of a seeded request use seeds derived per copy, so they differ
+    from the shared mode's draws but are equally distributed.
+    """
+
+    def __init__(self, model: LanguageModel, budget: Budget | None = None, prefix: str = "shared"):
+        if prefix not in PREFIX_MODES:
+            raise ValueError(f"prefix must be one of {PREFIX_MODES}, got {prefix!r}")
         self.model = model
-        self.budget = budget or Budget()
+        self.budget = budget if budget is not None else Budget()
+        self.prefix = prefix
 
-    def generate(self, prompts: Sequence[str], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: Sequence[str],
+        n: int | Sequence[int],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[list[Completion]]:
         from decodekit.decode.sample import generate
 
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        results = generate(self.model, list(prompts), params.replace(n=n))
-        for completions in results:
-            prompt_tokens = completions[0].usage.prompt_tokens
-            generated = sum(c.usage.completion_tokens for c in completions)
-            # The prompt is prefilled once; the other n - 1 samples reuse its KV.
-            self.budget.add_generation(prompt_tokens, generated, reused=prompt_tokens * (n - 1))
+        prompts = list(prompts)
+        counts = per_prompt_counts(n, len(prompts))
+        params_list = per_prompt_params(params, len(prompts))
+        if self.prefix == "shared":
+            requests = [p.replace(n=k) for p, k in zip(params_list, counts)]
+            results = generate(self.model, prompts, requests)
+            for completions, k in zip(results, counts):
+                prompt_tokens = completions[0].usage.prompt_tokens
+                generated = sum(c.usage.completion_tokens for c in completions)
+                # The prompt is prefilled once; the other k - 1 samples reuse its KV.
+                self.budget.add_generation(prompt_tokens, generated, reused=prompt_tokens * (k - 1))
+            return results
+        copies = [(i, p.replace(n=1, seed=derive_seed(p.seed, "copy", j)))
+                  for i, (p, k) in enumerate(zip(params_list, counts)) for j in range(k)]
+        if self.prefix == "replicated":
+            copied = [prompts[i] for i, _ in copies]
+            flat = [c[0] for c in generate(self.model, copied, [p for _, p in copies])]
+        else:
+            flat = [generate(self.model, [prompts[i]], p)[0][0] for i, p in copies]
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for (i, _), completion in zip(copies, flat):
+            results[i].append(completion)
+            self.budget.add_generation(completion.usage.prompt_tokens, completion.usage.completion_tokens)
         return results
 
     @torch.inference_mode()

@@ -1,0 +1,152 @@
+"""Scorers as plain callables with a declared signature (ARCHITECTURE.md, "Scorers").
+
+Outcome scorers (reward models, verifiers) take one of two signatures:
+    completion -> float                      kind "text"
+    (prompt, completion) -> float            kind "prompt"
+Process scorers (process reward models) take one of:
+    (question, steps) -> list[float]         kind "steps" (one score per step so far)
+    prefix -> float                          kind "prefix" (the text up to a step's end)
+The kind is declared by the caller or, if not, read once from the number of required
+positional parameters; `bool` results count as 0/1. A scorer that raises, returns NaN or
+returns something that is not a number fails *for that candidate*: `score_candidates`
+finishes the other candidates first, then either raises a `ScorerError` that names the
+failed candidates and carries every candidate (on_error="raise") or records the failure on
+the candidate and leaves it out of selection (on_error="record").
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from numbers import Real
+
+from decodekit.meta.budget import Budget
+from decodekit.meta.result import Candidate
+
+OUTCOME_KINDS = ("text", "prompt")  # in order of arity (1, 2)
+PROCESS_KINDS = ("prefix", "steps")  # in order of arity (1, 2)
+ON_ERROR = ("raise", "record")
+
+OutcomeScorer = Callable[[str, str], float]  # (prompt, completion) after `outcome_scorer`
+
+
+class ScorerError(ValueError):
+    """A scorer failed on some candidates; `candidates` holds every candidate's result."""
+
+    def __init__(self, message: str, candidates: list[Candidate]):
+        super().__init__(message)
+        self.candidates = candidates
+
+
+def check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+
+
+def required_positional(fn: Callable) -> int | None:
+    """How many positional arguments `fn` requires, or None when Python cannot tell."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = signature.parameters.values()
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def _kind(fn: Callable, kind: str | None, kinds: tuple[str, str], what: str) -> str:
+    if not callable(fn):
+        raise TypeError(f"{what} must be callable, got {fn!r}")
+    if kind is not None:
+        if kind not in kinds:
+            raise ValueError(f"{what} kind must be one of {kinds}, got {kind!r}")
+        return kind
+    arity = required_positional(fn)
+    if arity in (1, 2):
+        return kinds[arity - 1]
+    raise TypeError(
+        f"cannot tell the signature of {what} {fn!r} ({arity} required arguments); "
+        f"declare kind= one of {kinds}"
+    )
+
+
+def outcome_scorer(fn: Callable, kind: str | None = None) -> OutcomeScorer:
+    """`fn` as (prompt, completion) -> score. kind: "text" (fn(completion)) or "prompt"."""
+    if _kind(fn, kind, OUTCOME_KINDS, "scorer") == "prompt":
+        return fn
+    return lambda prompt, completion: fn(completion)
+
+
+def process_scorer(fn: Callable, kind: str | None = None) -> Callable[..., Sequence[float]]:
+    """`fn` as (question, steps, prefix, previous) -> one score per step so far.
+
+    kind "steps": fn(question, steps) scores every step itself. kind "prefix": fn(prefix)
+    sees the text up to the newest step and returns its score, appended to `previous` (the
+    scores its parent's steps already have)."""
+    if _kind(fn, kind, PROCESS_KINDS, "process scorer") == "steps":
+        return lambda question, steps, prefix, previous: fn(question, list(steps))
+    return lambda question, steps, prefix, previous: [*previous, fn(prefix)]
+
+
+def as_number(value) -> float:
+    """A scorer's value as a float; raises ValueError/TypeError for NaN or a non-number."""
+    if isinstance(value, bool):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()  # a 0-d tensor or numpy scalar
+    if not isinstance(value, Real):
+        raise TypeError(f"returned {value!r} ({type(value).__name__}), not a number")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError("returned nan")
+    return value
+
+
+def describe(index: int, text: str) -> str:
+    short = text if len(text) <= 40 else text[:37] + "..."
+    return f"candidate {index} ({short!r})"
+
+
+def score_candidates(
+    candidates: Sequence[Candidate],
+    scorer: OutcomeScorer,
+    prompt: str,
+    budget: Budget,
+    on_error: str = "raise",
+    start: int = 0,
+    stop_at: float | None = None,
+) -> int | None:
+    """Set `score` (or `error`) of candidates[start:], one scorer call each.
+
+    With `stop_at`, stops after the first candidate whose score is >= stop_at and returns its
+    index (rejection sampling); otherwise returns None. Failures are collected and, with
+    on_error="raise", reported together after the other candidates are scored."""
+    check_on_error(on_error)
+    failed = []
+    for i in range(start, len(candidates)):
+        candidate = candidates[i]
+        budget.add_scorer_calls()
+        try:
+            candidate.score = as_number(scorer(prompt, candidate.text))
+        except Exception as error:  # a scorer's failure belongs to its candidate
+            candidate.score, candidate.error = None, f"{type(error).__name__}: {error}"
+            failed.append(i)
+            continue
+        if stop_at is not None and candidate.score >= stop_at:
+            raise_failures(candidates, failed, on_error)
+            return i
+    raise_failures(candidates, failed, on_error)
+    return None
+
+
+def raise_failures(candidates: Sequence[Candidate], failed: list[int], on_error: str) -> None:
+    if failed and on_error == "raise":
+        names = "; ".join(f"{describe(i, candidates[i].text)}: {candidates[i].error}" for i in failed)
+        raise ScorerError(
+            f"scorer failed on {len(failed)} of {len(candidates)} candidates: {names} "
+            "(pass on_error='record' to keep going without them)",
+            list(candidates),
+        )

@@ -1,0 +1,296 @@
+"""Tree search over reasoning steps with a process reward model (seed 001, "tree search").
+
+States are partial solutions split at a step delimiter ("\\n"); a state's score comes from
+a process reward model v(x, s_1..s_t) (Uesato et al. 2022; Lightman et al. 2024), reduced
+over the path by `aggregate` (last step, min over steps, or product). Expanding a node
+generates one step (sampling stops at the delimiter) with k samples from the node's prefix
+through the Generator: the prefix is the prompt of its children's request, so a
+LocalGenerator prefills it once for all k children.
+
+Methods (N = `n`, M = `config.width`):
+- "beam":   step-level beam search (Snell et al. 2024; HF search-and-learn): the root gets
+            N children; keep the N/M best unfinished, expand each M times; repeat.
+- "dvts":   diverse verifier tree search (Beeching et al. 2024): N/M independent subtrees;
+            each expands its node M times and follows its best child, so subtrees never
+            compete and the leaves stay diverse.
+- "rebase": reward-balanced search (Wu et al. 2024b): the unfinished nodes of a depth share
+            the remaining budget B = N - finished as children n_i in proportion to
+            softmax(score_i / tau) (`allocate_children`), until N solutions are finished.
+
+A node is finished when its step ended without the delimiter (EOS, another stop string or
+the token limit), when `is_final(step)` says so, or at `config.max_depth` steps. The final
+answer is the best-scoring leaf ("best"), a majority vote over the leaves' extracted answers
+("vote"), or a vote weighted by the leaves' scores ("weighted_vote").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decodekit.completion import Completion
+from decodekit.meta.budget import Budget
+from decodekit.meta.generator import Generator, call_generator, derive_seed
+from decodekit.meta.parallel import Extractor, check_n, choose_best, chosen_for, vote
+from decodekit.meta.result import Candidate, MetaResult
+from decodekit.meta.scorers import ScorerError, as_number, check_on_error, describe, process_scorer
+from decodekit.params import SamplingParams
+
+METHODS = ("beam", "dvts", "rebase")
+AGGREGATIONS = ("last", "min", "product")
+FINALS = ("best", "vote", "weighted_vote")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """width: children per expanded node (M); tau: REBASE's softmax temperature."""
+
+    width: int = 4
+    delimiter: str = "\n"
+    max_depth: int = 8
+    aggregate: str = "last"
+    final: str = "best"
+    tau: float = 0.2
+
+    def __post_init__(self):
+        check_n(self.width, "width")
+        check_n(self.max_depth, "max_depth")
+        if not isinstance(self.delimiter, str) or not self.delimiter:
+            raise ValueError(f"delimiter must be a non-empty string, got {self.delimiter!r}")
+        if self.aggregate not in AGGREGATIONS:
+            raise ValueError(f"aggregate must be one of {AGGREGATIONS}, got {self.aggregate!r}")
+        if self.final not in FINALS:
+            raise ValueError(f"final must be one of {FINALS}, got {self.final!r}")
+        if not (isinstance(self.tau, int | float) and self.tau > 0):
+            raise ValueError(f"tau must be a number > 0, got {self.tau!r}")
+
+
+@dataclass
+class Node:
+    """A partial solution: its steps, the PRM score after each, and why it ended (or "")."""
+
+    steps: tuple[str, ...] = ()
+    scores: tuple[float, ...] = ()
+    reason: str = ""
+    completion: Completion | None = None  # the request that produced the last step
+
+    @property
+    def finished(self) -> bool:
+        return self.reason != ""
+
+    def prefix(self, prompt: str, delimiter: str) -> str:
+        return prompt + "".join(step + delimiter for step in self.steps)
+
+    def value(self, aggregate: str) -> float:
+        if not self.scores:
+            return 0.0
+        if aggregate == "last":
+            return self.scores[-1]
+        if aggregate == "min":
+            return min(self.scores)
+        return math.prod(self.scores)
+
+
+def allocate_children(total: int, values: list[float], tau: float) -> list[int]:
+    """REBASE's children per node: total * softmax(values / tau), rounded by largest remainder
+    (floors first, then the leftover to the largest fractional parts, lower index on ties),
+    so the counts sum to exactly `total` and each is within 1 of its share."""
+    if not values:
+        return []
+    top = max(values)
+    weights = [math.exp((v - top) / tau) for v in values]
+    shares = [total * w / sum(weights) for w in weights]
+    counts = [math.floor(s) for s in shares]
+    order = sorted(range(len(values)), key=lambda i: (-(shares[i] - counts[i]), i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class _Search:
+    """What one search run shares: generator, prompt, scorer, settings, budget, failures."""
+
+    def __init__(self, generator, prompt, prm, params, config, extract, is_final, prm_kind,
+                 on_error, budget):
+        check_on_error(on_error)
+        self.generator, self.prompt, self.config = generator, prompt, config
+        self.prm = process_scorer(prm, prm_kind)
+        stop = params.stop if config.delimiter in params.stop else (*params.stop, config.delimiter)
+        self.params = params.replace(stop=stop)
+        self.extract, self.is_final, self.on_error = extract, is_final, on_error
+        self.budget = budget
+        self.failed: list[Candidate] = []
+        self.expansions = 0
+        self.stopped = False
+
+    def value(self, node: Node) -> float:
+        return node.value(self.config.aggregate)
+
+    def out_of_budget(self) -> bool:
+        self.stopped = self.stopped or self.budget.exhausted
+        return self.stopped
+
+    def expand(self, nodes: list[Node], counts: list[int]) -> list[list[Node]]:
+        """Children of each node (counts[i] of nodes[i]), scored; failed children left out.
+        Repeated node objects become one request (DVTS's subtrees all start at the root)."""
+        unique: dict[int, int] = {}
+        requests: list[Node] = []
+        totals: list[int] = []
+        for node, k in zip(nodes, counts):
+            if id(node) not in unique:
+                unique[id(node)] = len(requests)
+                requests.append(node)
+                totals.append(0)
+            totals[unique[id(node)]] += k
+        params = [self.params.replace(seed=derive_seed(self.params.seed, self.expansions, i))
+                  for i in range(len(requests))]
+        self.expansions += 1
+        prompts = [node.prefix(self.prompt, self.config.delimiter) for node in requests]
+        results = call_generator(self.generator, prompts, totals, params, self.budget)
+        pools = [[self.child(node, c) for c in completions] for node, completions in zip(requests, results)]
+        self.score([child for pool in pools for child in pool])
+        groups = []
+        for node, k in zip(nodes, counts):
+            pool = pools[unique[id(node)]]
+            groups.append([c for c in pool[:k] if c.reason != "failed"])
+            del pool[:k]
+        return groups
+
+    def child(self, node: Node, completion: Completion) -> Node:
+        step = completion.text
+        if self.is_final is not None and self.is_final(step):
+            reason = "final"
+        elif completion.finish_reason != "stop":
+            reason = "length"
+        elif completion.stop_reason != self.config.delimiter:
+            reason = "eos" if isinstance(completion.stop_reason, int) else "stop"
+        elif len(node.steps) + 1 >= self.config.max_depth:
+            reason = "depth"
+        else:
+            reason = ""
+        return Node((*node.steps, step), node.scores, reason, completion)
+
+    def score(self, children: list[Node]) -> None:
+        failed: list[tuple[int, Candidate]] = []
+        for i, child in enumerate(children):
+            self.budget.add_scorer_calls()
+            prefix = child.prefix(self.prompt, self.config.delimiter)
+            try:
+                values = self.prm(self.prompt, child.steps, prefix, child.scores)
+                scores = tuple(as_number(v) for v in values)
+                if len(scores) != len(child.steps):
+                    raise ValueError(f"returned {len(scores)} scores for {len(child.steps)} steps")
+                child.scores = scores
+            except Exception as error:  # the failure belongs to this child
+                failed.append((i, self.candidate(child, error=f"{type(error).__name__}: {error}")))
+                child.reason = "failed"
+        self.failed += [c for _, c in failed]
+        if failed and self.on_error == "raise":
+            names = "; ".join(f"{describe(i, c.text)}: {c.error}" for i, c in failed)
+            raise ScorerError(
+                f"process scorer failed on {len(failed)} of {len(children)} children: {names} "
+                "(pass on_error='record' to keep going without them)",
+                [self.candidate(c) for c in children if c.reason != "failed"] + self.failed,
+            )
+
+    def candidate(self, node: Node, error: str | None = None) -> Candidate:
+        text = self.config.delimiter.join(node.steps)
+        answer = self.extract(text) if self.extract is not None else None
+        score = None if error else self.value(node)
+        return Candidate(text, node.completion, score, answer, error, list(node.steps),
+                         list(node.scores) if not error else None, node.reason or "unfinished")
+
+    def result(self, method: str, leaves: list[Node], frontier: list[Node]) -> MetaResult:
+        candidates = [self.candidate(node) for node in (leaves or frontier)]
+        if self.config.final == "best":
+            chosen = choose_best(candidates)
+            answer = chosen.answer if chosen is not None else None
+            tallies = {}
+        else:
+            weighted = self.config.final == "weighted_vote"
+            answer, tallies = vote(candidates, weighted)
+            chosen = chosen_for(candidates, answer, weighted)
+        return MetaResult(method, chosen, candidates + self.failed, self.budget.report(), answer,
+                          tallies, self.stopped)
+
+
+def _beam(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
+    width = min(search.config.width, n)
+    keep = max(1, n // width)
+    frontier, counts, leaves = [Node()], [n], []
+    while frontier and not search.out_of_budget():
+        children = [c for group in search.expand(frontier, counts) for c in group]
+        leaves += [c for c in children if c.finished]
+        # sorted() is stable: among equal scores the earlier child stays ahead
+        active = sorted((c for c in children if not c.finished), key=search.value, reverse=True)
+        frontier, counts = active[:keep], [width] * min(keep, len(active))
+        if len(leaves) >= n:
+            break
+    return leaves, frontier
+
+
+def _dvts(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
+    width = min(search.config.width, n)
+    current, leaves = [Node()] * max(1, n // width), []
+    while current and not search.out_of_budget():
+        following = []
+        for children in search.expand(current, [width] * len(current)):
+            if children:  # a subtree whose children all failed scoring ends here
+                best = max(children, key=search.value)  # max() keeps the first of equals
+                (leaves if best.finished else following).append(best)
+        current = following
+    return leaves, current
+
+
+def _rebase(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
+    frontier, counts, leaves = [Node()], [n], []
+    while frontier and not search.out_of_budget():
+        children = [c for group in search.expand(frontier, counts) for c in group]
+        leaves += [c for c in children if c.finished]
+        active = [c for c in children if not c.finished]
+        remaining = n - len(leaves)
+        if remaining <= 0:
+            return leaves, active
+        allocation = allocate_children(remaining, [search.value(c) for c in active], search.config.tau)
+        frontier = [c for c, k in zip(active, allocation) if k > 0]
+        counts = [k for k in allocation if k > 0]
+    return leaves, frontier
+
+
+_LOOPS = {"beam": _beam, "dvts": _dvts, "rebase": _rebase}
+
+
+def tree_search(
+    generator: Generator,
+    prompt: str,
+    prm: Callable,
+    n: int,
+    method: str = "beam",
+    params: SamplingParams | None = None,
+    config: TreeConfig | None = None,
+    *,
+    extract: Extractor | None = None,
+    is_final: Callable[[str], bool] | None = None,
+    prm_kind: str | None = None,
+    on_error: str = "raise",
+    budget: Budget | None = None,
+) -> MetaResult:
+    """Search for a solution of `prompt` with N = n samples per depth (see the module doc).
+
+    prm: (question, steps) -> list[float] or prefix -> float (`prm_kind` declares which);
+    params: sampling of one step (max_new_tokens bounds a step); extract: answer of a
+    solution text (needed for final="vote"/"weighted_vote"). Candidates are the finished
+    leaves (or, if none finished, the last frontier) followed by children whose scoring
+    failed (on_error="record")."""
+    if method not in _LOOPS:
+        raise ValueError(f"unknown tree search method {method!r}; choose from {METHODS}")
+    check_n(n)
+    config = config or TreeConfig()
+    if config.final != "best" and extract is None:
+        raise ValueError(f"final={config.final!r} needs an answer extractor (extract=)")
+    budget = budget if budget is not None else Budget()
+    search = _Search(generator, prompt, prm, params or SamplingParams(), config, extract, is_final,
+                     prm_kind, on_error, budget)
+    leaves, frontier = _LOOPS[method](search, n)
+    return search.result(method, leaves, frontier)
