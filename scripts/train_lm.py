@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 EOS = "<|endoftext|>"
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "src" / "decodekit" / "models" / "assets"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 EVAL_WINDOWS = 64  # windows of seq_len scored at each periodic evaluation
 
 
@@ -129,13 +131,16 @@ def train_causal_lm(
     log_every: int = 10,
     resume: bool = True,
     max_minutes: float | None = None,
+    bf16: bool = False,
 ) -> dict:
     """Train `model` (a transformers causal LM) and save it to `out_dir/final`.
 
     Stops after `steps` optimizer steps or `max_minutes` of training time, whichever comes
     first. With `max_minutes` the cosine schedule follows max(step / steps, minutes /
     max_minutes), so the learning rate has decayed when the clock runs out; such runs are
-    seeded but not bit-for-bit reproducible. Returns {"history", "val_loss", "train_minutes"}.
+    seeded but not bit-for-bit reproducible. `bf16` runs the forward under bfloat16 autocast
+    (weights and optimizer stay float32; evaluation is float32).
+    Returns {"history", "val_loss", "train_minutes"}.
     """
     if train_ids.dim() != 1 or val_ids.dim() != 1:
         raise ValueError("train_ids and val_ids must be 1-D token streams")
@@ -189,7 +194,8 @@ def train_causal_lm(
         for group in optimizer.param_groups:
             group["lr"] = rate
         inputs, targets = random_windows(train_ids, seq_len, batch_size, gen)  # [B, T] each
-        logits = model(input_ids=inputs).logits  # [B, T, V]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=inputs).logits  # [B, T, V]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -243,8 +249,11 @@ class LMConfig:
 
 
 CONFIGS = {
-    # target: ~5M parameters, grouped-query attention (4 query heads share 2 KV heads)
-    "shakespeare": LMConfig(256, 6, 4, 2, 688, 512, 256, 16, 2e-3, 100),
+    # target: ~3.4M parameters, grouped-query attention (4 query heads share 2 KV heads).
+    # Sized for the compute actually available: the shared 2-core machine gave a training
+    # process a fraction of one core, so a wider, shallower model with small batches (more
+    # optimizer steps per token) learns more in 45 minutes than the 5M / batch-16 variant.
+    "shakespeare": LMConfig(256, 4, 4, 2, 688, 512, 256, 8, 2e-3, 50),
     # draft / amateur: ~25x fewer parameters, 2 layers
     "shakespeare-draft": LMConfig(64, 2, 2, 1, 172, 512, 256, 16, 4e-3, 50),
     # smoke test only
@@ -292,17 +301,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="smoke run: tiny model and data")
     parser.add_argument("--data", default=str(REPO / "data" / "shakespeare"))
-    parser.add_argument("--tokenizer", default=str(ASSETS / "shakespeare"),
-                        help="directory AutoTokenizer loads (prepare_corpus.py writes one)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="directory AutoTokenizer loads; default DATA/tokenizer (written by "
+                             "prepare_corpus.py), or the shipped one for --tiny")
     parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    # one thread: on the shared 2-core machine two threads ran 2-4x slower per step whenever
+    # other jobs were running (OpenMP threads waiting on each other)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     parser.add_argument("--no-resume", action="store_true")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer, GenerationConfig
 
     torch.set_num_threads(args.threads)  # the one place threading is set (STYLE.md 9)
+    if args.tokenizer is None:
+        shipped = args.tiny or not (Path(args.data) / "tokenizer").exists()
+        args.tokenizer = str(ASSETS / "shakespeare" if shipped else Path(args.data) / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     cfg = CONFIGS["tiny" if args.tiny else args.config]
     train_text, val_text = load_texts(Path(args.data), args.tiny)
@@ -317,10 +333,11 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=cfg.batch_size, steps=args.steps, lr=cfg.lr, seed=args.seed,
         warmup=min(cfg.warmup, max(1, args.steps // 10)),
         eval_every=min(100, args.steps), log_every=1 if args.tiny else 10,
-        resume=not args.no_resume, max_minutes=args.max_minutes,
+        resume=not args.no_resume, max_minutes=args.max_minutes, bf16=not args.fp32,
     )
     final = Path(args.out) / "final"
-    tokenizer.save_pretrained(final)
+    for name in TOKENIZER_FILES:  # copied verbatim: save_pretrained rewrites the class name
+        shutil.copyfile(Path(args.tokenizer) / name, final / name)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
                      max_length=cfg.max_context).save_pretrained(final)
