@@ -8,6 +8,7 @@ or mask changes the logits by far more than the 1e-4 tolerance.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,3 +316,18 @@ def test_cache_grows_past_its_capacity(pair):
     steps += [model.forward(torch.tensor([[t]]), cache)[0] for t in tokens[10:]]
     assert cache.capacity >= 40
     assert (torch.cat(steps) - native_logits(model, tokens)).abs().max() <= 1e-4
+
+
+ASSETS = Path(__file__).parents[2] / "src" / "decodekit" / "models" / "assets"
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "shakespeare-draft"])
+def test_embedded_model_logits_equal_transformers(name):
+    path = ASSETS / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"embedded model {name} not trained yet")
+    model = NativeLM.from_pretrained(path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokens = model.encode("ROMEO: But soft, what light through yonder window breaks?")
+    expected = hf_logits(hf_model.eval(), tokens)
+    assert (native_logits(model, tokens) - expected).abs().max() <= 1e-4
