@@ -10,8 +10,10 @@ def test_int4_pack_round_trip_covers_every_code_and_odd_width():
     packed = pack_int4(codes)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
     assert torch.equal(unpack_int4(packed, 15), codes)
-    # Low nibble first: codes (-8, -7) -> 0x8 | 0x9 << 4.
-    assert packed[0, 0].item() == 0x98
+    # Byte j holds column j (low nibble) and column 8 + j (high nibble):
+    # codes -8 and 0 -> 0x08; codes -2 (0xE) and 6 -> 0x6E; code -1 and the pad -> 0x0F.
+    assert packed[0, 0].item() == 0x08 and packed[0, 6].item() == 0x6E
+    assert packed[0, 7].item() == 0x0F
 
 
 def _linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
@@ -23,15 +25,17 @@ def _linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Li
     ("bits", "group_size", "bias"),
     [(8, None, True), (8, 32, False), (4, None, False), (4, 32, True), (3, 16, True), (6, None, True)],
 )
-def test_output_equals_linear_with_dequantised_weight(bits, group_size, bias):
+@pytest.mark.parametrize("rows", [1, 40])  # fewer / more rows than a group: both group paths
+def test_output_equals_linear_with_dequantised_weight(bits, group_size, bias, rows):
     linear = _linear(128, 64, bias, seed=bits)
     qlinear = QuantizedLinear.from_linear(linear, QuantSpec(bits, group_size))
+    assert qlinear.qweight.dtype == (torch.uint8 if bits <= 4 else torch.int8)
     reference = nn.Linear(128, 64, bias=bias)
     with torch.no_grad():
         reference.weight.copy_(qlinear.dequantized_weight())
         if bias:
             reference.bias.copy_(linear.bias)
-    x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(0))  # [B, T, K]
+    x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(0))  # [B, T, K]
     with torch.no_grad():
         assert torch.allclose(qlinear(x), reference(x), atol=1e-5, rtol=1e-5)
 

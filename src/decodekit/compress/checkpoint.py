@@ -5,7 +5,7 @@ Metadata key "decodekit.compression" holds
     {"format": 1, "summary": {...CompressionSummary...},
      "quantized": {module name: {"in_features", "out_features", "bits", "group_size", "bias"}}}
 A `QuantizedLinear` at "model.layers.0.mlp.up_proj" stores "...up_proj.qweight" (int8, or
-uint8 with two 4-bit codes per byte) and "...up_proj.scales" (float32). Loading replaces
+uint8 with two 4-bit codes per byte, `pack_int4`'s layout) and "...up_proj.scales" (float32). Loading replaces
 those Linear layers of a freshly built float model by empty `QuantizedLinear`s and copies
 the stored tensors in unchanged, so codes and scales round-trip bit for bit. Pruned models
 need nothing special (their zeros are stored densely); the summary still records the run.

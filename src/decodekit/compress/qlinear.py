@@ -2,15 +2,18 @@
 
 Codes are kept as int8 [N, K] for 5..8 bits and packed two per byte, uint8 [N, ceil(K/2)],
 for 2..4 bits, with float32 scales [N, G] (one per output channel, or per group of K/G
-input features). The forward pass dequantises per matmul, so only one layer's float
-weight exists at a time:
+input features). The forward pass never builds more than one layer's float weight, and
+picks one of these (each a named function below):
 
-- per channel: y = (x Qᵀ) · s, scaling the output instead of the weight (one multiply
-  per output instead of per weight; about 1.7x faster at batch 1 on CPU);
-- per group: y = x (Q · s)ᵀ with the scales broadcast over each group;
-- bfloat16 input, per channel, unpacked codes: `torch._weight_int8pack_mm`, PyTorch's CPU
-  int8-weight kernel (it only has a fast path for bf16; for float32 it is ~10x slower than
-  dequantising, measured on PyTorch 2.13 CPU).
+- per channel: y = (x Qᵀ) · s, scaling the N outputs instead of the N·K weights;
+- per channel, packed int4: the same, as two matmuls over the two halves of the input
+  (`int4_halves_matmul`), so the nibbles are never interleaved back into one matrix;
+- per group, fewer rows than the group size (decoding): y = Σ_g (x_g Q_gᵀ) · s_g as one
+  batched matmul (`grouped_matmul`), again scaling outputs rather than weights;
+- per group otherwise (prefill): dequantise Ŵ = Q · s and run one matmul;
+- bfloat16 input, per channel, int8 codes: `torch._weight_int8pack_mm`, PyTorch's CPU
+  int8-weight kernel. It has a fast path only for bf16 activations; with float32 ones
+  it was several times slower than dequantising (PyTorch 2.13 CPU), so it is not used.
 """
 
 from __future__ import annotations
@@ -23,23 +26,51 @@ from decodekit.compress.quantize import QuantSpec, dequantize, quantize_rtn
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack codes int8 [N, K] in [-8, 7] two per byte: uint8 [N, ceil(K/2)].
+    """Pack codes int8 [N, K] in [-8, 7] two per byte: uint8 [N, H], H = ceil(K/2).
 
-    Column 2j goes to the low nibble of byte j, column 2j+1 to the high nibble.
+    Byte j of a row holds column j in its low nibble and column H + j in its high nibble
+    (the last high nibble is 0 when K is odd), so unpacking yields the two halves of the
+    row without interleaving.
     """
     n, k = q.shape
-    if k % 2:
-        q = torch.cat([q, torch.zeros(n, 1, dtype=q.dtype)], dim=1)
-    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8).reshape(n, -1, 2)
-    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+    half = (k + 1) // 2
+    low, high = q[:, :half].to(torch.int16), q[:, half:].to(torch.int16)
+    if high.shape[1] < half:
+        high = torch.cat([high, torch.zeros(n, 1, dtype=torch.int16)], dim=1)
+    return ((low & 0xF) | ((high & 0xF) << 4)).to(torch.uint8)
+
+
+def unpack_int4_halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes int8 [N, H] of columns [0, H) and [H, 2H) from uint8 [N, H]."""
+    # Arithmetic right shifts of the bytes viewed as int8 sign-extend each nibble.
+    low = (packed << 4).view(torch.int8) >> 4
+    high = packed.view(torch.int8) >> 4
+    return low, high
 
 
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """Inverse of `pack_int4`: int8 [N, in_features] from uint8 [N, ceil(K/2)]."""
-    p = packed.to(torch.int16)
-    nibbles = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(packed.shape[0], -1)
-    signed = (nibbles ^ 8) - 8  # sign-extend 4-bit two's complement
-    return signed[:, :in_features].to(torch.int8)
+    low, high = unpack_int4_halves(packed)
+    return torch.cat([low, high], dim=1)[:, :in_features]
+
+
+def int4_halves_matmul(x: torch.Tensor, packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., K] times the packed int4 codes [N, ceil(K/2)]ᵀ (unscaled). Returns [..., N]."""
+    low, high = unpack_int4_halves(packed)
+    half = packed.shape[1]
+    y = F.linear(x[..., :half], low.to(x.dtype))
+    return y + F.linear(x[..., half:], high[:, : in_features - half].to(x.dtype))
+
+
+def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Σ_g (x_g Q_gᵀ) s_g for x [..., K], codes [N, K], scales [N, G]. Returns [..., N]."""
+    n, k = codes.shape
+    groups = scales.shape[1]
+    lead = x.shape[:-1]
+    xg = x.reshape(-1, groups, k // groups).transpose(0, 1)  # [G, M, g]
+    wg = codes.to(x.dtype).reshape(n, groups, k // groups).permute(1, 2, 0)  # [G, g, N]
+    y = torch.bmm(xg, wg) * scales.T.to(x.dtype).unsqueeze(1)  # [G, M, N]
+    return y.sum(0).reshape(*lead, n)
 
 
 def int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -126,11 +157,16 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.codes(), self.scales).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        per_channel = self.spec.group_size is None
-        if per_channel and not self.packed and x.dtype == torch.bfloat16 and _has_int8_kernel():
-            y = int8_kernel_matmul(x, self.qweight, self.scales[:, 0])
-        elif per_channel:
-            y = F.linear(x, self.codes().to(x.dtype)) * self.scales[:, 0].to(x.dtype)
+        scales = self.scales.to(x.dtype)  # [N, G]
+        if self.spec.group_size is None:
+            if self.packed:
+                y = int4_halves_matmul(x, self.qweight, self.in_features) * scales[:, 0]
+            elif x.dtype == torch.bfloat16 and _has_int8_kernel():
+                y = int8_kernel_matmul(x, self.qweight, scales[:, 0])
+            else:
+                y = F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
+        elif x.numel() // self.in_features < self.spec.group_size:
+            y = grouped_matmul(x, self.codes(), scales)
         else:
             y = F.linear(x, self.dequantized_weight(x.dtype))
         if self.bias is not None:
