@@ -47,7 +47,7 @@ class Generator(Protocol):
 
 def per_prompt_counts(n: int | Sequence[int], count: int) -> list[int]:
     """`n` as one count per prompt; every count must be an integer >= 1."""
-    counts = [n] * count if isinstance(n, int) and not isinstance(n, bool) else list(n)
+    counts = list(n) if isinstance(n, Sequence) else [n] * count
     if len(counts) != count:
         raise ValueError(f"n must be an integer or one count per prompt ({count}), got {len(counts)}")
     for k in counts:

@@ -1,0 +1,184 @@
+"""Tree search with a process reward model on the toy two-step task (meta_toys.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from meta_toys import TOY_PROMPT, ScriptedGenerator, toy_oracle
+
+from decodekit.meta.generator import LocalGenerator
+from decodekit.meta.scorers import ScorerError
+from decodekit.meta.tree import Node, TreeConfig, allocate_children, tree_search
+from decodekit.params import SamplingParams
+
+STEP = SamplingParams(max_new_tokens=4)  # one step is one character and its delimiter
+
+
+class Spy(LocalGenerator):
+    """Records the (prompt, n) of every request."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.requests = []
+
+    def generate(self, prompts, n, params):
+        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+        self.requests.append(list(zip(prompts, counts)))
+        return super().generate(prompts, n, params)
+
+
+def test_greedy_misses_the_toy_solution(toy_model):
+    [[completion]] = LocalGenerator(toy_model).generate([TOY_PROMPT], 1, STEP.replace(temperature=0))
+    assert completion.text == "a\nx"  # the wrong path
+
+
+@pytest.mark.parametrize("method", ["beam", "dvts", "rebase"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_oracle_prm_finds_the_solution_greedy_misses(toy_model, method, seed):
+    params = STEP.replace(seed=seed)
+    result = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 8, method, params,
+                         TreeConfig(width=2))
+    assert result.text == "b\nc" and result.chosen.steps == ["b", "c"]
+    assert result.chosen.step_scores == [1.0, 1.0] and result.chosen.note == "eos"
+
+
+def test_search_is_reproducible_with_a_seed(toy_model):
+    def run():
+        result = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 6, "rebase",
+                             STEP.replace(seed=3), TreeConfig(width=2))
+        return [c.text for c in result.candidates]
+
+    assert run() == run()
+
+
+def test_allocate_children_follows_softmax_proportions():
+    # softmax(log w / 1) = w / sum(w): shares 1 : 2 : 5 of 8 are exact integers
+    assert allocate_children(8, [math.log(1), math.log(2), math.log(5)], tau=1.0) == [1, 2, 5]
+    # tau = 0.5 squares the weights: 1 : 4 : 25 of 30
+    assert allocate_children(30, [math.log(1), math.log(2), math.log(5)], tau=0.5) == [1, 4, 25]
+    # equal scores, 4 over 3: floors 1, 1, 1 and the leftover goes to the lowest index
+    assert allocate_children(4, [0.3, 0.3, 0.3], tau=0.1) == [2, 1, 1]
+    values = [0.1, 0.7, 0.4, 0.9, 0.2]
+    counts = allocate_children(17, values, tau=0.3)
+    weights = [math.exp(v / 0.3) for v in values]
+    shares = [17 * w / sum(weights) for w in weights]
+    assert sum(counts) == 17 and all(abs(c - s) < 1 for c, s in zip(counts, shares))
+    assert allocate_children(5, [], tau=1.0) == []
+
+
+def test_rebase_expands_nodes_in_softmax_proportions(toy_model):
+    def prefix_prm(prefix):
+        return 1.0 if prefix.endswith("b\n") else 0.0  # node value: is its last step "b"
+
+    spy = Spy(toy_model)
+    tau = 0.5
+    result = tree_search(spy, TOY_PROMPT, prefix_prm, 10, "rebase", STEP.replace(seed=0),
+                         TreeConfig(tau=tau), prm_kind="prefix")
+    [root_request], second = spy.requests[0], spy.requests[1]
+    assert root_request == (TOY_PROMPT, 10)
+    firsts = [c.steps[0] for c in result.candidates]  # each leaf's first step = its parent
+    assert len(firsts) == 10  # REBASE stops once N = 10 solutions are finished
+    # the second depth: the 10 depth-1 nodes share 10 children by softmax(value / tau)
+    n_b = sum(1 for prompt, _ in second if prompt.endswith("b\n"))
+    n_a = len(second) - n_b
+    expected = allocate_children(10, [1.0] * n_b + [0.0] * n_a, tau)
+    got = sorted((k for _, k in second), reverse=True)
+    assert got == sorted((k for k in expected if k), reverse=True)
+    assert 0 < n_b < 10
+
+
+def test_tree_budget_counts_by_hand(toy_model):
+    greedy = STEP.replace(temperature=0)
+    # beam, N = 2, width 2: the root "Q\n" (2 tokens) gets 2 children "a" + "\n" (2 tokens each);
+    # keep 1, whose prefix "Q\na\n" (4 tokens) gets 2 children "x" + EOS (2 tokens each).
+    result = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 2, "beam", greedy,
+                         TreeConfig(width=2))
+    budget = result.budget
+    assert budget["generator_calls"] == 2
+    assert budget["prompt_tokens"] == 2 + 4 and budget["reused_prefix_tokens"] == 2 + 4
+    assert budget["generated_tokens"] == 4 + 4 and budget["scorer_calls"] == 4
+    assert [c.text for c in result.candidates] == ["a\nx", "a\nx"]
+    # DVTS, N = 4, width 2: both subtrees start at the root: one request of 4 (prompt 2,
+    # reused 6, 8 tokens); each subtree's best child "a" is its own node: 2 requests of 2
+    # children from "Q\na\n" (prompt 4 + 4, reused 4 + 4, 8 tokens).
+    result = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 4, "dvts", greedy,
+                         TreeConfig(width=2))
+    assert {k: result.budget[k] for k in ("generator_calls", "prompt_tokens", "reused_prefix_tokens",
+                                          "generated_tokens", "scorer_calls")} == {
+        "generator_calls": 3, "prompt_tokens": 10, "reused_prefix_tokens": 14,
+        "generated_tokens": 16, "scorer_calls": 8}
+
+
+def test_node_prefix_is_the_prompt_of_its_children(toy_model):
+    spy = Spy(toy_model)
+    tree_search(spy, TOY_PROMPT, toy_oracle, 4, "beam", STEP.replace(seed=0), TreeConfig(width=2))
+    assert spy.requests[0] == [(TOY_PROMPT, 4)]
+    # the 2 kept nodes: one request each, with all their 2 children
+    assert sorted(k for _, k in spy.requests[1]) == [2, 2]
+    assert all(prompt.startswith(TOY_PROMPT) and prompt.endswith("\n") for prompt, _ in spy.requests[1])
+
+
+def test_step_aggregation():
+    node = Node(("s1", "s2", "s3"), (0.9, 0.5, 0.8))
+    assert node.value("last") == 0.8
+    assert node.value("min") == 0.5
+    assert node.value("product") == pytest.approx(0.36)
+
+
+def test_final_answer_by_vote_or_best():
+    replies = {"Q\n": ["a", "b", "c", "d"]}
+    answers = {"a": "1", "b": "2", "c": "2", "d": "3"}
+    gen = ScriptedGenerator(lambda prompt, i: (replies[prompt][i % 4], 0))  # each step ends at EOS
+    scores = {"a": 0.9, "b": 0.3, "c": 0.35, "d": 0.1}
+
+    def prm(question, steps):
+        return [scores[s] for s in steps]
+
+    config = TreeConfig(width=4, final="best")
+    best = tree_search(gen, "Q\n", prm, 4, "beam", config=config, extract=lambda t: answers[t])
+    assert best.text == "a" and best.answer == "1"
+    voted = tree_search(ScriptedGenerator(gen.respond), "Q\n", prm, 4, "beam",
+                        config=TreeConfig(width=4, final="vote"), extract=lambda t: answers[t])
+    assert voted.answer == "2" and voted.text == "b" and voted.tallies == {"1": 1.0, "2": 2.0, "3": 1.0}
+    weighted = tree_search(ScriptedGenerator(gen.respond), "Q\n", prm, 4, "beam",
+                           config=TreeConfig(width=4, final="weighted_vote"), extract=lambda t: answers[t])
+    assert weighted.answer == "1"  # 0.9 > 0.3 + 0.35
+
+
+def test_prm_failure_on_one_child(toy_model):
+    def prm(question, steps):
+        if steps[-1] == "a":
+            raise RuntimeError("PRM out of memory")
+        return toy_oracle(question, steps)
+
+    with pytest.raises(ScorerError, match=r"candidate \d+ \('a'\): RuntimeError: PRM out of memory"):
+        tree_search(LocalGenerator(toy_model), TOY_PROMPT, prm, 8, "beam", STEP.replace(seed=0),
+                    TreeConfig(width=2))
+    result = tree_search(LocalGenerator(toy_model), TOY_PROMPT, prm, 8, "beam", STEP.replace(seed=0),
+                         TreeConfig(width=2), on_error="record")
+    assert result.text == "b\nc"  # the search went on without the failed children
+    failed = [c for c in result.candidates if c.failed]
+    assert failed and all(c.text == "a" and "out of memory" in c.error for c in failed)
+
+
+def test_prm_returning_nan_or_wrong_length_fails_clearly(toy_model):
+    with pytest.raises(ScorerError, match="returned nan"):
+        tree_search(LocalGenerator(toy_model), TOY_PROMPT, lambda q, s: [math.nan] * len(s), 2)
+    with pytest.raises(ScorerError, match="returned 1 scores for 2 steps"):
+        tree_search(LocalGenerator(toy_model), TOY_PROMPT, lambda q, s: [1.0], 2,
+                    params=STEP.replace(temperature=0))
+
+
+def test_bad_input(toy_model):
+    gen = LocalGenerator(toy_model)
+    with pytest.raises(ValueError, match="unknown tree search method 'mcts'"):
+        tree_search(gen, TOY_PROMPT, toy_oracle, 4, "mcts")
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+        tree_search(gen, TOY_PROMPT, toy_oracle, 0)
+    with pytest.raises(ValueError, match="needs an answer extractor"):
+        tree_search(gen, TOY_PROMPT, toy_oracle, 4, config=TreeConfig(final="vote"))
+    with pytest.raises(ValueError, match="aggregate must be one of"):
+        TreeConfig(aggregate="mean")
+    with pytest.raises(ValueError, match="tau must be a number > 0"):
+        TreeConfig(tau=0)
