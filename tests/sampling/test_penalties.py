@@ -112,8 +112,8 @@ MULT, BASE = 0.8, 1.75
 def test_dry_match_lengths_follow_the_llama_cpp_example():
     # llama.cpp's comment: "a b c c b c y a b c" has repeat counts 0 0 3 1 0 2 0 0 0 (0)
     context = [1, 2, 3, 3, 2, 3, 4, 1, 2, 3]
-    assert P.dry_match_lengths(context, 100) == [0, 0, 3, 1, 0, 2, 0, 0, 0]
-    assert P.dry_match_lengths(context, 2) == [0, 0, 2, 1, 0, 2, 0, 0, 0]
+    assert P.dry_match_lengths(context, 100).tolist() == [0, 0, 3, 1, 0, 2, 0, 0, 0]
+    assert P.dry_match_lengths(context, 2).tolist() == [0, 0, 2, 1, 0, 2, 0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -150,6 +150,12 @@ def test_dry_never_penalises_a_single_token_breaker():
     context = [5, 6, 7, 5, 6]  # "5 6" repeats; 7 would extend it
     assert P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2)[0, 7].item() == pytest.approx(-MULT)
     assert P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers=[(7,)])[0, 7].item() == 0
+
+
+def test_dry_exponent_is_capped_so_the_penalty_stays_finite():
+    # 60 repeats of one token: L = 59, exponent 58; capped at int(88.72 / ln 1000) = 12
+    out = P.dry(torch.zeros(1, 3), [[1] * 60], 1.0, 1000.0, 1)
+    assert out[0].tolist() == pytest.approx([0.0, -(1000.0**12), 0.0])
 
 
 def test_dry_breakers_come_from_the_tokenizer(tokenizer):

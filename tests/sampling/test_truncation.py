@@ -113,8 +113,10 @@ def test_eta_threshold_is_min_of_eta_and_entropy_term():
     threshold = min(0.2, math.sqrt(0.2) * math.exp(-entropy))  # 0.111: the entropy term
     assert 0.1 < threshold < 0.15
     assert_dist(P.eta(logits_of(PROBS), 0.2), kept(PROBS, {0, 1, 2}))
-    # eta = 0.06: sqrt(0.06) e^-H = 0.0609 > 0.06, so the threshold is eta itself
-    assert 0.05 < min(0.06, math.sqrt(0.06) * math.exp(-entropy)) == 0.06
+    # eta = 0.045: sqrt(0.045) e^-H = 0.0527 > 0.045, so the threshold is eta itself and
+    # the 0.05 token (which the entropy term alone would drop) stays
+    assert 0.045 < 0.05 < math.sqrt(0.045) * math.exp(-entropy)
+    assert_dist(P.eta(logits_of(PROBS), 0.045), PROBS)
     assert_dist(P.eta(logits_of(PROBS), 0.06), kept(PROBS, {0, 1, 2, 3}))
 
 
@@ -140,6 +142,8 @@ def test_top_n_sigma_uses_std_of_finite_logits():
     assert_dist(
         P.top_n_sigma(logits, 2.0), [math.exp(3) / z3, math.exp(2) / z3, math.e / z3, 0, 0]
     )
+    # n = 1.7: 3 - 1.7 * 1.118 = 1.099 > 1 drops the 1 (a sample std, 1.291, would keep it)
+    assert_dist(P.top_n_sigma(logits, 1.7), [math.exp(3) / z2, math.exp(2) / z2, 0, 0, 0])
     assert_dist(P.top_n_sigma(logits, 0.0), [1, 0, 0, 0, 0])
     assert torch.equal(P.top_n_sigma(logits, INF), logits)
 

@@ -279,14 +279,14 @@ def frequency_presence(
     return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
-def dry_match_lengths(context: Sequence[int], limit: int) -> list[int]:
+def dry_match_lengths(context: Sequence[int], limit: int) -> torch.Tensor:
     """For each position j < N - 1: the length of the longest suffix of context[: j + 1]
-    that is also a suffix of the whole context, capped at `limit` (0 when none)."""
+    that is also a suffix of the whole context, capped at `limit` (0 when none): [N - 1]."""
     tokens = torch.as_tensor(list(context), dtype=torch.long)
     last = len(tokens) - 1
     lengths = torch.zeros(max(last, 0), dtype=torch.long)
     if last < 1 or limit < 1:
-        return lengths.tolist()
+        return lengths
     alive = torch.nonzero(tokens[:last] == tokens[last]).flatten()  # matches of length >= 1
     length = 0
     while len(alive) and length < limit:
@@ -294,7 +294,7 @@ def dry_match_lengths(context: Sequence[int], limit: int) -> list[int]:
         lengths[alive] = length
         alive = alive[alive >= length]  # can a match ending at j grow by one more token?
         alive = alive[tokens[alive - length] == tokens[last - length]]
-    return lengths.tolist()
+    return lengths
 
 
 def dry(
@@ -313,18 +313,19 @@ def dry(
     sequence breaker (`breakers`: token sequences) in the context, and a single-token
     breaker is never penalised itself.
     """
-    single = {seq[0] for seq in breakers if len(seq) == 1}
+    single = {seq[0] for seq in breakers if len(seq) == 1}  # often thousands of tokens
+    multi = [list(seq) for seq in breakers if len(seq) > 1]
     max_exponent = int(_LOG_FLOAT_MAX / math.log(base)) if base > 1.000001 else 0
     out = logits.clone()
     for row, context in enumerate(contexts):
-        limit = _dry_repeat_limit(context, breakers)
+        limit = _dry_repeat_limit(context, single, multi)
         if len(context) <= allowed_length or limit < allowed_length:
             continue
         longest: dict[int, int] = {}  # next token -> longest repeat it would extend
-        for j, length in enumerate(dry_match_lengths(context, limit)):
-            token = context[j + 1]
-            if length >= allowed_length and length > longest.get(token, 0):
-                longest[token] = length
+        lengths = dry_match_lengths(context, limit)
+        for j in torch.nonzero(lengths >= allowed_length).flatten().tolist():
+            token, length = context[j + 1], int(lengths[j])
+            longest[token] = max(length, longest.get(token, 0))
         for token, length in longest.items():
             if token in single:
                 continue
@@ -335,11 +336,11 @@ def dry(
     return out
 
 
-def _dry_repeat_limit(context: Sequence[int], breakers: Sequence[Sequence[int]]) -> int:
+def _dry_repeat_limit(context: Sequence[int], single: set[int], multi: list[list[int]]) -> int:
     """Tokens after the most recent sequence breaker (the whole context when none)."""
     for end in range(len(context), 0, -1):  # a breaker ending at context[end - 1]
-        for seq in breakers:
-            ends_here = seq[-1] == context[end - 1] and len(seq) <= end
-            if ends_here and list(context[end - len(seq) : end]) == list(seq):
-                return len(context) - end
+        if context[end - 1] in single or any(
+            len(seq) <= end and list(context[end - len(seq) : end]) == seq for seq in multi
+        ):
+            return len(context) - end
     return len(context)
