@@ -10,6 +10,9 @@ words, logit bias and penalties work; temperature is ignored (set to 1).
 early_stopping=True stops once `num_beams` hypotheses have finished (the usual
 choice); False stops only when no live beam can still beat the worst kept
 hypothesis, which makes a wide enough beam equal exhaustive search.
+
+A token mask (`constraint=` or `heal=`, as in `generate`) is applied before the chain; a
+hypothesis whose constraint is complete leaves the beam like one that emits EOS.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodekit.completion import Completion, Usage
+from decodekit.decode.constrained import Constraint, token_mask
 from decodekit.decode.sample import Prompt, encode_prompt
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
@@ -33,6 +37,7 @@ class Hypothesis:
     logprobs: list[float] = field(default_factory=list)  # raw model log-probs
     scores: list[float] = field(default_factory=list)  # processed log-probs (what beam sums)
     finish_reason: str = "length"
+    stop_reason: int | None = None  # the EOS or stop token that ended it
 
     @property
     def total(self) -> float:
@@ -50,6 +55,8 @@ def beam_search(
     num_beams: int = 4,
     length_penalty: float = 1.0,
     early_stopping: bool = True,
+    constraint: Constraint | None = None,
+    heal: bool | int = False,
 ) -> list[Completion] | list[list[Completion]]:
     """The `params.n` best hypotheses (n <= num_beams) per prompt, best first, with `score` set."""
     params = params or SamplingParams()
@@ -63,14 +70,16 @@ def beam_search(
         raise ValueError("beam search stops on EOS and stop_token_ids; stop strings are not supported")
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
-    results = [
-        _beam_one(model, encode_prompt(model, p), params, num_beams, length_penalty, early_stopping)
-        for p in prompt_list
-    ]
+    results = []
+    for prompt in prompt_list:
+        mask, ids, decode = token_mask(model, encode_prompt(model, prompt), 1, constraint, heal,
+                                       params.ignore_eos)
+        results.append(_beam_one(model, ids, params, num_beams, length_penalty, early_stopping,
+                                 mask, decode))
     return results[0] if single else results
 
 
-def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping) -> list[Completion]:
+def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask, decode):
     params = params.replace(temperature=1.0)
     params.check_vocab(model.vocab_size)
     chain = build_chain(params, model.tokenizer)
@@ -81,7 +90,8 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping) -> li
     beams = [Hypothesis([])]
     finished: list[Hypothesis] = []
     for step in range(max_steps):
-        processed = chain(logits, state)  # [K, V]
+        allowed = logits if mask is None else mask.apply(logits)  # the mask comes first
+        processed = chain(allowed, state)  # [K, V]
         scores = torch.log_softmax(processed, dim=-1)
         raw = torch.log_softmax(logits, dim=-1)
         totals = torch.tensor([b.total for b in beams])[:, None] + scores  # [K, V]
@@ -97,8 +107,11 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping) -> li
                 beam.logprobs + [float(raw[parent, token])],
                 beam.scores + [float(scores[parent, token])],
             )
-            if token in stop_ids and len(grown.tokens) > params.min_new_tokens:
-                grown.finish_reason = "stop"
+            if token in stop_ids and len(grown.tokens) > params.min_new_tokens or (
+                mask is not None and token not in stop_ids and mask.completes(parent, token)
+            ):
+                grown.finish_reason = "stop"  # EOS, a stop token, or a complete constraint
+                grown.stop_reason = token if token in stop_ids else None
                 finished = _keep_best(finished + [grown], num_beams, alpha)
             elif token not in stop_ids:
                 parents.append(parent)
@@ -114,11 +127,14 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping) -> li
         state.select_rows(parents)
         chosen = torch.tensor(tokens)
         state.accept(chosen, processed[parents])
+        if mask is not None:
+            mask.select_rows(parents)
+            mask.accept(chosen)
         if step + 1 == max_steps:
             break  # out of length: live beams finish with reason "length"
         logits = model.forward(chosen[:, None], cache)[:, -1, :]  # [K, V]
     finished = _keep_best(finished + beams, num_beams, alpha)
-    return [_completion(model, h, prompt_ids, alpha) for h in finished[: params.n]]
+    return [_completion(decode, h, prompt_ids, alpha) for h in finished[: params.n]]
 
 
 def _keep_best(hypotheses: list[Hypothesis], num_beams: int, alpha: float) -> list[Hypothesis]:
@@ -138,15 +154,15 @@ def _done(finished, beams, num_beams, alpha, early_stopping, length, max_length)
     return best_total / (reach**alpha) <= worst
 
 
-def _completion(model, h: Hypothesis, prompt_ids, alpha) -> Completion:
-    text_ids = h.tokens[:-1] if h.finish_reason == "stop" else h.tokens
+def _completion(decode, h: Hypothesis, prompt_ids, alpha) -> Completion:
+    text_ids = h.tokens[:-1] if h.stop_reason is not None else h.tokens
     return Completion(
         token_ids=h.tokens,
-        text=model.decode(text_ids),
+        text=decode(text_ids),
         logprobs=h.logprobs,
         processed_logprobs=h.scores,
         finish_reason=h.finish_reason,
         usage=Usage(len(prompt_ids), len(h.tokens)),
-        stop_reason=h.tokens[-1] if h.finish_reason == "stop" else None,
+        stop_reason=h.stop_reason,
         score=h.normalised(alpha),
     )

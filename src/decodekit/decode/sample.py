@@ -7,16 +7,22 @@ request's n rows, then decodes one token per step for every live row. Each
 request keeps its own adapter chain and random generator, so a seeded request
 draws the same tokens whatever else is in the batch. Finished rows leave the
 batch (their cache rows are dropped) so later steps cost only the live rows.
+
+A request may carry a token mask (`constraint=`: constrained.py; `heal=`: healing.py),
+applied before its adapter chain and advanced with the chosen tokens; a row whose
+constraint is complete finishes with finish_reason "stop".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from decodekit.completion import Completion, Usage
+from decodekit.decode.constrained import Constraint, token_mask
 from decodekit.decode.text import TextTracker
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
@@ -51,6 +57,7 @@ class Request:
     state: SamplerState
     chain: object
     rows: list[Row] = field(default_factory=list)
+    mask: Any = None  # GrammarMask or HealingMask of the request's rows, or None
 
 
 @dataclass
@@ -87,15 +94,18 @@ def make_requests(
     model: LanguageModel,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None,
+    constraint: Constraint | None = None,
+    heal: bool | int = False,
 ) -> list[Request]:
     params_list = _per_prompt_params(params, len(prompts))
     requests = []
     for index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
         p.check_vocab(model.vocab_size)
         ids = encode_prompt(model, prompt)
+        mask, ids, decode = token_mask(model, ids, p.n, constraint, heal, p.ignore_eos)
         state = SamplerState(p, ids, p.n, model.vocab_size, model.eos_token_ids, model.tokenizer)
-        request = Request(index, ids, p, state, build_chain(p, model.tokenizer))
-        request.rows = [Row(request, s, TextTracker(model.decode, p.stop)) for s in range(p.n)]
+        request = Request(index, ids, p, state, build_chain(p, model.tokenizer), mask=mask)
+        request.rows = [Row(request, s, TextTracker(decode, p.stop)) for s in range(p.n)]
         requests.append(request)
     return requests
 
@@ -141,9 +151,13 @@ def sample_rows(logits: torch.Tensor, live: list[Row]) -> torch.Tensor:
         while stop < len(live) and live[stop].request is request:
             stop += 1
         raw = logits[start:stop]  # [r, V]
-        processed = request.chain(raw, request.state)
+        # The token mask comes first, so the chain renormalises over the allowed tokens.
+        allowed = raw if request.mask is None else request.mask.apply(raw)
+        processed = request.chain(allowed, request.state)
         chosen = select_tokens(processed, request.state)  # [r]
         request.state.accept(chosen, processed)
+        if request.mask is not None:
+            request.mask.accept(chosen)
         record(live[start:stop], raw, processed, chosen)
         tokens[start:stop] = chosen
         start = stop
@@ -155,6 +169,7 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
     processed_lp = torch.log_softmax(processed, dim=-1)
     params = rows[0].request.params
     model_eos = rows[0].request.state.eos_token_ids
+    mask = rows[0].request.mask
     for i, row in enumerate(rows):
         token = int(chosen[i])
         row.logprobs.append(float(raw_lp[i, token]))
@@ -167,6 +182,8 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
             row.finish_reason, row.stop_reason = "stop", token
         elif row.text.push(token):
             row.finish_reason, row.stop_reason = "stop", row.text.stopped_by
+        elif mask is not None and mask.is_complete(i):
+            row.finish_reason = "stop"  # the constraint is complete
         if row.finish_reason is None and len(row.token_ids) >= params.max_new_tokens:
             row.finish_reason = "length"
 
@@ -182,6 +199,8 @@ def drop_finished_rows(live: list[Row]) -> None:
             rows.append(local)
     for request, rows in kept.values():
         request.state.select_rows(rows)
+        if request.mask is not None:
+            request.mask.select_rows(rows)
 
 
 def to_completion(row: Row) -> Completion:
@@ -203,9 +222,12 @@ def stream_events(
     model: LanguageModel,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    constraint: Constraint | None = None,
+    heal: bool | int = False,
 ) -> Iterator[Delta]:
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
-    requests = make_requests(model, prompts, params)
+    requests = make_requests(model, prompts, params, constraint, heal)
     context = model.max_context
     for rows in _steps(model, requests):
         for row in rows:
@@ -222,25 +244,40 @@ def generate(
     model: LanguageModel,
     prompts: Prompt | Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    constraint: Constraint | None = None,
+    heal: bool | int = False,
 ) -> list[list[Completion]] | list[Completion]:
-    """n completions per prompt. A single prompt (a string) returns its list of n completions."""
+    """n completions per prompt. A single prompt (a string) returns its list of n completions.
+
+    constraint: a JsonSchema, Regex, Grammar or Choices every completion must match
+    (constrained.py); heal: back the prompt up over its last token (or `heal` tokens) and
+    let the model re-choose it (healing.py).
+    """
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
     counts = [p.n for p in _per_prompt_params(params, len(prompt_list))]
     results: list[list] = [[None] * n for n in counts]
-    for delta in stream_events(model, prompt_list, params):
+    for delta in stream_events(model, prompt_list, params, constraint=constraint, heal=heal):
         if delta.completion is not None:
             results[delta.prompt_index][delta.sample_index] = delta.completion
     return results[0] if single else results  # type: ignore[return-value]
 
 
-def stream(model: LanguageModel, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+def stream(
+    model: LanguageModel,
+    prompt: Prompt,
+    params: SamplingParams | None = None,
+    *,
+    constraint: Constraint | None = None,
+    heal: bool | int = False,
+) -> Iterator[str]:
     """Text deltas of one sample; their concatenation equals `generate(...)[0].text`."""
     params = params or SamplingParams()
     if params.n != 1:
         raise ValueError(f"stream() yields one sample, so n must be 1, got {params.n}")
-    for delta in stream_events(model, [prompt], params):
+    for delta in stream_events(model, [prompt], params, constraint=constraint, heal=heal):
         if delta.text:
             yield delta.text
