@@ -9,7 +9,13 @@ from decodekit.completion import Completion, Usage
 from decodekit.params import SamplingParams
 
 __all__ = [
+    "Choices",
     "Completion",
+    "Constraint",
+    "ContrastiveLM",
+    "Grammar",
+    "JsonSchema",
+    "Regex",
     "SamplingParams",
     "Usage",
     "beam_search",
@@ -34,4 +40,12 @@ def __getattr__(name):
         from decodekit.decode.beam import beam_search
 
         return beam_search
+    if name in ("Constraint", "JsonSchema", "Regex", "Grammar", "Choices"):
+        from decodekit.decode import constrained
+
+        return getattr(constrained, name)
+    if name == "ContrastiveLM":
+        from decodekit.decode.contrastive import ContrastiveLM
+
+        return ContrastiveLM
     raise AttributeError(f"module 'decodekit' has no attribute {name!r}")
