@@ -9,7 +9,7 @@ from meta_toys import TOY_PROMPT, ScriptedGenerator, toy_oracle
 
 from decodekit.meta.generator import LocalGenerator
 from decodekit.meta.scorers import ScorerError
-from decodekit.meta.tree import Node, TreeConfig, allocate_children, tree_search
+from decodekit.meta.tree import Node, TreeConfig, allocate_children, tree_search, tree_search_batch
 from decodekit.params import SamplingParams
 
 STEP = SamplingParams(max_new_tokens=4)  # one step is one character and its delimiter
@@ -182,3 +182,36 @@ def test_bad_input(toy_model):
         TreeConfig(aggregate="mean")
     with pytest.raises(ValueError, match="tau must be a number > 0"):
         TreeConfig(tau=0)
+
+
+def test_batched_searches_match_single_searches_and_split_the_budget(toy_model):
+    params, config = STEP.replace(seed=4), TreeConfig(width=2)
+    gen = LocalGenerator(toy_model)
+    batch = tree_search_batch(gen, [TOY_PROMPT, TOY_PROMPT], toy_oracle, 6, "rebase", params, config)
+    alone = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 6, "rebase", params, config)
+    for result in batch:
+        assert [c.text for c in result.candidates] == [c.text for c in alone.candidates]
+        for key in ("prompt_tokens", "generated_tokens", "reused_prefix_tokens", "scorer_calls"):
+            assert result.budget[key] == alone.budget[key]
+    # each depth is one call for both searches; the per-search counts add up to the generator's
+    for key in ("prompt_tokens", "generated_tokens", "reused_prefix_tokens"):
+        assert sum(r.budget[key] for r in batch) == gen.budget.counts()[key]
+
+
+def test_batched_prm_scores_all_children_in_one_call(toy_model):
+    calls = []
+
+    def batched(items):
+        calls.append(len(items))
+        return [toy_oracle(q, steps) for q, steps in items]
+
+    results = tree_search_batch(LocalGenerator(toy_model), [TOY_PROMPT] * 3, batched, 4, "beam",
+                                STEP.replace(seed=0), TreeConfig(width=2), prm_kind="batch")
+    assert all(r.text == "b\nc" for r in results)
+    assert calls == [12, 12]  # 3 searches x 4 children, at each of the 2 depths
+
+    def broken(items):
+        raise RuntimeError("scorer server down")
+
+    with pytest.raises(ScorerError, match="scorer server down"):
+        tree_search_batch(LocalGenerator(toy_model), [TOY_PROMPT], broken, 2, prm_kind="batch")

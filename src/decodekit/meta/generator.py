@@ -9,7 +9,8 @@ prompt (a meta-generator gives each request its own seed, so two identical prefi
 call do not draw identical samples). `params.n` is ignored: `n` says how many.
 
 `LocalGenerator` runs a `LanguageModel` in this process: the n samples of a prompt share
-its prefill (the prompt is computed once and its KV forked). A remote OpenAI-compatible
+its prefill (the prompt is computed once and its KV forked), and the samples that reused
+it say so in `usage.cached_prompt_tokens`. A remote OpenAI-compatible
 endpoint implements the same protocol (meta/remote.py), so meta-generators never know
 which they call. Every call is counted in the generator's `Budget`; `call_generator`
 copies what a call spent into a meta-generator's own budget.
@@ -73,6 +74,14 @@ def derive_seed(seed: int | None, *keys: int | str) -> int | None:
     return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
 
 
+def account_request(budget: Budget, completions: Sequence[Completion]) -> None:
+    """Count one request's completions from their usage: prompt tokens computed (those not
+    marked `cached_prompt_tokens`), reused, and generated."""
+    cached = sum(c.usage.cached_prompt_tokens for c in completions)
+    prompt = sum(c.usage.prompt_tokens for c in completions) - cached
+    budget.add_generation(prompt, sum(c.usage.completion_tokens for c in completions), reused=cached)
+
+
 def call_generator(
     generator: Generator,
     prompts: Sequence[str],
@@ -120,11 +129,10 @@ class LocalGenerator:
         if self.prefix == "shared":
             requests = [p.replace(n=k) for p, k in zip(params_list, counts)]
             results = generate(self.model, prompts, requests)
-            for completions, k in zip(results, counts):
-                prompt_tokens = completions[0].usage.prompt_tokens
-                generated = sum(c.usage.completion_tokens for c in completions)
-                # The prompt is prefilled once; the other k - 1 samples reuse its KV.
-                self.budget.add_generation(prompt_tokens, generated, reused=prompt_tokens * (k - 1))
+            for completions in results:
+                for completion in completions[1:]:  # forked from the first sample's prefill
+                    completion.usage.cached_prompt_tokens = completion.usage.prompt_tokens
+                account_request(self.budget, completions)
             return results
         copies = [(i, p.replace(n=1, seed=derive_seed(p.seed, "copy", j)))
                   for i, (p, k) in enumerate(zip(params_list, counts)) for j in range(k)]
@@ -136,7 +144,7 @@ class LocalGenerator:
         results: list[list[Completion]] = [[] for _ in prompts]
         for (i, _), completion in zip(copies, flat):
             results[i].append(completion)
-            self.budget.add_generation(completion.usage.prompt_tokens, completion.usage.completion_tokens)
+            account_request(self.budget, [completion])  # every copy is its own request
         return results
 
     @torch.inference_mode()

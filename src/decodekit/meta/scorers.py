@@ -6,6 +6,7 @@ Outcome scorers (reward models, verifiers) take one of two signatures:
 Process scorers (process reward models) take one of:
     (question, steps) -> list[float]         kind "steps" (one score per step so far)
     prefix -> float                          kind "prefix" (the text up to a step's end)
+    [(question, steps), ...] -> [list[float], ...]   kind "batch" (many paths in one call)
 The kind is declared by the caller or, if not, read once from the number of required
 positional parameters; `bool` results count as 0/1. A scorer that raises, returns NaN or
 returns something that is not a number fails *for that candidate*: `score_candidates`
@@ -25,7 +26,7 @@ from decodekit.meta.budget import Budget
 from decodekit.meta.result import Candidate
 
 OUTCOME_KINDS = ("text", "prompt")  # in order of arity (1, 2)
-PROCESS_KINDS = ("prefix", "steps")  # in order of arity (1, 2)
+PROCESS_KINDS = ("prefix", "steps", "batch")  # the first two in order of arity (1, 2)
 ON_ERROR = ("raise", "record")
 
 OutcomeScorer = Callable[[str, str], float]  # (prompt, completion) after `outcome_scorer`
@@ -80,15 +81,35 @@ def outcome_scorer(fn: Callable, kind: str | None = None) -> OutcomeScorer:
     return lambda prompt, completion: fn(completion)
 
 
-def process_scorer(fn: Callable, kind: str | None = None) -> Callable[..., Sequence[float]]:
-    """`fn` as (question, steps, prefix, previous) -> one score per step so far.
+def process_scorer(fn: Callable, kind: str | None = None) -> Callable[[list[tuple]], list]:
+    """`fn` as a function of items (question, steps, prefix, previous scores) returning, per
+    item, one score per step so far, or the exception that scoring that item raised.
 
     kind "steps": fn(question, steps) scores every step itself. kind "prefix": fn(prefix)
     sees the text up to the newest step and returns its score, appended to `previous` (the
-    scores its parent's steps already have)."""
-    if _kind(fn, kind, PROCESS_KINDS, "process scorer") == "steps":
-        return lambda question, steps, prefix, previous: fn(question, list(steps))
-    return lambda question, steps, prefix, previous: [*previous, fn(prefix)]
+    scores its parent's steps already have). kind "batch" (declared, never inferred):
+    fn([(question, steps), ...]) -> [scores of item 0, ...] in one call; if that call
+    raises, every item of the batch fails with its error."""
+    kind = _kind(fn, kind, PROCESS_KINDS, "process scorer")
+
+    def score(items: list[tuple]) -> list:
+        if kind == "batch":
+            try:
+                values = list(fn([(question, list(steps)) for question, steps, _, _ in items]))
+                if len(values) != len(items):
+                    raise ValueError(f"returned {len(values)} results for {len(items)} items")
+            except Exception as error:  # nothing says which item broke the batch
+                return [error] * len(items)
+            return values
+        values = []
+        for question, steps, prefix, previous in items:
+            try:
+                values.append(fn(question, list(steps)) if kind == "steps" else [*previous, fn(prefix)])
+            except Exception as error:  # the failure belongs to this item
+                values.append(error)
+        return values
+
+    return score
 
 
 def as_number(value) -> float:

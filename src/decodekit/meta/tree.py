@@ -26,12 +26,12 @@ answer is the best-scoring leaf ("best"), a majority vote over the leaves' extra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from decodekit.completion import Completion
 from decodekit.meta.budget import Budget
-from decodekit.meta.generator import Generator, call_generator, derive_seed
+from decodekit.meta.generator import Generator, account_request, call_generator, derive_seed
 from decodekit.meta.parallel import Extractor, check_n, choose_best, chosen_for, vote
 from decodekit.meta.result import Candidate, MetaResult
 from decodekit.meta.scorers import ScorerError, as_number, check_on_error, describe, process_scorer
@@ -109,13 +109,10 @@ def allocate_children(total: int, values: list[float], tau: float) -> list[int]:
 
 
 class _Search:
-    """What one search run shares: generator, prompt, scorer, settings, budget, failures."""
+    """One prompt's search: its settings, budget, expansion counter and failed children."""
 
-    def __init__(self, generator, prompt, prm, params, config, extract, is_final, prm_kind,
-                 on_error, budget):
-        check_on_error(on_error)
-        self.generator, self.prompt, self.config = generator, prompt, config
-        self.prm = process_scorer(prm, prm_kind)
+    def __init__(self, prompt, params, config, extract, is_final, on_error, budget):
+        self.prompt, self.config = prompt, config
         stop = params.stop if config.delimiter in params.stop else (*params.stop, config.delimiter)
         self.params = params.replace(stop=stop)
         self.extract, self.is_final, self.on_error = extract, is_final, on_error
@@ -131,12 +128,11 @@ class _Search:
         self.stopped = self.stopped or self.budget.exhausted
         return self.stopped
 
-    def expand(self, nodes: list[Node], counts: list[int]) -> list[list[Node]]:
-        """Children of each node (counts[i] of nodes[i]), scored; failed children left out.
-        Repeated node objects become one request (DVTS's subtrees all start at the root)."""
+    def plan(self, nodes: list[Node], counts: list[int]) -> tuple[list[Node], list[int], list]:
+        """The requests that expand nodes[i] counts[i] times: each distinct node object is one
+        request for all its children (DVTS's subtrees all start at the root)."""
         unique: dict[int, int] = {}
-        requests: list[Node] = []
-        totals: list[int] = []
+        requests, totals = [], []
         for node, k in zip(nodes, counts):
             if id(node) not in unique:
                 unique[id(node)] = len(requests)
@@ -146,16 +142,7 @@ class _Search:
         params = [self.params.replace(seed=derive_seed(self.params.seed, self.expansions, i))
                   for i in range(len(requests))]
         self.expansions += 1
-        prompts = [node.prefix(self.prompt, self.config.delimiter) for node in requests]
-        results = call_generator(self.generator, prompts, totals, params, self.budget)
-        pools = [[self.child(node, c) for c in completions] for node, completions in zip(requests, results)]
-        self.score([child for pool in pools for child in pool])
-        groups = []
-        for node, k in zip(nodes, counts):
-            pool = pools[unique[id(node)]]
-            groups.append([c for c in pool[:k] if c.reason != "failed"])
-            del pool[:k]
-        return groups
+        return requests, totals, params
 
     def child(self, node: Node, completion: Completion) -> Node:
         step = completion.text
@@ -171,14 +158,19 @@ class _Search:
             reason = ""
         return Node((*node.steps, step), node.scores, reason, completion)
 
-    def score(self, children: list[Node]) -> None:
+    def scorer_item(self, node: Node) -> tuple:
+        """What a process scorer reads: question, steps, prefix text, parent's step scores."""
+        return self.prompt, node.steps, node.prefix(self.prompt, self.config.delimiter), node.scores
+
+    def take_scores(self, children: list[Node], values: list) -> None:
+        """Set each child's step scores from the PRM's value (or the exception it raised)."""
         failed: list[tuple[int, Candidate]] = []
-        for i, child in enumerate(children):
+        for i, (child, value) in enumerate(zip(children, values)):
             self.budget.add_scorer_calls()
-            prefix = child.prefix(self.prompt, self.config.delimiter)
             try:
-                values = self.prm(self.prompt, child.steps, prefix, child.scores)
-                scores = tuple(as_number(v) for v in values)
+                if isinstance(value, Exception):
+                    raise value
+                scores = tuple(as_number(v) for v in value)
                 if len(scores) != len(child.steps):
                     raise ValueError(f"returned {len(scores)} scores for {len(child.steps)} steps")
                 child.scores = scores
@@ -215,12 +207,17 @@ class _Search:
                           tallies, self.stopped)
 
 
-def _beam(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
+# Each method is a generator: it yields (nodes, counts) to expand and receives, for each
+# node, its scored children (failed ones left out); it returns (leaves, frontier). The
+# driver (`_drive`) runs many searches in lockstep so one generator call serves them all.
+
+
+def _beam(search: _Search, n: int):
     width = min(search.config.width, n)
     keep = max(1, n // width)
     frontier, counts, leaves = [Node()], [n], []
     while frontier and not search.out_of_budget():
-        children = [c for group in search.expand(frontier, counts) for c in group]
+        children = [c for group in (yield frontier, counts) for c in group]
         leaves += [c for c in children if c.finished]
         # sorted() is stable: among equal scores the earlier child stays ahead
         active = sorted((c for c in children if not c.finished), key=search.value, reverse=True)
@@ -230,12 +227,12 @@ def _beam(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
     return leaves, frontier
 
 
-def _dvts(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
+def _dvts(search: _Search, n: int):
     width = min(search.config.width, n)
     current, leaves = [Node()] * max(1, n // width), []
     while current and not search.out_of_budget():
         following = []
-        for children in search.expand(current, [width] * len(current)):
+        for children in (yield current, [width] * len(current)):
             if children:  # a subtree whose children all failed scoring ends here
                 best = max(children, key=search.value)  # max() keeps the first of equals
                 (leaves if best.finished else following).append(best)
@@ -243,10 +240,10 @@ def _dvts(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
     return leaves, current
 
 
-def _rebase(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
+def _rebase(search: _Search, n: int):
     frontier, counts, leaves = [Node()], [n], []
     while frontier and not search.out_of_budget():
-        children = [c for group in search.expand(frontier, counts) for c in group]
+        children = [c for group in (yield frontier, counts) for c in group]
         leaves += [c for c in children if c.finished]
         active = [c for c in children if not c.finished]
         remaining = n - len(leaves)
@@ -259,6 +256,73 @@ def _rebase(search: _Search, n: int) -> tuple[list[Node], list[Node]]:
 
 
 _LOOPS = {"beam": _beam, "dvts": _dvts, "rebase": _rebase}
+
+
+def regroup(nodes: list[Node], counts: list[int], requests: list[Node], pools: list[list[Node]]):
+    """Hand each of nodes[i] its counts[i] children from its request's pool, minus failures."""
+    slots = {id(node): list(pool) for node, pool in zip(requests, pools)}
+    groups = []
+    for node, k in zip(nodes, counts):
+        slot = slots[id(node)]
+        groups.append([c for c in slot[:k] if c.reason != "failed"])
+        del slot[:k]
+    return groups
+
+
+def _drive(generator: Generator, searches: list[_Search], method: str, n: int, prm: Callable,
+           prm_kind: str | None) -> list[MetaResult]:
+    """Run the searches in lockstep: each round, one generator call expands every search's
+    nodes and one pass scores all their children (one call if the PRM is batched)."""
+    score = process_scorer(prm, prm_kind)
+    loops = [_LOOPS[method](search, n) for search in searches]
+    pending: dict[int, tuple] = {}
+    outcomes: list = [None] * len(searches)
+
+    def advance(i: int, sent) -> None:
+        try:
+            pending[i] = loops[i].send(sent)
+        except StopIteration as stop:
+            outcomes[i] = stop.value
+
+    for i in range(len(searches)):
+        advance(i, None)
+    while pending:
+        plans = {i: searches[i].plan(*pending[i]) for i in pending}
+        prompts = [node.prefix(searches[i].prompt, searches[i].config.delimiter)
+                   for i, (nodes, _, _) in plans.items() for node in nodes]
+        totals = [k for _, totals, _ in plans.values() for k in totals]
+        params = [p for _, _, params in plans.values() for p in params]
+        if len(searches) == 1:
+            results = iter(call_generator(generator, prompts, totals, params, searches[0].budget))
+        else:  # attribute each request to its search by the completions' usage
+            results = iter(generator.generate(prompts, totals, params))
+        pools = {}
+        for i, (nodes, _, _) in plans.items():
+            pools[i] = [[searches[i].child(node, c) for c in completions]
+                        for node, completions in zip(nodes, [next(results) for _ in nodes])]
+            if len(searches) > 1:
+                for pool in pools[i]:
+                    account_request(searches[i].budget, [c.completion for c in pool])
+        children = {i: [c for pool in pools[i] for c in pool] for i in pools}
+        values = score([searches[i].scorer_item(c) for i in children for c in children[i]])
+        start = 0
+        for i in list(pending):
+            searches[i].take_scores(children[i], values[start : start + len(children[i])])
+            start += len(children[i])
+            nodes, counts = pending.pop(i)
+            advance(i, regroup(nodes, counts, plans[i][0], pools[i]))
+    return [search.result(method, *outcome) for search, outcome in zip(searches, outcomes)]
+
+
+def _searches(prompts, params, config, extract, is_final, on_error, budgets, method, n):
+    if method not in _LOOPS:
+        raise ValueError(f"unknown tree search method {method!r}; choose from {METHODS}")
+    check_n(n)
+    check_on_error(on_error)
+    if config.final != "best" and extract is None:
+        raise ValueError(f"final={config.final!r} needs an answer extractor (extract=)")
+    return [_Search(prompt, params, config, extract, is_final, on_error, budget)
+            for prompt, budget in zip(prompts, budgets)]
 
 
 def tree_search(
@@ -278,19 +342,42 @@ def tree_search(
 ) -> MetaResult:
     """Search for a solution of `prompt` with N = n samples per depth (see the module doc).
 
-    prm: (question, steps) -> list[float] or prefix -> float (`prm_kind` declares which);
-    params: sampling of one step (max_new_tokens bounds a step); extract: answer of a
-    solution text (needed for final="vote"/"weighted_vote"). Candidates are the finished
-    leaves (or, if none finished, the last frontier) followed by children whose scoring
-    failed (on_error="record")."""
-    if method not in _LOOPS:
-        raise ValueError(f"unknown tree search method {method!r}; choose from {METHODS}")
-    check_n(n)
+    prm: (question, steps) -> list[float], or prefix -> float, or with prm_kind="batch"
+    [(question, steps), ...] -> [list[float], ...]; params: sampling of one step
+    (max_new_tokens bounds a step); extract: answer of a solution text (needed for
+    final="vote"/"weighted_vote"). Candidates are the finished leaves (or, if none
+    finished, the last frontier) followed by children whose scoring failed
+    (on_error="record")."""
     config = config or TreeConfig()
-    if config.final != "best" and extract is None:
-        raise ValueError(f"final={config.final!r} needs an answer extractor (extract=)")
     budget = budget if budget is not None else Budget()
-    search = _Search(generator, prompt, prm, params or SamplingParams(), config, extract, is_final,
-                     prm_kind, on_error, budget)
-    leaves, frontier = _LOOPS[method](search, n)
-    return search.result(method, leaves, frontier)
+    searches = _searches([prompt], params or SamplingParams(), config, extract, is_final, on_error,
+                         [budget], method, n)
+    return _drive(generator, searches, method, n, prm, prm_kind)[0]
+
+
+def tree_search_batch(
+    generator: Generator,
+    prompts: Sequence[str],
+    prm: Callable,
+    n: int,
+    method: str = "beam",
+    params: SamplingParams | None = None,
+    config: TreeConfig | None = None,
+    *,
+    extract: Extractor | None = None,
+    is_final: Callable[[str], bool] | None = None,
+    prm_kind: str | None = None,
+    on_error: str = "raise",
+    budgets: Sequence[Budget] | None = None,
+) -> list[MetaResult]:
+    """`tree_search` of many prompts in lockstep: one generator call per depth expands every
+    prompt's nodes (each prompt's search is the same as alone, given the same seed). Each
+    result's budget counts its own requests from the completions' usage (one call per
+    request; `cached_prompt_tokens` as reused) and the shared wall time."""
+    config = config or TreeConfig()
+    budgets = [Budget() for _ in prompts] if budgets is None else list(budgets)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"budgets must be one per prompt ({len(prompts)}), got {len(budgets)}")
+    searches = _searches(list(prompts), params or SamplingParams(), config, extract, is_final,
+                         on_error, budgets, method, n)
+    return _drive(generator, searches, method, n, prm, prm_kind) if searches else []
