@@ -89,6 +89,29 @@ class ContiguousKVCache(Cache):
             self.has_padding = True
         self._length = end
 
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [B, T, H, D], rotated
+        k: torch.Tensor,  # [B, T, H_kv, D], rotated
+        v: torch.Tensor,  # [B, T, H_kv, D]
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """Store layer `layer`'s new keys/values at the last T positions, attend: [B, T, H, D]."""
+        end = self._length
+        start = end - q.shape[1]
+        self.keys[layer, :, :, start:end] = k.transpose(1, 2)
+        self.values[layer, :, :, start:end] = v.transpose(1, 2)
+        out = attend(
+            q.transpose(1, 2),  # [B, H, T, D]
+            self.keys[layer, :, :, :end],  # [B, H_kv, S, D]
+            self.values[layer, :, :, :end],
+            mask,
+            causal,
+        )
+        return out.transpose(1, 2)
+
     def fork(self, rows: Sequence[int]) -> ContiguousKVCache:
         index = self._row_index(rows)
         other = ContiguousKVCache.__new__(ContiguousKVCache)

@@ -28,7 +28,7 @@ from torch import nn
 
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
-from decodekit.models.kv import ContiguousKVCache, attend, attention_mask
+from decodekit.models.kv import ContiguousKVCache, attention_mask
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B or 1, T, 1, D]
         sin: torch.Tensor,
-        cache: ContiguousKVCache,
+        cache: ContiguousKVCache,  # or anything with its `attend(layer, q, k, v, mask, causal)`
         layer: int,
         mask: torch.Tensor | None,  # [B or 1, 1, T, S]
         causal: bool,
@@ -185,18 +185,10 @@ class Attention(nn.Module):
             q = apply_rope(self.q_norm(qkv[:, :, :heads]), cos, sin)
             k = apply_rope(self.k_norm(qkv[:, :, heads : heads + kv_heads]), cos, sin)
         v = qkv[:, :, heads + kv_heads :]
-        end = cache.length
-        start = end - num_new
-        cache.keys[layer, :, :, start:end] = k.transpose(1, 2)
-        cache.values[layer, :, :, start:end] = v.transpose(1, 2)
-        out = attend(
-            q.transpose(1, 2),  # [B, H, T, D]
-            cache.keys[layer, :, :, :end],  # [B, H_kv, S, D]
-            cache.values[layer, :, :, :end],
-            mask,
-            causal,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, heads * self.head_dim))
+        # The cache stores k/v and attends: ContiguousKVCache here, the engine's paged
+        # batch (engine/batch.py) there; the layer maths stay in this one module.
+        out = cache.attend(layer, q, k, v, mask, causal)  # [B, T, H, D]
+        return self.o_proj(out.reshape(batch, num_new, heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -239,11 +231,14 @@ class LlamaNet(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens, cos, sin, cache, mask, causal) -> torch.Tensor:
+    def forward(self, tokens, cos, sin, cache, mask, causal, keep=None) -> torch.Tensor:
+        """Logits [B, T, V]; with `keep` (a [K] index) only those positions', [B, K, V]."""
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         for index, block in enumerate(self.layers):
             x = block(x, cos, sin, cache, index, mask, causal)
-        return self.lm_head(self.norm(x)).float()  # [B, T, V]
+        if keep is not None:
+            x = x[:, keep]  # the engine needs logits at each sequence's last token only
+        return self.lm_head(self.norm(x)).float()  # [B, T or K, V]
 
 
 def fuse_checkpoint(
