@@ -57,15 +57,18 @@ def test_codes_survive_storage():
     assert torch.equal(qlinear.codes(), codes) and torch.equal(qlinear.scales, scales)
 
 
-def test_bfloat16_input_agrees_with_float32():
-    linear = _linear(128, 64, True, 2)
+@pytest.mark.parametrize("in_features", [128, 40])  # the int8 kernel path, and the fallback
+def test_bfloat16_input_agrees_with_float32(in_features):
+    linear = _linear(in_features, 64, True, 2)
     qlinear = QuantizedLinear.from_linear(linear, QuantSpec(8))
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 2, in_features, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         y32 = qlinear(x)
         y16 = qlinear(x.bfloat16())
+        y16_strided = qlinear(x.transpose(0, 1).bfloat16()).transpose(0, 1)
     assert y16.dtype == torch.bfloat16
     assert torch.allclose(y16.float(), y32, atol=0.05, rtol=0.02)
+    assert torch.equal(y16_strided, y16)
 
 
 def test_codes_out_of_range_are_rejected():

@@ -93,7 +93,10 @@ def collect_hessians(
     forward: ForwardFn = default_forward,
 ) -> dict[str, torch.Tensor]:
     """H = 2 X Xᵀ [K, K] of each layer's inputs over the calibration batches [B, T]."""
-    accumulators = {name: HessianAccumulator(layer.in_features) for name, layer in layers.items()}
+    accumulators = {
+        name: HessianAccumulator(layer.in_features, layer.weight.device)
+        for name, layer in layers.items()
+    }
     seen: set[str] = set()
 
     def hook_for(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:

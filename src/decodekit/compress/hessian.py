@@ -20,13 +20,13 @@ class HessianAccumulator:
     the amount of calibration data; it changes nothing else because damping is relative.
     """
 
-    def __init__(self, in_features: int) -> None:
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32)  # [K, K]
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.hessian = torch.zeros(in_features, in_features, device=device)  # [K, K] float32
         self.count = 0
 
     def add(self, inputs: torch.Tensor) -> None:
         """Add a batch of layer inputs [..., K] (every leading position is one sample)."""
-        x = inputs.detach().reshape(-1, inputs.shape[-1]).to(torch.float32)  # [n, K]
+        x = inputs.detach().reshape(-1, inputs.shape[-1]).to(self.hessian.device, torch.float32)
         if x.shape[1] != self.hessian.shape[0]:
             raise ValueError(
                 f"inputs have {x.shape[1]} features, the layer has {self.hessian.shape[0]}"
@@ -40,7 +40,7 @@ class HessianAccumulator:
 
 def hessian_from_inputs(inputs: torch.Tensor) -> torch.Tensor:
     """H = (2 / n) X Xᵀ for inputs [n, K] given as rows (one sample per row). Returns [K, K]."""
-    acc = HessianAccumulator(inputs.shape[-1])
+    acc = HessianAccumulator(inputs.shape[-1], inputs.device)
     acc.add(inputs)
     return acc.hessian
 
@@ -63,7 +63,7 @@ def inverse_hessian_cholesky(hessian: torch.Tensor, damp: float = 0.01) -> torch
     dead = dead_columns(h)
     h[dead, dead] = 1.0
     mean_diag = h.diagonal().mean().item()
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     lam = damp * mean_diag
     for _ in range(6):
         lower, info = torch.linalg.cholesky_ex(h + lam * eye)

@@ -42,7 +42,7 @@ def _check_sparsity(sparsity: float) -> None:
 
 def lowest_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Bool mask (same shape) marking the `count` smallest scores of the whole tensor."""
-    mask = torch.zeros(scores.numel(), dtype=torch.bool)
+    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
     if count > 0:
         mask[torch.topk(scores.flatten(), count, largest=False).indices] = True
     return mask.reshape(scores.shape)
@@ -110,6 +110,7 @@ def prune_sparsegpt(
             raise ValueError(f"n:m pruning needs in_features divisible by m={nm[1]}, got {k}")
         block_size = max(nm[1], block_size // nm[1] * nm[1])  # blocks hold whole n:m groups
 
+    hessian = hessian.to(weight.device)
     w_all = weight.detach().to(torch.float32).clone()  # [N, K]
     w_all[:, dead_columns(hessian)] = 0.0
     u = inverse_hessian_cholesky(hessian, damp)  # [K, K] upper

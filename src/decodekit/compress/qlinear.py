@@ -36,7 +36,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     half = (k + 1) // 2
     low, high = q[:, :half].to(torch.int16), q[:, half:].to(torch.int16)
     if high.shape[1] < half:
-        high = torch.cat([high, torch.zeros(n, 1, dtype=torch.int16)], dim=1)
+        high = torch.cat([high, high.new_zeros(n, 1)], dim=1)
     return ((low & 0xF) | ((high & 0xF) << 4)).to(torch.uint8)
 
 
@@ -76,12 +76,23 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -
 def int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] bf16 times per-channel int8 weight [N, K] with scales [N] via the CPU kernel."""
     lead = x.shape[:-1]
-    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scales.to(x.dtype))  # [M, N]
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel needs a contiguous last dim
+    y = torch._weight_int8pack_mm(rows, q, scales.to(x.dtype))  # [M, N]
     return y.reshape(*lead, q.shape[0])
 
 
-def _has_int8_kernel() -> bool:
-    return hasattr(torch, "_weight_int8pack_mm")
+def int8_kernel_fits(x: torch.Tensor, in_features: int) -> bool:
+    """Whether `int8_kernel_matmul` applies: bf16 input on CPU and K a multiple of 16.
+
+    With other K, `torch._weight_int8pack_mm` segfaults on PyTorch 2.13 CPU (measured with
+    K = 8, 24, 37, 40, 200), so it is only called on shapes where it is known to work.
+    """
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and in_features % 16 == 0
+        and hasattr(torch, "_weight_int8pack_mm")
+    )
 
 
 class QuantizedLinear(nn.Module):
@@ -128,7 +139,7 @@ class QuantizedLinear(nn.Module):
             codes, scales = quantize_rtn(linear.weight, spec)
         has_bias = linear.bias is not None
         module = cls(linear.in_features, linear.out_features, spec.bits, spec.group_size, has_bias)
-        module.set_codes(codes, scales)
+        module.to(linear.weight.device).set_codes(codes, scales)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach().to(torch.float32))
         return module
@@ -161,7 +172,7 @@ class QuantizedLinear(nn.Module):
         if self.spec.group_size is None:
             if self.packed:
                 y = int4_halves_matmul(x, self.qweight, self.in_features) * scales[:, 0]
-            elif x.dtype == torch.bfloat16 and _has_int8_kernel():
+            elif int8_kernel_fits(x, self.in_features):
                 y = int8_kernel_matmul(x, self.qweight, scales[:, 0])
             else:
                 y = F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]

@@ -140,6 +140,7 @@ def gptq_quantize(
     groups = spec.num_groups(k)
     group = k // groups
     qmax = spec.qmax
+    hessian = hessian.to(weight.device)
     w_all = weight.detach().to(torch.float32).clone()  # [N, K]
     w_all[:, dead_columns(hessian)] = 0.0
     scales = absmax_scales(w_all, spec)  # [N, G]
@@ -149,11 +150,13 @@ def gptq_quantize(
         block_size = max(group, block_size // group * group)
 
     diagonal = hessian.diagonal()
-    perm = torch.argsort(diagonal, descending=True, stable=True) if act_order else torch.arange(k)
+    perm = torch.arange(k, device=diagonal.device)
+    if act_order:
+        perm = torch.argsort(diagonal, descending=True, stable=True)
     w_all = w_all[:, perm]
     u = inverse_hessian_cholesky(hessian[perm][:, perm], damp)  # [K, K] upper
     column_group = perm // group  # [K] group (scale column) of each permuted column
-    codes = torch.zeros(n, k, dtype=torch.int8)
+    codes = torch.zeros(n, k, dtype=torch.int8, device=w_all.device)
 
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
