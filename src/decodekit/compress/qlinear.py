@@ -11,7 +11,7 @@ picks one of these (each a named function below):
 - per group, fewer rows than the group size (decoding): y = Σ_g (x_g Q_gᵀ) · s_g as one
   batched matmul (`grouped_matmul`), again scaling outputs rather than weights;
 - per group otherwise (prefill): dequantise Ŵ = Q · s and run one matmul;
-- bfloat16 input, per channel, int8 codes: `torch._weight_int8pack_mm`, PyTorch's CPU
+- bfloat16 input, per channel, int8 codes, K % 16 == 0: `torch._weight_int8pack_mm`, the CPU
   int8-weight kernel. It has a fast path only for bf16 activations; with float32 ones
   it was several times slower than dequantising (PyTorch 2.13 CPU), so it is not used.
 """
