@@ -56,8 +56,8 @@ def _probs64(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Mass strictly before each position of a row."""
-    return torch.cumsum(x, dim=-1) - x
+    """Mass strictly before each position of a row (monotone, unlike cumsum(x) - x)."""
+    return torch.nn.functional.pad(torch.cumsum(x, dim=-1)[..., :-1], (1, 0))
 
 
 def _prefix_cutoff(sorted_key: torch.Tensor, sorted_probs: torch.Tensor, mass: float):
