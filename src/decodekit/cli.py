@@ -40,7 +40,8 @@ SAMPLING_FLAGS: dict[str, type] = {
     "seed": int,
     "logprobs": int,
 }
-STRATEGIES = ("greedy", "sample", "beam")
+STRATEGIES = ("greedy", "sample", "beam", "contrastive")
+CONSTRAINT_FLAGS = ("json_schema", "regex", "grammar", "choices")
 
 
 class UsageError(Exception):
@@ -63,7 +64,62 @@ def add_generate(sub) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print completions as JSON")
+    add_structure_flags(p)
     p.set_defaults(run=run_generate)
+
+
+def add_structure_flags(p) -> None:
+    """Contrastive decoding, constraints and token healing (decode/contrastive.py, constrained.py,
+    healing.py)."""
+    cd = p.add_argument_group("contrastive decoding: --strategy contrastive (greedy on CD scores), "
+                              "or --amateur with any strategy")
+    cd.add_argument("--amateur", default=None, help="amateur model (default: shakespeare-draft)")
+    cd.add_argument("--alpha", type=float, default=None, help="plausibility cut (default 0.1)")
+    cd.add_argument("--amateur-temperature", type=float, default=None)
+    cd.add_argument("--amateur-window", type=int, default=None, help="amateur sees the last W tokens")
+    cd.add_argument("--amateur-weight", type=float, default=None, help="beta: p_e / p_a^beta")
+    structure = p.add_argument_group("structured output (at most one)")
+    structure.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
+    structure.add_argument("--regex", help="regular expression the output must match")
+    structure.add_argument("--grammar", metavar="FILE", help="Lark grammar file")
+    structure.add_argument("--choices", help="comma-separated options: the output is one of them")
+    p.add_argument("--heal", action="store_true", help="token healing of the prompt's last token")
+
+
+def generation_model(args):
+    """The model, or a ContrastiveLM of it against --amateur for contrastive decoding."""
+    import decodekit as dk
+
+    model = dk.load_model(args.model)
+    knobs = {"alpha": args.alpha, "amateur_temperature": args.amateur_temperature,
+             "amateur_window": args.amateur_window, "amateur_weight": args.amateur_weight}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if args.amateur is None and args.strategy != "contrastive":
+        if knobs:
+            raise UsageError(f"--{next(iter(knobs)).replace('_', '-')} needs --amateur or "
+                             "--strategy contrastive")
+        return model
+    return dk.ContrastiveLM(model, dk.load_model(args.amateur or "shakespeare-draft"), **knobs)
+
+
+def constraint_from(args):
+    """The constraint of --json-schema, --regex, --grammar or --choices, or None."""
+    from pathlib import Path
+
+    import decodekit as dk
+
+    given = [name for name in CONSTRAINT_FLAGS if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise UsageError("give at most one of --json-schema, --regex, --grammar, --choices")
+    if args.json_schema is not None:
+        return dk.JsonSchema(Path(args.json_schema).read_text())
+    if args.regex is not None:
+        return dk.Regex(args.regex)
+    if args.grammar is not None:
+        return dk.Grammar(Path(args.grammar).read_text())
+    if args.choices is not None:
+        return dk.Choices([c for c in args.choices.split(",") if c] if args.choices else [])
+    return None
 
 
 def sampling_params(args) -> SamplingParams:
@@ -75,9 +131,9 @@ def sampling_params(args) -> SamplingParams:
     values["n"] = args.n
     if args.strategy not in STRATEGIES:
         raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
-    if args.strategy == "greedy":
+    if args.strategy in ("greedy", "contrastive"):
         if values.get("temperature", 0.0) != 0.0:
-            raise UsageError("--strategy greedy takes no --temperature (it is 0)")
+            raise UsageError(f"--strategy {args.strategy} takes no --temperature (it is 0)")
         values["temperature"] = 0.0
     return SamplingParams(**values)
 
@@ -86,24 +142,26 @@ def run_generate(args) -> None:
     import decodekit as dk
 
     params = sampling_params(args)
-    model = dk.load_model(args.model)
+    model = generation_model(args)
+    mask = {"constraint": constraint_from(args), "heal": args.heal}
     if args.strategy == "beam":
         if args.stream:
             raise UsageError("--stream works with --strategy greedy or sample, not beam")
         completions = dk.beam_search(
-            model, args.prompt, params, num_beams=args.num_beams, length_penalty=args.length_penalty
+            model, args.prompt, params, num_beams=args.num_beams, length_penalty=args.length_penalty,
+            **mask,
         )
     elif args.stream and not args.json:
         if params.n != 1:
             raise UsageError(f"--stream prints one sample, so --n must be 1, got {params.n}")
         sys.stdout.write(args.prompt)
-        for piece in dk.stream(model, args.prompt, params):
+        for piece in dk.stream(model, args.prompt, params, **mask):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return
     else:
-        completions = dk.generate(model, args.prompt, params)
+        completions = dk.generate(model, args.prompt, params, **mask)
     if args.json:
         print(json.dumps([completion_json(c) for c in completions], indent=2))
         return
@@ -155,8 +213,9 @@ def run_models(args) -> None:
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("which", choices=["decode"])
+    p.add_argument("which", choices=["decode", "constrained", "contrastive"])
     p.add_argument("--model", default="shakespeare")
+    p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print JSON only")
@@ -164,9 +223,18 @@ def add_bench(sub) -> None:
 
 
 def run_bench(args) -> None:
-    from decodekit.bench.decode import bench_decode
+    if args.which == "constrained":
+        from decodekit.bench.constrained import bench_constrained
 
-    result = bench_decode(args.model, args.new_tokens, args.repeats)
+        result = bench_constrained(args.model, args.repeats)
+    elif args.which == "contrastive":
+        from decodekit.bench.contrastive import bench_contrastive
+
+        result = bench_contrastive(args.model, args.amateur)
+    else:
+        from decodekit.bench.decode import bench_decode
+
+        result = bench_decode(args.model, args.new_tokens, args.repeats)
     print(json.dumps(result, indent=None if args.json else 2))
 
 

@@ -62,7 +62,11 @@ class Constraint:
     def _check(self, what: str) -> None:
         error = _llguidance().LLMatcher.validate_grammar(self.grammar())
         if error:
-            raise ValueError(f"invalid {what}: {error.strip()}")
+            # llguidance's message spans lines (a source excerpt with a caret): keep the
+            # first line, which has the position, and the "error: ..." detail, on one line.
+            lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+            detail = [line for line in lines[1:] if line.startswith("error:")]
+            raise ValueError(f"invalid {what}: " + " ".join(lines[:1] + detail))
 
 
 @dataclass(frozen=True)
