@@ -228,16 +228,32 @@ def stream_events(
 ) -> Iterator[Delta]:
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
     requests = make_requests(model, prompts, params, constraint, heal)
-    context = model.max_context
+    if uses_engine(model):
+        from decodekit.engine.engine import run_requests
+
+        yield from run_requests(model, requests)
+        return
     for rows in _steps(model, requests):
-        for row in rows:
-            if row.finish_reason is None and len(row.request.prompt_ids) + len(row.token_ids) >= context:
-                row.finish_reason = "length"  # the context window is full
-            done = row.finish_reason is not None
-            piece = row.text.delta(final=done)
-            completion = to_completion(row) if done else None
-            if piece or done:
-                yield Delta(row.request.index, row.sample, piece, completion)
+        yield from emit(rows, model.max_context)
+
+
+def uses_engine(model: LanguageModel) -> bool:
+    """Whether `generate` runs this model on the paged engine (NativeLM) or the plain loop."""
+    from decodekit.models.native import NativeLM
+
+    return isinstance(model, NativeLM)
+
+
+def emit(rows: list[Row], context: int) -> Iterator[Delta]:
+    """After a step: end the rows whose context window is full; the deltas of `rows`."""
+    for row in rows:
+        if row.finish_reason is None and len(row.request.prompt_ids) + len(row.token_ids) >= context:
+            row.finish_reason = "length"  # the context window is full
+        done = row.finish_reason is not None
+        piece = row.text.delta(final=done)
+        completion = to_completion(row) if done else None
+        if piece or done:
+            yield Delta(row.request.index, row.sample, piece, completion)
 
 
 def generate(

@@ -1,0 +1,58 @@
+"""`EngineConfig`: the engine's memory bound and batch limits, validated on construction.
+
+Per-request choices stay in `SamplingParams`; this is the machine-side configuration
+(STYLE.md, rule 5). The KV memory bound is either a number of blocks or a number of
+bytes; the engine turns bytes into blocks for its model (`num_blocks_for`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """block_size: positions per KV block (vLLM's default is 16).
+    num_blocks / max_kv_bytes: the KV memory bound (blocks win when both are set).
+    max_running: sequences decoded together in one forward.
+    max_waiting: requests queued before `submit` raises `EngineFull`.
+    max_prefill_tokens: prompt tokens admitted per step (a request longer than this is
+    still admitted alone, so it cannot starve).
+    prefix_caching: keep the KV of full blocks for later requests with the same prefix.
+    compile: `torch.compile` the decode forward (measured in BENCHMARKS.md).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_kv_bytes: int = 256 * 2**20
+    max_running: int = 64
+    max_waiting: int = 1024
+    max_prefill_tokens: int = 4096
+    prefix_caching: bool = True
+    compile: bool = False
+
+    def __post_init__(self):
+        for name in ("block_size", "max_running", "max_waiting", "max_prefill_tokens"):
+            _check_positive(name, getattr(self, name))
+        if self.num_blocks is not None:
+            _check_positive("num_blocks", self.num_blocks)
+        _check_positive("max_kv_bytes", self.max_kv_bytes)
+
+    def num_blocks_for(self, bytes_per_block: int) -> int:
+        """Blocks that fit the bound, given one block's K and V bytes over all layers."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        blocks = self.max_kv_bytes // bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"max_kv_bytes ({self.max_kv_bytes}) must hold at least one block "
+                f"of {bytes_per_block} bytes"
+            )
+        return blocks
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value}")

@@ -1,0 +1,209 @@
+"""KV cache in blocks with reference counts (PagedAttention, Kwon et al. 2023).
+
+`BlockPool` owns the storage, keys and values `[layers, num_blocks, block_size, H_kv, D]`,
+a reference count per block and the free list; with a `PrefixCache` the blocks nobody
+uses keep their KV until the pool needs them (prefix_cache.py). A sequence's KV is a
+`BlockTable`: the blocks holding its positions 0, 1, ... in order, and how many
+positions are stored. `BlockManager` implements the table operations:
+
+- `new_table(tokens)`  a table that starts with the prompt's cached leading blocks;
+- `reserve(table, k)`  room for k more positions (new blocks as needed), returning the
+                       flat slots to write; a block that is shared or cached is copied
+                       before it is written (copy-on-write);
+- `fork(table)`        a second table sharing every full block (the partially filled
+                       last block is copied, so the two can grow apart);
+- `crop(table, n)`     roll back to n positions (rejected speculative tokens);
+- `free(table)`        drop the table's references.
+
+The pool is zero-initialised, so a gather that reaches past a sequence's end reads
+finite values, which the attention mask then gives weight zero.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from decodekit.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free or idle block left (the scheduler preempts and retries)."""
+
+
+class BlockPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)  # [N, blocks, block_size, H_kv, D]
+        self.values = torch.zeros(shape, dtype=dtype)
+        self.block_size = block_size
+        self.refs = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.cache = prefix_cache
+        self.num_used = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks `allocate` can hand out: free ones and idle cached ones."""
+        return len(self.free) + (self.cache.num_idle if self.cache is not None else 0)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.keys[:, 0].numel() * self.keys.element_size()
+
+    def allocate(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        elif self.cache is not None and self.cache.num_idle:
+            block = self.cache.evict()  # idle only: never a block in use
+        else:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        assert self.refs[block] == 0
+        self.refs[block] = 1
+        self.num_used += 1
+        return block
+
+    def share(self, block: int) -> None:
+        if self.refs[block] == 0:
+            assert self.cache is not None
+            self.cache.unpark(block)
+            self.num_used += 1
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        assert self.refs[block] > 0, block
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.num_used -= 1
+            if self.cache is not None and self.cache.is_cached(block):
+                self.cache.park(block)
+            else:
+                self.free.append(block)
+
+    def copy(self, source: int, target: int) -> None:
+        with torch.inference_mode():
+            self.keys[:, target] = self.keys[:, source]
+            self.values[:, target] = self.values[:, source]
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks. `keys[i]` is the prefix-cache key of full block i, for the
+    leading full blocks registered so far."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # positions whose K/V are stored (or reserved for this step)
+    keys: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def blocks_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
+
+    def new_table(self, tokens: Sequence[int]) -> BlockTable:
+        """A table holding the longest cached run of the prompt's leading full blocks.
+
+        At most len(tokens) - 1 positions are reused: the last prompt token is always
+        computed, since its logits choose the first new token.
+        """
+        table = BlockTable()
+        cache = self.pool.cache
+        if cache is None:
+            return table
+        size = self.block_size
+        parent = ROOT_KEY
+        for start in range(0, len(tokens) - 1 - size + 1, size):
+            chunk = tokens[start : start + size]
+            key = block_key(parent, chunk)
+            block = cache.lookup(key, chunk)
+            if block is None:
+                break
+            self.pool.share(block)
+            table.blocks.append(block)
+            table.keys.append(key)
+            parent = key
+        table.length = len(table.blocks) * size
+        return table
+
+    def blocks_needed(self, table: BlockTable, count: int) -> int:
+        """Blocks `reserve(table, count)` may allocate (a copy-on-write included)."""
+        new = self.blocks_for(table.length + count) - len(table.blocks)
+        return new + (1 if table.length % self.block_size else 0)
+
+    def reserve(self, table: BlockTable, count: int) -> list[int]:
+        """Room for `count` more positions; returns their flat slots (block * size + offset)."""
+        size = self.block_size
+        if table.length % size:
+            last = table.blocks[-1]
+            cache = self.pool.cache
+            if self.pool.refs[last] > 1 or (cache is not None and cache.is_cached(last)):
+                copy = self.pool.allocate()  # copy-on-write: the shared block stays as it is
+                self.pool.copy(last, copy)
+                self.pool.release(last)
+                table.blocks[-1] = copy
+        while len(table.blocks) < self.blocks_for(table.length + count):
+            table.blocks.append(self.pool.allocate())
+        positions = range(table.length, table.length + count)
+        table.length += count
+        return [table.blocks[p // size] * size + p % size for p in positions]
+
+    def register(self, table: BlockTable, tokens: Sequence[int], computed: int) -> None:
+        """Make the full blocks among the first `computed` positions findable by later prompts."""
+        cache = self.pool.cache
+        if cache is None:
+            return
+        size = self.block_size
+        for index in range(len(table.keys), computed // size):
+            chunk = tokens[index * size : (index + 1) * size]
+            key = block_key(table.keys[-1] if table.keys else ROOT_KEY, chunk)
+            cache.register(table.blocks[index], key, chunk)
+            table.keys.append(key)
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        size = self.block_size
+        full = table.length // size
+        for block in table.blocks[:full]:
+            self.pool.share(block)
+        other = BlockTable(list(table.blocks[:full]), table.length, list(table.keys))
+        if table.length % size:
+            copy = self.pool.allocate()
+            self.pool.copy(table.blocks[full], copy)
+            other.blocks.append(copy)
+        return other
+
+    def crop(self, table: BlockTable, length: int) -> None:
+        if not 0 <= length <= table.length:
+            raise ValueError(f"crop length must be in [0, {table.length}], got {length}")
+        keep = self.blocks_for(length)
+        for block in table.blocks[keep:]:
+            self.pool.release(block)
+        del table.blocks[keep:]
+        del table.keys[length // self.block_size :]
+        table.length = length
+
+    def free(self, table: BlockTable) -> None:
+        for block in table.blocks:
+            self.pool.release(block)
+        table.blocks.clear()
+        table.keys.clear()
+        table.length = 0

@@ -1,0 +1,171 @@
+"""Continuous batching: which sequences run in the next step, and their KV slots.
+
+Each step (Orca, Yu et al. 2022; vLLM's scheduler):
+1. every running sequence decodes one token: its slot is reserved, oldest request
+   first; when the pool runs dry the youngest running request is preempted (its blocks
+   freed, its generated tokens kept) and goes back to the front of the queue;
+2. waiting requests are admitted in arrival order while sequences, prompt tokens and
+   blocks allow. A new request prefills its prompt once, as one sequence, reusing any
+   cached prefix; its other n - 1 samples are forked from it after the forward. A
+   preempted request recomputes each sample's prompt + generated tokens.
+
+All samples of a request run in the same steps, so a request's rows stay together and
+its `SamplerState` rows line up with them (decode/sample.py). A request is admitted
+only if its samples fit the pool alone, so the oldest request can always finish.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodekit.decode.sample import Request, Row
+from decodekit.engine.config import EngineConfig
+from decodekit.engine.kv import BlockManager, BlockTable
+
+
+@dataclass
+class Sequence:
+    """One sample's tokens (prompt + generated) and its KV blocks."""
+
+    row: Row
+    tokens: list[int]
+    table: BlockTable = field(default_factory=BlockTable)
+
+
+@dataclass
+class EngineRequest:
+    request: Request
+    handle: Any  # engine.RequestHandle
+    seqs: list[Sequence] = field(default_factory=list)  # live samples, in the state's row order
+    started: bool = False  # prefilled at least once (a preempted request recomputes)
+    cancelled: bool = False
+
+
+@dataclass
+class Work:
+    """A sequence's part of the step: `count` new tokens written at `slots`."""
+
+    seq: Sequence
+    count: int
+    slots: list[int]
+
+
+@dataclass
+class Step:
+    work: list[Work]  # in row order: each request's sequences together
+    rows: list[Row]  # the rows that receive a token, in logits order
+    logit_rows: list[int]  # for each row, its index into the kept logits
+    forks: list[EngineRequest]  # fresh requests whose samples 1..n-1 fork sample 0 after it
+
+
+def blocks_alone(request: Request, block_size: int) -> int:
+    """Blocks a request needs at most with nothing else running (prompt blocks shared)."""
+    prompt = len(request.prompt_ids)
+    longest = prompt + request.params.max_new_tokens
+    per_sample = -(-longest // block_size) - prompt // block_size
+    return prompt // block_size + request.params.n * per_sample
+
+
+class Scheduler:
+    def __init__(self, manager: BlockManager, config: EngineConfig):
+        self.manager = manager
+        self.config = config
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []  # oldest first
+        self.prefill_tokens = 0  # prompt (and recomputed) tokens computed
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, entry: EngineRequest) -> None:
+        """Drop a request (finished or cancelled) and free its blocks."""
+        for seq in entry.seqs:
+            self.manager.free(seq.table)
+        if entry in self.running:
+            self.running.remove(entry)
+        elif entry in self.waiting:
+            self.waiting.remove(entry)
+
+    def schedule(self) -> Step:
+        decoding = []
+        for entry in list(self.running):
+            if entry not in self.running:
+                continue  # preempted while making room for an older request
+            if self._make_room(entry, [(seq.table, 1) for seq in entry.seqs]):
+                decoding.append(entry)
+        step = Step([], [], [], [])
+        for entry in decoding:  # reserve only for requests that survived preemption
+            for seq in entry.seqs:
+                self._add(step, seq, 1, [seq.row])
+        self._admit(step)
+        return step
+
+    def _admit(self, step: Step) -> None:
+        budget = self.config.max_prefill_tokens
+        live = sum(len(e.seqs) for e in self.running)
+        while self.waiting:
+            entry = self.waiting[0]
+            fresh = not entry.started
+            samples = len(entry.request.rows) if fresh else len(entry.seqs)
+            if live + samples > self.config.max_running and self.running:
+                return
+            if fresh:
+                entry.seqs = [Sequence(entry.request.rows[0], list(entry.request.prompt_ids))]
+            seqs = entry.seqs
+            tables = [self.manager.new_table(seq.tokens) for seq in seqs]
+            counts = [len(seq.tokens) - t.length for seq, t in zip(seqs, tables)]
+            size = self.manager.block_size
+            forks = len(entry.request.rows) - 1 if fresh and len(seqs[0].tokens) % size else 0
+            needed = sum(self.manager.blocks_needed(t, c) for t, c in zip(tables, counts)) + forks
+            over_budget = sum(counts) > budget and budget < self.config.max_prefill_tokens
+            if over_budget or needed > self.manager.pool.num_available:
+                for table in tables:
+                    self.manager.free(table)  # back to the cache's idle list
+                return
+            self.waiting.popleft()
+            self.running.append(entry)
+            entry.started = True
+            budget -= sum(counts)
+            live += samples
+            self.prefill_tokens += sum(counts)
+            self.cached_tokens += sum(t.length for t in tables)
+            for seq, table, count in zip(seqs, tables, counts):
+                seq.table = table
+                # n samples of a fresh prompt all read its one row of logits
+                rows = entry.request.rows if fresh else [seq.row]
+                self._add(step, seq, count, rows)
+            if fresh and len(entry.request.rows) > 1:
+                step.forks.append(entry)
+
+    def _add(self, step: Step, seq: Sequence, count: int, rows: list[Row]) -> None:
+        """Reserve `count` slots for `seq`; `rows` sample from its last token's logits."""
+        step.rows += rows
+        step.logit_rows += [len(step.work)] * len(rows)
+        step.work.append(Work(seq, count, self.manager.reserve(seq.table, count)))
+
+    def _make_room(self, entry: EngineRequest, needs: list[tuple[BlockTable, int]]) -> bool:
+        """Preempt younger requests until `needs` fit; False if `entry` itself was preempted."""
+        needed = sum(self.manager.blocks_needed(table, count) for table, count in needs)
+        while needed > self.manager.pool.num_available:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is entry:
+                return False
+        return True
+
+    def _preempt(self, entry: EngineRequest) -> None:
+        for seq in entry.seqs:
+            self.manager.free(seq.table)
+        self.running.remove(entry)
+        self.waiting.appendleft(entry)
+        self.preemptions += 1
+
+    def fork_samples(self, entry: EngineRequest) -> None:
+        """After the prompt's forward: samples 1..n-1 share sample 0's blocks."""
+        parent = entry.seqs[0]
+        for row in entry.request.rows[1:]:
+            entry.seqs.append(Sequence(row, list(parent.tokens), self.manager.fork(parent.table)))
