@@ -7,7 +7,7 @@ import math
 import pytest
 from meta_toys import TOY_PROMPT, ScriptedGenerator, toy_oracle
 
-from decodekit.meta.generator import LocalGenerator
+from decodekit.meta.generator import LocalGenerator, derive_seed
 from decodekit.meta.scorers import ScorerError
 from decodekit.meta.tree import Node, TreeConfig, allocate_children, tree_search, tree_search_batch
 from decodekit.params import SamplingParams
@@ -188,8 +188,9 @@ def test_batched_searches_match_single_searches_and_split_the_budget(toy_model):
     params, config = STEP.replace(seed=4), TreeConfig(width=2)
     gen = LocalGenerator(toy_model)
     batch = tree_search_batch(gen, [TOY_PROMPT, TOY_PROMPT], toy_oracle, 6, "rebase", params, config)
-    alone = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 6, "rebase", params, config)
-    for result in batch:
+    for i, result in enumerate(batch):
+        alone = tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 6, "rebase",
+                            params.replace(seed=derive_seed(4, "prompt", i)), config)
         assert [c.text for c in result.candidates] == [c.text for c in alone.candidates]
         for key in ("prompt_tokens", "generated_tokens", "reused_prefix_tokens", "scorer_calls"):
             assert result.budget[key] == alone.budget[key]

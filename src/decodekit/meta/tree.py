@@ -371,13 +371,16 @@ def tree_search_batch(
     budgets: Sequence[Budget] | None = None,
 ) -> list[MetaResult]:
     """`tree_search` of many prompts in lockstep: one generator call per depth expands every
-    prompt's nodes (each prompt's search is the same as alone, given the same seed). Each
+    prompt's nodes. Prompt i's search is `tree_search` with the seed
+    derive_seed(params.seed, "prompt", i), so prompts do not share random draws. Each
     result's budget counts its own requests from the completions' usage (one call per
     request; `cached_prompt_tokens` as reused) and the shared wall time."""
     config = config or TreeConfig()
     budgets = [Budget() for _ in prompts] if budgets is None else list(budgets)
     if len(budgets) != len(prompts):
         raise ValueError(f"budgets must be one per prompt ({len(prompts)}), got {len(budgets)}")
-    searches = _searches(list(prompts), params or SamplingParams(), config, extract, is_final,
-                         on_error, budgets, method, n)
+    params = params or SamplingParams()
+    searches = _searches(list(prompts), params, config, extract, is_final, on_error, budgets, method, n)
+    for i, search in enumerate(searches):  # independent draws per prompt, reproducible by seed
+        search.params = search.params.replace(seed=derive_seed(params.seed, "prompt", i))
     return _drive(generator, searches, method, n, prm, prm_kind) if searches else []

@@ -1,0 +1,304 @@
+"""Accuracy against compute on the embedded `arith` task (seed 001, "Scaling meta-generators").
+
+For every strategy and budget N: accuracy (the chosen answer equals the true value) and
+what it cost per problem (generated tokens, prompt tokens computed, reused, scorer calls).
+
+- Parallel strategies sample once at the largest N per problem and seed; the curve at a
+  smaller N averages over the largest N // N disjoint subsets of those samples (REFERENCES.md:
+  "generate once at the largest N and subsample"). single = one sample; majority = self-
+  consistency; bon-* = best-of-N; weighted-* = weighted vote.
+- Tree strategies (beam, dvts, rebase) run at every N with N samples per depth, all problems
+  in lockstep (`tree_search_batch`), final answer by a vote weighted by the last step score.
+- Scorers: *-orm / *-prm are the learned reward models `arith-orm` / `arith-prm`; *-oracle
+  are the exact checkers (check_answer, check_steps), the upper reference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from decodekit.meta.generator import LocalGenerator, derive_seed
+from decodekit.meta.parallel import choose_best, vote
+from decodekit.meta.result import Candidate
+from decodekit.meta.tree import TreeConfig, tree_search_batch
+from decodekit.params import SamplingParams
+
+PARALLEL = ("single", "majority", "bon-orm", "weighted-orm", "bon-oracle", "weighted-oracle")
+TREE = ("beam-prm", "dvts-prm", "rebase-prm", "beam-oracle", "dvts-oracle", "rebase-oracle")
+STRATEGIES = PARALLEL + TREE
+TASKS = ("arith",)
+
+# The held-out problems of scripts/train_arith.py: its task distribution, its test stream, and
+# no question of its training stream (200k problems from seed 1).
+TRAIN_SEED, TRAIN_PROBLEMS, TEST_SEED = 1, 200_000, 4
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    strategies: tuple[str, ...] = STRATEGIES
+    ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    seeds: int = 3
+    problems: int = 50
+    temperature: float = 1.0
+    max_new_tokens: int = 96  # a whole solution (parallel strategies)
+    step_tokens: int = 24  # one step (tree search)
+    width: int = 4
+    tau: float = 0.2
+    aggregate: str = "last"
+    tree_final: str = "weighted_vote"
+    tree_max_n: int | None = None  # tree search only up to this N (it is run at every N)
+    model: str = "arith"
+    orm: str = "arith-orm"
+    prm: str = "arith-prm"
+    rows: int = 512  # samples per generator call when sampling in parallel
+
+    def __post_init__(self):
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown or not self.strategies:
+            raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+        if not self.ns or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.ns):
+            raise ValueError(f"every N must be an integer >= 1, got {list(self.ns)}")
+        for name in ("seeds", "problems", "max_new_tokens", "step_tokens", "rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        TreeConfig(width=self.width, aggregate=self.aggregate, final=self.tree_final, tau=self.tau)
+
+
+def eval_problems(count: int):
+    """`count` arith problems none of which `arith` was trained on."""
+    from decodekit.meta.tasks.arith import ArithConfig, generate_problems
+
+    task = ArithConfig(min_ops=2, max_ops=4, max_operand=9)
+    train = {p.question for p in generate_problems(TRAIN_PROBLEMS, TRAIN_SEED, task)}
+    pool = generate_problems(4 * count + 100, TEST_SEED, task)
+    return [p for p in pool if p.question not in train][:count]
+
+
+def batch_reward_scores(scorer, items: Sequence[tuple[str, list[str]]], batch_size: int = 256):
+    """SegmentScorer scores of many (prompt, segments) in padded batches: [[P(1) per segment]].
+    Right padding leaves a causal model's scores at the real tokens unchanged."""
+    import torch
+
+    encoded = [scorer.encode(prompt, segments) for prompt, segments in items]
+    order = sorted(range(len(items)), key=lambda i: len(encoded[i][0]))
+    out: list = [None] * len(items)
+    pad = scorer.tokenizer.pad_token_id or 0
+    with torch.inference_mode():
+        for b in range(0, len(order), batch_size):
+            rows = order[b : b + batch_size]
+            width = max(len(encoded[i][0]) for i in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, : len(encoded[i][0])] = torch.tensor(encoded[i][0])
+                mask[r, : len(encoded[i][0])] = 1
+            probs = torch.sigmoid(scorer.model(input_ids=ids, attention_mask=mask).logits[..., 0].float())
+            for r, i in enumerate(rows):
+                out[i] = probs[r, encoded[i][1]].tolist()  # [segments]
+    return out
+
+
+def arith_scorers(config: EvalConfig) -> dict[str, Callable]:
+    """Batched scorers: orm([(prompt, solution)]) -> [p], prm([(prompt, steps)]) -> [[p]]."""
+    from decodekit.meta.rewards import load_reward_model
+    from decodekit.meta.tasks.arith import DELIMITER, check_answer, check_steps, format_prompt
+
+    def learned(name: str, whole: bool):
+        scorer = load_reward_model(name)
+
+        def score(items):  # the segments of arith.load_orm / load_prm
+            segments = [[s.strip() + DELIMITER] if whole else [t.strip() + DELIMITER for t in s]
+                        for _, s in items]
+            scores = batch_reward_scores(scorer, [(format_prompt(q), seg) for (q, _), seg in
+                                                  zip(items, segments)])
+            return [s[0] for s in scores] if whole else scores
+
+        return score
+
+    scorers = {
+        "orm-oracle": lambda items: [float(check_answer(q, s)) for q, s in items],
+        "prm-oracle": lambda items: [[float(x) for x in check_steps(q, s)] for q, s in items],
+    }
+    if any(s.endswith("-orm") for s in config.strategies):
+        scorers["orm"] = learned(config.orm, whole=True)
+    if any(s.endswith("-prm") for s in config.strategies):
+        scorers["prm"] = learned(config.prm, whole=False)
+    return scorers
+
+
+def sample_parallel(generator, prompts: list[str], n: int, config: EvalConfig, seed: int):
+    """n completions per prompt, each prompt its own seed, `config.rows` samples per call."""
+    params = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens)
+    per_call = max(1, config.rows // n)
+    results = []
+    for start in range(0, len(prompts), per_call):
+        chunk = range(start, min(start + per_call, len(prompts)))
+        seeded = [params.replace(seed=derive_seed(seed, "sample", i)) for i in chunk]
+        results += generator.generate([prompts[i] for i in chunk], n, seeded)
+    return results
+
+
+def parallel_point(strategy: str, candidates: list[Candidate], truth) -> bool:
+    """Is the strategy's answer on this candidate set right? (scores: see `evaluate_parallel`)"""
+    if strategy in ("single", "majority"):
+        return vote(candidates)[0] == truth
+    if strategy.startswith("bon-"):
+        chosen = choose_best(candidates)
+        return chosen is not None and chosen.answer == truth
+    return vote(candidates, weighted=True)[0] == truth
+
+
+def subset_curve(strategy: str, problems: list[list[Candidate]], truths: list, tokens: list[list[int]],
+                 n: int) -> tuple[float, float]:
+    """(accuracy, generated tokens per problem) at N = n, averaged over the disjoint n-subsets."""
+    accuracy, spent = [], []
+    for candidates, truth, counts in zip(problems, truths, tokens):
+        chunks = range(0, len(candidates) - n + 1, n)
+        accuracy.append(statistics.fmean(parallel_point(strategy, candidates[c : c + n], truth)
+                                         for c in chunks))
+        spent.append(statistics.fmean(sum(counts[c : c + n]) for c in chunks))
+    return statistics.fmean(accuracy), statistics.fmean(spent)
+
+
+def evaluate_parallel(generator, problems, scorers, config: EvalConfig, seed: int) -> list[dict]:
+    from decodekit.meta.tasks.arith import extract_answer, format_prompt
+
+    strategies = [s for s in config.strategies if s in PARALLEL]
+    if not strategies:
+        return []
+    prompts = [format_prompt(p) for p in problems]
+    start = time.perf_counter()
+    samples = sample_parallel(generator, prompts, max(config.ns), config, seed)
+    sampled = time.perf_counter() - start
+    texts = [(prompt, c.text) for prompt, cs in zip(prompts, samples) for c in cs]
+    scores = {kind: scorers[kind](texts) for kind in ("orm", "orm-oracle") if kind in scorers}
+    truths = [p.answer for p in problems]
+    tokens = [[c.usage.completion_tokens for c in cs] for cs in samples]
+    prompt_tokens = statistics.fmean(cs[0].usage.prompt_tokens for cs in samples)
+    rows = []
+    for strategy in strategies:
+        kind = "orm" if strategy.endswith("-orm") else "orm-oracle"
+        flat = iter(scores.get(kind, [None] * len(texts)))
+        sets = [[Candidate(c.text, answer=extract_answer(c.text), score=next(flat)) for c in cs]
+                for cs in samples]
+        for n in [1] if strategy == "single" else config.ns:
+            accuracy, spent = subset_curve(strategy, sets, truths, tokens, n)
+            scored = strategy not in ("single", "majority")
+            rows.append({"strategy": strategy, "n": n, "seed": seed, "accuracy": accuracy,
+                         "generated_tokens": spent, "prompt_tokens": prompt_tokens,
+                         "reused_prefix_tokens": prompt_tokens * (n - 1), "scorer_calls": n * scored,
+                         "seconds_to_sample_max_n": sampled})
+    return rows
+
+
+def evaluate_tree(generator, problems, scorers, config: EvalConfig, seed: int) -> list[dict]:
+    from decodekit.meta.tasks.arith import extract_answer, format_prompt
+
+    prompts = [format_prompt(p) for p in problems]
+    truths = [p.answer for p in problems]
+    tree = TreeConfig(width=config.width, aggregate=config.aggregate, final=config.tree_final,
+                      tau=config.tau)
+    rows = []
+    for strategy in (s for s in config.strategies if s in TREE):
+        method, kind = strategy.split("-")
+        prm = scorers["prm" if kind == "prm" else "prm-oracle"]
+        for n in config.ns:
+            if config.tree_max_n is not None and n > config.tree_max_n:
+                continue
+            params = SamplingParams(temperature=config.temperature, max_new_tokens=config.step_tokens,
+                                    seed=derive_seed(seed, strategy, n))
+            start = time.perf_counter()
+            results = tree_search_batch(generator, prompts, prm, n, method, params, tree,
+                                        extract=extract_answer, prm_kind="batch",
+                                        is_final=lambda step: step.startswith("Answer"))
+            row = {"strategy": strategy, "n": n, "seed": seed,
+                   "accuracy": statistics.fmean(r.answer == t for r, t in zip(results, truths)),
+                   "seconds": time.perf_counter() - start}
+            for key in ("generated_tokens", "prompt_tokens", "reused_prefix_tokens", "scorer_calls"):
+                row[key] = statistics.fmean(r.budget[key] for r in results)
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean, min, max and standard deviation over seeds of each (strategy, N)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["strategy"], row["n"]), []).append(row)
+    summary = []
+    for (strategy, n), group in groups.items():
+        acc = [r["accuracy"] for r in group]
+        summary.append({
+            "strategy": strategy, "n": n, "seeds": len(group), "accuracy": statistics.fmean(acc),
+            "accuracy_min": min(acc), "accuracy_max": max(acc),
+            "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+            "generated_tokens": statistics.fmean(r["generated_tokens"] for r in group),
+        })
+    return summary
+
+
+def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Run the configured strategies; returns {"config", "problems", "rows", "summary"}."""
+    if generator is None:
+        from decodekit.models.registry import load_model
+
+        generator = LocalGenerator(load_model(config.model))
+    scorers = scorers if scorers is not None else arith_scorers(config)
+    problems = eval_problems(config.problems)
+    rows = []
+    for seed in range(config.seeds):
+        for part in (evaluate_parallel, evaluate_tree):
+            start = time.perf_counter()
+            rows += part(generator, problems, scorers, config, seed)
+            if progress is not None:
+                progress(f"seed {seed}: {part.__name__} in {time.perf_counter() - start:.1f} s")
+    return {"config": asdict(config), "problems": len(problems), "rows": rows, "summary": summarize(rows)}
+
+
+def plot(report: dict, path: str) -> None:
+    """Accuracy against generated tokens per problem: a line per strategy, a min-max band over
+    seeds; oracle scorers dashed, in the colour of their learned counterpart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"single": "black", "majority": "tab:gray", "bon": "tab:red", "weighted": "tab:orange",
+              "beam": "tab:blue", "dvts": "tab:green", "rebase": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    strategies = dict.fromkeys(r["strategy"] for r in report["summary"])
+    for strategy in strategies:
+        points = sorted((r for r in report["summary"] if r["strategy"] == strategy), key=lambda r: r["n"])
+        x = [r["generated_tokens"] for r in points]
+        style = dict(color=colors[strategy.split("-")[0]], linestyle="--" if "oracle" in strategy else "-")
+        ax.plot(x, [r["accuracy"] for r in points], marker="o", markersize=3, label=strategy, **style)
+        ax.fill_between(x, [r["accuracy_min"] for r in points], [r["accuracy_max"] for r in points],
+                        color=style["color"], alpha=0.12, linewidth=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("generated tokens per problem")
+    ax.set_ylabel("accuracy")
+    config = report["config"]
+    ax.set_title(f"arith: {report['problems']} problems, {config['seeds']} seeds, N = "
+                 f"{', '.join(map(str, config['ns']))}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    """The summary as text: one row per strategy, accuracy (tokens) per N."""
+    ns = sorted({r["n"] for r in report["summary"]})
+    lines = [f"{'strategy':<16}" + "".join(f"{'N=' + str(n):>16}" for n in ns)]
+    for strategy in dict.fromkeys(r["strategy"] for r in report["summary"]):
+        cells = {r["n"]: r for r in report["summary"] if r["strategy"] == strategy}
+        lines.append(f"{strategy:<16}" + "".join(
+            f"{cells[n]['accuracy']:>8.3f} ({cells[n]['generated_tokens']:>5.0f})" if n in cells
+            else f"{'':>16}" for n in ns))
+    return "\n".join(lines)
