@@ -207,3 +207,16 @@ def test_bad_combinations_fail_before_generation(lm, toy_lm):
         dk.generate(toy_lm, [[1, 2]], GREEDY, constraint=regex)
     with pytest.raises(TypeError, match="constraint must be"):
         dk.generate(lm, "ROMEO:", GREEDY, constraint={"type": "object"})
+
+
+def test_constraint_on_the_default_backend(tiny_lm):
+    """The same masks on the model `load_model` gives (NativeLM; the engine when it runs it)."""
+    schema = SCHEMAS[29]  # anyOf of two objects
+    outputs = dk.generate(tiny_lm, "ROMEO:", dk.SamplingParams(max_new_tokens=60, n=3, seed=4),
+                          constraint=JsonSchema(schema))
+    for c in outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), schema)
+    batch = dk.generate(tiny_lm, ["a", "JULIET: O"], dk.SamplingParams(max_new_tokens=20, n=2, seed=1),
+                        constraint=Choices(["Romeo", "Tybalt"]))
+    assert all(c.text in ("Romeo", "Tybalt") for cs in batch for c in cs)
