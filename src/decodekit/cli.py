@@ -278,6 +278,67 @@ def run_align_bon(args) -> None:
         print(f"  plot: {args.plot}")
 
 
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="evaluations: accuracy against compute (prints a table or JSON)")
+    p.add_argument("task", choices=sorted(EVAL_TASKS))
+    p.add_argument("--strategies", default="all",
+                   help="comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all)")
+    p.add_argument("--n", default="1,2,4,8,16,32", help="budgets N, comma-separated")
+    p.add_argument("--seeds", type=int, default=3, help="sampling seeds (bands in the plot)")
+    p.add_argument("--problems", type=int, default=50, help="held-out problems")
+    p.add_argument("--model", default="arith")
+    p.add_argument("--orm", default="arith-orm", help="outcome reward model (name or directory)")
+    p.add_argument("--prm", default="arith-prm", help="process reward model (name or directory)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--width", type=int, default=4, help="tree search: children per expanded node")
+    p.add_argument("--tau", type=float, default=0.2, help="REBASE softmax temperature")
+    p.add_argument("--aggregate", default="last", help="step scores: last|min|product")
+    p.add_argument("--tree-final", default="weighted_vote", help="best|vote|weighted_vote")
+    p.add_argument("--tree-max-n", type=int, default=None, help="run tree search only up to this N")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--plot", default=None, help="write accuracy against tokens to FILE.png")
+    p.set_defaults(run=run_eval)
+
+
+def run_eval(args) -> None:
+    EVAL_TASKS[args.task](args)
+
+
+def run_eval_arith(args) -> None:
+    import torch
+
+    from decodekit.meta.evaluate import STRATEGIES, EvalConfig, evaluate_arith, plot, table
+
+    try:
+        ns = tuple(int(x) for x in args.n.split(","))
+    except ValueError:
+        raise UsageError(f"--n must be comma-separated integers, got {args.n!r}") from None
+    names = STRATEGIES if args.strategies == "all" else tuple(s.strip() for s in args.strategies.split(","))
+    config = EvalConfig(
+        strategies=names, ns=ns, seeds=args.seeds, problems=args.problems,
+        temperature=args.temperature, width=args.width, tau=args.tau, aggregate=args.aggregate,
+        tree_final=args.tree_final, tree_max_n=args.tree_max_n, model=args.model, orm=args.orm,
+        prm=args.prm,
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
+    report = evaluate_arith(config, progress=progress)
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print("accuracy (generated tokens per problem)")
+    print(table(report))
+    if args.plot:
+        print(f"plot: {args.plot}")
+
+
+EVAL_TASKS = {"arith": run_eval_arith}  # task -> runner; `decodekit eval TASK`
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="decodekit", description="Language-model decoding, meta-generation and alignment."
@@ -287,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(sub)
     add_bench(sub)
     add_align(sub)
+    add_eval(sub)
     return parser
 
 
