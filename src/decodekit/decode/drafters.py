@@ -1,0 +1,204 @@
+"""Drafters for speculative decoding, and the rolling cache that target and drafter share.
+
+A drafter proposes up to γ tokens after a context together with the distributions
+they were drawn from (REFERENCES.md, "Speculative decoding"):
+
+    drafter.propose(context, num_tokens, sampler) -> Draft(tokens [γ], probs q_1..q_γ [γ, V])
+
+- `ModelDrafter`: any `LanguageModel` over the target's vocabulary (a smaller model of
+  the same family, or a k-gram `NGramLM`). Its tokens are drawn through the request's
+  own adapter chain (`DraftSampler`), so q is the processed draft distribution.
+- `PromptLookupDrafter`: the tokens that followed the most recent earlier occurrence of
+  the context's final n-gram (HF prompt lookup, vLLM and llama.cpp n-gram drafting),
+  with a one-hot q. Costs no model call.
+
+Verification is exact for any q as long as q_i is the distribution x_i was actually
+drawn from; using the same adapters for draft and target only raises acceptance.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from decodekit.models.base import LanguageModel
+from decodekit.sampling import SamplerState, select_tokens
+from decodekit.sampling.chain import Chain
+
+
+@dataclass
+class Draft:
+    """Proposed tokens x_1..x_γ, their distributions q [γ, V] float64 and the model calls spent."""
+
+    tokens: list[int]
+    probs: torch.Tensor
+    model_calls: int = 0
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], num_tokens: int, sampler: DraftSampler) -> Draft: ...
+
+
+def scratch_state(state: SamplerState) -> SamplerState:
+    """A copy of a sampler state whose histories (and mirostat target) can advance over
+    hypothetical tokens without touching the original. The random generator is shared on
+    purpose: every draw of the request comes from its one seeded stream."""
+    scratch = copy.copy(state)
+    scratch.select_rows(range(state.num_rows))  # fresh history lists, cloned mu
+    return scratch
+
+
+class DraftSampler:
+    """Draws draft tokens the way the request samples: its chain and selector, applied with a
+    scratch copy of its state that accepts each drawn token (so history-dependent adapters
+    such as penalties see the hypothetical draft tokens)."""
+
+    def __init__(self, chain: Chain, state: SamplerState, vocab_size: int):
+        self.chain = chain
+        self.state = scratch_state(state)
+        self.vocab_size = vocab_size
+
+    def draw(self, raw_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(token, q [V] float64) from the draft model's raw logits [V]."""
+        missing = self.vocab_size - raw_logits.shape[-1]
+        if missing > 0:  # a draft vocabulary may be a prefix of the target's: the rest gets p = 0
+            raw_logits = torch.cat([raw_logits, raw_logits.new_full((missing,), float("-inf"))])
+        processed = self.chain(raw_logits[None].float(), self.state)  # [1, V]
+        token = select_tokens(processed, self.state)  # [1]
+        self.state.accept(token, processed)
+        return int(token), torch.softmax(processed[0].double(), dim=-1)
+
+
+def empty_draft(vocab_size: int) -> Draft:
+    return Draft([], torch.zeros((0, vocab_size), dtype=torch.float64))
+
+
+class IncrementalModel:
+    """One cache row of a model that follows a changing token sequence.
+
+    `next_logits(sequence, count)` returns the logits after each of the last `count`
+    tokens of `sequence`, running only the tokens the cache does not already hold: the
+    cache is cropped back to the longest prefix it shares with `sequence` (rejected draft
+    tokens, or another sample of the same prompt) and nothing before it is recomputed.
+    """
+
+    def __init__(self, model: LanguageModel):
+        self.model = model
+        self.cache = model.new_cache(1)
+        self.tokens: list[int] = []  # what the cache holds, position by position
+        self.calls = 0
+
+    def next_logits(self, sequence: Sequence[int], count: int) -> torch.Tensor:
+        """Logits [count, V] float32 predicting sequence[-count + 1:] and the token after it."""
+        assert 1 <= count <= len(sequence), (count, len(sequence))
+        keep = min(common_prefix(self.tokens, sequence), len(sequence) - count)
+        if keep == 0:
+            self.cache = self.model.new_cache(1)
+        elif keep < len(self.tokens):
+            self.cache.crop(keep)
+        new = torch.as_tensor(list(sequence[keep:]), dtype=torch.long)[None]  # [1, T]
+        logits = self.model.forward(new, self.cache)[0, -count:]  # [count, V]
+        self.tokens = list(sequence)
+        self.calls += 1
+        return logits
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    same = torch.as_tensor(list(a[:n])) == torch.as_tensor(list(b[:n]))
+    return int(same.long().cumprod(0).sum())
+
+
+class ModelDrafter:
+    """Draft with a smaller `LanguageModel` over (a prefix of) the target's vocabulary.
+
+    Each proposal feeds the draft model the context tokens its cache lacks (the previous
+    block's last draft token and the target's extra token: at most two after the first
+    block), then one token per further draft position: γ model calls per block.
+    """
+
+    def __init__(self, model: LanguageModel):
+        self.model = model
+        self.runner = IncrementalModel(model)
+
+    def propose(self, context: Sequence[int], num_tokens: int, sampler: DraftSampler) -> Draft:
+        num_tokens = min(num_tokens, self.model.max_context - len(context) + 1)
+        if num_tokens <= 0:
+            return empty_draft(sampler.vocab_size)
+        sequence, probs = list(context), []
+        for _ in range(num_tokens):
+            logits = self.runner.next_logits(sequence, 1)[0]  # [V]
+            token, q = sampler.draw(logits)
+            sequence.append(token)
+            probs.append(q)
+        return Draft(sequence[len(context) :], torch.stack(probs), model_calls=num_tokens)
+
+
+class PromptLookupDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+    (n from `max_ngram` down to `min_ngram`) and propose the tokens that followed it, each
+    with a one-hot draft distribution. No match: an empty draft (a plain decoding step)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(
+                f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+            )
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, context: Sequence[int], num_tokens: int) -> list[int]:
+        """The up to `num_tokens` tokens that followed the last earlier match, or []."""
+        ids = torch.as_tensor(list(context), dtype=torch.long)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ids) <= n or num_tokens <= 0:
+                continue
+            windows = ids[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram followed by a token
+            match = (windows == ids[-n:]).all(dim=-1).nonzero()
+            if len(match):
+                start = int(match[-1]) + n
+                return ids[start : start + num_tokens].tolist()
+        return []
+
+    def propose(self, context: Sequence[int], num_tokens: int, sampler: DraftSampler) -> Draft:
+        tokens = self.lookup(context, num_tokens)
+        probs = torch.zeros((len(tokens), sampler.vocab_size), dtype=torch.float64)
+        probs[torch.arange(len(tokens)), torch.as_tensor(tokens, dtype=torch.long)] = 1.0
+        return Draft(tokens, probs)
+
+
+def make_drafter(draft: object, target: LanguageModel) -> Drafter:
+    """A drafter from a `Drafter`, a `LanguageModel`, "prompt-lookup", "auto" (the embedded
+    `<target>-draft` model) or an embedded model name / checkpoint directory."""
+    if isinstance(draft, str):
+        if draft == "prompt-lookup":
+            return PromptLookupDrafter()
+        from decodekit.models.registry import embedded_models, load_model
+
+        if draft == "auto":
+            draft = f"{target.name}-draft"
+            if draft not in embedded_models():
+                raise ValueError(
+                    f"no default draft model for {target.name!r} (no embedded model {draft!r}); "
+                    "name a draft model or use 'prompt-lookup'"
+                )
+        draft = load_model(draft)
+    if isinstance(draft, LanguageModel):
+        if draft.vocab_size > target.vocab_size:
+            raise ValueError(
+                f"draft model {draft.name!r} has vocab_size {draft.vocab_size}; it must share the "
+                f"target's vocabulary (at most {target.vocab_size})"
+            )
+        return ModelDrafter(draft)
+    if callable(getattr(draft, "propose", None)):
+        return draft  # type: ignore[return-value]
+    raise TypeError(
+        "draft must be a LanguageModel, a Drafter, 'prompt-lookup', 'auto' or a model name, "
+        f"got {type(draft).__name__}"
+    )
