@@ -21,6 +21,7 @@ __all__ = [
     "beam_search",
     "generate",
     "load_model",
+    "speculative_generate",
     "stream",
 ]
 
@@ -48,4 +49,8 @@ def __getattr__(name):
         from decodekit.decode.contrastive import ContrastiveLM
 
         return ContrastiveLM
+    if name == "speculative_generate":
+        from decodekit.decode.speculative import speculative_generate
+
+        return speculative_generate
     raise AttributeError(f"module 'decodekit' has no attribute {name!r}")
