@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
 import torch
@@ -49,6 +49,21 @@ def _llguidance():
             "pip install 'decodekit[constrained]'"
         ) from None
     return llguidance
+
+
+class TokenMask(Protocol):
+    """Per-row token filter of a request, applied before its adapter chain (the shape of
+    llama.cpp's samplers: apply, accept): `GrammarMask` here, `healing.HealingMask`."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...  # [R, V] -> [R, V]
+
+    def accept(self, tokens: torch.Tensor) -> None: ...  # [R] chosen tokens
+
+    def select_rows(self, rows: Sequence[int]) -> None: ...
+
+    def is_complete(self, row: int) -> bool: ...  # after accept: must the row stop?
+
+    def completes(self, row: int, token: int) -> bool: ...  # would `token` complete it?
 
 
 @dataclass(frozen=True)
@@ -248,12 +263,11 @@ def token_mask(
     constraint: Constraint | None = None,
     heal: bool | int = False,
     ignore_eos: bool = False,
-) -> tuple[Any, list[int], Callable[[Sequence[int]], str]]:
+) -> tuple[TokenMask | None, list[int], Callable[[Sequence[int]], str]]:
     """A request's token mask (or None), its prompt ids and how its generated ids read as text.
 
     The decoders call this once per request, before generating: every error of the
-    constraint or the healing is raised here. The mask is a `GrammarMask` or a
-    `healing.HealingMask`: both have apply, accept, select_rows, is_complete, completes.
+    constraint or the healing is raised here.
     """
     from decodekit.decode.healing import heal_prompt  # healing builds on this module
 

@@ -25,6 +25,7 @@ from decodekit.decode.constrained import ll_tokenizer
 from decodekit.models.base import LanguageModel
 
 NEG_INF = float("-inf")
+HEAL_CONTEXT = 4  # prompt tokens decoded before the generated ones
 _TOKEN_BYTES: WeakKeyDictionary = WeakKeyDictionary()
 
 
@@ -107,10 +108,13 @@ def heal_prompt(
     pieces = [table[t] if t < len(table) else None for t in removed]
     if any(p is None or not p for p in pieces) or "\ufffd" in model.decode(removed):
         return None, ids, model.decode
-    prompt_text = model.decode(ids)
+    # Text after the original prompt, decoded after a few prompt tokens of context (so that a
+    # tokenizer that drops a leading space, as SentencePiece does, treats both texts alike);
+    # while healing is partial it is shorter than the prompt's tail, hence "".
+    context = kept[-HEAL_CONTEXT:]
+    tail_length = len(model.decode(context + removed))
 
     def decode(generated: Sequence[int]) -> str:
-        # Text after the original prompt; shorter than it while healing is partial, hence "".
-        return model.decode(kept + list(generated))[len(prompt_text) :]
+        return model.decode(context + list(generated))[tail_length:]
 
     return HealingMask(table, b"".join(pieces), num_rows), kept, decode
