@@ -12,6 +12,7 @@ from decodekit.meta.scorers import ScorerError
 from decodekit.meta.tree import Node, TreeConfig, allocate_children, tree_search, tree_search_batch
 from decodekit.params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 STEP = SamplingParams(max_new_tokens=4)  # one step is one character and its delimiter
 
 

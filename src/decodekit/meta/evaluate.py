@@ -241,15 +241,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = None,
+def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = None, problems=None,
                    progress: Callable[[str], None] | None = None) -> dict:
-    """Run the configured strategies; returns {"config", "problems", "rows", "summary"}."""
+    """Run the configured strategies; returns {"config", "problems", "rows", "summary"}.
+    generator, scorers (as `arith_scorers` returns) and problems default to the embedded
+    model, its reward models and `eval_problems(config.problems)`."""
     if generator is None:
         from decodekit.models.registry import load_model
 
         generator = LocalGenerator(load_model(config.model))
     scorers = scorers if scorers is not None else arith_scorers(config)
-    problems = eval_problems(config.problems)
+    problems = problems if problems is not None else eval_problems(config.problems)
     rows = []
     for seed in range(config.seeds):
         for part in (evaluate_parallel, evaluate_tree):
