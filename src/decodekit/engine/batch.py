@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from decodekit.engine.kv import BlockPool
+from decodekit.engine.kv import BlockPool, BlockTable
 from decodekit.models.kv import attend as dense_attend
 from decodekit.models.kv import causal_mask
 from decodekit.models.native import NativeLM
@@ -114,3 +114,55 @@ def paged_forward(
     cos, sin = model.rope.tables(int(positions.max()) + 1)
     cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
     return model.net(tokens[None], cos, sin, batch, None, False, keep)[0]
+
+
+def build_batch(pool: BlockPool, items: list[tuple[BlockTable, list[int], list[int]]]):
+    """tokens [T], positions [T], the PagedBatch and kept indices [K] of a step.
+
+    items: per sequence, its table (already holding `len(slots)` reserved positions), its
+    tokens (at least `table.length` of them) and the slots of its new positions. Each
+    sequence's last new token's logits are kept, in the order of `items`.
+    """
+    tokens: list[int] = []
+    positions: list[int] = []
+    all_slots: list[int] = []
+    keep: list[int] = []
+    decode_at: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lengths: list[int] = []
+    prefills: list[PrefillSpan] = []
+    for table, seq_tokens, slots in items:
+        count, length = len(slots), table.length
+        start = len(tokens)
+        tokens += seq_tokens[length - count : length]
+        positions += range(length - count, length)
+        all_slots += slots
+        keep.append(start + count - 1)
+        if count == 1:
+            decode_at.append(start)
+            decode_tables.append(table.blocks)
+            decode_lengths.append(length)
+        else:
+            blocks = torch.tensor(table.blocks, dtype=torch.long)
+            prefills.append(PrefillSpan(start, start + count, blocks, length))
+    decode = None
+    if decode_at:
+        decode = _decode_group(decode_at, decode_tables, decode_lengths, pool.block_size)
+        if decode_at == list(range(len(tokens))):
+            decode.rows = None
+    batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), decode, prefills)
+    as_long = torch.tensor
+    return as_long(tokens), as_long(positions), batch, as_long(keep)
+
+
+def _decode_group(at, tables, lengths, block_size) -> DecodeGroup:
+    width = max(len(t) for t in tables)
+    blocks = torch.zeros((len(tables), width), dtype=torch.long)  # [B, nb], padded with 0
+    for row, table in enumerate(tables):
+        blocks[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+    span = width * block_size
+    mask = None
+    if any(length != span for length in lengths):
+        visible = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]  # [B, S]
+        mask = visible[:, None, None, :]  # [B, 1, 1, S]
+    return DecodeGroup(torch.tensor(at, dtype=torch.long), blocks, mask, span)

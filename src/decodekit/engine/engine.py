@@ -33,7 +33,7 @@ from decodekit.decode.sample import (
     sample_rows,
     to_completion,
 )
-from decodekit.engine.batch import DecodeGroup, PagedBatch, PrefillSpan, paged_forward
+from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockPool
 from decodekit.engine.prefix_cache import PrefixCache
@@ -243,7 +243,8 @@ class Engine:
             entry.handle._push(finals, finished=True)
 
     def _run(self, step: Step) -> None:
-        logits = self._forward(self.model, *_flat_batch(self.pool, step))  # [K, V]
+        items = [(w.seq.table, w.seq.tokens, w.slots) for w in step.work]
+        logits = self._forward(self.model, *build_batch(self.pool, items))  # [K, V]
         manager = self.scheduler.manager
         for work in step.work:
             manager.register(work.seq.table, work.seq.tokens, work.seq.table.length)
@@ -336,54 +337,6 @@ def _emit_rows(rows, context: int):
     for row in rows:
         for delta in emit([row], context):
             yield delta, row
-
-
-def _flat_batch(pool: BlockPool, step: Step):
-    """tokens [T], positions [T], the PagedBatch and kept indices [K] of a step."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    keep: list[int] = []
-    decode_at: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lengths: list[int] = []
-    prefills: list[PrefillSpan] = []
-    for work in step.work:
-        seq, count = work.seq, work.count
-        length = seq.table.length
-        start = len(tokens)
-        tokens += seq.tokens[length - count : length]
-        positions += range(length - count, length)
-        slots += work.slots
-        keep.append(start + count - 1)
-        if count == 1:
-            decode_at.append(start)
-            decode_tables.append(seq.table.blocks)
-            decode_lengths.append(length)
-        else:
-            blocks = torch.tensor(seq.table.blocks, dtype=torch.long)
-            prefills.append(PrefillSpan(start, start + count, blocks, length))
-    decode = None
-    if decode_at:
-        decode = _decode_group(decode_at, decode_tables, decode_lengths, pool.block_size)
-        if decode_at == list(range(len(tokens))):
-            decode.rows = None
-    batch = PagedBatch(pool, torch.tensor(slots, dtype=torch.long), decode, prefills)
-    as_long = torch.tensor
-    return as_long(tokens), as_long(positions), batch, as_long(keep)
-
-
-def _decode_group(at, tables, lengths, block_size) -> DecodeGroup:
-    width = max(len(t) for t in tables)
-    blocks = torch.zeros((len(tables), width), dtype=torch.long)  # [B, nb], padded with 0
-    for row, table in enumerate(tables):
-        blocks[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    span = width * block_size
-    mask = None
-    if any(length != span for length in lengths):
-        visible = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]  # [B, S]
-        mask = visible[:, None, None, :]  # [B, 1, 1, S]
-    return DecodeGroup(torch.tensor(at, dtype=torch.long), blocks, mask, span)
 
 
 def run_requests(model: NativeLM, requests: list[Request]) -> Iterator[Delta]:
