@@ -213,7 +213,7 @@ def run_models(args) -> None:
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("which", choices=["decode", "constrained", "contrastive"])
+    p.add_argument("which", choices=["decode", "constrained", "contrastive", "compress"])
     p.add_argument("--model", default="shakespeare")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--new-tokens", type=int, default=256)
@@ -231,6 +231,13 @@ def run_bench(args) -> None:
         from decodekit.bench.contrastive import bench_contrastive
 
         result = bench_contrastive(args.model, args.amateur)
+    elif args.which == "compress":
+        from decodekit.bench.compress import bench_compress, table
+
+        result = bench_compress(args.model, new_tokens=args.new_tokens, repeats=args.repeats)
+        if not args.json:
+            print(table(result))
+            return
     else:
         from decodekit.bench.decode import bench_decode
 
@@ -281,6 +288,10 @@ def run_align_bon(args) -> None:
 def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluations: accuracy against compute (prints a table or JSON)")
     p.add_argument("task", choices=sorted(EVAL_TASKS))
+    p.add_argument("target", nargs="?", metavar="MODEL", help="perplexity: model (default shakespeare)")
+    p.add_argument("--text", default=None, help="perplexity: text file (default: held-out Shakespeare)")
+    p.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (context)")
+    p.add_argument("--stride", type=int, default=None, help="perplexity: window step (window / 2)")
     p.add_argument("--strategies", default="all",
                    help="comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all)")
     p.add_argument("--n", default="1,2,4,8,16,32", help="budgets N, comma-separated")
@@ -302,6 +313,8 @@ def add_eval(sub) -> None:
 
 
 def run_eval(args) -> None:
+    if args.target is not None and args.task != "perplexity":
+        raise UsageError(f"eval {args.task} takes no MODEL argument (use --model), got {args.target!r}")
     EVAL_TASKS[args.task](args)
 
 
@@ -336,7 +349,58 @@ def run_eval_arith(args) -> None:
         print(f"plot: {args.plot}")
 
 
-EVAL_TASKS = {"arith": run_eval_arith}  # task -> runner; `decodekit eval TASK`
+def run_eval_perplexity(args) -> None:
+    """Held-out per-token perplexity in strided windows (compress/evaluate.py)."""
+    from pathlib import Path
+
+    import decodekit as dk
+    from decodekit.compress.evaluate import TEST_TEXT, text_perplexity
+
+    name = args.target or (args.model if args.model != "arith" else "shakespeare")
+    text_path = Path(args.text) if args.text else TEST_TEXT
+    result = text_perplexity(dk.load_model(name), text_path.read_text(), args.window, args.stride)
+    if args.json:
+        print(json.dumps({"model": name, "text": str(text_path), **result.to_dict()}, indent=1))
+        return
+    print(f"{name}: perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token over "
+          f"{result.tokens} tokens of {text_path.name}; window {result.window}, stride {result.stride})")
+
+
+EVAL_TASKS = {"arith": run_eval_arith, "perplexity": run_eval_perplexity}  # `decodekit eval TASK`
+
+
+def add_compress(sub) -> None:
+    p = sub.add_parser("compress", help="quantise or prune a model's Linear layers and save it")
+    p.add_argument("model", help="embedded model name or local Llama-family directory")
+    p.add_argument("--method", required=True, help="rtn|gptq (quantise) or magnitude|sparsegpt (prune)")
+    p.add_argument("--bits", type=int, default=None, help="2..8 (default 8 for rtn, 4 for gptq)")
+    p.add_argument("--group", type=int, default=None, help="inputs per scale (default: per channel)")
+    p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing Hessian diag")
+    p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
+    p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
+    p.add_argument("--calib", type=int, default=128, help="calibration windows (gptq, sparsegpt)")
+    p.add_argument("--calib-len", type=int, default=None, help="tokens per window (default: context)")
+    p.add_argument("--calib-file", default=None, help="calibration text (default: Shakespeare val)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run_compress)
+
+
+def run_compress(args) -> None:
+    from decodekit.compress.recipe import CompressConfig, compress_to_dir
+
+    config = CompressConfig(
+        args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
+        sparsity=args.sparsity, n_m=args.n_m, calib_windows=args.calib, calib_length=args.calib_len,
+    )
+    report = compress_to_dir(args.model, config, args.out, args.calib_file)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    mb = 1e6
+    print(f"{report['model']} -> {report['out']} ({report['label']}, {report['layers']} layers): "
+          f"{report['memory_bytes_before'] / mb:.2f} MB -> {report['memory_bytes_after'] / mb:.2f} MB "
+          f"in memory, {report['disk_bytes'] / mb:.2f} MB on disk")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_align(sub)
     add_eval(sub)
+    add_compress(sub)
     return parser
 
 

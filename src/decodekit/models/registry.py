@@ -38,6 +38,8 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
     path = Path(text).expanduser()
     if path.is_dir():
         kind = "ngram" if (path / "ngram.json").exists() else "hf"
+        if (path / "compression.json").exists():
+            kind = "compressed"  # written by `decodekit compress` (compress/pretrained.py)
         return path.name, path, kind
     if path.exists():
         raise ValueError(f"model path {text!r} is a file; expected a checkpoint directory")
@@ -63,6 +65,12 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto") 
         from decodekit.models.ngram import NGramLM
 
         return NGramLM.load(path)
+    if kind == "compressed":
+        if backend == "hf":
+            raise ValueError(f"compressed model {name!r} runs on the native backend only")
+        from decodekit.compress.pretrained import load_compressed_dir
+
+        return load_compressed_dir(path, name=name)
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     config = json.loads((path / "config.json").read_text())

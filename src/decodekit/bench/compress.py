@@ -1,0 +1,123 @@
+"""`decodekit bench compress`: perplexity, size and decode speed of compressed models.
+
+For each configuration of GPTQ's and SparseGPT's tables (REFERENCES.md; per-channel
+quantisation, 50 % unstructured and 2:4 sparsity): load the float model, compress it
+(`compress_lm`, calibration on the shipped validation split), write a compressed directory
+and load it back through `load_model`, as a user would. On the loaded model: held-out
+per-token perplexity of the shipped test split (compress/evaluate.py defaults: windows of
+the model's context, stride half of it), bytes of parameters and buffers in memory, bytes of
+the weights file on disk, and greedy decode tokens/s through `decodekit.generate` (batch 1,
+EOS ignored, median of `repeats` runs after one warm-up). The output head is tied to the
+embedding and stays float32 in every row (as in GPTQ and SparseGPT, which leave embeddings
+and the head alone), so it bounds how far memory can shrink.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from decodekit.bench.decode import machine
+from decodekit.compress.recipe import CompressConfig
+
+CONFIGS: tuple[CompressConfig | None, ...] = (
+    None,  # the float32 model
+    CompressConfig("rtn", bits=8),
+    CompressConfig("rtn", bits=4),
+    CompressConfig("gptq", bits=4),
+    CompressConfig("rtn", bits=3),
+    CompressConfig("gptq", bits=3),
+    CompressConfig("magnitude", sparsity=0.5),
+    CompressConfig("sparsegpt", sparsity=0.5),
+    CompressConfig("magnitude", n_m="2:4"),
+    CompressConfig("sparsegpt", n_m="2:4"),
+)
+
+
+def decode_tokens_per_second(model, new_tokens: int, repeats: int, prompt: str = "ROMEO:") -> float:
+    import decodekit as dk
+
+    params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    dk.generate(model, prompt, params)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        [completion] = dk.generate(model, prompt, params)
+        times.append(time.perf_counter() - start)
+        assert len(completion.token_ids) == new_tokens
+    return new_tokens / statistics.median(times)
+
+
+def measure(
+    model_name: str,
+    config: CompressConfig | None,
+    new_tokens: int,
+    repeats: int,
+    calib_windows: int | None = None,
+) -> dict:
+    """One row of the table (module docstring)."""
+    from dataclasses import replace
+
+    from decodekit.compress.apply import model_nbytes
+    from decodekit.compress.evaluate import text_perplexity
+    from decodekit.compress.pretrained import WEIGHTS_FILE, save_compressed_dir
+    from decodekit.compress.recipe import compress_lm
+    from decodekit.models.registry import load_model, resolve
+
+    _, source, _ = resolve(model_name)
+    model = load_model(model_name, backend="native")
+    row: dict = {"config": "fp32" if config is None else config.label(), "compress_s": 0.0}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model"
+        if config is not None:
+            if calib_windows is not None and config.needs_calibration:
+                config = replace(config, calib_windows=calib_windows)
+            start = time.perf_counter()
+            summary = compress_lm(model, config, None)
+            row["compress_s"] = round(time.perf_counter() - start, 2)
+            row["layers"] = len(summary.layers)
+            row["calib_windows"] = summary.calib_batches
+        save_compressed_dir(model, out, source)
+        row["disk_bytes"] = (out / WEIGHTS_FILE).stat().st_size
+        loaded = load_model(out)
+    row["memory_bytes"] = model_nbytes(loaded.net)
+    result = text_perplexity(loaded)
+    row.update(perplexity=round(result.perplexity, 4), nll=round(result.nll, 5), tokens=result.tokens)
+    row["decode_tok_s"] = round(decode_tokens_per_second(loaded, new_tokens, repeats), 1)
+    return row
+
+
+def bench_compress(
+    model_name: str = "shakespeare",
+    new_tokens: int = 128,
+    repeats: int = 3,
+    calib_windows: int | None = None,
+    configs: tuple[CompressConfig | None, ...] = CONFIGS,
+) -> dict:
+    """Rows of `measure` for every configuration, plus each row's change against fp32."""
+    rows = [measure(model_name, c, new_tokens, repeats, calib_windows) for c in configs]
+    base = next((r for r in rows if r["config"] == "fp32"), None)
+    if base is not None:
+        for row in rows:
+            row["ppl_change_pct"] = round(100 * (row["perplexity"] / base["perplexity"] - 1), 2)
+            row["memory_ratio"] = round(row["memory_bytes"] / base["memory_bytes"], 3)
+    return {"model": model_name, "new_tokens": new_tokens, "machine": machine(), "rows": rows}
+
+
+def table(report: dict) -> str:
+    """The report as a Markdown table."""
+    lines = [
+        f"{report['model']} (held-out Shakespeare test split, per-token perplexity)",
+        "",
+        "| config | perplexity | vs fp32 | memory MB | disk MB | decode tok/s | compress s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        change = f"{r['ppl_change_pct']:+.2f} %" if "ppl_change_pct" in r else ""
+        lines.append(
+            f"| {r['config']} | {r['perplexity']:.2f} | {change} | {r['memory_bytes'] / 1e6:.2f} | "
+            f"{r['disk_bytes'] / 1e6:.2f} | {r['decode_tok_s']:.0f} | {r['compress_s']:.1f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""Held-out perplexity of any `LanguageModel`, per token, in sliding windows.
+
+A text longer than the model's context is scored in windows of `window` tokens that start
+every `stride` tokens (the "strided" evaluation of the Hugging Face perplexity guide, and
+GPTQ's and SparseGPT's WikiText-2 numbers use fixed windows the same way). Each token is
+scored exactly once, by the first window that holds it with at least one token before it;
+with stride < window every token after the first window sees at least window - stride
+tokens of context. Perplexity = exp(mean negative log-likelihood in nats) over the N - 1
+scored tokens (the first token of the text has no context and is not scored).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from decodekit.models.base import LanguageModel
+from decodekit.models.registry import ASSETS
+
+TEST_TEXT = ASSETS / "data" / "shakespeare_test.txt"
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood, nats per token
+    tokens: int  # tokens scored
+    window: int
+    stride: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position) of each window over a stream of `num_tokens`.
+
+    Position j is scored by the window [begin, end) with begin < j < end that comes first;
+    together the windows score positions 1 .. num_tokens - 1 once each.
+    """
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    if not 1 <= stride <= window - 1:
+        raise ValueError(f"stride must be in [1, window - 1] = [1, {window - 1}], got {stride}")
+    out, scored_to = [], 1
+    for begin in range(0, max(num_tokens - 1, 1), stride):
+        end = min(begin + window, num_tokens)
+        if end > scored_to:
+            out.append((begin, end, scored_to))
+            scored_to = end
+        if end == num_tokens:
+            break
+    return out
+
+
+@torch.inference_mode()
+def perplexity(
+    model: LanguageModel,
+    tokens: Sequence[int] | torch.Tensor,
+    window: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 8,
+) -> PerplexityResult:
+    """Per-token perplexity of a token stream [N]; window defaults to the model's context and
+    stride to half the window (module docstring)."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).flatten()  # [N]
+    if len(ids) < 2:
+        raise ValueError(f"need at least 2 tokens to score, got {len(ids)}")
+    window = window or model.max_context
+    if window > model.max_context:
+        raise ValueError(f"window must be at most the model's context {model.max_context}, got {window}")
+    window = min(window, len(ids))
+    stride = stride or max(1, window // 2)
+    spans = windows(len(ids), window, stride)
+    # Windows of equal length run as one batch, each with a fresh cache.
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for span in spans:
+        by_length.setdefault(span[1] - span[0], []).append(span)
+    total, count = 0.0, 0
+    for length, group in by_length.items():
+        for i in range(0, len(group), batch_size):
+            chunk = group[i : i + batch_size]
+            rows = torch.stack([ids[b:e] for b, e, _ in chunk])  # [B, length]
+            logits = model.forward(rows, model.new_cache(len(chunk)))  # [B, length, V]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            for row, (begin, end, first) in enumerate(chunk):
+                # logits at local position t predict the token at t + 1
+                targets = rows[row, first - begin :]  # [end - first]
+                picked = logp[row, first - begin - 1 : length - 1].gather(-1, targets[:, None])
+                total -= float(picked.sum())
+                count += end - first
+    nll = total / count
+    return PerplexityResult(math.exp(nll), nll, count, window, stride)
+
+
+def text_perplexity(
+    model: LanguageModel,
+    text: str | None = None,
+    window: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 8,
+) -> PerplexityResult:
+    """`perplexity` of `text` (default: the shipped held-out Shakespeare test split) tokenised
+    by the model's own tokenizer."""
+    text = TEST_TEXT.read_text() if text is None else text
+    return perplexity(model, model.encode(text), window, stride, batch_size)

@@ -1,0 +1,187 @@
+"""One compression run of a whole model: `CompressConfig`, calibration windows from text,
+`compress_lm` (in place) and `compress_to_dir` (what `decodekit compress` calls).
+
+Calibration follows GPTQ and SparseGPT (REFERENCES.md): `calib_windows` random segments of
+`calib_length` tokens of held-in text (theirs: 128 segments of 2048 tokens of C4; ours
+default to the shipped Shakespeare validation split, which no evaluation here scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decodekit.compress.apply import (
+    PRUNE_METHODS,
+    QUANT_METHODS,
+    CompressionSummary,
+    prune_model,
+    quantize_model,
+)
+from decodekit.compress.prune import parse_n_m
+from decodekit.models.base import LanguageModel
+from decodekit.models.registry import ASSETS
+
+METHODS = QUANT_METHODS + PRUNE_METHODS
+CALIBRATION_TEXT = ASSETS / "data" / "shakespeare_val.txt"
+DEFAULT_BITS = {"rtn": 8, "gptq": 4}
+DEFAULT_SPARSITY = 0.5
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """What to do to every Linear layer but the output head. None means the method's default
+    (bits: 8 for rtn, 4 for gptq; sparsity 0.5); options of the other family are errors."""
+
+    method: str
+    bits: int | None = None
+    group_size: int | None = None  # None: one scale per output channel
+    act_order: bool = False  # gptq: quantise columns by decreasing Hessian diagonal
+    sparsity: float | None = None
+    n_m: str | None = None  # "2:4": n zeros in every m consecutive weights
+    calib_windows: int = 128
+    calib_length: int | None = None  # None: min(model context, 512)
+    block_size: int = 128
+    damp: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        quant = self.method in QUANT_METHODS
+        wrong = {
+            "bits": self.bits is not None and not quant,
+            "group_size": self.group_size is not None and not quant,
+            "act_order": self.act_order and self.method != "gptq",
+            "sparsity": self.sparsity is not None and quant,
+            "n_m": self.n_m is not None and quant,
+        }
+        for option, bad in wrong.items():
+            if bad:
+                raise ValueError(f"{option} does not apply to method {self.method!r}")
+        if self.bits is not None and (isinstance(self.bits, bool) or not 2 <= self.bits <= 8):
+            raise ValueError(f"bits must be in 2..8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.sparsity is not None and not 0 <= self.sparsity < 1:
+            raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity}")
+        if self.sparsity is not None and self.n_m is not None:
+            raise ValueError("give sparsity or n_m, not both")
+        if self.n_m is not None:
+            parse_n_m(self.n_m)
+        if self.calib_windows < 1:
+            raise ValueError(f"calib_windows must be >= 1, got {self.calib_windows}")
+        if self.calib_length is not None and self.calib_length < 2:
+            raise ValueError(f"calib_length must be >= 2, got {self.calib_length}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in ("gptq", "sparsegpt")
+
+    def label(self) -> str:
+        """Short name of the run, e.g. 'gptq-4b-g128' or 'sparsegpt-2:4'."""
+        if self.method in QUANT_METHODS:
+            bits = self.bits or DEFAULT_BITS[self.method]
+            group = f"-g{self.group_size}" if self.group_size else ""
+            return f"{self.method}-{bits}b{group}{'-act' if self.act_order else ''}"
+        if self.n_m is not None:
+            return f"{self.method}-{self.n_m}"
+        return f"{self.method}-{round(100 * (self.sparsity or DEFAULT_SPARSITY))}%"
+
+
+def calibration_batches(
+    model: LanguageModel,
+    text: str,
+    windows: int,
+    length: int,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """`windows` segments of `length` tokens of `text` at random offsets, as [B, length] batches."""
+    ids = torch.tensor(model.encode(text), dtype=torch.long)  # [N]
+    if len(ids) < length:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one window of {length}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - length + 1, (windows,), generator=generator)
+    rows = torch.stack([ids[s : s + length] for s in starts.tolist()])  # [windows, length]
+    return list(rows.split(batch_size))
+
+
+def _net_forward(lm: Any):
+    """How apply.py runs one calibration batch [B, T] through a NativeLM's `net`."""
+    return lambda net, tokens: lm.forward(tokens, lm.new_cache(tokens.shape[0]))
+
+
+def compress_lm(
+    lm: Any, config: CompressConfig, calib_text: str | None = None
+) -> CompressionSummary:
+    """Compress a NativeLM in place (its `net`); `calib_text` defaults to the shipped
+    validation split. Returns what was done."""
+    from decodekit.models.native import NativeLM
+
+    if not isinstance(lm, NativeLM):
+        raise TypeError(
+            f"compression runs on NativeLM (Llama-family) models, got {type(lm).__name__}"
+        )
+    batches: Sequence[torch.Tensor] | None = None
+    if config.needs_calibration:
+        text = CALIBRATION_TEXT.read_text() if calib_text is None else calib_text
+        length = config.calib_length or min(lm.max_context, 512)
+        if length > lm.max_context:
+            raise ValueError(
+                f"calib_length must be at most the model's context {lm.max_context}, got {length}"
+            )
+        batches = calibration_batches(lm, text, config.calib_windows, length, seed=config.seed)
+    calibration = {"calib_batches": batches, "forward": _net_forward(lm),
+                   "block_size": config.block_size, "damp": config.damp}  # fmt: skip
+    if config.method in QUANT_METHODS:
+        summary = quantize_model(
+            lm.net, config.method, config.bits or DEFAULT_BITS[config.method],
+            config.group_size, act_order=config.act_order, **calibration,
+        )  # fmt: skip
+    else:
+        sparsity = DEFAULT_SPARSITY if config.sparsity is None else config.sparsity
+        summary = prune_model(lm.net, config.method, sparsity, config.n_m, **calibration)
+    if batches:
+        summary.calib_batches = sum(b.shape[0] for b in batches)  # windows, not [B, T] batches
+    return summary
+
+
+def compress_to_dir(
+    model: str | Path,
+    config: CompressConfig,
+    out: str | Path,
+    calib_file: str | Path | None = None,
+) -> dict[str, Any]:
+    """Load `model` (embedded name or local directory), compress it, write `out`.
+
+    Returns a report: the summary, bytes in memory before and after, bytes on disk.
+    """
+    from decodekit.compress.apply import model_nbytes
+    from decodekit.compress.pretrained import WEIGHTS_FILE, is_compressed_dir, save_compressed_dir
+    from decodekit.models.registry import load_model, resolve
+
+    name, source, _ = resolve(model)
+    if is_compressed_dir(source):
+        raise ValueError(f"model {str(model)!r} is already compressed; start from the float model")
+    lm = load_model(model, backend="native")
+    calib_text = Path(calib_file).read_text() if calib_file is not None else None
+    before = model_nbytes(lm.net)
+    summary = compress_lm(lm, config, calib_text)
+    out = save_compressed_dir(lm, out, source, summary)
+    return {
+        "model": name,
+        "out": str(out),
+        "label": config.label(),
+        "layers": len(summary.layers),
+        "summary": summary.to_dict(),
+        "memory_bytes_before": before,
+        "memory_bytes_after": model_nbytes(lm.net),
+        "disk_bytes": (out / WEIGHTS_FILE).stat().st_size,
+    }

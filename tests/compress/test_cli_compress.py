@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from decodekit.cli import main
+from decodekit.compress.evaluate import text_perplexity
+from decodekit.models.registry import load_model
+
+TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet. " * 10
+
+
+def cli_json(capsys, *args) -> dict:
+    code = main([*args, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def test_compress_then_generate_from_the_directory(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "int8"
+    report = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "8",
+                      "--out", str(out))  # fmt: skip
+    assert report["label"] == "rtn-8b" and report["layers"] == 8
+    assert report["memory_bytes_after"] < report["memory_bytes_before"]
+    assert report["disk_bytes"] == (out / "model.compressed.safetensors").stat().st_size
+    # The directory is a model for every command that takes one.
+    [completion] = cli_json(capsys, "generate", "ROMEO:", "--model", str(out), "--max-new-tokens",
+                            "6", "--strategy", "greedy")  # fmt: skip
+    assert len(completion["token_ids"]) == 6 or completion["finish_reason"] == "stop"
+    assert completion["usage"]["prompt_tokens"] == len(load_model(out).encode("ROMEO:"))
+
+
+def test_gptq_and_sparsegpt_with_a_calibration_file(tiny_llama_dir, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    gptq = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "gptq", "--group", "16",
+                    "--calib", "3", "--calib-len", "24", "--calib-file", str(calib),
+                    "--out", str(tmp_path / "g"))  # fmt: skip
+    assert gptq["summary"]["bits"] == 4 and gptq["summary"]["calib_batches"] == 3
+    sparse = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "sparsegpt",
+                      "--sparsity", "0.25", "--calib", "2", "--calib-len", "24",
+                      "--calib-file", str(calib), "--out", str(tmp_path / "s"))  # fmt: skip
+    assert sparse["summary"]["sparsity"] == 0.25
+    weight = load_model(tmp_path / "s").net.layers[0].mlp.down_proj.weight  # [32, 64]
+    assert int((weight == 0).sum()) == 32 * 64 // 4  # 25 % of each 64-column block
+
+
+def test_eval_perplexity_matches_the_api(tiny_llama_dir, tmp_path, capsys):
+    text = tmp_path / "held_out.txt"
+    text.write_text(TEXT)
+    report = cli_json(capsys, "eval", "perplexity", str(tiny_llama_dir), "--text", str(text),
+                      "--window", "32", "--stride", "16")  # fmt: skip
+    expected = text_perplexity(load_model(tiny_llama_dir), TEXT, window=32, stride=16)
+    assert report["perplexity"] == pytest.approx(expected.perplexity, rel=1e-9)
+    assert report["tokens"] == expected.tokens and report["window"] == 32
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "rtn", "--bits", "9"], "bits must be in 2..8, got 9"),
+        (["--method", "gptq", "--bits", "1"], "bits must be in 2..8, got 1"),
+        (["--method", "magnitude", "--sparsity", "1"], "sparsity must be in [0, 1), got 1.0"),
+        (["--method", "sparsegpt", "--sparsity", "-0.5"], "sparsity must be in [0, 1), got -0.5"),
+        (["--method", "zip"], "method must be one of rtn, gptq, magnitude, sparsegpt, got 'zip'"),
+        (["--method", "magnitude", "--n-m", "2-4"], "n_m must look like '2:4'"),
+    ],
+)
+def test_bad_compress_values_exit_2_with_one_line(tiny_llama_dir, tmp_path, capsys, flags, message):
+    code = main(["compress", str(tiny_llama_dir), *flags, "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_eval_values_exit_2_with_one_line(tiny_llama_dir, capsys):
+    assert main(["eval", "perplexity", str(tiny_llama_dir), "--stride", "200", "--window", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "stride must be in [1, window - 1] = [1, 63], got 200" in err and err.count("\n") == 1
+    assert main(["eval", "arith", "shakespeare"]) == 2
+    assert "eval arith takes no MODEL argument" in capsys.readouterr().err

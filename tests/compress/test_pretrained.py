@@ -1,0 +1,126 @@
+import json
+
+import pytest
+import torch
+
+import decodekit as dk
+from decodekit.compress import QuantizedLinear, model_nbytes
+from decodekit.compress.pretrained import COMPRESSION_FILE, WEIGHTS_FILE, save_compressed_dir
+from decodekit.compress.recipe import CompressConfig, calibration_batches, compress_lm
+from decodekit.models.registry import load_model
+
+CALIB_TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east. " * 12
+
+
+def compressed(source, config: CompressConfig):
+    model = load_model(source)
+    summary = compress_lm(model, config, CALIB_TEXT)
+    return model, summary
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompressConfig("rtn", bits=8),
+        CompressConfig("gptq", bits=4, group_size=16, calib_windows=4, calib_length=32),
+        CompressConfig("rtn", bits=3),
+        CompressConfig("sparsegpt", n_m="2:4", calib_windows=4, calib_length=32),
+    ],
+    ids=lambda c: c.label(),
+)
+def test_loaded_directory_gives_the_in_memory_logits(tiny_llama_dir, tmp_path, config):
+    model, summary = compressed(tiny_llama_dir, config)
+    assert len(summary.layers) == 8  # qkv, o, gate_up, down in each of 2 blocks
+    out = save_compressed_dir(model, tmp_path / "c", tiny_llama_dir, summary)
+    loaded = load_model(out)
+    assert type(loaded).__name__ == "NativeLM" and loaded.name == "c"
+    assert loaded.eos_token_ids == model.eos_token_ids
+    tokens = torch.tensor([model.encode("JULIET: O Romeo, Romeo")])
+    expected = model.forward(tokens, model.new_cache(1))
+    assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
+    quantized = config.method in ("rtn", "gptq")
+    kinds = {type(m) for n, m in loaded.net.named_modules() if n.endswith("proj")}
+    assert kinds == ({QuantizedLinear} if quantized else {torch.nn.Linear})
+    # Through the engine (generate runs NativeLM through it): the same greedy tokens.
+    params = dk.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    [a] = dk.generate(model, "ROMEO:", params)
+    [b] = dk.generate(loaded, "ROMEO:", params)
+    assert a.token_ids == b.token_ids
+
+
+def test_directory_layout(tiny_llama_dir, tmp_path):
+    model, summary = compressed(tiny_llama_dir, CompressConfig("rtn", bits=4))
+    out = save_compressed_dir(model, tmp_path / "c", tiny_llama_dir, summary)
+    names = {p.name for p in out.iterdir()}
+    assert {COMPRESSION_FILE, WEIGHTS_FILE, "config.json", "tokenizer.json"} <= names
+    assert "model.safetensors" not in names  # transformers must not read the codes as floats
+    marker = json.loads((out / COMPRESSION_FILE).read_text())
+    assert marker["summary"]["method"] == "rtn" and marker["summary"]["bits"] == 4
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    with pytest.raises(ValueError, match="native backend only"):
+        load_model(out, backend="hf")
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        save_compressed_dir(model, out, tiny_llama_dir, summary)
+
+
+def test_int8_directory_holds_fewer_bytes(tiny_llama_dir, tmp_path):
+    model, summary = compressed(tiny_llama_dir, CompressConfig("rtn", bits=8))
+    loaded = load_model(save_compressed_dir(model, tmp_path / "c", tiny_llama_dir, summary))
+    float_bytes = model_nbytes(load_model(tiny_llama_dir).net)
+    # Per block (hidden 32, 4 heads of 8, 2 KV heads, MLP 64): Linear weights [N, K] of
+    # qkv 64x32, o 32x32, gate_up 128x32, down 32x64 = 9216 weights and 256 output rows.
+    # float32 -> int8 codes plus one float32 scale per row saves 9216 * 3 - 256 * 4 bytes.
+    assert float_bytes - model_nbytes(loaded.net) == 2 * (9216 * 3 - 256 * 4)
+
+
+def test_tied_embeddings_survive_the_round_trip(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = tmp_path / "tied"
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).save_pretrained(source)
+    model = load_model(source)
+    compress_lm(model, CompressConfig("rtn", bits=8))
+    loaded = load_model(save_compressed_dir(model, tmp_path / "c", source))
+    assert loaded.net.lm_head.weight is loaded.net.embed_tokens.weight
+    tokens = torch.tensor([[1, 7, 3, 9, 4]])
+    expected = model.forward(tokens, model.new_cache(1))
+    assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
+
+
+def test_calibration_windows_are_token_segments(tiny_lm):
+    ids = tiny_lm.encode(CALIB_TEXT)
+    batches = calibration_batches(tiny_lm, CALIB_TEXT, windows=5, length=12, batch_size=2)
+    assert [tuple(b.shape) for b in batches] == [(2, 12), (2, 12), (1, 12)]
+    for row in torch.cat(batches).tolist():
+        assert any(ids[s : s + 12] == row for s in range(len(ids) - 11))
+    with pytest.raises(ValueError, match="fewer than one window"):
+        calibration_batches(tiny_lm, "ROMEO:", windows=1, length=12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "awq"}, "method must be one of rtn, gptq, magnitude, sparsegpt, got 'awq'"),
+        ({"method": "rtn", "bits": 9}, "bits must be in 2..8, got 9"),
+        ({"method": "gptq", "bits": 1}, "bits must be in 2..8, got 1"),
+        ({"method": "magnitude", "sparsity": 1.0}, r"sparsity must be in \[0, 1\), got 1.0"),
+        ({"method": "sparsegpt", "sparsity": -0.1}, r"sparsity must be in \[0, 1\), got -0.1"),
+        ({"method": "rtn", "sparsity": 0.5}, "sparsity does not apply to method 'rtn'"),
+        ({"method": "magnitude", "bits": 4}, "bits does not apply to method 'magnitude'"),
+        ({"method": "magnitude", "sparsity": 0.5, "n_m": "2:4"}, "sparsity or n_m, not both"),
+        ({"method": "magnitude", "n_m": "4:2"}, "n_m needs 0 < n < m"),
+        ({"method": "gptq", "calib_windows": 0}, "calib_windows must be >= 1, got 0"),
+    ],
+)
+def test_bad_configs_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CompressConfig(**kwargs)
+
+
+def test_compress_lm_needs_a_native_model(toy_lm):
+    with pytest.raises(TypeError, match="NativeLM"):
+        compress_lm(toy_lm, CompressConfig("rtn"))
