@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP server (FastAPI): `decodekit serve`.
+
+    GET  /health                 {"status": "ok", ...engine and request counters}
+    GET  /v1/models              the served models
+    POST /v1/completions         prompt -> text (stream: server-sent events, then [DONE])
+    POST /v1/chat/completions    messages -> assistant message
+
+A request is parsed (protocol.py), planned (plan.py: every bad value is a 400 naming its
+field), started on the backend (backend.py: the engine, or the worker thread), then
+either collected into one body or streamed as OpenAI chunks. A client that disconnects
+cancels its jobs (their KV blocks return to the pool at the engine's next step); a request
+that outlives `request_timeout` is cancelled and answered 504 (an error event when
+streaming). Every failure is answered with an OpenAI-style error body; the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from decodekit.completion import Completion, Usage
+from decodekit.server import protocol, responses
+from decodekit.server.backend import Backend, Job, QueueFull
+from decodekit.server.plan import Plan, api_error, launch, plan_request
+from decodekit.server.protocol import APIError, ChatRequest, CompletionRequest, error_body
+
+
+def create_app(backend: Backend) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        backend.start()
+        yield
+        backend.stop()
+
+    app = FastAPI(title="decodekit", lifespan=lifespan)
+    app.state.backend = backend
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, error: HTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, error: Exception):
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error",
+                                       code="internal_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **backend.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return protocol.ModelList(data=[model_card(name, backend) for name in backend.models]).model_dump()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in backend.models:
+            raise APIError(404, f"The model '{name}' does not exist", "model", "model_not_found")
+        return model_card(name, backend).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, protocol.parse_request(CompletionRequest, await request.body()), backend)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, protocol.parse_request(ChatRequest, await request.body()), backend)
+
+    return app
+
+
+def model_card(name: str, backend: Backend) -> protocol.ModelCard:
+    return protocol.ModelCard(id=name, created=0, max_model_len=backend.models[name].max_context)
+
+
+async def answer(request: Request, req, backend: Backend):
+    backend.counters["requests"] += 1
+    plan = plan_request(req, backend)
+    jobs = [] if plan.score_only else start(plan, backend)
+    rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+    if plan.stream:
+        return StreamingResponse(stream(plan, jobs, rid, backend), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    drawn = await guarded(collect_all(plan, jobs), request, jobs, backend)
+    model = backend.models[plan.model]
+    chosen = drawn
+    if plan.selection is not None:
+        scorer = backend.scorer(plan.selection.scorer)
+        chosen = [await backend.run_blocking(responses.select, plan.selection, plan.n, text, completions,
+                                             scorer)
+                  for text, completions in zip(plan.prompt_texts, drawn)]
+    if plan.chat:
+        return responses.chat_body(plan, model, rid, chosen, drawn)
+    echoes = [None] * len(plan.prompts)
+    if plan.echo and plan.logprobs is not None:
+        echoes = [await backend.run_blocking(responses.prompt_logprobs, model, ids, plan.logprobs)
+                  for ids in plan.prompts]
+    return responses.completion_body(plan, model, rid, chosen, drawn, echoes)
+
+
+def start(plan: Plan, backend: Backend) -> list[Job]:
+    """A job per prompt; if one cannot start, the others are cancelled."""
+    jobs: list[Job] = []
+    try:
+        for i in range(len(plan.prompts)):
+            jobs.append(launch(plan, i, backend))
+    except BaseException as error:
+        for job in jobs:
+            job.cancel()
+        if isinstance(error, QueueFull):
+            backend.counters["rejected"] += 1
+            seconds = backend.config.retry_after
+            raise APIError(503, f"the server is busy ({error}); retry in {seconds} s", None, "queue_full",
+                           "server_error", {"Retry-After": str(seconds)}) from None
+        raise
+    return jobs
+
+
+async def collect(job: Job) -> list[Completion]:
+    done: dict[int, Completion] = {}
+    async for delta in job.aiter():
+        if delta.completion is not None:
+            done[delta.sample_index] = delta.completion
+    return [done[i] for i in sorted(done)]
+
+
+async def collect_all(plan: Plan, jobs: list[Job]) -> list[list[Completion]]:
+    if plan.score_only:
+        return [[Completion([], "", [], [], "length", Usage(len(ids), 0))] * plan.n for ids in plan.prompts]
+    return list(await asyncio.gather(*(collect(job) for job in jobs)))
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def guarded(work, request: Request, jobs: list[Job], backend: Backend):
+    """`work` under the request timeout, cancelled if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    timeout = backend.config.request_timeout
+    try:
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        try:
+            return task.result()
+        except (ValueError, TypeError) as error:  # a bad request found by the worker (beam, ...)
+            raise api_error(error) from None
+    task.cancel()
+    cancel(jobs, backend)
+    if watcher in done:
+        raise APIError(499, "client closed the request", None, "client_closed")
+    backend.counters["timed_out"] += 1
+    raise timeout_error(timeout)
+
+
+def timeout_error(timeout: float) -> APIError:
+    return APIError(504, f"the request did not finish within the server's timeout of {timeout:g} s", None,
+                    "timeout", "timeout_error")
+
+
+def cancel(jobs: list[Job], backend: Backend) -> None:
+    for job in jobs:
+        if not job.done:
+            job.cancel()
+            backend.counters["cancelled"] += 1
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> AsyncIterator[str]:
+    """The jobs' deltas as OpenAI chunks, in arrival order, then usage and [DONE]."""
+    model = backend.models[plan.model]
+    created = responses.now()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: Job):
+        try:
+            async for delta in job.aiter():
+                queue.put_nowait((i, delta))
+        except Exception as error:  # noqa: BLE001 -- reported to the client as an error event
+            queue.put_nowait((i, error))
+        queue.put_nowait((i, None))
+
+    def chunk(index: int, text: str, completion: Completion | None = None, role: bool = False) -> str:
+        if plan.chat:
+            delta = protocol.ChatDelta(role="assistant", content="") if role else \
+                protocol.ChatDelta(content=text)
+            return sse(responses.chat_chunk(plan, model, rid, created, index, delta, completion))
+        return sse(responses.completion_chunk(plan, model, rid, created, index, text, completion))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    drawn: list[list[Completion]] = [[] for _ in jobs]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + backend.config.request_timeout
+    try:
+        for i in range(len(jobs)):
+            for s in range(plan.n):
+                if plan.chat or plan.echo:
+                    yield chunk(i * plan.n + s, plan.prompt_texts[i] if plan.echo else "", role=plan.chat)
+        remaining = len(jobs)
+        while remaining:
+            i, item = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0))
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                error = api_error(item) if isinstance(item, ValueError | TypeError) else APIError(
+                    500, f"internal error: {item}", None, "internal_error", "server_error")
+                yield sse(json.dumps(error.body()))
+                return
+            elif item.completion is not None or item.text:
+                if item.completion is not None:
+                    drawn[i].append(item.completion)
+                yield chunk(i * plan.n + item.sample_index, item.text, item.completion)
+        if plan.include_usage:
+            yield sse(responses.usage_chunk(plan, rid, created, drawn))
+        yield sse("[DONE]")
+    except TimeoutError:
+        backend.counters["timed_out"] += 1
+        yield sse(json.dumps(timeout_error(backend.config.request_timeout).body()))
+    finally:  # normal end, an error, a timeout, or the client went away (CancelledError)
+        cancel(jobs, backend)
+        for task in tasks:
+            task.cancel()
+
+
+def load_models(specs: list[str]) -> dict:
+    """Served name -> model, from "NAME" (embedded or a directory) or "ALIAS=PATH" specs."""
+    from decodekit.models.registry import load_model
+
+    models = {}
+    for spec in specs:
+        alias, _, path = spec.partition("=")
+        if not path or "/" in alias:
+            alias, path = "", spec
+        model = load_model(path)
+        name = alias or (spec if "/" not in spec else model.name)
+        if name in models:
+            raise ValueError(f"model name {name!r} is given twice; use ALIAS=PATH to rename one")
+        models[name] = model
+    return models
+
+
+class ServerThread:
+    """The app under uvicorn in a background thread, on loopback (tests, `bench server`).
+
+    with ServerThread(backend) as server: ... server.url ...    (port 0: a free port)
+    """
+
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        config = uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="decodekit-server", daemon=True)
+        self.host = host
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server failed to start")
+            self.thread.join(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, config=None) -> None:
+    """`decodekit serve`: load the models and answer until interrupted."""
+    import uvicorn
+
+    backend = Backend(load_models(models), config)
+    uvicorn.run(create_app(backend), host=host, port=port, log_level="info")

@@ -1,0 +1,216 @@
+"""The server's one seam to the library: served models, their engines, and jobs.
+
+`Backend.submit(plan, i)` starts prompt i of a planned request and returns a `Job` (the
+engine's `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()`
+and ends early with `cancel()`:
+
+- plain sampling, greedy and constrained sampling on a NativeLM go through the model's
+  `Engine` (continuous batching over paged KV, engine/engine.py), so concurrent
+  requests share forwards, and a cancelled request frees its KV blocks at the next step;
+- beam search, contrastive and speculative decoding, and models the engine does not run
+  (Hugging Face fallback, k-gram) run in one worker thread, one job at a time. Their
+  cancellation takes effect between deltas (beam and speculative search produce their
+  text at the end, so a cancelled one finishes its search first).
+
+Each model queues at most `max_queued` requests; beyond that `submit` raises `QueueFull`
+(the HTTP layer answers 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from decodekit.decode.sample import Delta, make_requests, stream_events
+from decodekit.models.base import LanguageModel
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Bounds of the server (README "Server"), validated on construction.
+
+    max_tokens: the most tokens one request may ask for (max_tokens above it: 400).
+    max_n: the most samples per prompt (n, best_of, num_beams above it: 400).
+    max_queued: requests queued per model before 503. request_timeout: seconds a request
+    may take (then 504, or an error event in a stream). max_running: sequences an engine
+    decodes per step. kv_bytes: each engine's KV memory. reward_models: scorers a request
+    may name (`scorer`), loaded on first use.
+    """
+
+    max_tokens: int = 2048
+    max_n: int = 64
+    max_queued: int = 256
+    request_timeout: float = 600.0
+    max_running: int = 64
+    kv_bytes: int = 256 * 2**20
+    retry_after: int = 1
+    reward_models: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_n", "max_queued", "max_running", "kv_bytes", "retry_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        timeout = self.request_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"request_timeout must be a number of seconds > 0, got {timeout!r}")
+
+
+class QueueFull(RuntimeError):
+    """More than `max_queued` requests wait for a model."""
+
+
+class Job(Protocol):
+    request_id: str
+
+    @property
+    def done(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    def aiter(self) -> AsyncIterator[Delta]: ...
+
+
+_END = object()
+
+
+class ThreadJob:
+    """Deltas produced by `run()` in the backend's worker thread, read from an event loop."""
+
+    def __init__(self, request_id: str, run: Callable[[], Iterator[Delta]], loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._run = run
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def work(self) -> None:
+        """The worker thread's part: run, handing each delta (or the error) to the loop."""
+        try:
+            if not self._cancelled.is_set():
+                for delta in self._run():
+                    self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+                    if self._cancelled.is_set():
+                        break
+        except Exception as error:  # noqa: BLE001 -- handed to the reader, which reports it
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, error)
+        finally:
+            self._done = True
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, _END)
+
+    async def aiter(self) -> AsyncIterator[Delta]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Backend:
+    """Served models by name, an engine for each NativeLM, a worker thread for the rest."""
+
+    def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None):
+        from decodekit.engine.config import EngineConfig
+        from decodekit.engine.engine import Engine
+        from decodekit.models.native import NativeLM
+
+        if not models:
+            raise ValueError("a server needs at least one model")
+        self.models = dict(models)
+        self.config = config = config or ServerConfig()
+        engine_config = EngineConfig(max_kv_bytes=config.kv_bytes, max_running=config.max_running,
+                                     max_waiting=config.max_queued)
+        self.engines = {name: Engine(model, engine_config) for name, model in self.models.items()
+                        if isinstance(model, NativeLM)}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-worker")
+        self._thread_jobs = 0  # submitted to the worker and not yet finished
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._scorers = {name: reward_scorer(name) for name in config.reward_models}
+        self.counters = {"requests": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
+
+    def start(self) -> None:
+        for engine in self.engines.values():
+            engine.start()
+
+    def stop(self) -> None:
+        for engine in self.engines.values():
+            engine.stop()
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    def submit_engine(self, name: str, prompt: list[int], params, constraint=None) -> Job:
+        """Sampling on the model's engine (continuous batching)."""
+        from decodekit.engine.engine import EngineFull
+
+        model = self.models[name]
+        [request] = make_requests(model, [prompt], params, constraint)
+        try:
+            return self.engines[name].add(request, f"req-{next(self._ids)}")
+        except EngineFull as error:
+            raise QueueFull(str(error)) from None
+
+    def submit_thread(self, run: Callable[[], Iterator[Delta]]) -> Job:
+        """Any other generation: `run` in the worker thread (one job at a time)."""
+        with self._lock:
+            if self._thread_jobs >= self.config.max_queued:
+                raise QueueFull(f"{self._thread_jobs} jobs are waiting (max_queued={self.config.max_queued})")
+            self._thread_jobs += 1
+        job = ThreadJob(f"req-{next(self._ids)}", run, asyncio.get_running_loop())
+
+        def work():
+            try:
+                job.work()
+            finally:
+                with self._lock:
+                    self._thread_jobs -= 1
+
+        self.worker.submit(work)
+        return job
+
+    def sample(self, name: str, prompt: list[int], params, constraint=None) -> Job:
+        """Sampling: on the engine when the model has one, else in the worker thread."""
+        if name in self.engines:
+            return self.submit_engine(name, prompt, params, constraint)
+        model = self.models[name]
+        # Encoding and constraint errors surface here, before the job is queued.
+        make_requests(model, [prompt], params, constraint)
+        return self.submit_thread(lambda: stream_events(model, [prompt], params, constraint=constraint))
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in a thread of the event loop's pool (scoring, prompt log-probs)."""
+        return await asyncio.to_thread(fn, *args)
+
+    def scorer(self, name: str) -> Callable[[str, str], float] | None:
+        """A reward model named on the command line (loaded at start), or None."""
+        return self._scorers.get(name)
+
+    def stats(self) -> dict:
+        return {
+            "models": {name: self.engines[name].stats() if name in self.engines else {"engine": None}
+                       for name in self.models},
+            "worker_jobs": self._thread_jobs,
+            **self.counters,
+        }
+
+
+def reward_scorer(name: str) -> Callable[[str, str], float]:
+    """A reward model (meta/rewards.py) as (prompt, text) -> P(good)."""
+    from decodekit.meta.rewards import load_reward_model
+
+    model = load_reward_model(name)
+    return lambda prompt, text: model.score_segments(prompt, [text])[0]

@@ -1,0 +1,339 @@
+"""From a parsed request to what the backend runs: prompts as token ids, SamplingParams,
+the decoder (sampling on the engine, beam, contrastive, speculative), the constraint and
+the best-of-N / voting selection. Every bad value is an `APIError` naming its field.
+
+Chat prompts use the tokenizer's chat template when it has one; otherwise the plain
+template (README "Server"): one line per message, "ROLE: content\\n" (role upper-cased),
+then "ASSISTANT:" for the model to continue.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodekit.models.base import LanguageModel
+from decodekit.params import SamplingParams
+from decodekit.server.backend import Backend, Job
+from decodekit.server.protocol import APIError, ChatMessage, ChatRequest, GenerationRequest
+
+LOGPROB_SCORERS = ("mean_logprob", "logprob")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# decodekit's names in error messages -> the request's field names
+FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_beams": "num_beams"}
+
+
+@dataclass
+class Selection:
+    """best_of candidates per prompt, scored by `scorer`; voting extracts answers by regex."""
+
+    best_of: int
+    scorer: str
+    vote: str | None = None
+    answer_regex: re.Pattern | None = None
+
+
+@dataclass
+class Plan:
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: SamplingParams  # params.n = samples drawn per prompt (best_of when selecting)
+    n: int  # choices returned per prompt
+    decoder: str = "sample"  # sample | beam | speculative
+    options: dict[str, Any] = field(default_factory=dict)
+    amateur: str | None = None
+    constraint: Any = None
+    selection: Selection | None = None
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's and k alternatives
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    chat: bool = False
+    score_only: bool = False  # echo with max_tokens 0: the prompt's log-probs, nothing generated
+
+
+def api_error(error: Exception, default_param: str | None = None) -> APIError:
+    """A library ValueError/TypeError as a 400 whose param is the field its message names."""
+    message = str(error)
+    match = re.match(r"[a-z_]+", message)
+    name = match.group(0) if match else ""
+    name = FIELD_NAMES.get(name, name)
+    param = name if name in GenerationRequest.model_fields or name in SamplingParams.field_names() \
+        else default_param
+    return APIError(400, message, param, "invalid_value")
+
+
+def chat_text(model: LanguageModel, messages: list[ChatMessage]) -> tuple[str, bool]:
+    """The prompt text of a conversation, and whether it came from the tokenizer's template."""
+    if not messages:
+        raise APIError(400, "messages must contain at least one message", "messages", "invalid_value")
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise APIError(400, f"model {model.name!r} has no tokenizer, so it cannot chat", "model")
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True), True
+        except Exception as error:  # a template may reject a role order (jinja raises)
+            raise APIError(400, f"the chat template rejected the messages: {error}", "messages") from None
+    return "".join(f"{t['role'].upper()}: {t['content']}\n" for t in turns) + "ASSISTANT:", False
+
+
+def encode(model: LanguageModel, prompt, param: str) -> list[int]:
+    from decodekit.decode.sample import encode_prompt
+
+    try:
+        return encode_prompt(model, prompt)
+    except (ValueError, TypeError) as error:
+        code = "context_length_exceeded" if "context" in str(error) else "invalid_value"
+        raise APIError(400, str(error), param, code) from None
+
+
+def check_max_tokens(value: int | None, default: int | None, longest: int, context: int, backend: Backend,
+                     field_name: str, allow_zero: bool = False) -> int:
+    """max_tokens within the server's bound and the context left after the longest prompt."""
+    room = context - longest
+    if value is None:
+        return min(default or backend.config.max_tokens, room, backend.config.max_tokens)
+    if value < (0 if allow_zero else 1):
+        lowest = "0 (with echo) or more" if allow_zero else "at least 1"
+        raise APIError(400, f"{field_name} must be {lowest}, got {value}", field_name, "invalid_value")
+    if value > backend.config.max_tokens:
+        raise APIError(400, f"{field_name} must be <= {backend.config.max_tokens} (this server's bound), "
+                       f"got {value}", field_name, "invalid_value")
+    if value > room:
+        raise APIError(400, f"this model's context is {context} tokens; the prompt has {longest}, so "
+                       f"{field_name} must be <= {room}, got {value}", field_name,
+                       "context_length_exceeded")
+    return value
+
+
+def check_count(value: int, name: str, backend: Backend) -> None:
+    if value < 1 or value > backend.config.max_n:
+        raise APIError(400, f"{name} must be an integer in [1, {backend.config.max_n}], got {value}", name,
+                       "invalid_value")
+
+
+def constraint_of(req: GenerationRequest):
+    """The constraint of response_format or a guided_* field (at most one), or None."""
+    given = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given["response_format"] = ("json", {"type": "object"})
+        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           "response_format", "invalid_value")
+        else:
+            given["response_format"] = ("json", fmt.json_schema.schema_)
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choices"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given[name] = (kind, getattr(req, name))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of {sorted(given)}", sorted(given)[1], "invalid_value")
+    [(param, (kind, value))] = given.items()
+    try:
+        from decodekit.decode import constrained
+
+        constraint = {"json": constrained.JsonSchema, "regex": constrained.Regex,
+                      "choices": constrained.Choices, "grammar": constrained.Grammar}[kind](value)
+    except ImportError:
+        raise APIError(400, f"{param} is not supported by this server build (install "
+                       "decodekit[constrained])", param, "unsupported") from None
+    except (ValueError, TypeError) as error:
+        raise APIError(400, f"{param}: {error}", param, "invalid_value") from None
+    return constraint
+
+
+def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logprobs: int | None):
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not re.fullmatch(r"\d+", key):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        bias[int(key)] = value
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    values = dict(max_new_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,
+                  n=samples, stop=tuple(stop), seed=req.seed, presence_penalty=req.presence_penalty,
+                  frequency_penalty=req.frequency_penalty, logit_bias=bias,
+                  logprobs=logprobs or None)
+    extensions = req.extensions()
+    if extensions.get("top_k") == -1:
+        extensions["top_k"] = 0  # vLLM's "off"
+    values.update(extensions)
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as error:
+        raise api_error(error) from None
+
+
+def selection_of(req: GenerationRequest, n: int, backend: Backend) -> Selection | None:
+    if req.best_of is None:
+        if req.vote is not None or req.scorer is not None:
+            raise APIError(400, "vote and scorer need best_of (the candidates per prompt)", "best_of")
+        return None
+    check_count(req.best_of, "best_of", backend)
+    if req.best_of < n:
+        raise APIError(400, f"best_of must be >= n ({n}), got {req.best_of}", "best_of", "invalid_value")
+    if req.best_of == n and req.vote is None and req.scorer is None:
+        return None
+    scorer = req.scorer or "mean_logprob"
+    if scorer not in LOGPROB_SCORERS + backend.config.reward_models:
+        allowed = ", ".join(LOGPROB_SCORERS + backend.config.reward_models)
+        raise APIError(400, f"scorer must be one of {allowed}, got {scorer!r}", "scorer", "invalid_value")
+    if req.vote is not None and n != 1:
+        raise APIError(400, f"voting returns one answer, so n must be 1, got {n}", "n", "invalid_value")
+    pattern = None
+    if req.answer_regex is not None:
+        try:
+            pattern = re.compile(req.answer_regex)
+        except re.error as error:
+            raise APIError(400, f"answer_regex is not a valid regex: {error}", "answer_regex") from None
+    if req.stream:
+        raise APIError(400, "best_of > n, scorer and vote cannot be used with stream", "stream")
+    return Selection(req.best_of, scorer, req.vote, pattern)
+
+
+def decoder_of(req: GenerationRequest, backend: Backend, n: int) -> tuple[str, dict]:
+    if req.use_beam_search:
+        if req.draft_model is not None:
+            raise APIError(400, "beam search cannot be combined with draft_model", "draft_model")
+        beams = req.num_beams if req.num_beams is not None else max(n, 4)
+        check_count(beams, "num_beams", backend)
+        if n > beams:
+            raise APIError(400, f"n must be <= num_beams ({beams}), got {n}", "n", "invalid_value")
+        return "beam", {"num_beams": beams, "length_penalty": req.length_penalty,
+                        "early_stopping": req.early_stopping}
+    if req.num_beams is not None:
+        raise APIError(400, "num_beams needs use_beam_search: true", "num_beams")
+    if req.draft_model is not None:
+        if req.amateur_model is not None:
+            raise APIError(400, "draft_model cannot be combined with amateur_model", "draft_model")
+        if req.draft_model != "prompt-lookup":
+            served_model(req.draft_model, backend, "draft_model")
+        k = req.num_draft_tokens if req.num_draft_tokens is not None else 4
+        if not 1 <= k <= 64:
+            raise APIError(400, f"num_draft_tokens must be in [1, 64], got {k}", "num_draft_tokens")
+        return "speculative", {"draft": req.draft_model, "num_draft_tokens": k}
+    if req.num_draft_tokens is not None:
+        raise APIError(400, "num_draft_tokens needs draft_model", "num_draft_tokens")
+    return "sample", {}
+
+
+def served_model(name: str, backend: Backend, param: str = "model") -> LanguageModel:
+    if name not in backend.models:
+        raise APIError(404, f"The model '{name}' does not exist; served: {', '.join(backend.models)}",
+                       param, "model_not_found")
+    return backend.models[name]
+
+
+def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
+    """The plan of a completions or chat request (validation included)."""
+    model = served_model(req.model, backend)
+    chat = isinstance(req, ChatRequest)
+    n = req.n
+    check_count(n, "n", backend)
+    if chat:
+        text, templated = chat_text(model, req.messages)
+        ids = list(model.tokenizer.encode(text, add_special_tokens=False)) if templated else None
+        prompts = [encode(model, ids if ids is not None else text, "messages")]
+        texts = [text]
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        default, echo = None, False
+    else:
+        raw = req.prompt
+        single = isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int))
+        items = [raw] if single else list(raw)
+        if not items:
+            raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+        prompts = [encode(model, item, "prompt") for item in items]
+        texts = [item if isinstance(item, str) else model.decode(ids) for item, ids in zip(items, prompts)]
+        max_field, wanted, logprobs = "max_tokens", req.max_tokens, req.logprobs
+        default, echo = COMPLETIONS_DEFAULT_MAX_TOKENS, req.echo
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        name = "top_logprobs" if chat else "logprobs"
+        raise APIError(400, f"{name} must be in [0, 20], got {logprobs}", name, "invalid_value")
+    longest = max(len(p) for p in prompts)
+    max_tokens = check_max_tokens(wanted, default, longest, model.max_context, backend, max_field,
+                                  allow_zero=echo)
+    selection = selection_of(req, n, backend)
+    decoder, options = decoder_of(req, backend, n)
+    if req.amateur_model is not None:
+        served_model(req.amateur_model, backend, "amateur_model")
+        options.update({"alpha": req.contrastive_alpha, "amateur_temperature": req.amateur_temperature})
+    elif req.contrastive_alpha is not None or req.amateur_temperature is not None:
+        raise APIError(400, "contrastive_alpha and amateur_temperature need amateur_model", "amateur_model")
+    constraint = constraint_of(req)
+    if constraint is not None and decoder == "speculative":
+        raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
+    samples = selection.best_of if selection is not None else n
+    params = sampling_params(req, samples, max_tokens, logprobs)
+    if selection is not None and decoder == "beam":
+        raise APIError(400, "best_of selection cannot be combined with beam search", "best_of")
+    include_usage = req.stream_options.include_usage if req.stream_options else False
+    return Plan(req.model, prompts, texts, params, n, decoder, options, req.amateur_model, constraint,
+                selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
+                score_only=echo and max_tokens == 0)
+
+
+def launch(plan: Plan, index: int, backend: Backend) -> Job:
+    """Start prompt `index` of the plan (raises QueueFull, or APIError for a bad request)."""
+    prompt, params = plan.prompts[index], plan.params
+    model = backend.models[plan.model]
+    try:
+        if plan.amateur is not None:
+            from decodekit.decode.contrastive import ContrastiveLM
+
+            knobs = {k: plan.options[k] for k in ("alpha", "amateur_temperature") if plan.options.get(k)
+                     is not None}
+            model = ContrastiveLM(model, backend.models[plan.amateur], **knobs)
+        elif plan.decoder == "sample":
+            return backend.sample(plan.model, prompt, params, plan.constraint)
+        run = decoder_run(plan, model, prompt, backend)
+    except (ValueError, TypeError) as error:
+        raise api_error(error, "amateur_model" if plan.amateur is not None else None) from None
+    return backend.submit_thread(run)
+
+
+def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
+    """A function producing the deltas of one prompt in the worker thread."""
+    from decodekit.decode.sample import Delta, make_requests, stream_events
+
+    params, constraint = plan.params, plan.constraint
+    if plan.decoder == "sample":
+        make_requests(model, [prompt], params, constraint)  # raise bad input now, not in the worker
+        return lambda: stream_events(model, [prompt], params, constraint=constraint)
+
+    def finished(completions):
+        for i, completion in enumerate(completions):
+            yield Delta(0, i, completion.text, completion)
+
+    if plan.decoder == "beam":
+        from decodekit.decode.beam import beam_search
+
+        o = plan.options
+        if params.stop:
+            raise APIError(400, "beam search stops on EOS and stop_token_ids; stop strings are not "
+                           "supported", "stop")
+        return lambda: finished(beam_search(model, [prompt], params, num_beams=o["num_beams"],
+                                            length_penalty=o["length_penalty"],
+                                            early_stopping=o["early_stopping"], constraint=constraint)[0])
+    from decodekit.decode.speculative import speculative_generate
+
+    draft = plan.options["draft"]
+    drafter = draft if draft == "prompt-lookup" else backend.models[draft]
+    if drafter is not model and not isinstance(drafter, str) and drafter.vocab_size > model.vocab_size:
+        raise APIError(400, f"draft_model {draft!r} does not share the model's vocabulary", "draft_model")
+    k = plan.options["num_draft_tokens"]
+    return lambda: finished(speculative_generate(model, drafter, [prompt], params, k).completions[0])

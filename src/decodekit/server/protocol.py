@@ -1,0 +1,292 @@
+"""Request and response models of the OpenAI-compatible API, and its error bodies.
+
+Field names follow OpenAI's `/v1/completions` and `/v1/chat/completions` (and vLLM's
+names for the extensions it shares with us: `top_k`, `min_p`, `min_tokens`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `guided_*`, `use_beam_search`).
+Bodies are parsed strictly (`model_validate_json`): a number given as a string is a type
+error, not coerced. Every failure becomes an `APIError`, whose body is OpenAI's
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+with `param` naming the offending field. Status codes (README "Server"): 400 for a
+malformed body or an invalid value, 404 for an unknown model or route, 503 (with
+Retry-After) when the queue is full, 504 when a request outlives the server's timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# SamplingParams fields a request may set by their own name (extensions, README "Server"),
+# and the vLLM names that map onto ours.
+SAMPLING_EXTENSIONS = (
+    "top_k", "min_p", "typical_p", "epsilon", "eta", "top_n_sigma", "min_tokens_to_keep",
+    "mirostat_tau", "mirostat_eta", "xtc_threshold", "xtc_probability", "dry_multiplier",
+    "dry_base", "dry_allowed_length", "dry_sequence_breakers", "repetition_penalty",
+    "no_repeat_ngram_size", "bad_words", "allowed_token_ids", "stop_token_ids", "ignore_eos",
+    "order", "min_new_tokens",
+)
+RENAMED = {"min_tokens": "min_new_tokens"}
+# OpenAI fields this server does not implement: a clear 400 rather than silence.
+UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call", "audio", "modalities",
+               "prediction", "parallel_tool_calls", "web_search_options")
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body (never a traceback)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class GenerationRequest(_Strict):
+    """Fields shared by both endpoints: OpenAI's, then decodekit's strategy extensions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # structured output under vLLM's names (decode/constrained.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # beam search (decode/beam.py)
+    use_beam_search: bool = False
+    num_beams: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool = True
+    # contrastive decoding (decode/contrastive.py): the amateur is another served model
+    amateur_model: str | None = None
+    contrastive_alpha: float | None = None
+    amateur_temperature: float | None = None
+    # speculative decoding (decode/speculative.py): a served model or "prompt-lookup"
+    draft_model: str | None = None
+    num_draft_tokens: int | None = None
+    # best-of-N and voting (meta/parallel.py) with a named scorer
+    best_of: int | None = None
+    scorer: str | None = None
+    vote: Literal["majority", "weighted"] | None = None
+    answer_regex: str | None = None
+    return_token_ids: bool = False
+
+    def extensions(self) -> dict[str, Any]:
+        """SamplingParams fields given by name (the body's extra keys), checked for typos."""
+        values = {}
+        for key, value in (self.model_extra or {}).items():
+            if key in UNSUPPORTED:
+                raise APIError(400, f"{key} is not supported by this server build", key, "unsupported")
+            name = RENAMED.get(key, key)
+            if name not in SAMPLING_EXTENSIONS:
+                raise APIError(400, f"Unrecognized request argument supplied: {key}", key,
+                               "unknown_parameter")
+            values[name] = value
+        return values
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def parse_request(cls: type[GenerationRequest], body: bytes) -> GenerationRequest:
+    """The request model of `body`, or an APIError naming the first bad field."""
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", None, "invalid_json")
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] in ("json_invalid", "model_type") or not loc:
+        what = "not valid JSON" if first["type"] == "json_invalid" else "not a JSON object"
+        return APIError(400, f"the request body is {what}: {first['msg']}", None, "invalid_json")
+    # Union members add their type names to the location (prompt.list[int].0): keep the
+    # first segment as the parameter and the full path in the message.
+    param = loc[0]
+    return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param, "invalid_type"
+                    if first["type"] != "missing" else "missing_required_parameter")
+
+
+# ---------------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    score: float | None = None  # best-of-N / voting: the chosen candidate's score
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    score: float | None = None
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "decodekit"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
