@@ -21,7 +21,7 @@ from decodekit.server.protocol import APIError, ChatMessage, ChatRequest, Genera
 LOGPROB_SCORERS = ("mean_logprob", "logprob")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # decodekit's names in error messages -> the request's field names
-FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_beams": "num_beams"}
+FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "alpha": "contrastive_alpha"}
 
 
 @dataclass
@@ -151,11 +151,13 @@ def constraint_of(req: GenerationRequest):
     return constraint
 
 
-def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logprobs: int | None):
+def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
-        if not re.fullmatch(r"\d+", key):
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not re.fullmatch(r"\d+", key) or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                           "logit_bias")
         if not -100 <= value <= 100:
             raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         bias[int(key)] = value
@@ -278,7 +280,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if constraint is not None and decoder == "speculative":
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
-    params = sampling_params(req, samples, max_tokens, logprobs)
+    params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size)
     if selection is not None and decoder == "beam":
         raise APIError(400, "best_of selection cannot be combined with beam search", "best_of")
     include_usage = req.stream_options.include_usage if req.stream_options else False

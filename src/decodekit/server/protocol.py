@@ -180,11 +180,20 @@ def validation_error(error: ValidationError) -> APIError:
     if first["type"] in ("json_invalid", "model_type") or not loc:
         what = "not valid JSON" if first["type"] == "json_invalid" else "not a JSON object"
         return APIError(400, f"the request body is {what}: {first['msg']}", None, "invalid_json")
-    # Union members add their type names to the location (prompt.list[int].0): keep the
-    # first segment as the parameter and the full path in the message.
+    # Union members add their type names to the location (prompt.list[int].0): the first
+    # segment is the parameter; a union field gets a hint of its accepted shapes.
     param = loc[0]
-    return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param, "invalid_type"
-                    if first["type"] != "missing" else "missing_required_parameter")
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
+    if param in SHAPES and len(loc) > 1 and first["type"] != "missing":
+        return APIError(400, SHAPES[param], param, code)
+    return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param, code)
+
+
+SHAPES = {
+    "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+              "token ids",
+    "stop": "stop must be a string or a list of strings",
+}
 
 
 # ---------------------------------------------------------------------------------- responses

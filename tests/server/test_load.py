@@ -1,0 +1,87 @@
+"""Concurrency: 64 streaming clients at once get their own text; 20 clients that hang up
+mid-stream are cancelled and their KV blocks go back to the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+
+CLIENTS = 64
+PROMPTS = ["ROMEO:", "JULIET: O", "But soft", "The quick brown fox", "Deny thy father"]
+
+
+def request(i: int) -> dict:
+    # Different prompts, lengths, temperatures and seeds, so a mixed-up stream would show.
+    return dict(model="tiny", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8 + i % 17, seed=1000 + i,
+                temperature=0.7 + (i % 3) * 0.2)
+
+
+async def streamed(client: openai.AsyncOpenAI, i: int) -> tuple[set[str], str, str]:
+    ids, pieces, reason = set(), [], None
+    async for chunk in await client.completions.create(stream=True, **request(i)):
+        ids.add(chunk.id)
+        assert chunk.choices[0].index == 0
+        pieces.append(chunk.choices[0].text)
+        reason = chunk.choices[0].finish_reason or reason
+    return ids, "".join(pieces), reason
+
+
+def test_64_concurrent_streams_each_get_their_own_text(server):
+    thread, backend = server
+    engine = backend.engines["tiny"]
+    before = engine.stats()
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        streams = await asyncio.gather(*(streamed(client, i) for i in range(CLIENTS)))
+        wholes = await asyncio.gather(*(client.completions.create(**request(i)) for i in range(CLIENTS)))
+        await client.close()
+        return streams, wholes
+
+    streams, wholes = asyncio.run(asyncio.wait_for(run(), 60))
+    assert all(len(ids) == 1 for ids, _, _ in streams)  # every chunk of a stream carries its id
+    assert len({next(iter(ids)) for ids, _, _ in streams}) == CLIENTS
+    for (_, text, reason), whole in zip(streams, wholes):
+        assert text == whole.choices[0].text and reason == whole.choices[0].finish_reason
+    assert len({text for _, text, _ in streams}) > CLIENTS // 2
+    after = engine.stats()
+    tokens = after["generated_tokens"] - before["generated_tokens"]
+    assert tokens == sum(w.usage.completion_tokens for w in wholes) * 2
+    assert tokens / (after["steps"] - before["steps"]) > 2  # requests shared forwards
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    thread, backend = server
+    engine = backend.engines["tiny"]
+    cancelled, generated = backend.counters["cancelled"], engine.stats()["generated_tokens"]
+
+    async def hang_up(client, i):
+        stream = await client.completions.create(
+            model="tiny", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=400, seed=i, stream=True,
+            extra_body={"ignore_eos": True})
+        received = 0
+        async for chunk in stream:
+            received += bool(chunk.choices[0].text)
+            if received == 2:
+                break
+        await stream.close()
+        return received
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        received = await asyncio.gather(*(hang_up(client, i) for i in range(20)))
+        await client.close()
+        return received
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == [2] * 20
+    deadline = time.monotonic() + 20
+    while engine.stats()["running_requests"] or engine.stats()["used_blocks"]:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["used_blocks"] == 0 and stats["waiting_requests"] == 0
+    assert stats["free_blocks"] + stats["idle_cached_blocks"] == stats["total_blocks"]
+    assert backend.counters["cancelled"] - cancelled == 20
+    assert stats["generated_tokens"] - generated < 20 * 400  # cut short, not run to the end
