@@ -65,7 +65,19 @@ def add_generate(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print completions as JSON")
     add_structure_flags(p)
+    add_speculative_flags(p)
     p.set_defaults(run=run_generate)
+
+
+def add_speculative_flags(p) -> None:
+    spec = p.add_argument_group("speculative decoding (decode/speculative.py)")
+    spec.add_argument("--speculative", nargs="?", const="auto", default=None, metavar="DRAFT",
+                      help="draft with DRAFT: a model name or directory, or 'prompt-lookup'; "
+                      "alone (after the prompt): the target's '-draft' model")
+    spec.add_argument("--gamma", type=int, default=4, help="draft tokens per target call")
+    spec.add_argument("--verify", choices=["block", "token"], default="block")
+    spec.add_argument("--adaptive-gamma", action="store_true",
+                      help="gamma +2 after a fully accepted draft, -1 otherwise")
 
 
 def add_structure_flags(p) -> None:
@@ -144,7 +156,9 @@ def run_generate(args) -> None:
     params = sampling_params(args)
     model = generation_model(args)
     mask = {"constraint": constraint_from(args), "heal": args.heal}
-    if args.strategy == "beam":
+    if args.speculative is not None:
+        completions = speculative_completions(args, model, params, mask)
+    elif args.strategy == "beam":
         if args.stream:
             raise UsageError("--stream works with --strategy greedy or sample, not beam")
         completions = dk.beam_search(
@@ -170,6 +184,19 @@ def run_generate(args) -> None:
             score = f" score={c.score:.4f}" if c.score is not None else ""
             print(f"--- sample {i} ({c.finish_reason}{score})")
         print(args.prompt + c.text)
+
+
+def speculative_completions(args, model, params, mask) -> list:
+    import decodekit as dk
+
+    if args.stream or args.strategy not in ("greedy", "sample") or any(mask.values()):
+        raise UsageError("--speculative works with --strategy greedy or sample, without --stream, "
+                         "constraints or --heal")
+    result = dk.speculative_generate(model, args.speculative, args.prompt, params,
+                                     num_draft_tokens=args.gamma, verify=args.verify,
+                                     adaptive=args.adaptive_gamma)
+    print(json.dumps({"speculative": result.stats.as_dict()}), file=sys.stderr)
+    return result.completions
 
 
 def completion_json(c) -> dict:
@@ -213,9 +240,11 @@ def run_models(args) -> None:
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("which", choices=["decode", "constrained", "contrastive", "compress"])
+    p.add_argument("which", choices=["decode", "constrained", "contrastive", "compress", "speculative"])
     p.add_argument("--model", default="shakespeare")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
+    p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
+    p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print JSON only")
@@ -237,6 +266,13 @@ def run_bench(args) -> None:
         result = bench_compress(args.model, new_tokens=args.new_tokens, repeats=args.repeats)
         if not args.json:
             print(table(result))
+            return
+    elif args.which == "speculative":
+        from decodekit.bench.speculative import bench_speculative, markdown_table
+
+        result = bench_speculative(args.model, args.draft, new_tokens=args.new_tokens, quick=args.quick)
+        if not args.json:
+            print(markdown_table(result))
             return
     else:
         from decodekit.bench.decode import bench_decode

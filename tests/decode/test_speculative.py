@@ -19,9 +19,10 @@ from decodekit.decode.speculative import (
     block_acceptance,
     block_verify,
     draw,
+    expected_accepted,
     residual,
     speculative_generate,
-    token_acceptance,
+    tau_distribution,
     token_verify,
 )
 from decodekit.models.base import Cache, LanguageModel
@@ -132,31 +133,20 @@ def chi_square_pvalue(counts: Counter, expected: dict, total: int) -> float:
 # -- exact enumeration ---------------------------------------------------------------------------
 
 
-def tau_distribution(rule: str, p, q, draft) -> list[float]:
-    """P(τ = i | draft) for i = 0..γ from the acceptance probabilities h."""
-    gamma = len(draft)
-    if rule == "token":
-        h = token_acceptance(p, q, draft).tolist()
-        return [math.prod(h[:i]) * (1 - h[i] if i < gamma else 1) for i in range(gamma + 1)]
-    h = [1.0] + block_acceptance(p, q, draft)[0].tolist()  # h_0 = 1: τ = last success
-    return [h[i] * math.prod(1 - h[j] for j in range(i + 1, gamma + 1)) for i in range(gamma + 1)]
-
-
 def block_inputs(p_of, q_of, context, draft):
     p = torch.stack([p_of(context + draft[:i]) for i in range(len(draft) + 1)])  # [γ+1, V]
     q = torch.stack([q_of(context + draft[:i]) for i in range(len(draft))])  # [γ, V]
     return p, q
 
 
-def expected_accepted(rule: str, p_of, q_of, vocab: int, gamma: int, context=()) -> float:
+def enumerated_accepted(rule: str, p_of, q_of, vocab: int, gamma: int, context=()) -> float:
     """E[τ] by enumerating every draft block."""
     total = 0.0
     for draft in itertools.product(range(vocab), repeat=gamma):
         draft = list(draft)
         p, q = block_inputs(p_of, q_of, list(context), draft)
         q_draft = math.prod(float(q[i, x]) for i, x in enumerate(draft))
-        dist = tau_distribution(rule, p, q, torch.tensor(draft))
-        total += q_draft * sum(i * w for i, w in enumerate(dist))
+        total += q_draft * expected_accepted(rule, p, q, torch.tensor(draft))
     return total
 
 
@@ -169,7 +159,7 @@ def output_distribution(rule: str, p_of, q_of, vocab: int, gamma: int, wrong=Fal
         p, q = block_inputs(p_of, q_of, [], draft)
         q_draft = math.prod(float(q[i, x]) for i, x in enumerate(draft))
         _, P = block_acceptance(p, q, torch.tensor(draft))
-        for tau, w in enumerate(tau_distribution(rule, p, q, torch.tensor(draft))):
+        for tau, w in enumerate(tau_distribution(rule, p, q, torch.tensor(draft)).tolist()):
             if tau == gamma or wrong:
                 ys = p[tau]
             else:
@@ -197,8 +187,8 @@ def test_enumeration_gives_published_10_9_and_11_9():
     def q_of(_):
         return CONTEXT_FREE_Q
 
-    token = expected_accepted("token", p_of, q_of, 2, 2)
-    block = expected_accepted("block", p_of, q_of, 2, 2)
+    token = enumerated_accepted("token", p_of, q_of, 2, 2)
+    block = enumerated_accepted("block", p_of, q_of, 2, 2)
     assert Fraction(token).limit_denominator(100) == Fraction(10, 9)
     assert Fraction(block).limit_denominator(100) == Fraction(11, 9)
     assert token == pytest.approx(10 / 9, abs=1e-12) and block == pytest.approx(11 / 9, abs=1e-12)
@@ -250,8 +240,8 @@ def test_block_never_accepts_fewer_than_token():
     # Sun et al. 2024, Theorem 2, on context-dependent tables.
     for seed in range(4):
         p_of, q_of = random_conditionals(10 + seed, 3), random_conditionals(20 + seed, 3)
-        token = expected_accepted("token", p_of, q_of, 3, 3)
-        block = expected_accepted("block", p_of, q_of, 3, 3)
+        token = enumerated_accepted("token", p_of, q_of, 3, 3)
+        block = enumerated_accepted("block", p_of, q_of, 3, 3)
         assert block >= token - 1e-12
 
 
@@ -302,6 +292,8 @@ def test_verify_draws_tau_and_y_as_the_formulas_say(rule):
         verify, h, second = token_verify, 1 / 2, (3 / 7, 4 / 7)
     else:
         verify, h, second = block_verify, 2 / 7, (1 / 4, 3 / 4)
+    taus = tau_distribution(rule, p, q, torch.tensor([0, 2]))
+    torch.testing.assert_close(taus, torch.tensor([1 - h, h, 0.0], dtype=torch.float64))
     expected = {(0, 1): 1 - h, (1, 0): h * second[0], (1, 1): h * second[1]}
     generator = torch.Generator().manual_seed(1)
     counts = Counter(verify(p, q, torch.tensor([0, 2]), generator) for _ in range(3000))

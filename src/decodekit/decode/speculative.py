@@ -131,6 +131,27 @@ def greedy_verify(p: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:
 VERIFY_RULES: dict[str, VerifyRule] = {"token": token_verify, "block": block_verify}
 
 
+def tau_distribution(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """P(τ = i | draft) for i = 0..γ [γ + 1] under "token" (stop at the first failed coin) or
+    "block" (τ = the last successful coin, h_0 = 1) verification."""
+    gamma = len(draft)
+    if rule == "token":
+        h = torch.cat([token_acceptance(p, q, draft), torch.zeros(1, dtype=torch.float64)])
+        survive = torch.cat([torch.ones(1, dtype=torch.float64), torch.cumprod(h[:gamma], 0)])
+        return survive * (1 - h)
+    if rule != "block":
+        raise ValueError(f"rule must be 'token' or 'block', got {rule!r}")
+    h = torch.cat([torch.ones(1, dtype=torch.float64), block_acceptance(p, q, draft)[0]])
+    fail_after = torch.flip(torch.cumprod(torch.flip(1 - h, [0]), 0), [0])  # Π_{j >= i} (1 - h_j)
+    return h * torch.cat([fail_after[1:], torch.ones(1, dtype=torch.float64)])
+
+
+def expected_accepted(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> float:
+    """E[τ | draft]: the accepted draft tokens a rule keeps on average for this block."""
+    dist = tau_distribution(rule, p, q, draft)
+    return float((dist * torch.arange(len(dist), dtype=torch.float64)).sum())
+
+
 # -- configuration, statistics, result --------------------------------------------------------
 
 
@@ -217,8 +238,19 @@ class SpeculativeResult:
 # -- the decoding loop ----------------------------------------------------------------------
 
 
+def history_free(params: SamplingParams) -> bool:
+    """True when no active adapter reads the history or other per-step state (see
+    sampling/chain.py): penalties, n-gram and bad-word bans, DRY, min_tokens, mirostat."""
+    p = params
+    penalties = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    bans = bool(p.bad_words) or p.no_repeat_ngram_size > 0 or p.min_new_tokens > 0
+    return not (penalties or bans or p.dry_multiplier > 0 or p.mirostat_tau is not None)
+
+
 def process_block(chain, state: SamplerState, raw: torch.Tensor, draft: list[int]) -> torch.Tensor:
     """Processed target logits [γ+1, V] for raw [γ+1, V]: position i+1 sees x_1..x_i as history."""
+    if history_free(state.params):
+        return chain(raw, state)  # every position at once: nothing depends on the history
     scratch = scratch_state(state)
     rows = []
     for i in range(len(draft) + 1):

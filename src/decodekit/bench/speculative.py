@@ -1,0 +1,272 @@
+"""`decodekit bench speculative`: speculative decoding on the embedded pair (issue 6).
+
+Held-out prompts from the shipped Shakespeare test text, `new_tokens` new tokens each (EOS
+ignored, so every run produces exactly that many), temperature 0 and 1, γ over 1..8:
+
+- speedup: wall time of plain `decodekit.generate` on the same target and prompts divided
+  by that of `speculative_generate` (the baseline is timed before and after the sweep and
+  averaged, because the machine is shared);
+- acceptance α (Leviathan et al.: mean Σ_x min(p, q) at the verified positions), the
+  acceptance rate (accepted / drafted) and block efficiency (tokens per target call) of
+  block and token verification; at temperature 1 also a paired comparison: E[τ] of both
+  rules on the same blocks (`expected_accepted`), which removes most sampling noise;
+- Hugging Face assisted generation (`generate(assistant_model=...)`) on the same pair, at
+  its defaults and at the γ we found best, with HF plain `generate()` for reference;
+- prompt lookup (ours and HF's `prompt_lookup_num_tokens`) on a prompt-copying workload:
+  a passage followed by its first line again, so continuing means copying.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from decodekit.bench.decode import machine
+from decodekit.decode.speculative import block_verify, expected_accepted, speculative_generate
+from decodekit.params import SamplingParams
+
+TEST_TEXT = Path(__file__).parents[1] / "models" / "assets" / "data" / "shakespeare_test.txt"
+VAL_TEXT = TEST_TEXT.with_name("shakespeare_val.txt")
+
+
+def heldout_prompts(model, count: int, max_tokens: int = 48) -> list[str]:
+    """`count` speeches spread evenly over the test text, each cut to about `max_tokens` tokens."""
+    speeches = [s.strip() for s in TEST_TEXT.read_text().split("\n\n") if len(s.strip()) > 200]
+    chosen = [speeches[i * len(speeches) // count] for i in range(count)]
+    return [model.decode(model.encode(s)[:max_tokens]) for s in chosen]
+
+
+def copy_prompts(model, count: int, passage_tokens: int = 160) -> list[str]:
+    """A passage, a blank line, and the passage's first line again: the likely continuation
+    repeats the passage, which prompt lookup can draft."""
+    speeches = [s.strip() for s in TEST_TEXT.read_text().split("\n\n") if len(s.strip()) > 600]
+    prompts = []
+    for i in range(count):
+        passage = model.decode(model.encode(speeches[(2 * i + 1) * len(speeches) // (2 * count)])
+                               [:passage_tokens])  # fmt: skip
+        prompts.append(passage + "\n\n" + passage.split("\n")[0] + "\n")
+    return prompts
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _params(new_tokens: int, temperature: float) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=0)
+
+
+def run_plain(model, prompts, params) -> float:
+    import decodekit as dk
+
+    def go():
+        for prompt in prompts:
+            [c] = dk.generate(model, prompt, params)
+            assert len(c.token_ids) == params.max_new_tokens
+
+    return _seconds(go)
+
+
+def run_speculative(target, draft, prompts, params, gamma, verify, adaptive=False) -> dict:
+    """Stats summed over the prompts, and the total wall time."""
+    total: dict = {}
+    seconds = 0.0
+    for prompt in prompts:
+        result = speculative_generate(target, draft, prompt, params, gamma, verify, adaptive)
+        assert len(result.completions[0].token_ids) == params.max_new_tokens
+        seconds += result.stats.wall_seconds
+        for key, value in vars(result.stats).items():
+            total[key] = total.get(key, 0) + value
+    total["wall_seconds"] = seconds
+    return total
+
+
+def summary(stats: dict, plain_seconds: float) -> dict:
+    drafted, blocks = stats["drafted_tokens"], stats["target_calls"]
+    return {
+        "alpha": round(stats["alpha_sum"] / max(stats["alpha_count"], 1), 3),
+        "acceptance_rate": round(stats["accepted_tokens"] / max(drafted, 1), 3),
+        "block_efficiency": round(stats["emitted_tokens"] / blocks, 3),
+        "target_calls": blocks,
+        "draft_calls": stats["draft_calls"],
+        "seconds": round(stats["wall_seconds"], 3),
+        "draft_share": round(stats["draft_seconds"] / stats["wall_seconds"], 3),
+        "tok_s": round(stats["emitted_tokens"] / stats["wall_seconds"], 1),
+        "speedup": round(plain_seconds / stats["wall_seconds"], 3),
+    }
+
+
+def paired_block_efficiency(target, draft, prompts, params, gamma) -> dict:
+    """E[τ] + 1 per block of both rules, on the same blocks (those block verification visits)."""
+    sums = {"token": 0.0, "block": 0.0, "blocks": 0}
+
+    def recording_block_verify(p, q, x, generator):
+        if len(x):
+            for rule in ("token", "block"):
+                sums[rule] += expected_accepted(rule, p, q, x)
+            sums["blocks"] += 1
+        return block_verify(p, q, x, generator)
+
+    for prompt in prompts:
+        speculative_generate(target, draft, prompt, params, gamma, recording_block_verify)
+    token = 1 + sums["token"] / sums["blocks"]
+    block = 1 + sums["block"] / sums["blocks"]
+    return {"token": round(token, 4), "block": round(block, 4), "gain": round(block / token - 1, 4)}
+
+
+def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma) -> dict:
+    """tokens/s of HF plain generate(), assisted generation at HF's defaults, and at γ."""
+    from transformers import AutoModelForCausalLM
+
+    from decodekit.models.registry import resolve
+
+    def load(name):
+        path = resolve(name)[1]
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path
+
+    target, path = load(target_name)
+    assistant, _ = load(draft_name)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    defaults = assistant.generation_config
+    settings = {"plain": None, "assisted_default": {},
+                f"assisted_gamma{gamma}": {"num_assistant_tokens": gamma,
+                                           "num_assistant_tokens_schedule": "constant",
+                                           "assistant_confidence_threshold": 0.0}}  # fmt: skip
+    out = {}
+    for label, config in settings.items():
+        if config is not None:
+            for key, value in config.items():
+                setattr(defaults, key, value)
+
+        def go(config=config):
+            for prompt in prompts:
+                ids = tokenizer(prompt, return_tensors="pt").input_ids
+                extra = {} if config is None else {"assistant_model": assistant}
+                with torch.inference_mode():
+                    result = target.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=temperature > 0, top_k=0, top_p=1.0,
+                        pad_token_id=tokenizer.eos_token_id, **extra,
+                    )
+                assert result.shape[1] - ids.shape[1] == new_tokens
+
+        go()  # warm-up
+        out[label] = round(new_tokens * len(prompts) / _seconds(go), 1)
+    return out
+
+
+def hf_prompt_lookup(target_name, prompts, new_tokens, gamma) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decodekit.models.registry import resolve
+
+    path = resolve(target_name)[1]
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def go():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.eos_token_id, prompt_lookup_num_tokens=gamma)
+
+    go()
+    return round(new_tokens * len(prompts) / _seconds(go), 1)
+
+
+def kgram_drafter(target, order: int = 4):
+    """A token-level Kneser-Ney k-gram over the validation text (not the benchmark's test text)."""
+    from decodekit.models.ngram import NGramConfig, train_ngram
+
+    texts = [t for t in VAL_TEXT.read_text().split("\n\n") if t.strip()]
+    return train_ngram(texts, NGramConfig(order), level="token", tokenizer=target.tokenizer,
+                       name=f"val-{order}gram")
+
+
+def bench_speculative(
+    target_name: str = "shakespeare",
+    draft_name: str = "shakespeare-draft",
+    new_tokens: int = 256,
+    gammas: tuple[int, ...] = tuple(range(1, 9)),
+    num_prompts: int = 4,
+    quick: bool = False,
+    hf: bool = True,
+) -> dict:
+    import decodekit as dk
+
+    if quick:
+        new_tokens, gammas, num_prompts = min(new_tokens, 64), (2, 4), 1
+    target, draft = dk.load_model(target_name), dk.load_model(draft_name)
+    prompts = heldout_prompts(target, num_prompts)
+    out: dict = {"target": target_name, "draft": draft_name, "backend": type(target).__name__,
+                 "new_tokens": new_tokens, "prompts": len(prompts), "machine": machine(),
+                 "target_parameters": target.num_parameters(),
+                 "draft_parameters": draft.num_parameters(), "rows": []}  # fmt: skip
+    kgram = kgram_drafter(target)
+    run_speculative(target, draft, prompts[:1], _params(16, 1.0), 2, "block")  # warm-up
+    for temperature in (0.0, 1.0):
+        params = _params(new_tokens, temperature)
+        run_plain(target, prompts[:1], params.replace(max_new_tokens=16))  # warm-up
+        before = run_plain(target, prompts, params)
+        sweep = []
+        rules = ("block",) if temperature == 0 else ("token", "block")  # greedy: the same rule
+        for gamma in gammas:
+            for verify in rules:
+                sweep.append(("draft model", gamma, verify, False, draft))
+        sweep.append(("draft model", 4, "block", True, draft))
+        sweep += [("k-gram", g, "block", False, kgram) for g in (2, 4)]
+        sweep += [("prompt lookup", g, "block", False, "prompt-lookup") for g in (2, 4)]
+        results = [(s, run_speculative(target, s[4], prompts, params, s[1], s[2], s[3])) for s in sweep]
+        after = run_plain(target, prompts, params)
+        plain = (before + after) / 2
+        out[f"plain_t{temperature:g}"] = {"seconds": [round(before, 3), round(after, 3)],
+                                          "tok_s": round(new_tokens * len(prompts) / plain, 1)}
+        for (task, gamma, verify, adaptive, _), stats in results:
+            row = {"task": task, "temperature": temperature, "gamma": gamma, "verify": verify,
+                   "adaptive": adaptive, **summary(stats, plain)}  # fmt: skip
+            out["rows"].append(row)
+    model_rows = [r for r in out["rows"] if r["task"] == "draft model" and not r["adaptive"]]
+    out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, _params(new_tokens, 1.0), g)
+                        for g in gammas}  # fmt: skip
+    copies = copy_prompts(target, num_prompts)
+    params = _params(new_tokens, 0.0)
+    plain = statistics.mean(run_plain(target, copies, params) for _ in range(2))
+    out["copy_workload"] = {"plain_tok_s": round(new_tokens * len(copies) / plain, 1)}
+    for gamma in (4, 8):
+        for label, drafter in (("prompt lookup", "prompt-lookup"), ("draft model", draft)):
+            stats = run_speculative(target, drafter, copies, params, gamma, "block")
+            out["copy_workload"][f"{label} gamma{gamma}"] = summary(stats, plain)
+    if hf:
+        for temperature in (0.0, 1.0):
+            rows = [r for r in model_rows if r["temperature"] == temperature]
+            best = max(rows, key=lambda r: r["tok_s"])
+            runs = hf_runs(target_name, draft_name, prompts, new_tokens, temperature, best["gamma"])
+            runs["decodekit_best"] = {"gamma": best["gamma"], "verify": best["verify"],
+                                      "tok_s": best["tok_s"]}  # fmt: skip
+            assisted = max(v for k, v in runs.items() if k.startswith("assisted"))
+            runs["ratio_vs_best_assisted"] = round(best["tok_s"] / assisted, 3)
+            out[f"hf_t{temperature:g}"] = runs
+        out["copy_workload"]["hf_prompt_lookup_gamma8_tok_s"] = hf_prompt_lookup(
+            target_name, copies, new_tokens, 8)
+    return out
+
+
+def markdown_table(result: dict) -> str:
+    """Seed 000's table shape: task, temperature, γ, α, speedup (plus our extra columns)."""
+    lines = ["| task | temp | γ | verify | α | accept rate | block eff. | tok/s | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["rows"]:
+        gamma = f"{r['gamma']}{' (adaptive)' if r['adaptive'] else ''}"
+        lines.append(f"| {r['task']} | {r['temperature']:g} | {gamma} | {r['verify']} | "
+                     f"{r['alpha']:.2f} | {r['acceptance_rate']:.2f} | {r['block_efficiency']:.2f} | "
+                     f"{r['tok_s']:.0f} | {r['speedup']:.2f}× |")  # fmt: skip
+    return "\n".join(lines)
