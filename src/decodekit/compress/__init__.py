@@ -2,7 +2,9 @@
 
 Layer level: `quantize_rtn`, `gptq_quantize`, `clip_round`, `prune_magnitude`,
 `prune_sparsegpt`. Model level: `quantize_model` (Linear -> `QuantizedLinear`, in place),
-`prune_model`, and `save_compressed` / `load_compressed` for checkpoints.
+`prune_model`, and `save_compressed` / `load_compressed` for checkpoints. Whole models:
+`CompressConfig` + `compress_lm` (a NativeLM in place), `compress_to_dir` / `load_model(DIR)`
+for compressed model directories, `perplexity` / `text_perplexity` to measure the result.
 """
 
 from decodekit.compress.apply import (
@@ -18,7 +20,13 @@ from decodekit.compress.checkpoint import (
     read_compression_config,
     save_compressed,
 )
+from decodekit.compress.evaluate import PerplexityResult, perplexity, text_perplexity
 from decodekit.compress.hessian import HessianAccumulator, hessian_from_inputs
+from decodekit.compress.pretrained import (
+    is_compressed_dir,
+    load_compressed_dir,
+    save_compressed_dir,
+)
 from decodekit.compress.prune import (
     magnitude_mask,
     nm_mask,
@@ -36,25 +44,33 @@ from decodekit.compress.quantize import (
     quantize_rtn,
     round_half_away,
 )
+from decodekit.compress.recipe import CompressConfig, compress_lm, compress_to_dir
 
 __all__ = [
+    "CompressConfig",
     "CompressionSummary",
     "HessianAccumulator",
+    "PerplexityResult",
     "QuantSpec",
     "QuantizedLinear",
     "absmax_scales",
     "clip_round",
     "collect_hessians",
+    "compress_lm",
+    "compress_to_dir",
     "dequantize",
     "find_linears",
     "gptq_quantize",
     "hessian_from_inputs",
+    "is_compressed_dir",
     "load_compressed",
+    "load_compressed_dir",
     "magnitude_mask",
     "model_nbytes",
     "nm_mask",
     "pack_int4",
     "parse_n_m",
+    "perplexity",
     "prune_magnitude",
     "prune_model",
     "prune_sparsegpt",
@@ -63,5 +79,7 @@ __all__ = [
     "read_compression_config",
     "round_half_away",
     "save_compressed",
+    "save_compressed_dir",
+    "text_perplexity",
     "unpack_int4",
 ]
