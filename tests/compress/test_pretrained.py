@@ -124,3 +124,27 @@ def test_bad_configs_name_the_value(kwargs, message):
 def test_compress_lm_needs_a_native_model(toy_lm):
     with pytest.raises(TypeError, match="NativeLM"):
         compress_lm(toy_lm, CompressConfig("rtn"))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_llama_families_round_trip(tmp_path, family):
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  tie_word_embeddings=False)  # fmt: skip
+    if family == "qwen2":  # q/k/v biases
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:  # per-head q/k RMSNorm
+        config, cls = transformers.Qwen3Config(head_dim=8, **common), transformers.Qwen3ForCausalLM
+    torch.manual_seed(4)
+    cls(config).save_pretrained(tmp_path / family)
+    model = load_model(tmp_path / family)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    compress_lm(model, CompressConfig("gptq", group_size=8, calib_windows=2, calib_length=16),
+                [i % 64 for i in range(0, 7 * 300, 7)])  # token ids: no tokenizer  # fmt: skip
+    loaded = load_model(save_compressed_dir(model, tmp_path / "c", tmp_path / family))
+    qkv = loaded.net.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and (qkv.bias is not None) == (family == "qwen2")
+    expected = model.forward(tokens, model.new_cache(1))
+    assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)

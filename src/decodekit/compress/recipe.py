@@ -97,14 +97,15 @@ class CompressConfig:
 
 def calibration_batches(
     model: LanguageModel,
-    text: str,
+    text: str | Sequence[int],
     windows: int,
     length: int,
     batch_size: int = 8,
     seed: int = 0,
 ) -> list[torch.Tensor]:
-    """`windows` segments of `length` tokens of `text` at random offsets, as [B, length] batches."""
-    ids = torch.tensor(model.encode(text), dtype=torch.long)  # [N]
+    """`windows` segments of `length` tokens of `text` (or of token ids, for models without a
+    tokenizer) at random offsets, as [B, length] batches."""
+    ids = torch.tensor(model.encode(text) if isinstance(text, str) else list(text))  # [N] long
     if len(ids) < length:
         raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one window of {length}")
     generator = torch.Generator().manual_seed(seed)
@@ -119,10 +120,10 @@ def _net_forward(lm: Any):
 
 
 def compress_lm(
-    lm: Any, config: CompressConfig, calib_text: str | None = None
+    lm: Any, config: CompressConfig, calib_text: str | Sequence[int] | None = None
 ) -> CompressionSummary:
-    """Compress a NativeLM in place (its `net`); `calib_text` defaults to the shipped
-    validation split. Returns what was done."""
+    """Compress a NativeLM in place (its `net`); `calib_text` (text or token ids) defaults to
+    the shipped validation split. Returns what was done."""
     from decodekit.models.native import NativeLM
 
     if not isinstance(lm, NativeLM):
