@@ -69,7 +69,7 @@ def test_perplexity_of_a_fixed_distribution_by_hand():
 
 def test_uniform_model_has_perplexity_of_its_vocabulary():
     model = FixedLM([0.0] * 7, max_context=16)
-    result = perplexity(model, torch.arange(50) % 7, window=8, stride=3, batch_size=2)
+    result = perplexity(model, torch.arange(50) % 7, window=8, stride=3, batch_tokens=16)
     assert result.tokens == 49
     assert result.perplexity == pytest.approx(7.0, rel=1e-6)
 
@@ -79,7 +79,7 @@ def test_strided_perplexity_equals_hand_windows_on_a_native_model(tiny_lm):
     n = len(ids)
     assert n > 40
     ids = ids[:40]
-    result = perplexity(tiny_lm, ids, window=16, stride=8, batch_size=3)
+    result = perplexity(tiny_lm, ids, window=16, stride=8, batch_tokens=48)
     # The windows by hand: (begin, end, first scored position); each one run alone.
     total = 0.0
     for begin, end, first in [(0, 16, 1), (8, 24, 16), (16, 32, 24), (24, 40, 32)]:

@@ -21,6 +21,9 @@ from decodekit.models.base import LanguageModel
 from decodekit.models.registry import ASSETS
 
 TEST_TEXT = ASSETS / "data" / "shakespeare_test.txt"
+# Default window: the model's context, at most this (GPTQ and SparseGPT score WikiText-2
+# in 2048-token windows; a k-gram model's context is unbounded).
+MAX_DEFAULT_WINDOW = 2048
 
 
 @dataclass(frozen=True)
@@ -62,25 +65,27 @@ def perplexity(
     tokens: Sequence[int] | torch.Tensor,
     window: int | None = None,
     stride: int | None = None,
-    batch_size: int = 8,
+    batch_tokens: int = 4096,
 ) -> PerplexityResult:
-    """Per-token perplexity of a token stream [N]; window defaults to the model's context and
-    stride to half the window (module docstring)."""
+    """Per-token perplexity of a token stream [N]; window defaults to the model's context (at
+    most MAX_DEFAULT_WINDOW) and stride to half the window (module docstring). Windows run
+    in batches of about `batch_tokens` tokens, which bounds the memory of the logits."""
     ids = torch.as_tensor(tokens, dtype=torch.long).flatten()  # [N]
     if len(ids) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(ids)}")
-    window = window or model.max_context
+    window = window or min(model.max_context, MAX_DEFAULT_WINDOW)
     if window > model.max_context:
         raise ValueError(f"window must be at most the model's context {model.max_context}, got {window}")
     window = min(window, len(ids))
     stride = stride or max(1, window // 2)
     spans = windows(len(ids), window, stride)
-    # Windows of equal length run as one batch, each with a fresh cache.
+    # Windows of equal length run together, each row with a fresh cache.
     by_length: dict[int, list[tuple[int, int, int]]] = {}
     for span in spans:
         by_length.setdefault(span[1] - span[0], []).append(span)
     total, count = 0.0, 0
     for length, group in by_length.items():
+        batch_size = max(1, batch_tokens // length)
         for i in range(0, len(group), batch_size):
             chunk = group[i : i + batch_size]
             rows = torch.stack([ids[b:e] for b, e, _ in chunk])  # [B, length]
@@ -101,9 +106,9 @@ def text_perplexity(
     text: str | None = None,
     window: int | None = None,
     stride: int | None = None,
-    batch_size: int = 8,
+    batch_tokens: int = 4096,
 ) -> PerplexityResult:
     """`perplexity` of `text` (default: the shipped held-out Shakespeare test split) tokenised
     by the model's own tokenizer."""
     text = TEST_TEXT.read_text() if text is None else text
-    return perplexity(model, model.encode(text), window, stride, batch_size)
+    return perplexity(model, model.encode(text), window, stride, batch_tokens)
