@@ -2,9 +2,10 @@
 
 For each constraint (a JSON schema, a regex, a Lark grammar) and strategy (greedy, sampling
 at temperature 1): the constrained run's tokens/s, and the unconstrained run's tokens/s on
-the same model, prompt and strategy for the same number of new tokens (EOS ignored), each
-the median of `repeats` timed runs after a warm-up. Then the mask alone: the constrained
-output is replayed through a fresh `GrammarMask`, timing per token llguidance's mask
+the same model, prompt and strategy for the same number of new tokens (EOS ignored). The
+two runs alternate `repeats` times after a warm-up, and the slowdown is the median of the
+paired time ratios, so that load on a shared machine hits both alike. Then the mask alone:
+the constrained output is replayed through a fresh `GrammarMask`, timing per token llguidance's mask
 (`compute`), the whole `apply` (mask, bit unpacking and -inf fill over the vocabulary) and
 the matcher's advance (`accept`), plus the grammar's compile time. llguidance publishes
 about 50 us per mask on large vocabularies (MaskBench, single thread).
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from decodekit.bench.decode import _median_seconds, machine
+from decodekit.bench.decode import machine
 
 PROMPT = "ROMEO:\n"
 CONSTRAINTS = {
@@ -42,6 +43,18 @@ def make_constraint(kind: str, spec):
     from decodekit.decode.constrained import Grammar, JsonSchema, Regex
 
     return {"json": JsonSchema, "regex": Regex, "grammar": Grammar}[kind](spec)
+
+
+def paired_seconds(first, second, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of `first()` and `second()`, alternated `repeats` times after one warm-up each."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times
 
 
 def mask_timings(model, constraint, tokens: list[int]) -> dict:
@@ -83,16 +96,22 @@ def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new
             [c] = dk.generate(model, PROMPT, params, constraint=constraint)
             count = len(c.token_ids)
             plain = params.replace(max_new_tokens=count, ignore_eos=True)
-            with_mask = _median_seconds(
-                lambda p=params, c=constraint: dk.generate(model, PROMPT, p, constraint=c), repeats
+            mask = mask_timings(model, constraint, c.token_ids)
+            with_mask, without = paired_seconds(
+                lambda p=params, c=constraint: dk.generate(model, PROMPT, p, constraint=c),
+                lambda p=plain: dk.generate(model, PROMPT, p),
+                repeats,
             )
-            without = _median_seconds(lambda p=plain: dk.generate(model, PROMPT, p), repeats)
             results["runs"].append({
                 "constraint": kind, "strategy": mode, "new_tokens": count, "finish_reason": c.finish_reason,
-                "constrained_tok_s": round(count / with_mask, 1),
-                "unconstrained_tok_s": round(count / without, 1),
-                "slowdown_pct": round(100 * (with_mask / without - 1), 1),
-                "mask": mask_timings(model, constraint, c.token_ids),
+                "constrained_tok_s": round(count / statistics.median(with_mask), 1),
+                "unconstrained_tok_s": round(count / statistics.median(without), 1),
+                "slowdown_pct": round(100 * (statistics.median(
+                    a / b for a, b in zip(with_mask, without, strict=True)) - 1), 1),
+                "mask": mask,
+                # the mask's share of a step: (apply + accept) / unconstrained seconds per token
+                "mask_share_pct": round(100 * (mask["apply_us"]["median"] + mask["accept_us"]["median"])
+                                        * 1e-6 * count / statistics.median(without), 2),
                 "text": c.text[:200],
             })
     return results

@@ -6,7 +6,8 @@ each strategy continues every prompt by `new_tokens` tokens (EOS ignored, so len
 equal). Per generation, over token ids: distinct-n = unique n-grams / n-grams (n = 2, 3)
 and the fraction of repeated 4-grams, 1 - distinct-4; averaged over prompts. Quality proxy:
 the expert's log-likelihood per generated token (one expert forward over prompt +
-continuation). Contrastive is Li et al.'s greedy search on CD scores (alpha = 0.1).
+continuation). Contrastive is Li et al.'s greedy search on CD scores (alpha = 0.1), also
+with the amateur at temperature 0.5, with an 8-token amateur window, and as 4-beam search.
 """
 
 from __future__ import annotations
@@ -66,17 +67,24 @@ def bench_contrastive(
     texts = held_out_prompts(prompts)
     prompt_ids = [expert.encode(t) for t in texts]
     base = dk.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    greedy = base.replace(temperature=0.0)
     strategies = {
-        "greedy": (expert, base.replace(temperature=0.0)),
-        "contrastive": (cd, base.replace(temperature=0.0)),
+        "greedy": (expert, greedy),
+        "contrastive": (cd, greedy),
         "nucleus_p0.95": (expert, base.replace(top_p=0.95, seed=0)),
+        "contrastive_amateur_t0.5": (dk.ContrastiveLM(expert, amateur, alpha, 0.5), greedy),
+        "contrastive_window8": (dk.ContrastiveLM(expert, amateur, alpha, amateur_temperature, 8), greedy),
+        "contrastive_beam4": (cd, base),
     }
     results = {"expert": expert_name, "amateur": amateur_name, "alpha": alpha,
                "amateur_temperature": amateur_temperature, "prompts": len(texts),
                "new_tokens": new_tokens, "machine": machine(), "strategies": {}}
     for name, (model, params) in strategies.items():
         start = time.perf_counter()
-        completions = [cs[0] for cs in dk.generate(model, prompt_ids, params)]
+        if name.endswith("beam4"):
+            completions = [dk.beam_search(model, [p], params, num_beams=4)[0][0] for p in prompt_ids]
+        else:
+            completions = [cs[0] for cs in dk.generate(model, prompt_ids, params)]
         seconds = time.perf_counter() - start
         ids = [c.token_ids for c in completions]
         results["strategies"][name] = {
