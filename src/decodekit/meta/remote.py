@@ -145,6 +145,7 @@ class RemoteGenerator:
         budget: Budget | None = None,
         request_logprobs: bool = True,
         return_token_ids: bool = False,
+        transport=None,
     ):
         import httpx
 
@@ -159,7 +160,7 @@ class RemoteGenerator:
         key = api_key or os.environ.get("DECODEKIT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-        self.client = httpx.Client(headers=headers, timeout=timeout, limits=limits)
+        self.client = httpx.Client(headers=headers, timeout=timeout, limits=limits, transport=transport)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="decodekit-remote")
         self.retries, self.backoff = retries, backoff
         self.budget = budget if budget is not None else Budget()
@@ -176,7 +177,7 @@ class RemoteGenerator:
         url = self.base_url + path
         error: Exception | None = None
         for attempt in range(self.retries + 1):
-            wait = self.backoff * 2**attempt
+            response = None
             try:
                 response = self.client.post(url, json=body)
             except httpx.TransportError as failure:
@@ -189,9 +190,8 @@ class RemoteGenerator:
                 if response.status_code != 429 and response.status_code < 500:
                     raise RemoteRequestError(text, response.status_code, param)
                 error = RemoteError(text, response.status_code, param)
-                wait = retry_after(response, wait)
             if attempt < self.retries:
-                time.sleep(min(wait, MAX_WAIT))
+                time.sleep(retry_wait(response, attempt, self.backoff))
         assert error is not None
         raise error
 
@@ -303,9 +303,12 @@ def error_detail(response) -> tuple[str, str | None]:
         return response.text[:200], None
 
 
-def retry_after(response, default: float) -> float:
-    value = response.headers.get("Retry-After")
+def retry_wait(response, attempt: int, backoff: float) -> float:
+    """Seconds before retry `attempt` + 1: the answer's Retry-After (in seconds) when it has
+    one, else backoff * 2^attempt; at most MAX_WAIT."""
+    value = response.headers.get("Retry-After") if response is not None else None
     try:
-        return max(float(value), 0.0) if value is not None else default
-    except ValueError:
-        return default
+        wait = max(float(value), 0.0) if value is not None else backoff * 2**attempt
+    except ValueError:  # an HTTP date, which we do not parse
+        wait = backoff * 2**attempt
+    return min(wait, MAX_WAIT)

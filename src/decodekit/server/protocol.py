@@ -217,6 +217,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
     token_ids: list[int] | None = None
     score: float | None = None  # best-of-N / voting: the chosen candidate's score
 
@@ -254,6 +255,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     score: float | None = None
 

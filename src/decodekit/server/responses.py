@@ -111,7 +111,8 @@ def completion_choice(
         logprobs = completion_logprobs(model, completion, plan.logprobs, start, prompt)
     return p.CompletionChoice(
         index=index, text=text, logprobs=logprobs, finish_reason=finish_reason(completion),
-        token_ids=list(completion.token_ids) if plan.return_token_ids else None, score=completion.score,
+        stop_reason=completion.stop_reason, score=completion.score,
+        token_ids=list(completion.token_ids) if plan.return_token_ids else None,
     )
 
 
@@ -131,6 +132,7 @@ def chat_body(plan: Plan, model: LanguageModel, rid: str, chosen, drawn) -> dict
     choices = [
         p.ChatChoice(
             index=i, message=p.ChatMessageOut(content=c.text), finish_reason=finish_reason(c),
+            stop_reason=c.stop_reason,
             logprobs=chat_logprobs(model, c, plan.logprobs) if plan.logprobs is not None else None,
             token_ids=list(c.token_ids) if plan.return_token_ids else None, score=c.score,
         )
@@ -146,7 +148,8 @@ def completion_chunk(plan: Plan, model: LanguageModel, rid: str, created: int, i
     if completion is not None and plan.logprobs is not None:
         logprobs = completion_logprobs(model, completion, plan.logprobs, 0)
     choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                finish_reason=finish_reason(completion) if completion else None)
+                                finish_reason=finish_reason(completion) if completion else None,
+                                stop_reason=completion.stop_reason if completion else None)
     return p.CompletionResponse(id=rid, created=created, model=plan.model,
                                 choices=[choice]).model_dump_json()
 
