@@ -240,11 +240,13 @@ def run_models(args) -> None:
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("which", choices=["decode", "constrained", "contrastive", "compress", "speculative"])
+    p.add_argument("which", choices=["decode", "constrained", "contrastive", "compress", "speculative",
+                                     "server"])
     p.add_argument("--model", default="shakespeare")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
+    p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print JSON only")
@@ -273,6 +275,14 @@ def run_bench(args) -> None:
         result = bench_speculative(args.model, args.draft, new_tokens=args.new_tokens, quick=args.quick)
         if not args.json:
             print(markdown_table(result))
+            return
+    elif args.which == "server":
+        from decodekit.bench.server import bench_server, table
+
+        levels = [int(c) for c in args.concurrency.split(",")]
+        result = bench_server(args.model, args.new_tokens, levels)
+        if not args.json:
+            print(table(result))
             return
     else:
         from decodekit.bench.decode import bench_decode
@@ -345,6 +355,8 @@ def add_eval(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--plot", default=None, help="write accuracy against tokens to FILE.png")
+    p.add_argument("--endpoint", default=None, help="generate on an OpenAI-compatible server (URL) "
+                   "serving --model (meta/remote.py)")
     p.set_defaults(run=run_eval)
 
 
@@ -373,7 +385,12 @@ def run_eval_arith(args) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
-    report = evaluate_arith(config, progress=progress)
+    generator = None
+    if args.endpoint:
+        from decodekit.meta.remote import RemoteGenerator
+
+        generator = RemoteGenerator(args.endpoint, args.model)
+    report = evaluate_arith(config, generator=generator, progress=progress)
     if args.plot:
         plot(report, args.plot)
     if args.json:
@@ -439,6 +456,28 @@ def run_compress(args) -> None:
           f"in memory, {report['disk_bytes'] / mb:.2f} MB on disk")
 
 
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
+    p.add_argument("--model", action="append", default=None,
+                   help="embedded name, directory or ALIAS=PATH; repeatable (default shakespeare)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-tokens", type=int, default=2048, help="bound on a request's max_tokens")
+    p.add_argument("--max-queued", type=int, default=256, help="queued requests per model before 503")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before 504")
+    p.add_argument("--reward-model", action="append", default=[], help="scorer requests may name")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> None:
+    from decodekit.server.app import serve
+    from decodekit.server.backend import ServerConfig
+
+    config = ServerConfig(max_tokens=args.max_tokens, max_queued=args.max_queued,
+                          request_timeout=args.timeout, reward_models=tuple(args.reward_model))
+    serve(args.model or ["shakespeare"], args.host, args.port, config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="decodekit", description="Language-model decoding, meta-generation and alignment."
@@ -450,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_align(sub)
     add_eval(sub)
     add_compress(sub)
+    add_serve(sub)
     return parser
 
 

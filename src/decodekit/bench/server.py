@@ -1,0 +1,186 @@
+"""`decodekit bench server`: the HTTP server under load, and the same load on the engine.
+
+Closed loop: C clients each send requests one after another, 2 per client at least and 16
+per level at least (request i: prompt PROMPTS[i % 5], `new_tokens` tokens with EOS ignored
+so every request generates exactly that many, temperature 0.8, seed i, streamed). Per
+request: time to first token (send -> first chunk with text) and the gaps between chunks
+with text (inter-token latency; a chunk is one token except where the detokeniser holds
+back a partial character). Per level: requests/s and generated tokens/s over its wall time.
+
+- http: a `decodekit serve` subprocess on 127.0.0.1 (its own process, as in production),
+  clients on httpx/asyncio in this process, parsing the server-sent events;
+- engine: the same load submitted to an in-process `Engine` with the server's
+  configuration (`handle.aiter()`): what the server adds is parsing, planning, SSE
+  framing, the socket and the client's parsing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING HENRY:", "First Citizen:\nBefore we proceed",
+           "HAMLET:\nTo be, or not"]
+LEVELS = (1, 8, 32, 64)
+
+
+@dataclass
+class Record:
+    start: float
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def request_body(model: str, i: int, new_tokens: int) -> dict:
+    return {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": new_tokens,
+            "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def http_request(client, url: str, body: dict) -> Record:
+    record = Record(time.perf_counter())
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"server answered {response.status_code}: {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                record.chunk_times.append(time.perf_counter())
+            if chunk.get("usage"):
+                record.tokens = chunk["usage"]["completion_tokens"]
+    return record
+
+
+async def engine_request(engine, body: dict) -> Record:
+    from decodekit.params import SamplingParams
+
+    record = Record(time.perf_counter())
+    params = SamplingParams(max_new_tokens=body["max_tokens"], temperature=body["temperature"],
+                            seed=body["seed"], ignore_eos=True)
+    handle = engine.submit(body["prompt"], params)
+    async for delta in handle.aiter():
+        if delta.text:
+            record.chunk_times.append(time.perf_counter())
+        if delta.completion is not None:
+            record.tokens = len(delta.completion.token_ids)
+    return record
+
+
+async def run_level(send, concurrency: int, model: str, new_tokens: int) -> dict:
+    """`concurrency` closed-loop clients; `send(body)` makes one request and returns its Record."""
+    per_client = max(2, -(-16 // concurrency))
+    queue = list(range(concurrency * per_client))
+
+    async def client(k: int) -> list[Record]:
+        return [await send(request_body(model, i, new_tokens)) for i in queue[k::concurrency]]
+
+    start = time.perf_counter()
+    records = [r for rs in await asyncio.gather(*(client(k) for k in range(concurrency))) for r in rs]
+    wall = time.perf_counter() - start
+    return summarize(records, concurrency, wall)
+
+
+def summarize(records: list[Record], concurrency: int, wall: float) -> dict:
+    ttft = [r.chunk_times[0] - r.start for r in records if r.chunk_times]
+    gaps = [b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tokens = sum(r.tokens for r in records)
+
+    def ms(values, q):
+        return round(float(np.percentile(values, q)) * 1000, 2) if values else None
+
+    return {"concurrency": concurrency, "requests": len(records), "wall_s": round(wall, 3),
+            "requests_per_s": round(len(records) / wall, 3), "tokens_per_s": round(tokens / wall, 1),
+            "ttft_p50_ms": ms(ttft, 50), "ttft_p95_ms": ms(ttft, 95), "itl_p50_ms": ms(gaps, 50),
+            "itl_p95_ms": ms(gaps, 95)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Popen:
+    import httpx
+
+    command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", model, "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {process.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.terminate()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s")
+
+
+async def bench_http(url: str, model: str, levels, new_tokens: int) -> list[dict]:
+    import httpx
+
+    rows = []
+    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        send = lambda body: http_request(client, url, body)  # noqa: E731
+        await send(request_body(model, 0, 4))  # warm-up
+        for c in levels:
+            rows.append({"mode": "http", **await run_level(send, c, model, new_tokens)})
+    return rows
+
+
+async def bench_engine(engine, model: str, levels, new_tokens: int) -> list[dict]:
+    send = lambda body: engine_request(engine, body)  # noqa: E731
+    await send(request_body(model, 0, 4))
+    return [{"mode": "engine", **await run_level(send, c, model, new_tokens)} for c in levels]
+
+
+def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS) -> dict:
+    from decodekit.bench.decode import machine
+    from decodekit.models.registry import load_model
+    from decodekit.server.backend import Backend, ServerConfig
+
+    levels = tuple(levels)
+    port = free_port()
+    process = start_server(model, port)
+    try:
+        http_rows = asyncio.run(bench_http(f"http://127.0.0.1:{port}", model, levels, new_tokens))
+    finally:
+        process.terminate()
+        process.wait(30)
+    backend = Backend({model: load_model(model)}, ServerConfig())
+    if model not in backend.engines:
+        raise ValueError(f"model {model!r} does not run on the engine (not a NativeLM)")
+    engine = backend.engines[model]
+    engine.start()
+    try:
+        engine_rows = asyncio.run(bench_engine(engine, model, levels, new_tokens))
+    finally:
+        engine.stop()
+    return {"model": model, "new_tokens": new_tokens, "machine": machine(), "rows": http_rows + engine_rows}
+
+
+def table(result: dict) -> str:
+    """Markdown: one row per concurrency, http and engine side by side."""
+    by = {(r["mode"], r["concurrency"]): r for r in result["rows"]}
+    lines = ["| clients | mode | req/s | tok/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for c in sorted({r["concurrency"] for r in result["rows"]}):
+        for mode in ("http", "engine"):
+            r = by.get((mode, c))
+            if r is not None:
+                lines.append(f"| {c} | {mode} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
+                             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
+                             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} |")
+    return "\n".join(lines)
