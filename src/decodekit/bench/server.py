@@ -29,6 +29,7 @@ import numpy as np
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING HENRY:", "First Citizen:\nBefore we proceed",
            "HAMLET:\nTo be, or not"]
 LEVELS = (1, 8, 32, 64)
+SERVED = "bench"  # the name the server serves the model under
 
 
 @dataclass
@@ -112,7 +113,8 @@ def free_port() -> int:
 def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Popen:
     import httpx
 
-    command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", model, "--port", str(port)]
+    command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", f"{SERVED}={model}", "--port",
+               str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -155,7 +157,7 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
     port = free_port()
     process = start_server(model, port)
     try:
-        http_rows = asyncio.run(bench_http(f"http://127.0.0.1:{port}", model, levels, new_tokens))
+        http_rows = asyncio.run(bench_http(f"http://127.0.0.1:{port}", SERVED, levels, new_tokens))
     finally:
         process.terminate()
         process.wait(30)

@@ -219,18 +219,24 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> Asy
                     yield chunk(i * plan.n + s, plan.prompt_texts[i] if plan.echo else "", role=plan.chat)
         remaining = len(jobs)
         while remaining:
-            i, item = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0))
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                error = api_error(item) if isinstance(item, ValueError | TypeError) else APIError(
-                    500, f"internal error: {item}", None, "internal_error", "server_error")
-                yield sse(json.dumps(error.body()))
-                return
-            elif item.completion is not None or item.text:
-                if item.completion is not None:
-                    drawn[i].append(item.completion)
-                yield chunk(i * plan.n + item.sample_index, item.text, item.completion)
+            items = [await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0))]
+            while not queue.empty():  # what arrived meanwhile goes out in one write
+                items.append(queue.get_nowait())
+            out = []
+            for i, item in items:
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    error = api_error(item) if isinstance(item, ValueError | TypeError) else APIError(
+                        500, f"internal error: {item}", None, "internal_error", "server_error")
+                    yield "".join(out) + sse(json.dumps(error.body()))
+                    return
+                elif item.completion is not None or item.text:
+                    if item.completion is not None:
+                        drawn[i].append(item.completion)
+                    out.append(chunk(i * plan.n + item.sample_index, item.text, item.completion))
+            if out:
+                yield "".join(out)
         if plan.include_usage:
             yield sse(responses.usage_chunk(plan, rid, created, drawn))
         yield sse("[DONE]")
