@@ -67,13 +67,15 @@ def arith_ngram():
 
 
 def test_evaluate_end_to_end_with_oracle_scorers(arith_ngram, tmp_path, one_thread):
-    strategies = ("single", "majority", "bon-oracle", "beam-oracle", "rebase-oracle")
+    strategies = ("single", "majority", "bon-oracle", "beam-oracle", "rebase-oracle", "calculator")
     config = EvalConfig(strategies=strategies, ns=(1, 2, 4), seeds=2, problems=4, width=2)
     scorers = arith_scorers(config)  # oracle scorers only: no learned model is loaded
     problems = generate_problems(4, seed=12, config=ArithConfig(2, 3, 9))
     report = evaluate_arith(config, LocalGenerator(arith_ngram), scorers, problems)
     summary = {(r["strategy"], r["n"]): r for r in report["summary"]}
-    assert set(summary) == {("single", 1)} | {(s, n) for s in strategies[1:] for n in (1, 2, 4)}
+    assert set(summary) == {("single", 1), ("calculator", 1)} | {
+        (s, n) for s in strategies[1:-1] for n in (1, 2, 4)}
+    assert summary[("calculator", 1)]["accuracy"] >= 0 and report["rows"][-1]["tool_calls"] > 0
     assert all(r["seeds"] == 2 for r in report["summary"])
     assert all(r["accuracy_min"] <= r["accuracy"] <= r["accuracy_max"] for r in report["summary"])
     # the oracle's best-of-N is pass@N: it cannot drop when N doubles (see subset_curve)

@@ -11,6 +11,8 @@ what it cost per problem (generated tokens, prompt tokens computed, reused, scor
   in lockstep (`tree_search_batch`), final answer by a vote weighted by the last step score.
 - Scorers: *-orm / *-prm are the learned reward models `arith-orm` / `arith-prm`; *-oracle
   are the exact checkers (check_answer, check_steps), the upper reference.
+- calculator: one sample with a tool call between steps (`generate_with_tool`): the model
+  writes each operation, a calculator writes its result (seed 001, "chain"); N = 1 only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from decodekit.params import SamplingParams
 
 PARALLEL = ("single", "majority", "bon-orm", "weighted-orm", "bon-oracle", "weighted-oracle")
 TREE = ("beam-prm", "dvts-prm", "rebase-prm", "beam-oracle", "dvts-oracle", "rebase-oracle")
-STRATEGIES = PARALLEL + TREE
+CHAIN = ("calculator",)
+STRATEGIES = PARALLEL + TREE + CHAIN
 TASKS = ("arith",)
 
 # The held-out problems of scripts/train_arith.py: its task distribution, its test stream, and
@@ -224,6 +227,24 @@ def evaluate_tree(generator, problems, scorers, config: EvalConfig, seed: int) -
     return rows
 
 
+def evaluate_chain(generator, problems, scorers, config: EvalConfig, seed: int) -> list[dict]:
+    from decodekit.meta.chain import generate_with_tool
+    from decodekit.meta.tasks.arith import check_answer, format_prompt
+
+    if "calculator" not in config.strategies:
+        return []
+    params = SamplingParams(temperature=config.temperature, max_new_tokens=config.step_tokens)
+    start = time.perf_counter()
+    results = [generate_with_tool(generator, format_prompt(p), params=params.replace(
+        seed=derive_seed(seed, "calculator", i))) for i, p in enumerate(problems)]
+    row = {"strategy": "calculator", "n": 1, "seed": seed,
+           "accuracy": statistics.fmean(check_answer(p, r.text) for p, r in zip(problems, results)),
+           "seconds": time.perf_counter() - start}
+    for key in ("generated_tokens", "prompt_tokens", "reused_prefix_tokens", "tool_calls"):
+        row[key] = statistics.fmean(r.budget[key] for r in results)
+    return [row]
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Mean, min, max and standard deviation over seeds of each (strategy, N)."""
     groups: dict[tuple, list[dict]] = {}
@@ -254,7 +275,7 @@ def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = No
     problems = problems if problems is not None else eval_problems(config.problems)
     rows = []
     for seed in range(config.seeds):
-        for part in (evaluate_parallel, evaluate_tree):
+        for part in (evaluate_parallel, evaluate_tree, evaluate_chain):
             start = time.perf_counter()
             rows += part(generator, problems, scorers, config, seed)
             if progress is not None:
@@ -270,15 +291,16 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"single": "black", "majority": "tab:gray", "bon": "tab:red", "weighted": "tab:orange",
-              "beam": "tab:blue", "dvts": "tab:green", "rebase": "tab:purple"}
+    colors = {"single": "black", "calculator": "tab:brown", "majority": "tab:gray", "bon": "tab:red",
+              "weighted": "tab:orange", "beam": "tab:blue", "dvts": "tab:green", "rebase": "tab:purple"}
     fig, ax = plt.subplots(figsize=(8, 5.5))
     strategies = dict.fromkeys(r["strategy"] for r in report["summary"])
     for strategy in strategies:
         points = sorted((r for r in report["summary"] if r["strategy"] == strategy), key=lambda r: r["n"])
         x = [r["generated_tokens"] for r in points]
         style = dict(color=colors[strategy.split("-")[0]], linestyle="--" if "oracle" in strategy else "-")
-        ax.plot(x, [r["accuracy"] for r in points], marker="o", markersize=3, label=strategy, **style)
+        ax.plot(x, [r["accuracy"] for r in points], marker="o", markersize=3 if len(points) > 1 else 7,
+                label=strategy, **style)
         ax.fill_between(x, [r["accuracy_min"] for r in points], [r["accuracy_max"] for r in points],
                         color=style["color"], alpha=0.12, linewidth=0)
     ax.set_xscale("log", base=2)
