@@ -11,7 +11,11 @@ back a partial character). Per level: requests/s and generated tokens/s over its
   clients on httpx/asyncio in this process, parsing the server-sent events;
 - engine: the same load submitted to an in-process `Engine` with the server's
   configuration (`handle.aiter()`): what the server adds is parsing, planning, SSE
-  framing, the socket and the client's parsing.
+  framing, the socket and the client's parsing (the client shares the machine's cores
+  with the server process).
+
+Each level runs over HTTP and then on the engine straight away, so both see the same
+background load on a shared machine.
 """
 
 from __future__ import annotations
@@ -129,23 +133,21 @@ def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Po
     raise RuntimeError(f"the server did not answer /health within {timeout} s")
 
 
-async def bench_http(url: str, model: str, levels, new_tokens: int) -> list[dict]:
+async def bench_levels(url: str, engine, levels, new_tokens: int) -> list[dict]:
+    """Each level over HTTP, then straight away on the engine (paired, as the machine is shared)."""
     import httpx
 
     rows = []
     limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        send = lambda body: http_request(client, url, body)  # noqa: E731
-        await send(request_body(model, 0, 4))  # warm-up
+        modes = {"http": lambda body: http_request(client, url, body),
+                 "engine": lambda body: engine_request(engine, body)}
+        for send in modes.values():
+            await send(request_body(SERVED, 0, 4))  # warm-up
         for c in levels:
-            rows.append({"mode": "http", **await run_level(send, c, model, new_tokens)})
+            for mode, send in modes.items():
+                rows.append({"mode": mode, **await run_level(send, c, SERVED, new_tokens)})
     return rows
-
-
-async def bench_engine(engine, model: str, levels, new_tokens: int) -> list[dict]:
-    send = lambda body: engine_request(engine, body)  # noqa: E731
-    await send(request_body(model, 0, 4))
-    return [{"mode": "engine", **await run_level(send, c, model, new_tokens)} for c in levels]
 
 
 def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS) -> dict:
@@ -154,23 +156,20 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
     from decodekit.server.backend import Backend, ServerConfig
 
     levels = tuple(levels)
+    backend = Backend({SERVED: load_model(model)}, ServerConfig())  # the server's engine config
+    if SERVED not in backend.engines:
+        raise ValueError(f"model {model!r} does not run on the engine (not a NativeLM)")
+    engine = backend.engines[SERVED]
     port = free_port()
     process = start_server(model, port)
-    try:
-        http_rows = asyncio.run(bench_http(f"http://127.0.0.1:{port}", SERVED, levels, new_tokens))
-    finally:
-        process.terminate()
-        process.wait(30)
-    backend = Backend({model: load_model(model)}, ServerConfig())
-    if model not in backend.engines:
-        raise ValueError(f"model {model!r} does not run on the engine (not a NativeLM)")
-    engine = backend.engines[model]
     engine.start()
     try:
-        engine_rows = asyncio.run(bench_engine(engine, model, levels, new_tokens))
+        rows = asyncio.run(bench_levels(f"http://127.0.0.1:{port}", engine, levels, new_tokens))
     finally:
         engine.stop()
-    return {"model": model, "new_tokens": new_tokens, "machine": machine(), "rows": http_rows + engine_rows}
+        process.terminate()
+        process.wait(30)
+    return {"model": model, "new_tokens": new_tokens, "machine": machine(), "rows": rows}
 
 
 def table(result: dict) -> str:

@@ -283,6 +283,8 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size)
     if selection is not None and decoder == "beam":
         raise APIError(400, "best_of selection cannot be combined with beam search", "best_of")
+    if echo and max_tokens == 0 and req.stream:
+        raise APIError(400, "max_tokens 0 (scoring the prompt) cannot be streamed", "stream")
     include_usage = req.stream_options.include_usage if req.stream_options else False
     return Plan(req.model, prompts, texts, params, n, decoder, options, req.amateur_model, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
