@@ -179,3 +179,33 @@ def test_bad_arguments():
         RemoteGenerator("http://x", "m", max_concurrency=0)
     with pytest.raises(ValueError, match="retries"):
         RemoteGenerator("http://x", "m", retries=-1)
+
+
+def test_decodekit_eval_runs_unchanged_on_an_endpoint():
+    """The arith evaluation (meta/evaluate.py) through a server equals the local run: a
+    character k-gram served off the engine (the worker thread), oracle scorers."""
+    from decodekit.meta.evaluate import EvalConfig, arith_scorers, evaluate_arith
+    from decodekit.meta.tasks.arith import ArithConfig, format_prompt, format_solution, generate_problems
+    from decodekit.models.ngram import NGramConfig, train_ngram
+    from decodekit.server.app import ServerThread
+    from decodekit.server.backend import Backend
+
+    problems = generate_problems(100, seed=11, config=ArithConfig(2, 3, 9))
+    texts = [format_prompt(p) + format_solution(p) for p in problems]
+    vocabulary = sorted(set("".join(texts))) + ["$"]
+    ngram = train_ngram(texts, NGramConfig(5, "kneser-ney"), level="char", vocabulary=vocabulary, eos="$")
+    config = EvalConfig(strategies=("majority", "bon-oracle", "beam-oracle"), ns=(2,), seeds=1,
+                        problems=2, width=2)
+    scorers = arith_scorers(config)
+    held_out = generate_problems(2, seed=12, config=ArithConfig(2, 3, 9))
+    local_report = evaluate_arith(config, LocalGenerator(ngram), scorers, held_out)
+    with ServerThread(Backend({"arith": ngram})) as thread, \
+            RemoteGenerator(thread.url, "arith", max_concurrency=2) as generator:
+        remote_report = evaluate_arith(config, generator, scorers, held_out)
+
+    def timeless(report):
+        return [{k: v for k, v in row.items() if "seconds" not in k and "wall" not in k}
+                for row in report["rows"]]
+
+    assert timeless(remote_report) == timeless(local_report)
+    assert sum(row["generated_tokens"] for row in remote_report["rows"]) > 0
