@@ -13,6 +13,12 @@ TEXT = (
 
 
 @pytest.fixture(scope="session")
+def tiny_text():
+    """The text the tiny tokenizer was trained on (so a test can build models that know it)."""
+    return TEXT
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A random 2-layer Llama with a byte-level BPE tokenizer (vocab ~300), saved as HF files."""
     from tokenizers import ByteLevelBPETokenizer

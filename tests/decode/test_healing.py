@@ -2,7 +2,6 @@ import pytest
 import torch
 
 import decodekit as dk
-from conftest import TEXT
 from decodekit.decode.healing import HealingMask, heal_prompt, token_bytes
 from decodekit.models.base import Cache, LanguageModel
 
@@ -39,8 +38,8 @@ class BigramLM(LanguageModel):
     """log (count(a b) + 0.01) from the tokenised training text of the tiny tokenizer: a model
     that has seen how the tokenizer splits its text, which a random model has not."""
 
-    def __init__(self, tokenizer):
-        ids = tokenizer.encode(TEXT * 3)
+    def __init__(self, tokenizer, text):
+        ids = tokenizer.encode(text * 3)
         self.vocab_size, self.tokenizer, self.name = len(tokenizer), tokenizer, "bigram"
         self.eos_token_ids, self.max_context = (tokenizer.eos_token_id,), 512
         counts = torch.full((self.vocab_size, self.vocab_size), 0.01)
@@ -56,8 +55,8 @@ class BigramLM(LanguageModel):
 
 
 @pytest.fixture(scope="module")
-def bigram(tiny_lm):
-    return BigramLM(tiny_lm.tokenizer)
+def bigram(tiny_lm, tiny_text):
+    return BigramLM(tiny_lm.tokenizer, tiny_text)
 
 
 def pieces(model, ids):
