@@ -169,13 +169,13 @@ def test_eviction_takes_idle_blocks_least_recently_used_first_never_one_in_use(s
     reader = manager.new_table(TOKENS[10:15])  # reuses new's cached block: in use again
     assert reader.length == 4 and pool.refs[reader.blocks[0]] == 1
     in_use = reader.blocks[0]
-    before = pool.keys[:, in_use].clone()
+    before = pool.keys[:, :, in_use].clone()
     taken = [pool.allocate() for _ in range(5)]  # 4 free blocks, then old's idle block
     assert taken[-1] == old_cached
     assert in_use not in taken
     with pytest.raises(OutOfBlocks):
         pool.allocate()  # the only cached block left is in use
-    assert torch.equal(pool.keys[:, in_use], before)
+    assert torch.equal(pool.keys[:, :, in_use], before)
     assert len(pool.cache) == 1  # old's entry was evicted, reader's kept
 
 

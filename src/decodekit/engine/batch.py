@@ -1,15 +1,16 @@
-"""One engine step's forward: every scheduled token in one flat row, attention over blocks.
+"""One engine step's forward: every scheduled token in one flat row, attention per sequence.
 
-The sequences of a step (one new token for each decoding sequence, a whole prompt for
-each prefilling one) are concatenated into a single row `[1, T]` with no padding, so
-every linear layer runs once over all T tokens (nano-vllm's layout). `PagedBatch` is what
-NativeLM's layers receive as their cache: its `attend` writes the new keys and values
-into the block pool and computes each sequence's attention over its own blocks:
+The sequences of a step (one new token for each decoding sequence, the prompt of each
+prefilling one) are concatenated into a single row `[1, T]` with no padding, so every
+linear layer runs once over all T tokens (nano-vllm's layout). `PagedBatch` is what
+NativeLM's layers receive as their cache: its `attend` writes the new keys and values into
+the block pool and computes each sequence's attention:
 
-- decoding sequences together: their blocks are gathered into `[B, H_kv, S, D]` (S the
-  longest, a mask hides the rest) and one SDPA call serves them all;
-- each prefilling sequence alone: causal attention of its T_i queries over its cached
-  prefix and itself.
+- the decoding sequences, first in the row and in the order of their `RunningKV` rows,
+  attend together in one SDPA call over the dense rows `[:B, :, :S]` (rows.py; S is the
+  longest, a mask hides the rest of shorter rows);
+- each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
+  its blocks gathered from the pool, its cached prefix included.
 
 The layers themselves are NativeLM's (models/native.py): one implementation of the maths.
 """
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from decodekit.engine.kv import BlockPool, BlockTable
+from decodekit.engine.rows import RunningKV
 from decodekit.models.kv import attend as dense_attend
 from decodekit.models.kv import causal_mask
 from decodekit.models.native import NativeLM
@@ -29,18 +31,20 @@ from decodekit.models.native import NativeLM
 
 @dataclass
 class PrefillSpan:
-    start: int  # first position of the sequence's tokens in the flat row
+    start: int  # first position of the sequence's new tokens in the flat row
     end: int
     blocks: torch.Tensor  # [nb] its block table
     length: int  # positions stored after this step (cached prefix + new tokens)
 
 
 @dataclass
-class DecodeGroup:
-    rows: torch.Tensor | None  # [B] positions in the flat row, None when it is the whole row
-    blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
-    mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] keys each row may see
-    width: int  # nb * block_size
+class RunningRows:
+    """The decoding rows of a step: rows 0..B-1 of `kv`, one new token each."""
+
+    kv: RunningKV
+    columns: torch.Tensor  # [B] where each row's new position goes
+    mask: torch.Tensor | None  # [B, 1, 1, S] positions each row sees; None when all do
+    width: int  # S, the longest row
 
 
 class PagedBatch:
@@ -49,53 +53,62 @@ class PagedBatch:
     def __init__(
         self,
         pool: BlockPool,
-        slots: torch.Tensor,  # [T] flat slot of every new token
-        decode: DecodeGroup | None,
+        slots: torch.Tensor,  # [T] pool slot of every new token
+        running: RunningRows | None,
         prefills: list[PrefillSpan],
     ):
         self.pool = pool
         self.slots = slots
-        self.decode = decode
+        self.running = running
         self.prefills = prefills
 
     def attend(self, layer, q, k, v, mask, causal) -> torch.Tensor:
         """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused."""
-        pool = self.pool
-        _, total, heads, dim = q.shape
+        _, _, heads, dim = q.shape
         kv_heads = k.shape[2]
-        keys = pool.keys[layer]  # [blocks, block_size, H_kv, D]
-        values = pool.values[layer]
-        keys.view(-1, kv_heads, dim).index_copy_(0, self.slots, k[0])
-        values.view(-1, kv_heads, dim).index_copy_(0, self.slots, v[0])
-        if self.decode is not None and not self.prefills and self.decode.rows is None:
-            return self._decode(q[0], keys, values)[None]  # every token decodes: no scatter
+        keys = self.pool.keys[layer]  # [H_kv, blocks, block_size, D]
+        values = self.pool.values[layer]
+        keys.view(kv_heads, -1, dim).index_copy_(1, self.slots, k[0].transpose(0, 1))
+        values.view(kv_heads, -1, dim).index_copy_(1, self.slots, v[0].transpose(0, 1))
+        decoding = len(self.running.columns) if self.running is not None else 0
+        if decoding and not self.prefills:
+            return self._decode(layer, q[0], k[0], v[0])[None]
         out = torch.empty_like(q[0])  # [T, H, D]
-        if self.decode is not None:
-            out[self.decode.rows] = self._decode(q[0, self.decode.rows], keys, values)
+        if decoding:
+            out[:decoding] = self._decode(
+                layer, q[0, :decoding], k[0, :decoding], v[0, :decoding]
+            )
         for span in self.prefills:
             out[span.start : span.end] = _prefill(q[0, span.start : span.end], keys, values, span)
         return out[None]
 
-    def _decode(self, q: torch.Tensor, keys, values) -> torch.Tensor:
-        """q [B, H, D] (one token per sequence) -> [B, H, D]."""
-        group = self.decode
+    def _decode(self, layer: int, q, k, v) -> torch.Tensor:
+        """q [B, H, D], k/v [B, H_kv, D] of the running rows -> [B, H, D]."""
+        running = self.running
         batch, heads, dim = q.shape
-        kv_heads = keys.shape[2]
-        # [B, nb, block_size, H_kv, D] -> [B, H_kv, S, D]
-        k = keys[group.blocks].view(batch, group.width, kv_heads, dim).transpose(1, 2)
-        v = values[group.blocks].view(batch, group.width, kv_heads, dim).transpose(1, 2)
+        kv_heads = k.shape[1]
+        row_keys = running.kv.keys[layer]  # [R, H_kv, C, D]
+        row_values = running.kv.values[layer]
+        rows = torch.arange(batch)
+        row_keys[rows, :, running.columns] = k  # [B, H_kv, D] at each row's new position
+        row_values[rows, :, running.columns] = v
         # Fold the query heads that share a key head into the query axis (as models/kv.py).
         folded = q.view(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.mask)
+        out = F.scaled_dot_product_attention(
+            folded,
+            row_keys[:batch, :, : running.width],  # [B, H_kv, S, D]
+            row_values[:batch, :, : running.width],
+            attn_mask=running.mask,
+        )
         return out.reshape(batch, heads, dim)
 
 
 def _prefill(q: torch.Tensor, keys, values, span: PrefillSpan) -> torch.Tensor:
     """q [T_i, H, D] of one sequence -> [T_i, H, D], causal over its blocks."""
     num_new, heads, dim = q.shape
-    kv_heads = keys.shape[2]
-    k = keys[span.blocks].view(-1, kv_heads, dim)[: span.length].transpose(0, 1)[None]
-    v = values[span.blocks].view(-1, kv_heads, dim)[: span.length].transpose(0, 1)[None]
+    kv_heads = keys.shape[0]
+    k = keys.index_select(1, span.blocks).view(kv_heads, -1, dim)[None, :, : span.length]
+    v = values.index_select(1, span.blocks).view(kv_heads, -1, dim)[None, :, : span.length]
     start = span.length - num_new
     mask = None if start == 0 else causal_mask(start, num_new)[None, None]  # [1, 1, T, S]
     out = dense_attend(q.transpose(0, 1)[None], k, v, mask, causal=start == 0)  # [1, H, T, D]
@@ -116,53 +129,45 @@ def paged_forward(
     return model.net(tokens[None], cos, sin, batch, None, False, keep)[0]
 
 
-def build_batch(pool: BlockPool, items: list[tuple[BlockTable, list[int], list[int]]]):
+def build_batch(
+    pool: BlockPool,
+    items: list[tuple[BlockTable, list[int], list[int]]],
+    running: RunningKV | None = None,
+):
     """tokens [T], positions [T], the PagedBatch and kept indices [K] of a step.
 
     items: per sequence, its table (already holding `len(slots)` reserved positions), its
-    tokens (at least `table.length` of them) and the slots of its new positions. Each
-    sequence's last new token's logits are kept, in the order of `items`.
+    tokens (at least `table.length` of them) and the pool slots of its new positions. With
+    `running`, the first len(running) items are its rows 0..B-1 in order (one new token
+    each, `running.grow` already called). Each item's last new token's logits are kept,
+    in the order of `items`.
     """
     tokens: list[int] = []
     positions: list[int] = []
     all_slots: list[int] = []
     keep: list[int] = []
-    decode_at: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lengths: list[int] = []
     prefills: list[PrefillSpan] = []
-    for table, seq_tokens, slots in items:
+    decoding = len(running) if running is not None else 0
+    for index, (table, seq_tokens, slots) in enumerate(items):
         count, length = len(slots), table.length
         start = len(tokens)
         tokens += seq_tokens[length - count : length]
         positions += range(length - count, length)
         all_slots += slots
         keep.append(start + count - 1)
-        if count == 1:
-            decode_at.append(start)
-            decode_tables.append(table.blocks)
-            decode_lengths.append(length)
+        if index < decoding:
+            assert count == 1 and running.lengths[index] == length
         else:
             blocks = torch.tensor(table.blocks, dtype=torch.long)
             prefills.append(PrefillSpan(start, start + count, blocks, length))
-    decode = None
-    if decode_at:
-        decode = _decode_group(decode_at, decode_tables, decode_lengths, pool.block_size)
-        if decode_at == list(range(len(tokens))):
-            decode.rows = None
-    batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), decode, prefills)
+    rows = None
+    if decoding:
+        lengths = torch.tensor(running.lengths)  # [B]
+        width = max(running.lengths)
+        mask = None
+        if int(lengths.min()) != width:
+            mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]  # [B,1,1,S]
+        rows = RunningRows(running, lengths - 1, mask, width)
+    batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), rows, prefills)
     as_long = torch.tensor
     return as_long(tokens), as_long(positions), batch, as_long(keep)
-
-
-def _decode_group(at, tables, lengths, block_size) -> DecodeGroup:
-    width = max(len(t) for t in tables)
-    blocks = torch.zeros((len(tables), width), dtype=torch.long)  # [B, nb], padded with 0
-    for row, table in enumerate(tables):
-        blocks[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    span = width * block_size
-    mask = None
-    if any(length != span for length in lengths):
-        visible = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]  # [B, S]
-        mask = visible[:, None, None, :]  # [B, 1, 1, S]
-    return DecodeGroup(torch.tensor(at, dtype=torch.long), blocks, mask, span)

@@ -37,6 +37,7 @@ from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockPool
 from decodekit.engine.prefix_cache import PrefixCache
+from decodekit.engine.rows import RunningKV
 from decodekit.engine.scheduler import EngineRequest, Scheduler, Step, blocks_alone
 from decodekit.models.base import LanguageModel
 from decodekit.models.native import NativeLM
@@ -156,7 +157,8 @@ class Engine:
             model.dtype,
             PrefixCache() if config.prefix_caching else None,
         )
-        self.scheduler = Scheduler(BlockManager(self.pool), config)
+        self.running_kv = RunningKV(self.pool)
+        self.scheduler = Scheduler(BlockManager(self.pool), self.running_kv, config)
         self._lock = threading.Condition()
         self._incoming: deque[EngineRequest] = deque()
         self._cancelled: list[EngineRequest] = []
@@ -243,14 +245,22 @@ class Engine:
             entry.handle._push(finals, finished=True)
 
     def _run(self, step: Step) -> None:
-        items = [(w.seq.table, w.seq.tokens, w.slots) for w in step.work]
-        logits = self._forward(self.model, *build_batch(self.pool, items))  # [K, V]
+        # The decoding sequences first, in the order of their RunningKV rows (batch.py).
+        decoding = sorted((w for w in step.work if w.seq.lane is not None),
+                          key=lambda w: w.seq.lane)  # fmt: skip
+        assert len(decoding) == len(self.running_kv)
+        ordered = decoding + [w for w in step.work if w.seq.lane is None]
+        position = {id(work): i for i, work in enumerate(ordered)}
+        if decoding:
+            self.running_kv.grow(1)
+        items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
+        logits = self._forward(self.model, *build_batch(self.pool, items, self.running_kv))
         manager = self.scheduler.manager
         for work in step.work:
             manager.register(work.seq.table, work.seq.tokens, work.seq.table.length)
-        for entry in step.forks:
-            self.scheduler.fork_samples(entry)
-        sample_rows(logits[step.logit_rows], step.rows)  # [R, V]: one token per row
+        self.scheduler.start_decoding(step)
+        rows = [position[id(step.work[i])] for i in step.logit_rows]
+        sample_rows(logits[rows], step.rows)  # [R, V]: one token per row
         self.steps += 1
         self.generated_tokens += len(step.rows)
         entries = {id(row.request): row.request for row in step.rows}
@@ -263,7 +273,7 @@ class Engine:
             for seq in entry.seqs:
                 seq.tokens.append(seq.row.token_ids[-1])
                 if seq.row.finish_reason is not None:
-                    manager.free(seq.table)
+                    self.scheduler.release(seq)
             entry.seqs = [seq for seq in entry.seqs if seq.row.finish_reason is None]
             if not entry.seqs:
                 self.scheduler.remove(entry)

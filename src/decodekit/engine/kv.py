@@ -1,6 +1,6 @@
 """KV cache in blocks with reference counts (PagedAttention, Kwon et al. 2023).
 
-`BlockPool` owns the storage, keys and values `[layers, num_blocks, block_size, H_kv, D]`,
+`BlockPool` owns the storage, keys and values `[layers, H_kv, num_blocks, block_size, D]`,
 a reference count per block and the free list; with a `PrefixCache` the blocks nobody
 uses keep their KV until the pool needs them (prefix_cache.py). A sequence's KV is a
 `BlockTable`: the blocks holding its positions 0, 1, ... in order, and how many
@@ -45,8 +45,10 @@ class BlockPool:
         dtype: torch.dtype = torch.float32,
         prefix_cache: PrefixCache | None = None,
     ):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)  # [N, blocks, block_size, H_kv, D]
+        # Heads outermost: a gather of blocks (index_select on dim 2) yields, per head, each
+        # sequence's [S, D] keys contiguous, the layout SDPA reads fastest.
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)  # [N, H_kv, blocks, block_size, D]
         self.values = torch.zeros(shape, dtype=dtype)
         self.block_size = block_size
         self.refs = [0] * num_blocks
@@ -65,7 +67,7 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.keys[:, 0].numel() * self.keys.element_size()
+        return 2 * self.keys[:, :, 0].numel() * self.keys.element_size()
 
     def allocate(self) -> int:
         if self.free:
@@ -98,8 +100,8 @@ class BlockPool:
 
     def copy(self, source: int, target: int) -> None:
         with torch.inference_mode():
-            self.keys[:, target] = self.keys[:, source]
-            self.values[:, target] = self.values[:, source]
+            self.keys[:, :, target] = self.keys[:, :, source]
+            self.values[:, :, target] = self.values[:, :, source]
 
 
 @dataclass

@@ -23,18 +23,20 @@ from typing import Any
 from decodekit.decode.sample import Request, Row
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockTable
+from decodekit.engine.rows import RunningKV
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One sample's tokens (prompt + generated) and its KV blocks."""
+    """One sample's tokens (prompt + generated), its KV blocks and its RunningKV row."""
 
     row: Row
     tokens: list[int]
     table: BlockTable = field(default_factory=BlockTable)
+    lane: int | None = None  # its row in RunningKV while it decodes
 
 
-@dataclass
+@dataclass(eq=False)
 class EngineRequest:
     request: Request
     handle: Any  # engine.RequestHandle
@@ -69,8 +71,9 @@ def blocks_alone(request: Request, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, config: EngineConfig):
+    def __init__(self, manager: BlockManager, running_kv: RunningKV, config: EngineConfig):
         self.manager = manager
+        self.running_kv = running_kv
         self.config = config
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # oldest first
@@ -84,7 +87,7 @@ class Scheduler:
     def remove(self, entry: EngineRequest) -> None:
         """Drop a request (finished or cancelled) and free its blocks."""
         for seq in entry.seqs:
-            self.manager.free(seq.table)
+            self.release(seq)
         if entry in self.running:
             self.running.remove(entry)
         elif entry in self.waiting:
@@ -157,15 +160,32 @@ class Scheduler:
                 return False
         return True
 
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and its RunningKV row."""
+        self.manager.free(seq.table)
+        if seq.lane is not None:
+            moved = self.running_kv.remove(seq.lane)
+            if moved is not None:
+                moved.lane = seq.lane
+            seq.lane = None
+
     def _preempt(self, entry: EngineRequest) -> None:
         for seq in entry.seqs:
-            self.manager.free(seq.table)
+            self.release(seq)
         self.running.remove(entry)
         self.waiting.appendleft(entry)
         self.preemptions += 1
 
-    def fork_samples(self, entry: EngineRequest) -> None:
-        """After the prompt's forward: samples 1..n-1 share sample 0's blocks."""
-        parent = entry.seqs[0]
-        for row in entry.request.rows[1:]:
-            entry.seqs.append(Sequence(row, list(parent.tokens), self.manager.fork(parent.table)))
+    def start_decoding(self, step: Step) -> None:
+        """After the forward: the prefilled sequences get RunningKV rows, and samples
+        1..n-1 of a fresh request fork sample 0 (its blocks shared, its row copied)."""
+        for work in step.work:
+            seq = work.seq
+            if seq.lane is None:
+                seq.lane = self.running_kv.add(seq, seq.table.blocks, seq.table.length)
+        for entry in step.forks:
+            parent = entry.seqs[0]
+            for row in entry.request.rows[1:]:
+                child = Sequence(row, list(parent.tokens), self.manager.fork(parent.table))
+                child.lane = self.running_kv.copy(child, parent.lane)
+                entry.seqs.append(child)

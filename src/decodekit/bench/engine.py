@@ -1,0 +1,219 @@
+"""`decodekit bench engine`: the paged engine vs Hugging Face `generate()`, same weights, same run.
+
+Scenarios (issue 4):
+1. `single`: batch 1, greedy, `new_tokens` new tokens (EOS ignored);
+2. `shared_prefix`: 16 samples of one long prompt, 128 new tokens each, temperature 1;
+   the engine prefills the prompt once (its prefill token count is reported beside the
+   16 x prompt tokens that `generate(num_return_sequences=16)` computes);
+3. `concurrent`: 64 requests with different prompts submitted at once, 128 new tokens
+   each; throughput, and the fraction of the machine's peak matmul FLOP/s it reaches:
+   generated tokens/s x 2 x parameters / the best FLOP/s of a 1024^3 matmul measured in
+   this run with the same threads;
+4. `memory`: peak resident memory of scenario 3, each backend in a fresh process.
+
+Every time is taken twice: wall clock, and CPU time of this process (`time.process_time`),
+which is what a shared, oversubscribed machine distorts least when one thread runs.
+Each figure is the median of `repeats` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import statistics
+import time
+
+import torch
+
+from decodekit.bench.decode import machine
+
+SCENARIOS = ("single", "shared_prefix", "concurrent", "memory")
+
+
+def timed(fn, repeats: int) -> dict:
+    """Median wall and CPU seconds of `fn()` over `repeats` runs after a warm-up."""
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
+def peak_matmul_flops(size: int = 1024, repeats: int = 10) -> float:
+    """Best FLOP/s of a float32 [size, size] @ [size, size] matmul (the machine's peak)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def prompts_from_text(model, count: int, lengths: list[int]) -> list[list[int]]:
+    """`count` different token prompts of the given lengths, cut from the shipped val text."""
+    from decodekit.models.registry import ASSETS
+
+    ids = model.encode((ASSETS / "data" / "shakespeare_val.txt").read_text()[:400_000])
+    out, start = [], 0
+    for i in range(count):
+        length = lengths[i % len(lengths)]
+        out.append(ids[start : start + length])
+        start += length
+    assert all(len(p) == lengths[i % len(lengths)] for i, p in enumerate(out))
+    return out
+
+
+def run_engine(model, prompts, params, config=None) -> dict:
+    """Submit every prompt, step until done; the engine's stats."""
+    from decodekit.engine import Engine, EngineConfig
+
+    engine = Engine(model, config or EngineConfig(max_running=64, max_kv_bytes=64 * 2**20))
+    handles = [engine.submit(prompt, params) for prompt in prompts]
+    while not all(h.done for h in handles):
+        engine.step()
+    for handle in handles:
+        assert all(len(c.token_ids) == params.max_new_tokens for c in handle.result(0))
+    return engine.stats()
+
+
+def run_hf(hf, prompts, new_tokens: int, sample: bool, num_return_sequences: int = 1, pad=0):
+    from decodekit.models.base import left_pad
+
+    tokens, mask = left_pad(prompts, pad)
+    with torch.inference_mode():
+        out = hf.generate(tokens, attention_mask=mask.long(), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=sample, top_k=0, top_p=1.0,
+                          num_return_sequences=num_return_sequences, pad_token_id=pad)  # fmt: skip
+    assert out.shape == (len(prompts) * num_return_sequences, tokens.shape[1] + new_tokens)
+
+
+def _ratios(ours: dict, theirs: dict, tokens: int) -> dict:
+    return {
+        "decodekit_tok_s": round(tokens / ours["wall_s"], 1),
+        "hf_tok_s": round(tokens / theirs["wall_s"], 1),
+        "ratio": round(theirs["wall_s"] / ours["wall_s"], 2),
+        "decodekit_cpu_tok_s": round(tokens / ours["cpu_s"], 1),
+        "hf_cpu_tok_s": round(tokens / theirs["cpu_s"], 1),
+        "cpu_ratio": round(theirs["cpu_s"] / ours["cpu_s"], 2),
+    }
+
+
+def bench_engine(
+    model_name: str = "shakespeare",
+    new_tokens: int = 256,
+    repeats: int = 3,
+    threads: int = 1,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> dict:
+    import transformers
+
+    import decodekit as dk
+    from decodekit.models.registry import resolve
+
+    torch.set_num_threads(threads)
+    model = dk.load_model(model_name)
+    _, path, _ = resolve(model_name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.eos_token_ids[0] if model.eos_token_ids else 0
+    params_count = model.num_parameters()
+    results: dict = {"model": model_name, "parameters": params_count, "machine": machine(),
+                     "repeats": repeats}  # fmt: skip
+    if "single" in scenarios:
+        prompt = [model.encode("ROMEO:")]
+        greedy = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        ours = timed(lambda: dk.generate(model, prompt, greedy), repeats)
+        theirs = timed(lambda: run_hf(hf, prompt, new_tokens, sample=False, pad=eos), repeats)
+        results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens)}
+    if "shared_prefix" in scenarios:
+        samples, generated = 16, 128
+        length = min(512, model.max_context - generated - 1)  # the prompt and its samples fit
+        [prompt] = prompts_from_text(model, 1, [length])
+        params = dk.SamplingParams(max_new_tokens=generated, n=samples, seed=0, ignore_eos=True)
+        stats = {}
+        ours = timed(lambda: stats.update(run_engine(model, [prompt], params)), repeats)
+        theirs = timed(lambda: run_hf(hf, [prompt], generated, True, samples, eos), repeats)
+        results["shared_prefix"] = {
+            "prompt_tokens": length, "samples": samples, "new_tokens": generated,
+            **_ratios(ours, theirs, samples * generated),
+            "decodekit_prefill_tokens": stats["prefill_tokens"],
+            "hf_prefill_tokens": samples * length,
+        }  # fmt: skip
+    if "concurrent" in scenarios:
+        results["concurrent"] = _concurrent(dk, model, hf, eos, params_count, repeats)
+    if "memory" in scenarios:
+        results["memory"] = {backend: _in_fresh_process(model_name, backend, threads)
+                             for backend in ("decodekit", "hf")}  # fmt: skip
+    return results
+
+
+CONCURRENT = {"requests": 64, "new_tokens": 128, "prompt_lengths": [16, 32, 64, 96, 128]}
+
+
+def _concurrent(dk, model, hf, eos, params_count, repeats) -> dict:
+    spec = CONCURRENT
+    prompts = prompts_from_text(model, spec["requests"], spec["prompt_lengths"])
+    params = dk.SamplingParams(max_new_tokens=spec["new_tokens"], seed=0, ignore_eos=True)
+    generated = spec["requests"] * spec["new_tokens"]
+    prompt_tokens = sum(len(p) for p in prompts)
+    ours = timed(lambda: run_engine(model, prompts, params), repeats)
+    theirs = timed(lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats)
+    peak = peak_matmul_flops()
+    tok_s = generated / ours["wall_s"]
+    cpu_tok_s = generated / ours["cpu_s"]
+    return {
+        **spec, "prompt_tokens": prompt_tokens, **_ratios(ours, theirs, generated),
+        "peak_matmul_gflop_s": round(peak / 1e9, 1),
+        "fraction_of_peak": round(tok_s * 2 * params_count / peak, 3),
+        "fraction_of_peak_cpu_time": round(cpu_tok_s * 2 * params_count / peak, 3),
+        "fraction_of_peak_with_prompts_cpu_time": round(
+            (generated + prompt_tokens) / ours["cpu_s"] * 2 * params_count / peak, 3),
+    }  # fmt: skip
+
+
+def _in_fresh_process(model_name: str, backend: str, threads: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_memory_of_concurrent, (model_name, backend, threads))
+
+
+def _memory_of_concurrent(model_name: str, backend: str, threads: int) -> dict:
+    """Peak RSS (MiB) of one run of scenario 3, and what it adds to the loaded model's RSS."""
+    import transformers
+
+    import decodekit as dk
+    from decodekit.models.registry import resolve
+
+    torch.set_num_threads(threads)
+    model = dk.load_model(model_name)
+    spec = CONCURRENT
+    prompts = prompts_from_text(model, spec["requests"], spec["prompt_lengths"])
+    eos = model.eos_token_ids[0] if model.eos_token_ids else 0
+    if backend == "hf":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            resolve(model_name)[1], dtype=torch.float32).eval()  # fmt: skip
+        del model
+        before = _rss_mib()
+        run_hf(hf, prompts, spec["new_tokens"], True, pad=eos)
+        extra = {}
+    else:
+        params = dk.SamplingParams(max_new_tokens=spec["new_tokens"], seed=0, ignore_eos=True)
+        before = _rss_mib()
+        stats = run_engine(model, prompts, params)
+        extra = {"kv_pool_mib": round(stats["total_blocks"] * stats["block_bytes"] / 2**20, 1),
+                 "kv_peak_used_mib": round(stats["peak_used_blocks"] * stats["block_bytes"] / 2**20, 1)}  # fmt: skip
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"peak_rss_mib": round(peak, 1), "rss_before_run_mib": round(before, 1),
+            "added_by_run_mib": round(peak - before, 1), **extra}  # fmt: skip
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * resource.getpagesize() / 2**20

@@ -1,0 +1,97 @@
+"""`RunningKV`: the running sequences' keys and values, one dense row each, for decoding.
+
+Decode attention reads every cached key of every running sequence at every step. Read
+from the block pool, each step would first gather the blocks into one tensor: measured on
+the dev machine (64 sequences of ~200 positions, one layer) a gather plus SDPA costs
+2.4-5 ms where SDPA over dense rows costs 1.0 ms (BENCHMARKS.md, "Fast engine"). So a
+sequence's KV is gathered from its blocks once, when it starts decoding (or copied from
+its parent's row when it is forked), and each step appends one position to it; the block
+pool stays the record that fork, crop, the prefix cache and preemption work on, and
+receives every new position too.
+
+Rows are kept compact: the running sequences occupy rows 0..B-1, and a leaving sequence's
+row is filled with the last one, so a decode step attends over the view `[:B, :, :S]`
+with no gather and no index. Both dimensions grow by doubling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodekit.engine.kv import BlockPool
+
+
+class RunningKV:
+    def __init__(self, pool: BlockPool, rows: int = 8, capacity: int = 64):
+        num_layers, kv_heads, _, _, head_dim = pool.keys.shape
+        shape = (num_layers, rows, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=pool.keys.dtype)  # [N, R, H_kv, C, D]
+        self.values = torch.zeros(shape, dtype=pool.keys.dtype)
+        self.pool = pool
+        self.owners: list[object] = []  # the sequence in each used row
+        self.lengths: list[int] = []  # positions stored in each used row
+
+    def __len__(self) -> int:
+        return len(self.owners)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def add(self, owner, blocks: list[int], length: int) -> int:
+        """A row for `owner` holding positions [0, length) read from its blocks."""
+        row = self._new_row(owner, length)
+        index = torch.tensor(blocks, dtype=torch.long)
+        size = self.pool.block_size
+        for side, pool in ((self.keys, self.pool.keys), (self.values, self.pool.values)):
+            gathered = pool.index_select(2, index)  # [N, H_kv, nb, block_size, D]
+            flat = gathered.view(*gathered.shape[:2], len(blocks) * size, gathered.shape[-1])
+            side[:, row, :, :length] = flat[:, :, :length]
+        return row
+
+    def copy(self, owner, source: int) -> int:
+        """A row for `owner` holding a copy of row `source` (a forked sample)."""
+        length = self.lengths[source]
+        row = self._new_row(owner, length)
+        self.keys[:, row, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, row, :, :length] = self.values[:, source, :, :length]
+        return row
+
+    def remove(self, row: int) -> object | None:
+        """Free `row`; the last row moves into it. Returns the moved owner (or None)."""
+        last = len(self.owners) - 1
+        moved = None
+        if row != last:
+            length = self.lengths[last]
+            self.keys[:, row, :, :length] = self.keys[:, last, :, :length]
+            self.values[:, row, :, :length] = self.values[:, last, :, :length]
+            moved = self.owners[row] = self.owners[last]
+            self.lengths[row] = length
+        self.owners.pop()
+        self.lengths.pop()
+        return moved
+
+    def grow(self, extra: int = 1) -> None:
+        """Every row gains `extra` positions (this step's tokens); makes room for them."""
+        self.lengths = [n + extra for n in self.lengths]
+        self._reserve(len(self.owners), max(self.lengths, default=0))
+
+    def _new_row(self, owner, length: int) -> int:
+        self._reserve(len(self.owners) + 1, length)
+        self.owners.append(owner)
+        self.lengths.append(length)
+        return len(self.owners) - 1
+
+    def _reserve(self, rows: int, length: int) -> None:
+        _, have_rows, _, have_length, _ = self.keys.shape
+        if rows <= have_rows and length <= have_length:
+            return
+        rows, length = max(rows, have_rows), max(length, have_length)
+        rows = rows if rows == have_rows else max(rows, 2 * have_rows)
+        length = length if length == have_length else max(length, 2 * have_length)
+        used, stored = len(self.owners), min(max(self.lengths, default=0), have_length)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], rows, old.shape[2], length, old.shape[4]))
+            new[:, :used, :, :stored] = old[:, :used, :, :stored]
+            setattr(self, name, new)
