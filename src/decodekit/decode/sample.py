@@ -144,6 +144,7 @@ def _steps(model: LanguageModel, requests: list[Request]) -> Iterator[list[Row]]
 def sample_rows(logits: torch.Tensor, live: list[Row]) -> torch.Tensor:
     """Apply each request's chain and selector to its rows (contiguous in `live`); record tokens."""
     tokens = torch.empty(len(live), dtype=torch.long)
+    processed_all = torch.empty_like(logits)  # [R, V]
     start = 0
     while start < len(live):
         request = live[start].request
@@ -158,31 +159,40 @@ def sample_rows(logits: torch.Tensor, live: list[Row]) -> torch.Tensor:
         request.state.accept(chosen, processed)
         if request.mask is not None:
             request.mask.accept(chosen)
-        record(live[start:stop], raw, processed, chosen)
+        processed_all[start:stop] = processed
         tokens[start:stop] = chosen
         start = stop
+    record(live, logits, processed_all, tokens)
     return tokens
 
 
 def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor):
-    raw_lp = torch.log_softmax(raw, dim=-1)  # [r, V]
+    """Append each row's token and logprobs, and end the rows it finishes. The rows may
+    belong to several requests (each request's rows contiguous, in its state's order); the
+    log-softmaxes run once over the whole batch."""
+    raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
     processed_lp = torch.log_softmax(processed, dim=-1)
-    params = rows[0].request.params
-    model_eos = rows[0].request.state.eos_token_ids
-    mask = rows[0].request.mask
-    for i, row in enumerate(rows):
-        token = int(chosen[i])
-        row.logprobs.append(float(raw_lp[i, token]))
-        row.processed_logprobs.append(float(processed_lp[i, token]))
+    index = chosen.long()[:, None]
+    raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
+    processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()
+    local = 0
+    for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+        local = local + 1 if i > 0 and rows[i - 1].request is row.request else 0
+        request = row.request
+        params, mask = request.params, request.mask
+        row.logprobs.append(raw_chosen[i])
+        row.processed_logprobs.append(processed_chosen[i])
         if params.logprobs:
             values, ids = raw_lp[i].topk(params.logprobs)
             row.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
-        if token in params.stop_token_ids or token in model_eos and not params.ignore_eos:
+        if token in params.stop_token_ids or (
+            token in request.state.eos_token_ids and not params.ignore_eos
+        ):
             row.text.ids.append(token)
             row.finish_reason, row.stop_reason = "stop", token
         elif row.text.push(token):
             row.finish_reason, row.stop_reason = "stop", row.text.stopped_by
-        elif mask is not None and mask.is_complete(i):
+        elif mask is not None and mask.is_complete(local):
             row.finish_reason = "stop"  # the constraint is complete
         if row.finish_reason is None and len(row.token_ids) >= params.max_new_tokens:
             row.finish_reason = "length"
