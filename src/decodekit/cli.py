@@ -241,7 +241,7 @@ def run_models(args) -> None:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("which", choices=["decode", "constrained", "contrastive", "compress", "speculative",
-                                     "server"])
+                                     "server", "engine"])
     p.add_argument("--model", default="shakespeare")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
@@ -249,6 +249,7 @@ def add_bench(sub) -> None:
     p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="bench engine: torch threads")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(run=run_bench)
 
@@ -284,6 +285,10 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
+    elif args.which == "engine":
+        from decodekit.bench.engine import bench_engine
+
+        result = bench_engine(args.model, args.new_tokens, args.repeats, args.threads)
     else:
         from decodekit.bench.decode import bench_decode
 
