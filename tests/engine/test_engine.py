@@ -100,6 +100,12 @@ def test_n_samples_prefill_the_prompt_once(sharp_lm):
     eng = engine(sharp_lm)
     params = dk.SamplingParams(max_new_tokens=6, seed=1, n=4, ignore_eos=True)
     handle = eng.submit(PROMPTS[2], params)
+    eng.step()
+    eng.step()
+    # the four rows continue one shared copy of the prompt's KV and hold one token each
+    prefixes = eng.running_kv.prefixes
+    assert len(prefixes) == 4 and all(p is prefixes[0] for p in prefixes)
+    assert prefixes[0].length == len(PROMPTS[2]) and eng.running_kv.lengths == [1] * 4
     run(eng, handle)
     assert eng.stats()["prefill_tokens"] == len(PROMPTS[2])
     assert eng.stats()["generated_tokens"] == 4 * 6

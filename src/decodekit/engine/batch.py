@@ -8,7 +8,8 @@ the block pool and computes each sequence's attention:
 
 - the decoding sequences, first in the row and in the order of their `RunningKV` rows,
   attend together in one SDPA call over the dense rows `[:B, :, :S]` (rows.py; S is the
-  longest, a mask hides the rest of shorter rows);
+  longest, a mask hides the rest of shorter rows); the samples of one prompt also attend
+  to its shared prefix, once for all of them, merged by log-sum-exp (cascade attention);
 - each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
   its blocks gathered from the pool, its cached prefix included.
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from decodekit.engine.kv import BlockPool, BlockTable
-from decodekit.engine.rows import RunningKV
+from decodekit.engine.rows import FLASH_WITH_LSE, RunningKV, SharedPrefix
 from decodekit.models.kv import attend as dense_attend
 from decodekit.models.kv import causal_mask
 from decodekit.models.native import NativeLM
@@ -45,6 +46,7 @@ class RunningRows:
     columns: torch.Tensor  # [B] where each row's new position goes
     mask: torch.Tensor | None  # [B, 1, 1, S] positions each row sees; None when all do
     width: int  # S, the longest row
+    groups: list[tuple[SharedPrefix, torch.Tensor]]  # each shared prefix and its rows [n]
 
 
 class PagedBatch:
@@ -94,13 +96,35 @@ class PagedBatch:
         row_values[rows, :, running.columns] = v
         # Fold the query heads that share a key head into the query axis (as models/kv.py).
         folded = q.view(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
-        out = F.scaled_dot_product_attention(
-            folded,
-            row_keys[:batch, :, : running.width],  # [B, H_kv, S, D]
-            row_values[:batch, :, : running.width],
-            attn_mask=running.mask,
-        )
+        own_keys = row_keys[:batch, :, : running.width]  # [B, H_kv, S, D]
+        own_values = row_values[:batch, :, : running.width]
+        if not running.groups:
+            out = F.scaled_dot_product_attention(folded, own_keys, own_values, running.mask)
+            return out.reshape(batch, heads, dim)
+        out, lse = FLASH_WITH_LSE(folded, own_keys, own_values, 0.0, False, attn_mask=running.mask)
+        for prefix, rows in running.groups:
+            out[rows] = _with_prefix(folded[rows], out[rows], lse[rows], prefix, layer)
         return out.reshape(batch, heads, dim)
+
+
+def _with_prefix(q, out, lse, prefix: SharedPrefix, layer: int) -> torch.Tensor:
+    """Attention over [prefix, own positions] from the own part's output and log-sum-exp.
+
+    q [n, H_kv, G, D] of n rows sharing `prefix`: their n * G queries per key head attend
+    to the prefix in one call, so its keys are read once, not n times.
+    """
+    n, kv_heads, group, dim = q.shape
+    stacked = q.transpose(0, 1).reshape(1, kv_heads, n * group, dim)
+    shared, shared_lse = FLASH_WITH_LSE(
+        stacked, prefix.keys[layer], prefix.values[layer], 0.0, False
+    )  # [1, H_kv, nG, D], [1, H_kv, nG]
+    shared = shared.view(kv_heads, n, group, dim).transpose(0, 1)  # [n, H_kv, G, D]
+    shared_lse = shared_lse.view(kv_heads, n, group).transpose(0, 1)  # [n, H_kv, G]
+    # softmax over the union = each part's softmax weighted by its share of the total mass
+    top = torch.maximum(lse, shared_lse)
+    own_weight = (lse - top).exp()[..., None]
+    shared_weight = (shared_lse - top).exp()[..., None]
+    return (out * own_weight + shared * shared_weight) / (own_weight + shared_weight)
 
 
 def _prefill(q: torch.Tensor, keys, values, span: PrefillSpan) -> torch.Tensor:
@@ -156,18 +180,29 @@ def build_batch(
         all_slots += slots
         keep.append(start + count - 1)
         if index < decoding:
-            assert count == 1 and running.lengths[index] == length
+            assert count == 1 and running.total_length(index) == length
         else:
             blocks = torch.tensor(table.blocks, dtype=torch.long)
             prefills.append(PrefillSpan(start, start + count, blocks, length))
     rows = None
     if decoding:
-        lengths = torch.tensor(running.lengths)  # [B]
-        width = max(running.lengths)
-        mask = None
-        if int(lengths.min()) != width:
-            mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]  # [B,1,1,S]
-        rows = RunningRows(running, lengths - 1, mask, width)
+        rows = _running_rows(running)
     batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), rows, prefills)
     as_long = torch.tensor
     return as_long(tokens), as_long(positions), batch, as_long(keep)
+
+
+def _running_rows(running: RunningKV) -> RunningRows:
+    lengths = torch.tensor(running.lengths)  # [B] each row's own positions
+    width = max(running.lengths)
+    groups: dict[int, tuple[SharedPrefix, list[int]]] = {}
+    for row, prefix in enumerate(running.prefixes):
+        if prefix is not None:
+            groups.setdefault(id(prefix), (prefix, []))[1].append(row)
+    mask = None
+    if int(lengths.min()) != width:
+        mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]  # [B,1,1,S]
+        if groups:  # the LSE-returning kernel takes an additive mask
+            mask = torch.zeros(mask.shape, dtype=running.keys.dtype).masked_fill(~mask, -torch.inf)
+    shared = [(prefix, torch.tensor(rows)) for prefix, rows in groups.values()]
+    return RunningRows(running, lengths - 1, mask, width, shared)

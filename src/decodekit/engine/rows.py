@@ -12,13 +12,37 @@ receives every new position too.
 Rows are kept compact: the running sequences occupy rows 0..B-1, and a leaving sequence's
 row is filled with the last one, so a decode step attends over the view `[:B, :, :S]`
 with no gather and no index. Both dimensions grow by doubling.
+
+The n samples of one prompt share it (`add_shared`): the prompt's KV is kept once as a
+`SharedPrefix` and each sample's row holds only the positions after it. Attention then
+reads the prefix once per step for all n samples and merges it with each row's own part
+by their log-sum-exps (cascade / bifurcated attention: Hydragen, Juravsky et al. 2024;
+FlashInfer's cascade inference), instead of reading n copies of the prompt (batch.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from decodekit.engine.kv import BlockPool
+
+# SDPA that also returns the log-sum-exp, needed to merge a shared prefix's attention
+# with a row's own (a private ATen op; without it, samples copy the prompt into each row).
+FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass(eq=False)
+class SharedPrefix:
+    """The KV of a prompt shared by the rows of its samples."""
+
+    keys: torch.Tensor  # [N, 1, H_kv, P, D]
+    values: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[3]
 
 
 class RunningKV:
@@ -29,7 +53,8 @@ class RunningKV:
         self.values = torch.zeros(shape, dtype=pool.keys.dtype)
         self.pool = pool
         self.owners: list[object] = []  # the sequence in each used row
-        self.lengths: list[int] = []  # positions stored in each used row
+        self.lengths: list[int] = []  # positions stored in each used row (after its prefix)
+        self.prefixes: list[SharedPrefix | None] = []  # the shared prefix each row continues
 
     def __len__(self) -> int:
         return len(self.owners)
@@ -41,18 +66,40 @@ class RunningKV:
     def add(self, owner, blocks: list[int], length: int) -> int:
         """A row for `owner` holding positions [0, length) read from its blocks."""
         row = self._new_row(owner, length)
-        index = torch.tensor(blocks, dtype=torch.long)
-        size = self.pool.block_size
-        for side, pool in ((self.keys, self.pool.keys), (self.values, self.pool.values)):
-            gathered = pool.index_select(2, index)  # [N, H_kv, nb, block_size, D]
-            flat = gathered.view(*gathered.shape[:2], len(blocks) * size, gathered.shape[-1])
-            side[:, row, :, :length] = flat[:, :, :length]
+        keys, values = self._gather(blocks, length)
+        self.keys[:, row, :, :length] = keys
+        self.values[:, row, :, :length] = values
         return row
+
+    def add_shared(self, owners: list, blocks: list[int], length: int) -> list[int]:
+        """Rows for samples that all continue positions [0, length) of these blocks: the
+        prefix is read once and shared, and each row starts empty."""
+        if FLASH_WITH_LSE is None:
+            first = self.add(owners[0], blocks, length)
+            return [first] + [self.copy(owner, first) for owner in owners[1:]]
+        keys, values = self._gather(blocks, length)  # [N, H_kv, P, D]
+        prefix = SharedPrefix(keys[:, None].clone(), values[:, None].clone())
+        return [self._new_row(owner, 0, prefix) for owner in owners]
+
+    def total_length(self, row: int) -> int:
+        """Positions a row's sequence attends to: its shared prefix and its own."""
+        prefix = self.prefixes[row]
+        return self.lengths[row] + (prefix.length if prefix is not None else 0)
+
+    def _gather(self, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) of a block table, [N, H_kv, length, D] keys and values."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        out = []
+        for pool in (self.pool.keys, self.pool.values):
+            gathered = pool.index_select(2, index)  # [N, H_kv, nb, block_size, D]
+            flat = gathered.view(*gathered.shape[:2], -1, gathered.shape[-1])
+            out.append(flat[:, :, :length])
+        return out[0], out[1]
 
     def copy(self, owner, source: int) -> int:
         """A row for `owner` holding a copy of row `source` (a forked sample)."""
         length = self.lengths[source]
-        row = self._new_row(owner, length)
+        row = self._new_row(owner, length, self.prefixes[source])
         self.keys[:, row, :, :length] = self.keys[:, source, :, :length]
         self.values[:, row, :, :length] = self.values[:, source, :, :length]
         return row
@@ -67,8 +114,10 @@ class RunningKV:
             self.values[:, row, :, :length] = self.values[:, last, :, :length]
             moved = self.owners[row] = self.owners[last]
             self.lengths[row] = length
+            self.prefixes[row] = self.prefixes[last]
         self.owners.pop()
         self.lengths.pop()
+        self.prefixes.pop()
         return moved
 
     def grow(self, extra: int = 1) -> None:
@@ -76,10 +125,11 @@ class RunningKV:
         self.lengths = [n + extra for n in self.lengths]
         self._reserve(len(self.owners), max(self.lengths, default=0))
 
-    def _new_row(self, owner, length: int) -> int:
+    def _new_row(self, owner, length: int, prefix: SharedPrefix | None = None) -> int:
         self._reserve(len(self.owners) + 1, length)
         self.owners.append(owner)
         self.lengths.append(length)
+        self.prefixes.append(prefix)
         return len(self.owners) - 1
 
     def _reserve(self, rows: int, length: int) -> None:

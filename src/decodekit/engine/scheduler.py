@@ -179,13 +179,16 @@ class Scheduler:
     def start_decoding(self, step: Step) -> None:
         """After the forward: the prefilled sequences get RunningKV rows, and samples
         1..n-1 of a fresh request fork sample 0 (its blocks shared, its row copied)."""
+        forked = {id(entry.seqs[0]) for entry in step.forks}
         for work in step.work:
             seq = work.seq
-            if seq.lane is None:
+            if seq.lane is None and id(seq) not in forked:
                 seq.lane = self.running_kv.add(seq, seq.table.blocks, seq.table.length)
         for entry in step.forks:
             parent = entry.seqs[0]
             for row in entry.request.rows[1:]:
                 child = Sequence(row, list(parent.tokens), self.manager.fork(parent.table))
-                child.lane = self.running_kv.copy(child, parent.lane)
                 entry.seqs.append(child)
+            lanes = self.running_kv.add_shared(entry.seqs, parent.table.blocks, parent.table.length)
+            for seq, lane in zip(entry.seqs, lanes):
+                seq.lane = lane
