@@ -281,7 +281,7 @@ def run_bench(args) -> None:
         from decodekit.bench.server import bench_server, table
 
         levels = [int(c) for c in args.concurrency.split(",")]
-        result = bench_server(args.model, args.new_tokens, levels)
+        result = bench_server(args.model, args.new_tokens, levels, args.repeats)
         if not args.json:
             print(table(result))
             return

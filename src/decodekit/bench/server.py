@@ -14,14 +14,16 @@ back a partial character). Per level: requests/s and generated tokens/s over its
   framing, the socket and the client's parsing (the client shares the machine's cores
   with the server process).
 
-Each level runs over HTTP and then on the engine straight away, so both see the same
-background load on a shared machine.
+Each level runs over HTTP and then on the engine straight away, `repeats` times, so both
+see the same background load on a shared machine; a row holds the medians over repeats
+and the load average is recorded before and after.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -133,8 +135,9 @@ def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Po
     raise RuntimeError(f"the server did not answer /health within {timeout} s")
 
 
-async def bench_levels(url: str, engine, levels, new_tokens: int) -> list[dict]:
-    """Each level over HTTP, then straight away on the engine (paired, as the machine is shared)."""
+async def bench_levels(url: str, engine, levels, new_tokens: int, repeats: int) -> list[dict]:
+    """Each level over HTTP, then straight away on the engine (paired, as the machine is shared),
+    `repeats` times; a row holds the median of each figure over the repeats."""
     import httpx
 
     rows = []
@@ -142,15 +145,25 @@ async def bench_levels(url: str, engine, levels, new_tokens: int) -> list[dict]:
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         modes = {"http": lambda body: http_request(client, url, body),
                  "engine": lambda body: engine_request(engine, body)}
-        for send in modes.values():
-            await send(request_body(SERVED, 0, 4))  # warm-up
+        for send in modes.values():  # warm-up: every batch size up to 8, full length
+            await run_level(send, 8, SERVED, new_tokens)
         for c in levels:
-            for mode, send in modes.items():
-                rows.append({"mode": mode, **await run_level(send, c, SERVED, new_tokens)})
+            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for _ in range(repeats):
+                for mode, send in modes.items():
+                    runs[mode].append(await run_level(send, c, SERVED, new_tokens))
+            rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
     return rows
 
 
-def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS) -> dict:
+def median_row(runs: list[dict]) -> dict:
+    row = {key: float(np.median([r[key] for r in runs])) if isinstance(runs[0][key], float) else
+           runs[0][key] for key in runs[0]}
+    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return row
+
+
+def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS, repeats: int = 3) -> dict:
     from decodekit.bench.decode import machine
     from decodekit.models.registry import load_model
     from decodekit.server.backend import Backend, ServerConfig
@@ -164,12 +177,15 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
     process = start_server(model, port)
     engine.start()
     try:
-        rows = asyncio.run(bench_levels(f"http://127.0.0.1:{port}", engine, levels, new_tokens))
+        load_before = os.getloadavg()
+        rows = asyncio.run(bench_levels(f"http://127.0.0.1:{port}", engine, levels, new_tokens, repeats))
+        load = [round(x, 2) for x in load_before + os.getloadavg()]
     finally:
         engine.stop()
         process.terminate()
         process.wait(30)
-    return {"model": model, "new_tokens": new_tokens, "machine": machine(), "rows": rows}
+    return {"model": model, "new_tokens": new_tokens, "repeats": repeats, "machine": machine(),
+            "load_average_before_after": load, "rows": rows}
 
 
 def table(result: dict) -> str:
