@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in TOKENIZER_FILES:  # copied verbatim: save_pretrained rewrites the class name
         shutil.copyfile(Path(args.tokenizer) / name, final / name)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                     max_length=cfg.max_context).save_pretrained(final)
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
+                     ).save_pretrained(final)
     print(f"saved {final} | val ppl {math.exp(result['val_loss']):.2f}", flush=True)
 
 
