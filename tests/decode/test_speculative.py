@@ -5,6 +5,7 @@ greedy decoding, drafters propose what they should, caches roll back without rec
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections import Counter
 from fractions import Fraction
@@ -474,6 +475,24 @@ def test_ngram_drafter():
     result = speculative_generate(target, drafter, [[1, 2]], params, num_draft_tokens=3)
     assert result.completions[0][0].token_ids == plain.token_ids
     assert result.stats.draft_calls > 0
+
+
+def test_cli_speculative_equals_plain_greedy(tiny_llama_dir, capsys):
+    from decodekit.cli import main
+
+    base = ["generate", "ROMEO: But soft", "--model", str(tiny_llama_dir), "--strategy", "greedy",
+            "--max-new-tokens", "10", "--json"]  # fmt: skip
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for extra in (["--speculative", "prompt-lookup", "--gamma", "3", "--verify", "token"],
+                  ["--speculative", str(tiny_llama_dir), "--adaptive-gamma"]):
+        assert main(base + extra) == 0
+        out = capsys.readouterr()
+        assert json.loads(out.out)[0]["token_ids"] == plain[0]["token_ids"]
+        stats = json.loads(out.err)["speculative"]
+        assert stats["emitted_tokens"] == len(plain[0]["token_ids"])
+    assert stats["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert main(base + ["--speculative", "prompt-lookup", "--strategy", "beam"]) == 2
 
 
 def test_adaptive_gamma_schedule():

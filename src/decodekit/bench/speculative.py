@@ -4,8 +4,8 @@ Held-out prompts from the shipped Shakespeare test text, `new_tokens` new tokens
 ignored, so every run produces exactly that many), temperature 0 and 1, γ over 1..8:
 
 - speedup: wall time of plain `decodekit.generate` on the same target and prompts divided
-  by that of `speculative_generate` (the baseline is timed before and after the sweep and
-  averaged, because the machine is shared);
+  by that of `speculative_generate`; the baseline is timed right before each configuration
+  (paired), because the machine is shared and its speed drifts;
 - acceptance α (Leviathan et al.: mean Σ_x min(p, q) at the verified positions), the
   acceptance rate (accepted / drafted) and block efficiency (tokens per target call) of
   block and token verification; at temperature 1 also a paired comparison: E[τ] of both
@@ -200,7 +200,20 @@ def bench_speculative(
     num_prompts: int = 4,
     quick: bool = False,
     hf: bool = True,
+    threads: int = 1,
 ) -> dict:
+    """The whole benchmark as a dict (see the module doc). `threads`: torch intra-op threads for
+    every run, ours and HF's; one is fastest for models this small and steadiest on a shared
+    machine, where a second thread mostly waits for a core."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) -> dict:
     import decodekit as dk
 
     if quick:
@@ -213,50 +226,56 @@ def bench_speculative(
                  "draft_parameters": draft.num_parameters(), "rows": []}  # fmt: skip
     kgram = kgram_drafter(target)
     run_speculative(target, draft, prompts[:1], _params(16, 1.0), 2, "block")  # warm-up
+    run_plain(target, prompts[:1], _params(16, 1.0))
     for temperature in (0.0, 1.0):
         params = _params(new_tokens, temperature)
-        run_plain(target, prompts[:1], params.replace(max_new_tokens=16))  # warm-up
-        before = run_plain(target, prompts, params)
         sweep = []
         rules = ("block",) if temperature == 0 else ("token", "block")  # greedy: the same rule
         for gamma in gammas:
-            for verify in rules:
-                sweep.append(("draft model", gamma, verify, False, draft))
+            sweep += [("draft model", gamma, verify, False, draft) for verify in rules]
         sweep.append(("draft model", 4, "block", True, draft))
         sweep += [("k-gram", g, "block", False, kgram) for g in (2, 4)]
         sweep += [("prompt lookup", g, "block", False, "prompt-lookup") for g in (2, 4)]
-        results = [(s, run_speculative(target, s[4], prompts, params, s[1], s[2], s[3])) for s in sweep]
-        after = run_plain(target, prompts, params)
-        plain = (before + after) / 2
-        out[f"plain_t{temperature:g}"] = {"seconds": [round(before, 3), round(after, 3)],
-                                          "tok_s": round(new_tokens * len(prompts) / plain, 1)}
-        for (task, gamma, verify, adaptive, _), stats in results:
+        plains = []
+        for task, gamma, verify, adaptive, drafter in sweep:
+            # Paired timing: the plain baseline runs right before each configuration.
+            plains.append(run_plain(target, prompts, params))
+            stats = run_speculative(target, drafter, prompts, params, gamma, verify, adaptive)
             row = {"task": task, "temperature": temperature, "gamma": gamma, "verify": verify,
-                   "adaptive": adaptive, **summary(stats, plain)}  # fmt: skip
+                   "adaptive": adaptive, **summary(stats, plains[-1])}  # fmt: skip
             out["rows"].append(row)
-    model_rows = [r for r in out["rows"] if r["task"] == "draft model" and not r["adaptive"]]
+        out[f"plain_t{temperature:g}_tok_s"] = round(
+            new_tokens * len(prompts) / statistics.median(plains), 1)
     out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, _params(new_tokens, 1.0), g)
                         for g in gammas}  # fmt: skip
     copies = copy_prompts(target, num_prompts)
     params = _params(new_tokens, 0.0)
-    plain = statistics.mean(run_plain(target, copies, params) for _ in range(2))
-    out["copy_workload"] = {"plain_tok_s": round(new_tokens * len(copies) / plain, 1)}
+    out["copy_workload"] = {}
     for gamma in (4, 8):
         for label, drafter in (("prompt lookup", "prompt-lookup"), ("draft model", draft)):
+            plain = run_plain(target, copies, params)
             stats = run_speculative(target, drafter, copies, params, gamma, "block")
             out["copy_workload"][f"{label} gamma{gamma}"] = summary(stats, plain)
     if hf:
+        model_rows = [r for r in out["rows"] if r["task"] == "draft model" and not r["adaptive"]]
         for temperature in (0.0, 1.0):
             rows = [r for r in model_rows if r["temperature"] == temperature]
-            best = max(rows, key=lambda r: r["tok_s"])
+            best = max(rows, key=lambda r: r["speedup"])
             runs = hf_runs(target_name, draft_name, prompts, new_tokens, temperature, best["gamma"])
-            runs["decodekit_best"] = {"gamma": best["gamma"], "verify": best["verify"],
-                                      "tok_s": best["tok_s"]}  # fmt: skip
+            plain = run_plain(target, prompts, _params(new_tokens, temperature))
+            stats = run_speculative(target, draft, prompts, _params(new_tokens, temperature),
+                                    best["gamma"], best["verify"])  # fmt: skip
+            ours = summary(stats, plain)
+            runs["decodekit"] = {"gamma": best["gamma"], "verify": best["verify"],
+                                 "plain_tok_s": round(new_tokens * len(prompts) / plain, 1),
+                                 "speculative_tok_s": ours["tok_s"]}  # fmt: skip
             assisted = max(v for k, v in runs.items() if k.startswith("assisted"))
-            runs["ratio_vs_best_assisted"] = round(best["tok_s"] / assisted, 3)
+            runs["ratio_vs_best_assisted"] = round(ours["tok_s"] / assisted, 3)
             out[f"hf_t{temperature:g}"] = runs
+        plain = run_plain(target, copies, params)
         out["copy_workload"]["hf_prompt_lookup_gamma8_tok_s"] = hf_prompt_lookup(
             target_name, copies, new_tokens, 8)
+        out["copy_workload"]["decodekit_plain_tok_s"] = round(new_tokens * len(copies) / plain, 1)
     return out
 
 
