@@ -119,3 +119,22 @@ def test_bad_heal_values(tiny_lm):
     for bad in (-1, 1.5, "yes"):
         with pytest.raises(ValueError, match="heal"):
             dk.generate(tiny_lm, "ROMEO:", dk.SamplingParams(max_new_tokens=2), heal=bad)
+
+
+@pytest.mark.parametrize("prompt, word", [("ROMEO:\nWherefore art th", " thou"),
+                                          ("HAMLET:\nGood my lo", " lord"),
+                                          ("ROMEO:\nI will not st", " stay")])
+def test_embedded_model_heals_to_the_natural_token(prompt, word):
+    from decodekit.models.registry import embedded_models
+
+    if "shakespeare" not in embedded_models():
+        pytest.skip("the embedded shakespeare model is not installed")
+    model = dk.load_model("shakespeare")
+    ids = model.encode(prompt)
+    natural = model.encode(prompt[: prompt.rindex(" ")] + word)[-1]
+    assert model.decode([natural]) == word and model.decode([ids[-1]]) != word
+    params = dk.SamplingParams(temperature=0, max_new_tokens=3)
+    [plain] = dk.generate(model, prompt, params)
+    [healed] = dk.generate(model, prompt, params, heal=True)
+    assert healed.token_ids[0] == natural != plain.token_ids[0]
+    assert model.decode(ids[:-1] + healed.token_ids) == prompt + healed.text
