@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -199,3 +200,20 @@ def test_bad_arguments(tiny_lm, amateur_lm):
                          ({"amateur_weight": -1.0}, "amateur_weight")]:
         with pytest.raises(ValueError, match=name):
             ContrastiveLM(tiny_lm, amateur_lm, **kwargs)
+
+
+def test_embedded_pair_runs_from_the_cli(capsys):
+    from decodekit.cli import main
+    from decodekit.models.registry import embedded_models
+
+    if not {"shakespeare", "shakespeare-draft"} <= set(embedded_models()):
+        pytest.skip("the embedded shakespeare models are not installed")
+    code = main(["generate", "ROMEO:\n", "--strategy", "contrastive", "--max-new-tokens", "8", "--json"])
+    [c] = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(c["token_ids"]) <= 8
+    expert, amateur = dk.load_model("shakespeare"), dk.load_model("shakespeare-draft")
+    cd = ContrastiveLM(expert, amateur)  # alpha 0.1, as the CLI's default
+    ids = expert.encode("ROMEO:\n")
+    for token in c["token_ids"]:
+        assert token == int(full_scores(cd, ids).argmax())
+        ids.append(token)
