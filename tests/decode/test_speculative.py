@@ -495,6 +495,13 @@ def test_cli_speculative_equals_plain_greedy(tiny_llama_dir, capsys):
     assert main(base + ["--speculative", "prompt-lookup", "--strategy", "beam"]) == 2
 
 
+def test_draft_with_another_vocabulary_is_refused(tiny_lm):
+    ngram = pytest.importorskip("decodekit.models.ngram")
+    chars = ngram.train_ngram(["to be or not to be"], ngram.NGramConfig(2), level="char")
+    with pytest.raises(ValueError, match="its own vocabulary"):  # a character-level k-gram
+        speculative_generate(tiny_lm, chars, "ROMEO:")
+
+
 def test_adaptive_gamma_schedule():
     config = SpeculativeConfig(num_draft_tokens=4, adaptive=True, max_draft_tokens=7)
     assert config.next_gamma(4, 4, 4) == 6  # full acceptance: +2
@@ -511,7 +518,7 @@ def test_bad_arguments():
         speculative_generate(target, target, [[1]], verify="tree")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         speculative_generate(target, target, [[1]], num_draft_tokens=0)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match="vocab_size 5"):
         speculative_generate(target, table_lm(0, vocab=5), [[1]])
     with pytest.raises(TypeError, match="draft must be"):
         speculative_generate(target, 3.5, [[1]])

@@ -173,6 +173,24 @@ class PromptLookupDrafter:
         return Draft(tokens, probs)
 
 
+def check_vocabulary(draft: LanguageModel, target: LanguageModel) -> None:
+    """A draft model must speak the target's token ids: the same vocabulary size (or a prefix of
+    it), and the same tokenizer where both have one (a character-level k-gram model does not)."""
+    problem = None
+    if draft.vocab_size > target.vocab_size:
+        problem = f"vocab_size {draft.vocab_size} > the target's {target.vocab_size}"
+    elif (draft.tokenizer is None) != (target.tokenizer is None) and draft.vocab_size != target.vocab_size:
+        problem = f"its own vocabulary of {draft.vocab_size} symbols"
+    elif None not in (draft.tokenizer, target.tokenizer) and (
+        draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+    ):
+        problem = "a different tokenizer"
+    if problem:
+        raise ValueError(
+            f"draft model {draft.name!r} has {problem}; it must share the target's vocabulary"
+        )
+
+
 def make_drafter(draft: object, target: LanguageModel) -> Drafter:
     """A drafter from a `Drafter`, a `LanguageModel`, "prompt-lookup", "auto" (the embedded
     `<target>-draft` model) or an embedded model name / checkpoint directory."""
@@ -190,11 +208,7 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
                 )
         draft = load_model(draft)
     if isinstance(draft, LanguageModel):
-        if draft.vocab_size > target.vocab_size:
-            raise ValueError(
-                f"draft model {draft.name!r} has vocab_size {draft.vocab_size}; it must share the "
-                f"target's vocabulary (at most {target.vocab_size})"
-            )
+        check_vocabulary(draft, target)
         return ModelDrafter(draft)
     if callable(getattr(draft, "propose", None)):
         return draft  # type: ignore[return-value]
