@@ -140,19 +140,26 @@ async def bench_levels(url: str, engine, levels, new_tokens: int, repeats: int) 
     `repeats` times; a row holds the median of each figure over the repeats."""
     import httpx
 
+    async def http_level(c: int) -> dict:
+        # A fresh client per run: connections idle through the engine's run could meet the
+        # server's keep-alive timeout just as they are reused.
+        limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            return await run_level(lambda body: http_request(client, url, body), c, SERVED, new_tokens)
+
+    async def engine_level(c: int) -> dict:
+        return await run_level(lambda body: engine_request(engine, body), c, SERVED, new_tokens)
+
+    modes = {"http": http_level, "engine": engine_level}
+    for level in modes.values():  # warm-up: every batch size up to 8, full length
+        await level(8)
     rows = []
-    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        modes = {"http": lambda body: http_request(client, url, body),
-                 "engine": lambda body: engine_request(engine, body)}
-        for send in modes.values():  # warm-up: every batch size up to 8, full length
-            await run_level(send, 8, SERVED, new_tokens)
-        for c in levels:
-            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-            for _ in range(repeats):
-                for mode, send in modes.items():
-                    runs[mode].append(await run_level(send, c, SERVED, new_tokens))
-            rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
+    for c in levels:
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for _ in range(repeats):
+            for mode, level in modes.items():
+                runs[mode].append(await level(c))
+        rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
     return rows
 
 
