@@ -8,8 +8,9 @@ Scenarios (issue 4):
 3. `concurrent`: 64 requests with different prompts submitted at once, 128 new tokens
    each; throughput, and the fraction of the machine's peak matmul FLOP/s it reaches:
    generated tokens/s x 2 x parameters / the best FLOP/s of a 1024^3 matmul measured in
-   this run with the same threads;
-4. `memory`: peak resident memory of scenario 3, each backend in a fresh process.
+   this run with the same threads (both in wall time and both in CPU time);
+4. `memory`: resident memory of scenario 3, each backend in a fresh process: the peak
+   during the run (sampled every 2 ms) and what the run adds to the loaded model.
 
 Every time is taken twice: wall clock, and CPU time of this process (`time.process_time`),
 which is what a shared, oversubscribed machine distorts least when one thread runs.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import statistics
+import threading
 import time
 
 import torch
@@ -42,25 +44,29 @@ def timed(fn, repeats: int) -> dict:
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
 
 
-def peak_matmul_flops(size: int = 1024, repeats: int = 10) -> float:
-    """Best FLOP/s of a float32 [size, size] @ [size, size] matmul (the machine's peak)."""
+def peak_matmul_flops(size: int = 1024, repeats: int = 10) -> dict:
+    """Best FLOP/s of a float32 [size, size] @ [size, size] matmul (the machine's peak),
+    per second of wall time and per second of this process's CPU time."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
-    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
-    return 2 * size**3 / best
+    runs = [timed_once(lambda: a @ b) for _ in range(repeats)]
+    flops = 2 * size**3
+    return {"wall": flops / min(r["wall_s"] for r in runs),
+            "cpu": flops / min(r["cpu_s"] for r in runs)}  # fmt: skip
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
+def timed_once(fn) -> dict:
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
 
 
 def prompts_from_text(model, count: int, lengths: list[int]) -> list[list[int]]:
     """`count` different token prompts of the given lengths, cut from the shipped val text."""
     from decodekit.models.registry import ASSETS
 
-    ids = model.encode((ASSETS / "data" / "shakespeare_val.txt").read_text()[:400_000])
+    needed = sum(lengths[i % len(lengths)] for i in range(count))
+    ids = model.encode((ASSETS / "data" / "shakespeare_val.txt").read_text()[: 8 * needed])
     out, start = [], 0
     for i in range(count):
         length = lengths[i % len(lengths)]
@@ -165,15 +171,17 @@ def _concurrent(dk, model, hf, eos, params_count, repeats) -> dict:
     ours = timed(lambda: run_engine(model, prompts, params), repeats)
     theirs = timed(lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats)
     peak = peak_matmul_flops()
-    tok_s = generated / ours["wall_s"]
-    cpu_tok_s = generated / ours["cpu_s"]
+    flops = 2 * params_count  # per token
     return {
         **spec, "prompt_tokens": prompt_tokens, **_ratios(ours, theirs, generated),
-        "peak_matmul_gflop_s": round(peak / 1e9, 1),
-        "fraction_of_peak": round(tok_s * 2 * params_count / peak, 3),
-        "fraction_of_peak_cpu_time": round(cpu_tok_s * 2 * params_count / peak, 3),
+        "peak_matmul_gflop_s": round(peak["wall"] / 1e9, 1),
+        "peak_matmul_cpu_gflop_s": round(peak["cpu"] / 1e9, 1),
+        "fraction_of_peak": round(generated / ours["wall_s"] * flops / peak["wall"], 3),
+        "fraction_of_peak_cpu_time": round(generated / ours["cpu_s"] * flops / peak["cpu"], 3),
         "fraction_of_peak_with_prompts_cpu_time": round(
-            (generated + prompt_tokens) / ours["cpu_s"] * 2 * params_count / peak, 3),
+            (generated + prompt_tokens) / ours["cpu_s"] * flops / peak["cpu"], 3),
+        "hf_fraction_of_peak_cpu_time": round(
+            generated / theirs["cpu_s"] * flops / peak["cpu"], 3),
     }  # fmt: skip
 
 
@@ -199,18 +207,37 @@ def _memory_of_concurrent(model_name: str, backend: str, threads: int) -> dict:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             resolve(model_name)[1], dtype=torch.float32).eval()  # fmt: skip
         del model
-        before = _rss_mib()
-        run_hf(hf, prompts, spec["new_tokens"], True, pad=eos)
+        before, peak, _ = _peak_rss(lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos))
         extra = {}
     else:
         params = dk.SamplingParams(max_new_tokens=spec["new_tokens"], seed=0, ignore_eos=True)
-        before = _rss_mib()
-        stats = run_engine(model, prompts, params)
-        extra = {"kv_pool_mib": round(stats["total_blocks"] * stats["block_bytes"] / 2**20, 1),
-                 "kv_peak_used_mib": round(stats["peak_used_blocks"] * stats["block_bytes"] / 2**20, 1)}  # fmt: skip
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        before, peak, stats = _peak_rss(lambda: run_engine(model, prompts, params))
+        mib = stats["block_bytes"] / 2**20
+        extra = {"kv_pool_mib": round(stats["total_blocks"] * mib, 1),
+                 "kv_peak_used_mib": round(stats["peak_used_blocks"] * mib, 1),
+                 "running_rows_mib": round(stats["running_rows_bytes"] / 2**20, 1)}  # fmt: skip
     return {"peak_rss_mib": round(peak, 1), "rss_before_run_mib": round(before, 1),
             "added_by_run_mib": round(peak - before, 1), **extra}  # fmt: skip
+
+
+def _peak_rss(fn) -> tuple[float, float, object]:
+    """RSS before `fn()` and its peak while it runs (MiB, sampled by a thread), and its result."""
+    before = _rss_mib()
+    peak = [before]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], _rss_mib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        sampler.join()
+    return before, max(peak[0], _rss_mib()), result
 
 
 def _rss_mib() -> float:

@@ -334,6 +334,7 @@ class Engine:
             "idle_cached_blocks": pool.num_available - len(pool.free),
             "peak_used_blocks": self.peak_blocks_used,
             "block_bytes": pool.bytes_per_block,
+            "running_rows_bytes": self.running_kv.nbytes,
             "prefill_tokens": scheduler.prefill_tokens,
             "prefix_cache_hit_tokens": scheduler.cached_tokens,
             "preemptions": scheduler.preemptions,
