@@ -266,7 +266,8 @@ def run_bench(args) -> None:
     elif args.which == "compress":
         from decodekit.bench.compress import bench_compress, table
 
-        result = bench_compress(args.model, new_tokens=args.new_tokens, repeats=args.repeats)
+        progress = None if args.json else lambda row: print(row, file=sys.stderr, flush=True)
+        result = bench_compress(args.model, args.new_tokens, args.repeats, progress=progress)
         if not args.json:
             print(table(result))
             return

@@ -56,8 +56,9 @@ def measure(
     new_tokens: int,
     repeats: int,
     calib_windows: int | None = None,
+    text: str | None = None,
 ) -> dict:
-    """One row of the table (module docstring)."""
+    """One row of the table (module docstring); `text` replaces the held-out test split."""
     from dataclasses import replace
 
     from decodekit.compress.apply import model_nbytes
@@ -83,7 +84,7 @@ def measure(
         row["disk_bytes"] = (out / WEIGHTS_FILE).stat().st_size
         loaded = load_model(out)
     row["memory_bytes"] = model_nbytes(loaded.net)
-    result = text_perplexity(loaded)
+    result = text_perplexity(loaded, text)
     row.update(perplexity=round(result.perplexity, 4), nll=round(result.nll, 5), tokens=result.tokens)
     row["decode_tok_s"] = round(decode_tokens_per_second(loaded, new_tokens, repeats), 1)
     return row
@@ -95,9 +96,16 @@ def bench_compress(
     repeats: int = 3,
     calib_windows: int | None = None,
     configs: tuple[CompressConfig | None, ...] = CONFIGS,
+    progress=None,
+    text: str | None = None,
 ) -> dict:
-    """Rows of `measure` for every configuration, plus each row's change against fp32."""
-    rows = [measure(model_name, c, new_tokens, repeats, calib_windows) for c in configs]
+    """Rows of `measure` for every configuration, plus each row's change against fp32.
+    `progress(row)` is called as each row is done."""
+    rows = []
+    for config in configs:
+        rows.append(measure(model_name, config, new_tokens, repeats, calib_windows, text))
+        if progress is not None:
+            progress(rows[-1])
     base = next((r for r in rows if r["config"] == "fp32"), None)
     if base is not None:
         for row in rows:

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from decodekit.bench.compress import bench_compress, table
+from decodekit.compress.recipe import CompressConfig
+
+TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet. " * 6
+
+
+@pytest.fixture
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_bench_rows_and_table(tiny_llama_dir, one_thread):
+    configs = (None, CompressConfig("rtn", bits=8), CompressConfig("magnitude", n_m="2:4"))
+    seen = []
+    report = bench_compress(str(tiny_llama_dir), new_tokens=4, repeats=1, configs=configs,
+                            progress=seen.append, text=TEXT)  # fmt: skip
+    fp32, int8, sparse = report["rows"]
+    assert seen == report["rows"]
+    assert [r["config"] for r in report["rows"]] == ["fp32", "rtn-8b", "magnitude-2:4"]
+    assert fp32["ppl_change_pct"] == 0.0 and fp32["memory_ratio"] == 1.0
+    # 2 blocks x (9216 weights x 3 bytes saved - 256 scales x 4 bytes): test_pretrained.py.
+    assert fp32["memory_bytes"] - int8["memory_bytes"] == 2 * (9216 * 3 - 256 * 4)
+    assert sparse["memory_bytes"] == fp32["memory_bytes"]  # zeros are stored densely
+    assert int8["disk_bytes"] < fp32["disk_bytes"] and int8["layers"] == 8
+    assert all(r["decode_tok_s"] > 0 and r["tokens"] == fp32["tokens"] for r in report["rows"])
+    lines = table(report).splitlines()
+    assert lines[2].startswith("| config | perplexity") and len(lines) == 4 + 3
+    assert lines[5].startswith("| rtn-8b | ")
