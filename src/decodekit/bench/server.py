@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -91,18 +92,39 @@ async def engine_request(engine, body: dict) -> Record:
     return record
 
 
-async def run_level(send, concurrency: int, model: str, new_tokens: int) -> dict:
-    """`concurrency` closed-loop clients; `send(body)` makes one request and returns its Record."""
+async def run_level(send, concurrency: int, model: str, new_tokens: int, server_pid: int | None = None
+                    ) -> dict:
+    """`concurrency` closed-loop clients; `send(body)` makes one request and returns its Record.
+
+    CPU time per generated token is measured too, as it depends less than wall time on what
+    else the machine runs: this process's (the engine and its readers, or the HTTP clients)
+    and, given its pid, the server process's."""
     per_client = max(2, -(-16 // concurrency))
     queue = list(range(concurrency * per_client))
 
     async def client(k: int) -> list[Record]:
         return [await send(request_body(model, i, new_tokens)) for i in queue[k::concurrency]]
 
-    start = time.perf_counter()
+    start, cpu, server_cpu = time.perf_counter(), time.process_time(), process_cpu(server_pid)
     records = [r for rs in await asyncio.gather(*(client(k) for k in range(concurrency))) for r in rs]
     wall = time.perf_counter() - start
-    return summarize(records, concurrency, wall)
+    row = summarize(records, concurrency, wall)
+    tokens = max(sum(r.tokens for r in records), 1)
+    row["cpu_ms_per_token"] = round((time.process_time() - cpu) / tokens * 1000, 3)
+    if server_pid is not None:
+        row["server_cpu_ms_per_token"] = round((process_cpu(server_pid) - server_cpu) / tokens * 1000, 3)
+    return row
+
+
+def process_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` (Linux /proc; 0 where unavailable)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(records: list[Record], concurrency: int, wall: float) -> dict:
@@ -144,7 +166,8 @@ def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Po
     raise RuntimeError(f"the server did not answer /health within {timeout} s")
 
 
-async def bench_levels(url: str, engine, levels, new_tokens: int, repeats: int) -> list[dict]:
+async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: int, repeats: int
+                       ) -> list[dict]:
     """Each level over HTTP, then straight away on the engine (paired, as the machine is shared),
     `repeats` times; a row holds the median of each figure over the repeats."""
     import httpx
@@ -154,7 +177,8 @@ async def bench_levels(url: str, engine, levels, new_tokens: int, repeats: int) 
         # server's keep-alive timeout just as they are reused.
         limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            return await run_level(lambda body: http_request(client, url, body), c, SERVED, new_tokens)
+            return await run_level(lambda body: http_request(client, url, body), c, SERVED, new_tokens,
+                                   server_pid)
 
     async def engine_level(c: int) -> dict:
         return await run_level(lambda body: engine_request(engine, body), c, SERVED, new_tokens)
@@ -194,7 +218,8 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
     engine.start()
     try:
         load_before = os.getloadavg()
-        rows = asyncio.run(bench_levels(f"http://127.0.0.1:{port}", engine, levels, new_tokens, repeats))
+        url = f"http://127.0.0.1:{port}"
+        rows = asyncio.run(bench_levels(url, process.pid, engine, levels, new_tokens, repeats))
         load = [round(x, 2) for x in load_before + os.getloadavg()]
     finally:
         engine.stop()
@@ -207,13 +232,19 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
 def table(result: dict) -> str:
     """Markdown: one row per concurrency, http and engine side by side."""
     by = {(r["mode"], r["concurrency"]): r for r in result["rows"]}
-    lines = ["| clients | mode | req/s | tok/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) |",
-             "|---:|---|---:|---:|---:|---:|"]
+    lines = ["| clients | mode | req/s | tok/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | CPU ms/token |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in result["rows"]}):
         for mode in ("http", "engine"):
             r = by.get((mode, c))
             if r is not None:
                 lines.append(f"| {c} | {mode} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
                              f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
-                             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} |")
+                             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {cpu_text(r)} |")
     return "\n".join(lines)
+
+
+def cpu_text(row: dict) -> str:
+    if "server_cpu_ms_per_token" in row:  # http: server process + client process
+        return f"{row['server_cpu_ms_per_token']:.2f} + {row['cpu_ms_per_token']:.2f}"
+    return f"{row['cpu_ms_per_token']:.2f}"
