@@ -173,9 +173,9 @@ async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: in
     import httpx
 
     async def http_level(c: int) -> dict:
-        # A fresh client per run: connections idle through the engine's run could meet the
-        # server's keep-alive timeout just as they are reused.
-        limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+        # Idle connections are dropped after 2 s, before the server's 5 s keep-alive timeout
+        # can close one just as it is reused.
+        limits = httpx.Limits(max_connections=c, max_keepalive_connections=c, keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             return await run_level(lambda body: http_request(client, url, body), c, SERVED, new_tokens,
                                    server_pid)

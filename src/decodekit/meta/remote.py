@@ -159,7 +159,10 @@ class RemoteGenerator:
         self.model = model
         key = api_key or os.environ.get("DECODEKIT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+        # Idle connections are dropped after 2 s, before a server's usual 5 s keep-alive timeout
+        # can close one just as it is reused (a failed POST; retried, but wasted).
+        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
+                              keepalive_expiry=2.0)
         self.client = httpx.Client(headers=headers, timeout=timeout, limits=limits, transport=transport)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="decodekit-remote")
         self.retries, self.backoff = retries, backoff
