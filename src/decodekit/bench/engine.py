@@ -14,7 +14,8 @@ Scenarios (issue 4):
 
 Every time is taken twice: wall clock, and CPU time of this process (`time.process_time`),
 which is what a shared, oversubscribed machine distorts least when one thread runs.
-Each figure is the median of `repeats` runs after one warm-up.
+Each figure is the median of `repeats` runs after one warm-up, ours and Hugging Face's
+alternating so that both see the same load.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ from decodekit.bench.decode import machine
 SCENARIOS = ("single", "shared_prefix", "concurrent", "memory")
 
 
-def timed(fn, repeats: int) -> dict:
-    """Median wall and CPU seconds of `fn()` over `repeats` runs after a warm-up."""
-    fn()
-    walls, cpus = [], []
+def compare(ours, theirs, repeats: int) -> tuple[dict, dict]:
+    """Median wall and CPU seconds of `ours()` and `theirs()`, run alternately (after one
+    warm-up each) so that both see the same load on a shared machine."""
+    ours(), theirs()
+    runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+        runs["ours"].append(timed_once(ours))
+        runs["theirs"].append(timed_once(theirs))
+    return tuple(  # type: ignore[return-value]
+        {key: statistics.median(r[key] for r in runs[side]) for key in ("wall_s", "cpu_s")}
+        for side in ("ours", "theirs")
+    )
 
 
 def peak_matmul_flops(size: int = 1024, repeats: int = 10) -> dict:
@@ -134,8 +137,8 @@ def bench_engine(
     if "single" in scenarios:
         prompt = [model.encode("ROMEO:")]
         greedy = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-        ours = timed(lambda: dk.generate(model, prompt, greedy), repeats)
-        theirs = timed(lambda: run_hf(hf, prompt, new_tokens, sample=False, pad=eos), repeats)
+        ours, theirs = compare(lambda: dk.generate(model, prompt, greedy),
+                               lambda: run_hf(hf, prompt, new_tokens, False, pad=eos), repeats)
         results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens)}
     if "shared_prefix" in scenarios:
         samples, generated = 16, 128
@@ -143,8 +146,8 @@ def bench_engine(
         [prompt] = prompts_from_text(model, 1, [length])
         params = dk.SamplingParams(max_new_tokens=generated, n=samples, seed=0, ignore_eos=True)
         stats = {}
-        ours = timed(lambda: stats.update(run_engine(model, [prompt], params)), repeats)
-        theirs = timed(lambda: run_hf(hf, [prompt], generated, True, samples, eos), repeats)
+        ours, theirs = compare(lambda: stats.update(run_engine(model, [prompt], params)),
+                               lambda: run_hf(hf, [prompt], generated, True, samples, eos), repeats)
         results["shared_prefix"] = {
             "prompt_tokens": length, "samples": samples, "new_tokens": generated,
             **_ratios(ours, theirs, samples * generated),
@@ -168,8 +171,8 @@ def _concurrent(dk, model, hf, eos, params_count, repeats) -> dict:
     params = dk.SamplingParams(max_new_tokens=spec["new_tokens"], seed=0, ignore_eos=True)
     generated = spec["requests"] * spec["new_tokens"]
     prompt_tokens = sum(len(p) for p in prompts)
-    ours = timed(lambda: run_engine(model, prompts, params), repeats)
-    theirs = timed(lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats)
+    ours, theirs = compare(lambda: run_engine(model, prompts, params),
+                           lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats)
     peak = peak_matmul_flops()
     flops = 2 * params_count  # per token
     return {
