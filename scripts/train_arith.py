@@ -11,7 +11,9 @@ Stages (each resumes from what `--out` already holds):
 2. Samples of `arith` at temperature 1 on fresh problems, labelled by the exact checkers:
    outcome labels (answer right) and process labels (every step so far right).
 3. Two learned reward models on those samples (meta/rewards.py): an ORM scoring the whole
-   solution and a PRM scoring each step, each a tiny Llama with a one-logit head.
+   solution and a PRM scoring each step, each a logistic probe over `arith`'s own token
+   log-probabilities and entropies (a token-classification head fine-tuned from `arith`
+   learned problem difficulty instead: see MODELS.md).
 4. Evaluation on held-out problems: accuracy at temperature 1 and greedy, ORM/PRM AUC, and
    what voting and best-of-4 reranking buy; written to `--out/metrics.json`.
 `--install` copies the three models into src/decodekit/models/assets/.
@@ -23,13 +25,19 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from decodekit.meta.rewards import SegmentScorer
+from decodekit.meta.rewards import (
+    FEATURES,
+    PROBE_FILE,
+    ProbeRewardModel,
+    fit_logistic,
+    segment_features,
+)
 from decodekit.meta.tasks.arith import (
     DELIMITER,
     ArithConfig,
@@ -46,13 +54,11 @@ from train_lm import (
     LMConfig,
     build_model,
     encode_documents,
-    learning_rate,
-    make_optimizer,
     train_causal_lm,
 )
 
 CHARS = "0123456789+-*=: \nACPabcdeimnoprstuw"  # digits, operators, "Compute: ", "Answer: "
-TASK = ArithConfig(min_ops=2, max_ops=4, max_operand=9)
+TASK = ArithConfig(min_ops=2, max_ops=4, max_operand=20)
 SEEDS = {"train": 1, "val": 2, "reward_train": 3, "test": 4}  # disjoint problem streams
 
 
@@ -61,18 +67,15 @@ class RunConfig:
     lm: LMConfig
     lm_steps: int
     train_problems: int
-    rm_hidden: int
-    rm_layers: int
-    rm_steps: int
     rm_problems: int  # problems sampled (4 samples each) to train the reward models
     test_problems: int  # held-out problems (4 samples each, and greedy)
     max_new_tokens: int = 96  # longer than any reference solution (4 steps + answer)
 
 
 RUNS = {
-    "full": RunConfig(LMConfig(96, 3, 4, 2, 256, 256, 64, 32, 3e-3, 100), 2500, 200_000,
-                      64, 2, 1500, 3000, 500, 96),
-    "tiny": RunConfig(LMConfig(32, 1, 2, 1, 64, 256, 64, 4, 1e-3, 1), 3, 200, 16, 1, 3, 4, 4, 16),
+    "full": RunConfig(LMConfig(96, 3, 4, 2, 256, 256, 64, 32, 3e-3, 100), 2500, 200_000, 3000,
+                      500, 96),
+    "tiny": RunConfig(LMConfig(32, 1, 2, 1, 64, 256, 64, 4, 1e-3, 1), 3, 200, 4, 4, 16),
 }
 
 
@@ -141,78 +144,30 @@ def sample_solutions(model, tokenizer, problems, n: int, *, greedy: bool, seed: 
     return [texts[i * n : (i + 1) * n] for i in range(len(problems))]
 
 
-def reward_examples(scorer_tokenizer, problems, samples, kind: str) -> list[tuple]:
-    """(ids, positions, labels) per sample: one outcome label, or one label per step."""
-    scorer = SegmentScorer(torch.nn.Identity(), scorer_tokenizer)
-    examples = []
+def reward_items(problems, samples, kind: str):
+    """(prompt, segments) per sample and its labels: one outcome label, or one per step."""
+    items, labels = [], []
     for problem, solutions in zip(problems, samples):
         for solution in solutions:
+            steps = split_steps(solution)
             if kind == "orm":
-                segments = [solution.strip() + DELIMITER]
-                labels = [check_answer(problem, solution)]
-            else:
-                steps = split_steps(solution)
-                if not steps:
-                    continue
-                segments, labels = [s + DELIMITER for s in steps], check_steps(problem, steps)
-            ids, ends = scorer.encode(format_prompt(problem), segments)
-            examples.append((ids, ends, [float(x) for x in labels]))
-    return examples
+                items.append((format_prompt(problem), [solution.strip() + DELIMITER]))
+                labels.append([check_answer(problem, solution)])
+            elif steps:
+                items.append((format_prompt(problem), [t + DELIMITER for t in steps]))
+                labels.append(check_steps(problem, steps))
+    return items, labels
 
 
-def build_reward_model(run: RunConfig, tokenizer):
-    from transformers import LlamaConfig, LlamaForTokenClassification
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=run.rm_hidden, num_hidden_layers=run.rm_layers,
-        num_attention_heads=4 if run.rm_hidden >= 64 else 2, num_key_value_heads=2 if
-        run.rm_hidden >= 64 else 1, intermediate_size=run.rm_hidden * 8 // 3,
-        max_position_embeddings=256, tie_word_embeddings=False, num_labels=1,
-        classifier_dropout=0.0, pad_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    return LlamaForTokenClassification(config)
-
-
-def pad_batch(examples, pad_id: int):
-    """ids [B, T] right-padded, attention mask [B, T], targets [B, T] (nan where unlabelled)."""
-    width = max(len(ids) for ids, _, _ in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    targets = torch.full((len(examples), width), float("nan"))
-    for row, (seq, ends, labels) in enumerate(examples):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
-        targets[row, ends] = torch.tensor(labels)
-    return ids, mask, targets
-
-
-def train_reward_model(model, examples, *, steps: int, batch_size: int, lr: float, seed: int,
-                       pad_id: int) -> None:
-    """Binary cross-entropy on the labelled positions; AdamW, warmup + cosine (train_lm)."""
-    gen = torch.Generator().manual_seed(seed)
-    optimizer = make_optimizer(model, lr)
-    model.train()
-    running = 0.0
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step / steps, step, lr, min(50, max(1, steps // 10)))
-        index = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
-        ids, mask, targets = pad_batch([examples[i] for i in index], pad_id)
-        logits = model(input_ids=ids, attention_mask=mask).logits[..., 0]  # [B, T]
-        seen = ~torch.isnan(targets)
-        loss = F.binary_cross_entropy_with_logits(logits[seen], targets[seen])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        running += loss.item()
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            print(f"reward step {step + 1:5d} | bce {running / ((step % 100) + 1):.4f}",
-                  flush=True)
-            running = 0.0 if (step + 1) % 100 == 0 else running
-    model.eval()
+def train_reward_model(lm, tokenizer, problems, samples, kind: str) -> ProbeRewardModel:
+    """Fit the logistic probe on the policy's features of its own labelled samples."""
+    items, labels = reward_items(problems, samples, kind)
+    features = np.concatenate(segment_features(lm, tokenizer, items))  # [N, 6]
+    targets = np.asarray([y for ys in labels for y in ys], dtype=np.float64)  # [N]
+    probe = fit_logistic(features, targets)
+    print(f"{kind}: {len(items)} samples, {len(targets)} labels ({targets.mean():.1%} positive), "
+          f"weights {np.round(probe['weights'], 2).tolist()}", flush=True)
+    return ProbeRewardModel(lm, tokenizer, probe, name=kind)
 
 
 def auc(scores: list[float], labels: list[bool]) -> float:
@@ -232,43 +187,60 @@ def auc(scores: list[float], labels: list[bool]) -> float:
     return (total - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
-def evaluate(problems, samples, greedy, orm: SegmentScorer, prm: SegmentScorer) -> dict:
-    """Accuracy, reward-model AUC and what voting / reranking 4 samples buy."""
+def within_problem_auc(scores: list[list[float]], labels: list[list[bool]]) -> float:
+    """AUC over (right, wrong) pairs of samples of the same problem: what reranking needs."""
+    wins = pairs = 0.0
+    for ss, ys in zip(scores, labels):
+        for s_pos, y_pos in zip(ss, ys):
+            for s_neg, y_neg in zip(ss, ys):
+                if y_pos and not y_neg:
+                    wins += 1.0 if s_pos > s_neg else 0.5 if s_pos == s_neg else 0.0
+                    pairs += 1
+    return wins / pairs if pairs else float("nan")
+
+
+def evaluate(problems, samples, greedy, orm: ProbeRewardModel, prm: ProbeRewardModel) -> dict:
+    """Accuracy, reward-model AUC and what voting / reranking the samples buy."""
     from collections import Counter
 
     from decodekit.meta.tasks.arith import extract_answer
 
+    k = len(samples[0])
     correct = [[check_answer(p, s) for s in ss] for p, ss in zip(problems, samples)]
-    orm_scores, prm_steps, prm_labels, prm_min, outcomes = [], [], [], [], []
+    outcomes = [c for cs in correct for c in cs]
+    orm_items, _ = reward_items(problems, samples, "orm")
+    orm_flat = [orm.probabilities(f)[0] for f in segment_features(orm.policy, orm.tokenizer,
+                                                                   orm_items)]
+    orm_scores = [orm_flat[i * k : (i + 1) * k] for i in range(len(problems))]
+    # the PRM scores every step; a solution's score is its lowest step score (Lightman et al.)
+    prm_items = [(format_prompt(p), [t + DELIMITER for t in split_steps(s) or ["?"]])
+                 for p, ss in zip(problems, samples) for s in ss]
+    prm_probs = [prm.probabilities(f) for f in segment_features(prm.policy, prm.tokenizer,
+                                                                prm_items)]
+    prm_labels = [check_steps(p, split_steps(s) or ["?"]) for p, ss in zip(problems, samples)
+                  for s in ss]
+    prm_min = [[float(prm_probs[i * k + j].min()) for j in range(k)] for i in range(len(problems))]
     vote = bon_orm = bon_prm = 0
-    for p, ss, cs in zip(problems, samples, correct):
-        o = [orm.score_segments(format_prompt(p), [s.strip() + DELIMITER])[0] for s in ss]
-        mins = []
-        for s in ss:
-            steps = split_steps(s) or [""]
-            scores = prm.score_segments(format_prompt(p), [t + DELIMITER for t in steps])
-            prm_steps += scores
-            prm_labels += check_steps(p, steps)
-            mins.append(min(scores))
-        orm_scores += o
-        prm_min += mins
-        outcomes += cs
-        answers = [extract_answer(s) for s in ss]
-        top = Counter(a for a in answers if a is not None).most_common(1)
+    for p, ss, cs, o, m in zip(problems, samples, correct, orm_scores, prm_min):
+        top = Counter(a for a in map(extract_answer, ss) if a is not None).most_common(1)
         vote += bool(top) and top[0][0] == p.answer
-        bon_orm += cs[max(range(len(ss)), key=o.__getitem__)]
-        bon_prm += cs[max(range(len(ss)), key=mins.__getitem__)]
+        bon_orm += cs[max(range(k), key=o.__getitem__)]
+        bon_prm += cs[max(range(k), key=m.__getitem__)]
     n = len(problems)
+    step_scores = [x for probs in prm_probs for x in probs.tolist()]
+    step_labels = [y for ys in prm_labels for y in ys]
     return {
-        "test_problems": n, "samples_per_problem": len(samples[0]),
+        "test_problems": n, "samples_per_problem": k,
         "accuracy_t1": sum(outcomes) / len(outcomes),
         "accuracy_greedy": sum(check_answer(p, g[0]) for p, g in zip(problems, greedy)) / n,
-        "pass_at_4": sum(any(c) for c in correct) / n, "majority_vote_at_4": vote / n,
-        "orm_best_of_4": bon_orm / n, "prm_min_best_of_4": bon_prm / n,
-        "orm_auc": auc(orm_scores, outcomes), "prm_step_auc": auc(prm_steps, prm_labels),
-        "prm_min_outcome_auc": auc(prm_min, outcomes),
-        "orm_positive_rate": sum(outcomes) / len(outcomes),
-        "prm_positive_rate": sum(prm_labels) / len(prm_labels),
+        f"pass_at_{k}": sum(any(c) for c in correct) / n, f"majority_vote_at_{k}": vote / n,
+        f"orm_best_of_{k}": bon_orm / n, f"prm_min_best_of_{k}": bon_prm / n,
+        "orm_auc": auc(orm_flat, outcomes),
+        "orm_within_problem_auc": within_problem_auc(orm_scores, correct),
+        "prm_step_auc": auc(step_scores, step_labels),
+        "prm_min_outcome_auc": auc([x for xs in prm_min for x in xs], outcomes),
+        "prm_min_within_problem_auc": within_problem_auc(prm_min, correct),
+        "prm_step_positive_rate": sum(step_labels) / len(step_labels),
     }
 
 
@@ -314,29 +286,22 @@ def main(argv: list[str] | None = None) -> dict:
     scorers = {}
     for kind in ("orm", "prm"):
         rm_dir = out / kind
-        if not (rm_dir / "model.safetensors").exists():
-            examples = reward_examples(tokenizer, rm_problems, saved["reward_train"], kind)
-            model = build_reward_model(run, tokenizer)
-            print(f"{kind}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-                  f"{len(examples)} training samples", flush=True)
-            train_reward_model(model, examples, steps=run.rm_steps, batch_size=32, lr=2e-3,
-                               seed=args.seed, pad_id=tokenizer.eos_token_id)
-            model.save_pretrained(rm_dir)
-            tokenizer.save_pretrained(rm_dir)
-        scorers[kind] = SegmentScorer.from_pretrained(rm_dir)
+        if not (rm_dir / PROBE_FILE).exists():
+            model = train_reward_model(lm, tokenizer, rm_problems, saved["reward_train"], kind)
+            model.save(rm_dir, policy_dir=lm_dir)
+        scorers[kind] = ProbeRewardModel.from_pretrained(rm_dir)
 
     metrics = evaluate(test, saved["test"], saved["greedy"], scorers["orm"], scorers["prm"])
-    metrics["parameters"] = {
-        "arith": sum(p.numel() for p in lm.parameters()),
-        "arith-orm": scorers["orm"].num_parameters(),
-        "arith-prm": scorers["prm"].num_parameters(),
-    }
+    metrics["task"] = asdict(TASK)
+    metrics["parameters"] = {"arith": sum(p.numel() for p in lm.parameters()),
+                             "probe": len(FEATURES) + 1}
     metrics["minutes"] = (time.perf_counter() - start) / 60
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(json.dumps(metrics, indent=1), flush=True)
     if args.install:
-        for name, src in (("arith", lm_dir), ("arith-orm", out / "orm"), ("arith-prm", out / "prm")):
-            shutil.copytree(src, ASSETS / name, dirs_exist_ok=True)
+        shutil.copytree(lm_dir, ASSETS / "arith", dirs_exist_ok=True)
+        for kind in ("orm", "prm"):  # the probes reference the installed policy, ../arith
+            scorers[kind].save(ASSETS / f"arith-{kind}", policy_dir=ASSETS / "arith")
         print(f"installed arith, arith-orm, arith-prm into {ASSETS}", flush=True)
     return metrics
 

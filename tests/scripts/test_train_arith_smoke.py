@@ -57,7 +57,7 @@ def test_tiny_run_trains_evaluates_and_resumes(train_arith, tmp_path):
     assert len(scores) == 3 and all(0.0 < s < 1.0 for s in scores)
 
     # a second run finds every stage done and only re-evaluates
-    stamp = (tmp_path / "orm" / "model.safetensors").stat().st_mtime_ns
+    stamp = (tmp_path / "orm" / "probe.json").stat().st_mtime_ns
     again = train_arith.main(["--out", str(tmp_path), "--tiny"])
     assert again["accuracy_t1"] == metrics["accuracy_t1"]
-    assert (tmp_path / "orm" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (tmp_path / "orm" / "probe.json").stat().st_mtime_ns == stamp

@@ -1,69 +1,159 @@
-"""Learned reward models as plain scorers.
+"""Learned reward models as plain scorers: logistic probes over a policy's token log-probs.
 
-A reward model here is a small transformer with a one-logit token-classification head
-(`LlamaForTokenClassification`, num_labels=1): it reads a prompt and a sequence of text
-segments and, at the last token of each segment, predicts P(label = 1) = sigmoid(logit).
-Causal attention makes the score of segment t depend only on the prompt and segments 0..t,
-so one forward pass scores every step of a solution: a process reward model (PRM) scores each
-step, an outcome reward model (ORM) scores one segment, the whole solution. Task modules
-wrap a scorer into the callables meta-generators take (`meta/tasks/arith.py`: load_orm,
-load_prm).
+A reward model here reads a prompt and a sequence of text segments (the steps of a
+solution, or the whole solution as one segment) and returns P(label = 1) at the end of each
+segment. It runs the policy that wrote the text (a causal LM) once over prompt + segments
+and, for segment t, computes six features of the policy's own confidence:
+
+    step:   min and mean token log-prob, max predictive entropy over segment t's tokens
+    prefix: the same three over segments 0..t
+
+then applies a logistic regression fitted on the policy's samples labelled by an exact
+checker. Trained on outcome labels it is an outcome reward model (ORM, one segment); on
+"every step so far correct" labels, a process reward model (PRM, one score per step;
+Uesato et al. 2022, Lightman et al. 2024). Such a probe catches the errors the policy made
+while unsure (a low-probability digit sampled at temperature 1) and misses the ones it made
+confidently: imperfect the way a verifier built on the policy is. Task modules wrap a
+model into the callables meta-generators take (`meta/tasks/arith.py`: load_orm, load_prm).
+
+A saved model is a directory with `probe.json` (weights, bias, feature standardisation, and
+`policy`: the policy's checkpoint directory, relative to this one).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
+FEATURES = ("step_min_logprob", "step_mean_logprob", "step_max_entropy",
+            "prefix_min_logprob", "prefix_mean_logprob", "prefix_max_entropy")
+PROBE_FILE = "probe.json"
 
-class SegmentScorer:
-    """P(label = 1) at the end of each segment, from a token-classification transformer."""
 
-    def __init__(self, model, tokenizer, name: str = "reward"):
-        self.model = model.eval()
+def encode_segments(tokenizer, prompt: str, segments: Sequence[str]):
+    """Token ids of prompt + segments, and each segment's token span [start, end)."""
+    ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    if not ids:
+        raise ValueError("the prompt must encode to at least one token")
+    spans = []
+    for segment in segments:
+        piece = tokenizer.encode(segment, add_special_tokens=False)
+        if not piece:
+            raise ValueError(f"segment {segment!r} encodes to no tokens")
+        spans.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+    return ids, spans
+
+
+@torch.inference_mode()
+def segment_features(model, tokenizer, items: Sequence[tuple[str, Sequence[str]]],
+                     batch_size: int = 64) -> list[np.ndarray]:
+    """For each (prompt, segments): features [S, 6] (FEATURES) under the policy `model`."""
+    encoded = [encode_segments(tokenizer, prompt, segments) for prompt, segments in items]
+    out = []
+    for b in range(0, len(encoded), batch_size):
+        chunk = encoded[b : b + batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (seq, _) in enumerate(chunk):  # right padding: positions stay 0..n-1
+            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        # index i holds the prediction of token i + 1: its log-prob and the entropy before it
+        token_logp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].numpy()  # [B, T-1]
+        entropy = (-(logp.exp() * logp).sum(-1))[:, :-1].numpy()  # [B, T-1]
+        for row, (_, spans) in enumerate(chunk):
+            out.append(_features(token_logp[row], entropy[row], spans))
+    return out
+
+
+def _features(token_logp: np.ndarray, entropy: np.ndarray, spans) -> np.ndarray:
+    rows = []
+    first = spans[0][0] - 1
+    for start, end in spans:
+        step, prefix = slice(start - 1, end - 1), slice(first, end - 1)
+        rows.append([token_logp[step].min(), token_logp[step].mean(), entropy[step].max(),
+                     token_logp[prefix].min(), token_logp[prefix].mean(), entropy[prefix].max()])
+    return np.asarray(rows, dtype=np.float64).reshape(len(spans), len(FEATURES))
+
+
+def fit_logistic(features: np.ndarray, labels: np.ndarray, l2: float = 1e-3,
+                 iterations: int = 200) -> dict:
+    """Logistic regression on standardised features (L-BFGS, L2 penalty): the probe's state."""
+    x = torch.as_tensor(features, dtype=torch.float64)  # [N, F]
+    y = torch.as_tensor(labels, dtype=torch.float64)  # [N]
+    mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
+    z = (x - mean) / std
+    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([w, b], max_iter=iterations, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y)
+        loss = loss + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return {"features": list(FEATURES), "mean": mean.tolist(), "std": std.tolist(),
+            "weights": w.detach().tolist(), "bias": float(b.detach())}
+
+
+class ProbeRewardModel:
+    """P(label = 1) at the end of each segment: a logistic probe over the policy's confidence."""
+
+    def __init__(self, policy, tokenizer, probe: dict, name: str = "reward"):
+        if probe.get("features") != list(FEATURES):
+            raise ValueError(f"probe features {probe.get('features')} differ from {FEATURES}")
+        self.policy = policy.eval()
         self.tokenizer = tokenizer
+        self.probe = {key: probe[key] for key in ("features", "mean", "std", "weights", "bias")}
         self.name = name
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, name: str | None = None) -> SegmentScorer:
-        from transformers import AutoModelForTokenClassification, AutoTokenizer
+    def probabilities(self, features: np.ndarray) -> np.ndarray:
+        """[S] sigmoid(w . standardised features + b) for features [S, 6]."""
+        z = (features - np.asarray(self.probe["mean"])) / np.asarray(self.probe["std"])
+        return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.probe["weights"]) + self.probe["bias"])))
 
-        path = Path(path)
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, dtype=torch.float32, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(model, tokenizer, name or path.name)
-
-    def encode(self, prompt: str, segments: Sequence[str]) -> tuple[list[int], list[int]]:
-        """Token ids of prompt + segments and the position of each segment's last token."""
-        ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        ends = []
-        for segment in segments:
-            piece = self.tokenizer.encode(segment, add_special_tokens=False)
-            if not piece:
-                raise ValueError(f"segment {segment!r} encodes to no tokens")
-            ids += piece
-            ends.append(len(ids) - 1)
-        return ids, ends
-
-    @torch.inference_mode()
     def score_segments(self, prompt: str, segments: Sequence[str]) -> list[float]:
         if not segments:
             return []
-        ids, ends = self.encode(prompt, segments)
-        logits = self.model(input_ids=torch.tensor([ids])).logits[0, :, 0]  # [T]
-        return torch.sigmoid(logits[ends].float()).tolist()
+        [features] = segment_features(self.policy, self.tokenizer, [(prompt, segments)])
+        return self.probabilities(features).tolist()
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+    def save(self, path: str | Path, policy_dir: str | Path) -> None:
+        """Write probe.json; the policy is referenced by its directory relative to `path`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        relative = os.path.relpath(Path(policy_dir).resolve(), path.resolve())
+        meta = {"format": "decodekit-probe-reward", "version": 1, "policy": relative,
+                **self.probe}
+        (path / PROBE_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, name: str | None = None) -> ProbeRewardModel:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        meta = json.loads((path / PROBE_FILE).read_text())
+        if meta.get("format") != "decodekit-probe-reward":
+            raise ValueError(f"{path / PROBE_FILE} is not a decodekit probe reward model")
+        policy_dir = (path / meta["policy"]).resolve()
+        policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
+                                                      local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+        return cls(policy, tokenizer, meta, name or path.name)
 
 
-def load_reward_model(name_or_path: str | Path) -> SegmentScorer:
-    """An embedded reward model by name (registry.json) or a local checkpoint directory."""
+def load_reward_model(name_or_path: str | Path) -> ProbeRewardModel:
+    """An embedded reward model by name (registry.json) or a local directory."""
     from decodekit.models.registry import resolve
 
     name, path, _ = resolve(name_or_path)
-    return SegmentScorer.from_pretrained(path, name=name)
+    return ProbeRewardModel.from_pretrained(path, name=name)

@@ -1,0 +1,122 @@
+"""Probe reward models: segment features by hand, the logistic fit, the shipped arith ORM/PRM."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decodekit.meta.rewards import (
+    FEATURES,
+    ProbeRewardModel,
+    encode_segments,
+    fit_logistic,
+    segment_features,
+)
+from decodekit.meta.tasks.arith import (
+    format_prompt,
+    format_solution,
+    generate_problems,
+    load_orm,
+    load_prm,
+    solve,
+    split_steps,
+)
+from decodekit.models.registry import ASSETS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models: a second intra-op thread only adds contention on a shared machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def arith_policy():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = ASSETS / "arith"
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_encode_segments_spans(arith_policy):
+    _, tokenizer = arith_policy
+    ids, spans = encode_segments(tokenizer, "Compute: 1+2*3=\n", ["2*3=6\n", "1+6=7\n"])
+    assert len(ids) == 16 + 6 + 6  # one token per character
+    assert spans == [(16, 22), (22, 28)]
+    with pytest.raises(ValueError, match="no tokens"):
+        encode_segments(tokenizer, "Compute: 1+2=\n", [""])
+
+
+def test_segment_features_by_hand_and_batched_like_single(arith_policy):
+    model, tokenizer = arith_policy
+    prompt, segments = "Compute: 12+3*4=\n", ["3*4=12\n", "12+12=24\n", "Answer: 24\n"]
+    ids, spans = encode_segments(tokenizer, prompt, segments)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    # log p of token i given tokens < i, and the entropy of that prediction
+    token_lp = [logp[i - 1, ids[i]].item() for i in range(len(ids))]
+    entropy = [-(logp[i - 1].exp() * logp[i - 1]).sum().item() for i in range(len(ids))]
+    expected = []
+    for start, end in spans:
+        step, prefix = range(start, end), range(spans[0][0], end)
+        expected.append([min(token_lp[i] for i in step), np.mean([token_lp[i] for i in step]),
+                         max(entropy[i] for i in step), min(token_lp[i] for i in prefix),
+                         np.mean([token_lp[i] for i in prefix]), max(entropy[i] for i in prefix)])
+    short = ("Compute: 1+1=\n", ["Answer: 2\n"])  # batched with a shorter, right-padded row
+    single, batched = (segment_features(model, tokenizer, items)[0]
+                       for items in ([(prompt, segments)], [(prompt, segments), short]))
+    np.testing.assert_allclose(single, np.asarray(expected), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(batched, single, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_logistic_finds_the_informative_feature():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, len(FEATURES)))
+    y = (x[:, 2] + 0.3 * rng.normal(size=2000) > 0).astype(float)  # only feature 2 matters
+    probe = fit_logistic(x, y)
+    weights = np.asarray(probe["weights"])
+    assert weights[2] > 3.0 and np.all(np.abs(np.delete(weights, 2)) < 0.3)
+
+
+def test_probe_probability_formula():
+    probe = {"features": list(FEATURES), "mean": [1.0] * 6, "std": [2.0] * 6,
+             "weights": [0.5, 0, 0, 0, 0, -1.0], "bias": 0.25}
+    model = ProbeRewardModel(torch.nn.Identity(), None, probe)
+    x = np.array([[5.0, 0, 0, 0, 0, 3.0]])
+    z = 0.5 * (5 - 1) / 2 - 1.0 * (3 - 1) / 2 + 0.25  # = 0.25
+    assert model.probabilities(x)[0] == pytest.approx(1 / (1 + math.exp(-z)))
+    with pytest.raises(ValueError, match="features"):
+        ProbeRewardModel(torch.nn.Identity(), None, {**probe, "features": ["x"]})
+
+
+def corrupt(problem) -> str:
+    """The reference solution with its last operation off by one (answer following it)."""
+    steps = solve(problem)
+    lines = [f"{a}{op}{b}={r}" for a, op, b, r in steps[:-1]]
+    a, op, b, r = steps[-1]
+    return "\n".join(lines + [f"{a}{op}{b}={r + 1}", f"Answer: {r + 1}"])
+
+
+def test_shipped_reward_models_prefer_correct_solutions():
+    orm, prm = load_orm(), load_prm()  # by registry name: arith-orm, arith-prm
+    problems = generate_problems(24, seed=2024)
+    wins_orm = wins_prm = 0
+    for p in problems:
+        right, wrong = format_solution(p), corrupt(p)
+        wins_orm += orm(p.question, right) > orm(p.question, wrong)
+        right_steps = prm(format_prompt(p), split_steps(right))
+        wrong_steps = prm(p.question, split_steps(wrong))
+        assert len(wrong_steps) == len(split_steps(wrong))
+        assert all(0.0 < s < 1.0 for s in right_steps + wrong_steps)
+        # identical steps get identical scores: a step's score sees only the steps before it
+        n_same = len(split_steps(right)) - 2
+        assert right_steps[:n_same] == pytest.approx(wrong_steps[:n_same])
+        wins_prm += min(right_steps) > min(wrong_steps)
+    # learned and imperfect: better than chance on most problems, not necessarily all
+    assert wins_orm >= 0.7 * len(problems) and wins_prm >= 0.7 * len(problems)
