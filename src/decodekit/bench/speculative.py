@@ -18,8 +18,10 @@ ignored, so every run produces exactly that many), temperature 0 and 1, γ over 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,17 +53,26 @@ def copy_prompts(model, count: int, passage_tokens: int = 160) -> list[str]:
     return prompts
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
+@dataclass
+class Timing:
+    """Wall-clock and CPU (process) seconds of one run. On a shared machine the CPU time is
+    the steadier measure of the work done; with one thread it is close to an idle wall time."""
+
+    wall: float
+    cpu: float
+
+
+def timed(fn) -> Timing:
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return Timing(time.perf_counter() - wall, time.process_time() - cpu)
 
 
 def _params(new_tokens: int, temperature: float) -> SamplingParams:
     return SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=0)
 
 
-def run_plain(model, prompts, params) -> float:
+def run_plain(model, prompts, params) -> Timing:
     import decodekit as dk
 
     def go():
@@ -69,24 +80,24 @@ def run_plain(model, prompts, params) -> float:
             [c] = dk.generate(model, prompt, params)
             assert len(c.token_ids) == params.max_new_tokens
 
-    return _seconds(go)
+    return timed(go)
 
 
-def run_speculative(target, draft, prompts, params, gamma, verify, adaptive=False) -> dict:
-    """Stats summed over the prompts, and the total wall time."""
+def run_speculative(target, draft, prompts, params, gamma, verify, adaptive=False) -> tuple[dict, Timing]:
+    """Stats summed over the prompts, and the timing of the whole run."""
     total: dict = {}
-    seconds = 0.0
-    for prompt in prompts:
-        result = speculative_generate(target, draft, prompt, params, gamma, verify, adaptive)
-        assert len(result.completions[0].token_ids) == params.max_new_tokens
-        seconds += result.stats.wall_seconds
-        for key, value in vars(result.stats).items():
-            total[key] = total.get(key, 0) + value
-    total["wall_seconds"] = seconds
-    return total
+
+    def go():
+        for prompt in prompts:
+            result = speculative_generate(target, draft, prompt, params, gamma, verify, adaptive)
+            assert len(result.completions[0].token_ids) == params.max_new_tokens
+            for key, value in vars(result.stats).items():
+                total[key] = total.get(key, 0) + value
+
+    return total, timed(go)
 
 
-def summary(stats: dict, plain_seconds: float) -> dict:
+def summary(stats: dict, timing: Timing, plain: Timing) -> dict:
     drafted, blocks = stats["drafted_tokens"], stats["target_calls"]
     return {
         "alpha": round(stats["alpha_sum"] / max(stats["alpha_count"], 1), 3),
@@ -94,10 +105,12 @@ def summary(stats: dict, plain_seconds: float) -> dict:
         "block_efficiency": round(stats["emitted_tokens"] / blocks, 3),
         "target_calls": blocks,
         "draft_calls": stats["draft_calls"],
-        "seconds": round(stats["wall_seconds"], 3),
+        "seconds": round(timing.wall, 3),
         "draft_share": round(stats["draft_seconds"] / stats["wall_seconds"], 3),
-        "tok_s": round(stats["emitted_tokens"] / stats["wall_seconds"], 1),
-        "speedup": round(plain_seconds / stats["wall_seconds"], 3),
+        "tok_s": round(stats["emitted_tokens"] / timing.wall, 1),
+        "cpu_tok_s": round(stats["emitted_tokens"] / timing.cpu, 1),
+        "speedup": round(plain.wall / timing.wall, 3),
+        "speedup_cpu": round(plain.cpu / timing.cpu, 3),
     }
 
 
@@ -158,11 +171,15 @@ def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma) ->
                 assert result.shape[1] - ids.shape[1] == new_tokens
 
         go()  # warm-up
-        out[label] = round(new_tokens * len(prompts) / _seconds(go), 1)
+        out[label] = tokens_per_second(new_tokens * len(prompts), timed(go))
     return out
 
 
-def hf_prompt_lookup(target_name, prompts, new_tokens, gamma) -> float:
+def tokens_per_second(tokens: int, timing: Timing) -> dict:
+    return {"tok_s": round(tokens / timing.wall, 1), "cpu_tok_s": round(tokens / timing.cpu, 1)}
+
+
+def hf_prompt_lookup(target_name, prompts, new_tokens, gamma) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decodekit.models.registry import resolve
@@ -180,7 +197,7 @@ def hf_prompt_lookup(target_name, prompts, new_tokens, gamma) -> float:
                                 pad_token_id=tokenizer.eos_token_id, prompt_lookup_num_tokens=gamma)
 
     go()
-    return round(new_tokens * len(prompts) / _seconds(go), 1)
+    return tokens_per_second(new_tokens * len(prompts), timed(go))
 
 
 def kgram_drafter(target, order: int = 4):
@@ -222,6 +239,7 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) 
     prompts = heldout_prompts(target, num_prompts)
     out: dict = {"target": target_name, "draft": draft_name, "backend": type(target).__name__,
                  "new_tokens": new_tokens, "prompts": len(prompts), "machine": machine(),
+                 "load_average": [os.getloadavg()[0]],
                  "target_parameters": target.num_parameters(),
                  "draft_parameters": draft.num_parameters(), "rows": []}  # fmt: skip
     kgram = kgram_drafter(target)
@@ -240,12 +258,12 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) 
         for task, gamma, verify, adaptive, drafter in sweep:
             # Paired timing: the plain baseline runs right before each configuration.
             plains.append(run_plain(target, prompts, params))
-            stats = run_speculative(target, drafter, prompts, params, gamma, verify, adaptive)
+            stats, timing = run_speculative(target, drafter, prompts, params, gamma, verify, adaptive)
             row = {"task": task, "temperature": temperature, "gamma": gamma, "verify": verify,
-                   "adaptive": adaptive, **summary(stats, plains[-1])}  # fmt: skip
+                   "adaptive": adaptive, **summary(stats, timing, plains[-1])}  # fmt: skip
             out["rows"].append(row)
-        out[f"plain_t{temperature:g}_tok_s"] = round(
-            new_tokens * len(prompts) / statistics.median(plains), 1)
+        median = Timing(statistics.median(t.wall for t in plains), statistics.median(t.cpu for t in plains))
+        out[f"plain_t{temperature:g}"] = tokens_per_second(new_tokens * len(prompts), median)
     out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, _params(new_tokens, 1.0), g)
                         for g in gammas}  # fmt: skip
     copies = copy_prompts(target, num_prompts)
@@ -254,38 +272,38 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) 
     for gamma in (4, 8):
         for label, drafter in (("prompt lookup", "prompt-lookup"), ("draft model", draft)):
             plain = run_plain(target, copies, params)
-            stats = run_speculative(target, drafter, copies, params, gamma, "block")
-            out["copy_workload"][f"{label} gamma{gamma}"] = summary(stats, plain)
+            stats, timing = run_speculative(target, drafter, copies, params, gamma, "block")
+            out["copy_workload"][f"{label} gamma{gamma}"] = summary(stats, timing, plain)
     if hf:
         model_rows = [r for r in out["rows"] if r["task"] == "draft model" and not r["adaptive"]]
         for temperature in (0.0, 1.0):
             rows = [r for r in model_rows if r["temperature"] == temperature]
-            best = max(rows, key=lambda r: r["speedup"])
+            best = max(rows, key=lambda r: r["speedup_cpu"])
             runs = hf_runs(target_name, draft_name, prompts, new_tokens, temperature, best["gamma"])
-            plain = run_plain(target, prompts, _params(new_tokens, temperature))
-            stats = run_speculative(target, draft, prompts, _params(new_tokens, temperature),
-                                    best["gamma"], best["verify"])  # fmt: skip
-            ours = summary(stats, plain)
-            runs["decodekit"] = {"gamma": best["gamma"], "verify": best["verify"],
-                                 "plain_tok_s": round(new_tokens * len(prompts) / plain, 1),
-                                 "speculative_tok_s": ours["tok_s"]}  # fmt: skip
-            assisted = max(v for k, v in runs.items() if k.startswith("assisted"))
-            runs["ratio_vs_best_assisted"] = round(ours["tok_s"] / assisted, 3)
+            params = _params(new_tokens, temperature)
+            plain = run_plain(target, prompts, params)
+            stats, timing = run_speculative(target, draft, prompts, params, best["gamma"], best["verify"])
+            runs["decodekit_plain"] = tokens_per_second(new_tokens * len(prompts), plain)
+            runs[f"decodekit_gamma{best['gamma']}_{best['verify']}"] = tokens_per_second(
+                new_tokens * len(prompts), timing)
             out[f"hf_t{temperature:g}"] = runs
-        plain = run_plain(target, copies, params)
-        out["copy_workload"]["hf_prompt_lookup_gamma8_tok_s"] = hf_prompt_lookup(
+        params = _params(new_tokens, 0.0)
+        out["copy_workload"]["hf_prompt_lookup_gamma8"] = hf_prompt_lookup(
             target_name, copies, new_tokens, 8)
-        out["copy_workload"]["decodekit_plain_tok_s"] = round(new_tokens * len(copies) / plain, 1)
+        _, timing = run_speculative(target, "prompt-lookup", copies, params, 8, "block")
+        out["copy_workload"]["decodekit_prompt_lookup_gamma8"] = tokens_per_second(
+            new_tokens * len(copies), timing)
+    out["load_average"].append(os.getloadavg()[0])
     return out
 
 
 def markdown_table(result: dict) -> str:
     """Seed 000's table shape: task, temperature, γ, α, speedup (plus our extra columns)."""
-    lines = ["| task | temp | γ | verify | α | accept rate | block eff. | tok/s | speedup |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| task | temp | γ | verify | α | accept rate | block eff. | tok/s | speedup (wall) | "
+             "speedup (CPU) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["rows"]:
         gamma = f"{r['gamma']}{' (adaptive)' if r['adaptive'] else ''}"
         lines.append(f"| {r['task']} | {r['temperature']:g} | {gamma} | {r['verify']} | "
                      f"{r['alpha']:.2f} | {r['acceptance_rate']:.2f} | {r['block_efficiency']:.2f} | "
-                     f"{r['tok_s']:.0f} | {r['speedup']:.2f}× |")  # fmt: skip
+                     f"{r['tok_s']:.0f} | {r['speedup']:.2f}× | {r['speedup_cpu']:.2f}× |")  # fmt: skip
     return "\n".join(lines)
