@@ -214,3 +214,24 @@ def test_majority_vote_with_an_answer_regex(client, server_models):
     [choice] = response.choices
     assert choice.text == samples[firsts.index(winner)].text
     assert math.isfinite(choice.model_extra["score"])
+
+
+def test_guided_choice_and_prompt_lookup_drafting(client, server_models):
+    pytest.importorskip("llguidance")
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, seed=2, n=3,
+                                         extra_body={"guided_choice": ["Romeo", "Juliet"]})
+    assert {c.text for c in response.choices} <= {"Romeo", "Juliet"}
+    params = SamplingParams(max_new_tokens=12, seed=5)
+    [expected] = dk.speculative_generate(server_models["tiny"], "prompt-lookup", [PROMPT], params,
+                                         num_draft_tokens=2).completions
+    looked_up = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, seed=5,
+                                          extra_body={"draft_model": "prompt-lookup", "num_draft_tokens": 2})
+    assert looked_up.choices[0].text == expected[0].text
+
+
+def test_streamed_logprobs_arrive_with_the_last_chunk(client):
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=6, seed=4, logprobs=1)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+    assert all(c.logprobs is None for c in chunks[:-1])
+    assert chunks[-1].logprobs.token_logprobs == whole.logprobs.token_logprobs
