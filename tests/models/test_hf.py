@@ -64,3 +64,8 @@ def test_missing_path_and_unknown_name():
         load_model("no-such-model")
     with pytest.raises(ValueError, match="backend must be"):
         load_model("shakespeare", backend="gpu")
+
+
+def test_reward_model_names_are_not_language_models():
+    with pytest.raises(ValueError, match="'arith-orm' is a reward model"):
+        load_model("arith-orm")

@@ -61,6 +61,11 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto") 
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend must be 'auto', 'native' or 'hf', got {backend!r}")
     name, path, kind = resolve(name_or_path)
+    if kind == "reward":
+        raise ValueError(
+            f"{name!r} is a reward model, not a language model: load it with "
+            "decodekit.meta.rewards.load_reward_model (or meta.tasks.arith.load_orm/load_prm)"
+        )
     if kind == "ngram":
         from decodekit.models.ngram import NGramLM
 
