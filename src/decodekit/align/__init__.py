@@ -1,1 +1,56 @@
+"""Inference-time alignment theory (seed 000): best-of-n, tilting, preferences.
 
+    from decodekit.align import bon_kl, bon_kl_bound, bon_win_rate, beta_for_kl
+    bon_kl([0.5, 0.5], [0, 1], n=4)        # exact KL(pi_4 || p) = log 2 - h(2^-4)
+
+Controlled decoding (value functions, token-wise and blockwise) is issue 8's remaining work.
+"""
+
+from decodekit.align.bon import (
+    blockwise_kl_bound,
+    bon_kl,
+    bon_kl_bound,
+    bon_kl_estimate,
+    bon_kl_max,
+    bon_kl_mc,
+    bon_n_for_kl,
+    bon_pmf,
+    bon_win_rate,
+    bon_win_rate_bound,
+    bon_win_rate_mc,
+)
+from decodekit.align.preference import (
+    bt_probability,
+    bt_to_elo,
+    elo_expected,
+    elo_ratings,
+    elo_to_bt,
+    elo_update,
+    fit_bradley_terry,
+)
+from decodekit.align.tilt import beta_for_kl, mismatched_tilt, tilt, tilt_kl_max
+
+__all__ = [
+    "beta_for_kl",
+    "blockwise_kl_bound",
+    "bon_kl",
+    "bon_kl_bound",
+    "bon_kl_estimate",
+    "bon_kl_max",
+    "bon_kl_mc",
+    "bon_n_for_kl",
+    "bon_pmf",
+    "bon_win_rate",
+    "bon_win_rate_bound",
+    "bon_win_rate_mc",
+    "bt_probability",
+    "bt_to_elo",
+    "elo_expected",
+    "elo_ratings",
+    "elo_to_bt",
+    "elo_update",
+    "fit_bradley_terry",
+    "mismatched_tilt",
+    "tilt",
+    "tilt_kl_max",
+]
