@@ -40,21 +40,21 @@ def test_subset_curve_averages_disjoint_subsets():
 
 
 def test_batched_reward_scores_match_one_at_a_time(tiny_llama_dir):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decodekit.meta.rewards import SegmentScorer
+    from decodekit.meta.rewards import FEATURES, ProbeRewardModel
 
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         num_labels=1, pad_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    scorer = SegmentScorer(LlamaForTokenClassification(config), tokenizer)
+    probe = {"features": list(FEATURES), "mean": [-3.0] * 6, "std": [2.0] * 6,
+             "weights": [0.5, -0.2, 0.3, 0.1, 0.4, -0.6], "bias": 0.1}
+    scorer = ProbeRewardModel(policy, tokenizer, probe)
     items = [("ROMEO: ", ["But soft", " what light"]), ("JULIET:", ["O"]),
              ("The quick brown fox", [" jumps", " over the", " lazy dog."])]
     batched = batch_reward_scores(scorer, items, batch_size=2)
+    assert [len(scores) for scores in batched] == [2, 1, 3]
     for (prompt, segments), scores in zip(items, batched):
-        assert scores == pytest.approx(scorer.score_segments(prompt, segments), abs=1e-5)
+        assert scores == pytest.approx(scorer.score_segments(prompt, segments), abs=1e-6)
 
 
 @pytest.fixture(scope="module")

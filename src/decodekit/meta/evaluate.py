@@ -34,8 +34,9 @@ CHAIN = ("calculator",)
 STRATEGIES = PARALLEL + TREE + CHAIN
 TASKS = ("arith",)
 
-# The held-out problems of scripts/train_arith.py: its task distribution, its test stream, and
-# no question of its training stream (200k problems from seed 1).
+# The held-out problems of scripts/train_arith.py: its task distribution (the default
+# ArithConfig: 2-4 operations on 1..20), its test stream, and no question of its training
+# stream (200k problems from seed 1).
 TRAIN_SEED, TRAIN_PROBLEMS, TEST_SEED = 1, 200_000, 4
 
 
@@ -75,34 +76,22 @@ def eval_problems(count: int):
     """`count` arith problems none of which `arith` was trained on."""
     from decodekit.meta.tasks.arith import ArithConfig, generate_problems
 
-    task = ArithConfig(min_ops=2, max_ops=4, max_operand=9)
+    task = ArithConfig()
     train = {p.question for p in generate_problems(TRAIN_PROBLEMS, TRAIN_SEED, task)}
     pool = generate_problems(4 * count + 100, TEST_SEED, task)
     return [p for p in pool if p.question not in train][:count]
 
 
-def batch_reward_scores(scorer, items: Sequence[tuple[str, list[str]]], batch_size: int = 256):
-    """SegmentScorer scores of many (prompt, segments) in padded batches: [[P(1) per segment]].
-    Right padding leaves a causal model's scores at the real tokens unchanged."""
-    import torch
+def batch_reward_scores(scorer, items: Sequence[tuple[str, list[str]]], batch_size: int = 64):
+    """P(label = 1) per segment of many (prompt, segments): [[p per segment]]. A probe reward
+    model (meta/rewards.py) runs its policy over the items in padded batches; any other
+    scorer is called one item at a time through `score_segments`."""
+    if hasattr(scorer, "probabilities"):
+        from decodekit.meta.rewards import segment_features
 
-    encoded = [scorer.encode(prompt, segments) for prompt, segments in items]
-    order = sorted(range(len(items)), key=lambda i: len(encoded[i][0]))
-    out: list = [None] * len(items)
-    pad = scorer.tokenizer.pad_token_id or 0
-    with torch.inference_mode():
-        for b in range(0, len(order), batch_size):
-            rows = order[b : b + batch_size]
-            width = max(len(encoded[i][0]) for i in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, i in enumerate(rows):
-                ids[r, : len(encoded[i][0])] = torch.tensor(encoded[i][0])
-                mask[r, : len(encoded[i][0])] = 1
-            probs = torch.sigmoid(scorer.model(input_ids=ids, attention_mask=mask).logits[..., 0].float())
-            for r, i in enumerate(rows):
-                out[i] = probs[r, encoded[i][1]].tolist()  # [segments]
-    return out
+        features = segment_features(scorer.policy, scorer.tokenizer, items, batch_size)
+        return [scorer.probabilities(f).tolist() for f in features]
+    return [scorer.score_segments(prompt, segments) for prompt, segments in items]
 
 
 def arith_scorers(config: EvalConfig) -> dict[str, Callable]:
