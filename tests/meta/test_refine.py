@@ -80,6 +80,8 @@ def test_chain_feeds_outputs_forward_with_a_tool_between():
     assert result.budget["generator_calls"] == 2 and result.budget["tool_calls"] == 1
     with pytest.raises(ValueError, match="unique"):
         run_chain([("input", tool_step(str))], "x")
+    stopped = run_chain(steps, "2 times 7", Budget(limits={"generator_calls": 1}))
+    assert stopped.stopped_by_budget and [c.note for c in stopped.candidates] == ["expression"]
 
 
 def test_generate_with_tool_fills_results_between_steps():

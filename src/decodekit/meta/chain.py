@@ -75,17 +75,23 @@ def tool_step(tool: Callable[[str], str], template: str = "{last}") -> Step:
 
 
 def run_chain(steps: Sequence[tuple[str, Step]], input: str, budget: Budget | None = None) -> MetaResult:
-    """Run named steps in order; each output is stored under its name and as "last"."""
+    """Run named steps in order; each output is stored under its name and as "last". An
+    exhausted budget stops the chain before the next step (stopped_by_budget)."""
+    names = [name for name, _ in steps]
+    if len(set(names)) != len(names) or {"input", "last"} & set(names):
+        raise ValueError(f"chain step names must be unique and not 'input'/'last', got {names}")
     budget = budget if budget is not None else Budget()
     state = {"input": input, "last": input}
-    candidates = []
+    candidates, stopped = [], False
     for name, step in steps:
-        if name in ("input", "last") or name in state:
-            raise ValueError(f"chain step names must be unique and not 'input'/'last', got {name!r}")
+        if budget.exhausted:
+            stopped = True
+            break
         state[name] = state["last"] = step(state, budget)
         candidates.append(Candidate(state[name], note=name))
     chosen = candidates[-1] if candidates else Candidate(input)
-    return MetaResult("chain", chosen, candidates, budget.report(), tallies=dict(state))
+    return MetaResult("chain", chosen, candidates, budget.report(), tallies=dict(state),
+                      stopped_by_budget=stopped)
 
 
 def generate_with_tool(
