@@ -13,7 +13,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     """block_size: positions per KV block (vLLM's default is 16).
-    num_blocks / max_kv_bytes: the KV memory bound (blocks win when both are set).
+    num_blocks / max_kv_bytes: the bound of the KV block pool (blocks win when both are
+    set). The decoding sequences' dense rows (rows.py) come on top of it: at most
+    max_running x the longest running sequence x the bytes of one position.
     max_running: sequences decoded together in one forward.
     max_waiting: requests queued before `submit` raises `EngineFull`.
     max_prefill_tokens: prompt tokens admitted per step (a request longer than this is
