@@ -100,3 +100,17 @@ def test_bad_token_ids_are_rejected(tiny_lm):
         dk.generate(tiny_lm, [[10**6]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         dk.generate(tiny_lm, "a", dk.SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_incremental_detokenising_equals_decoding_everything(tiny_lm):
+    import random
+
+    from decodekit.decode.text import TextTracker
+
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(tiny_lm.vocab_size) for _ in range(rng.randrange(1, 40))]
+        tracker = TextTracker(tiny_lm.decode)
+        for token in ids:
+            tracker.push(token)
+        assert tracker.text == tiny_lm.decode(ids)

@@ -105,7 +105,8 @@ def make_requests(
         mask, ids, decode = token_mask(model, ids, p.n, constraint, heal, p.ignore_eos)
         state = SamplerState(p, ids, p.n, model.vocab_size, model.eos_token_ids, model.tokenizer)
         request = Request(index, ids, p, state, build_chain(p, model.tokenizer), mask=mask)
-        request.rows = [Row(request, s, TextTracker(decode, p.stop)) for s in range(p.n)]
+        plain = decode == model.decode  # healing decodes through prompt context: not incremental
+        request.rows = [Row(request, s, TextTracker(decode, p.stop, plain)) for s in range(p.n)]
         requests.append(request)
     return requests
 

@@ -4,6 +4,13 @@
 that span token boundaries, and hands out streaming deltas that never have to be
 taken back: text that could still become the start of a stop string, or a
 partial UTF-8 character (decoded as U+FFFD), is held until it is settled.
+
+Decoding is incremental (as vLLM's detokeniser): each token decodes a short window
+that starts one settled chunk back, so the decoder sees the context it needs (a
+SentencePiece word-start space, a split UTF-8 character) and a step costs O(1)
+rather than decoding the whole completion again. A `decode` that is not a plain map
+of token ids to text (token healing decodes through prompt context) passes
+`incremental=False` and is decoded whole.
 """
 
 from __future__ import annotations
@@ -12,19 +19,26 @@ from collections.abc import Callable, Sequence
 
 
 class TextTracker:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), incremental: bool = True
+    ):
         self.decode = decode
+        self.incremental = incremental
         self.stop = tuple(stop)
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0
         self.stopped_by: str | None = None
+        self._settled = ""  # text of ids[:read]
+        self._prefix = 0  # the decode window starts here: one settled chunk of context
+        self._read = 0
+        self._before = ""  # decode(ids[prefix:read])
 
     def push(self, token: int) -> bool:
         """Add a token; True when a stop string has appeared (the text is cut before it)."""
         self.ids.append(token)
         previous = len(self.text)
-        self.text = self.decode(self.ids)
+        self.text = self._decode_incrementally()
         if not self.stop:
             return False
         longest = max(len(s) for s in self.stop)
@@ -36,6 +50,20 @@ class TextTracker:
         index, self.stopped_by = min(hits)
         self.text = self.text[:index]
         return True
+
+    def _decode_incrementally(self) -> str:
+        if not self.incremental:
+            return self.decode(self.ids)
+        window = self.decode(self.ids[self._prefix :])
+        if not window.startswith(self._before):  # a decoder that rewrites context: start over
+            self._settled, self._prefix, self._read, self._before = "", 0, 0, ""
+            window = self.decode(self.ids)
+        text = self._settled + window[len(self._before) :]
+        if not window.endswith("\ufffd"):  # a complete character: settle this chunk
+            self._settled = text
+            self._prefix, self._read = self._read, len(self.ids)
+            self._before = self.decode(self.ids[self._prefix : self._read])
+        return text
 
     def delta(self, final: bool = False) -> str:
         """Text not yet handed out that can no longer change."""

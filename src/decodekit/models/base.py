@@ -76,6 +76,10 @@ class LanguageModel(ABC):
         if self.tokenizer is None:
             return ""  # a model over raw ids has no text; its completions carry token_ids
         # No clean-up of spaces: decoding a longer list must extend the shorter one's text.
+        # A fast tokenizer's Rust backend does exactly that, without the Python wrapper's cost.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(
             list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
