@@ -7,9 +7,10 @@ and load it back through `load_model`, as a user would. On the loaded model: hel
 per-token perplexity of the shipped test split (compress/evaluate.py defaults: windows of
 the model's context, stride half of it), bytes of parameters and buffers in memory, bytes of
 the weights file on disk, and greedy decode tokens/s through `decodekit.generate` (batch 1,
-EOS ignored, median of `repeats` runs after one warm-up). The output head is tied to the
-embedding and stays float32 in every row (as in GPTQ and SparseGPT, which leave embeddings
-and the head alone), so it bounds how far memory can shrink.
+EOS ignored, median of `repeats` runs after one warm-up, interleaved over the configurations,
+one torch thread by default). The output head is tied to the embedding and stays float32 in
+every row (as in GPTQ and SparseGPT, which leave embeddings and the head alone), so it bounds
+how far memory can shrink.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from decodekit.bench.decode import machine
 from decodekit.compress.recipe import CompressConfig
@@ -36,29 +39,35 @@ CONFIGS: tuple[CompressConfig | None, ...] = (
 )
 
 
-def decode_tokens_per_second(model, new_tokens: int, repeats: int, prompt: str = "ROMEO:") -> float:
+def decode_tokens_per_second(
+    models: list, new_tokens: int, repeats: int, prompt: str = "ROMEO:"
+) -> list[float]:
+    """Greedy tokens/s of each model: one warm-up each, then `repeats` rounds over all models
+    (interleaved, so load from other processes on a shared machine hits every model alike);
+    the median round per model."""
     import decodekit as dk
 
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    dk.generate(model, prompt, params)  # warm-up
-    times = []
+    for model in models:
+        dk.generate(model, prompt, params)  # warm-up
+    times: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        start = time.perf_counter()
-        [completion] = dk.generate(model, prompt, params)
-        times.append(time.perf_counter() - start)
-        assert len(completion.token_ids) == new_tokens
-    return new_tokens / statistics.median(times)
+        for i, model in enumerate(models):
+            start = time.perf_counter()
+            [completion] = dk.generate(model, prompt, params)
+            times[i].append(time.perf_counter() - start)
+            assert len(completion.token_ids) == new_tokens
+    return [new_tokens / statistics.median(t) for t in times]
 
 
 def measure(
     model_name: str,
     config: CompressConfig | None,
-    new_tokens: int,
-    repeats: int,
     calib_windows: int | None = None,
     text: str | None = None,
-) -> dict:
-    """One row of the table (module docstring); `text` replaces the held-out test split."""
+) -> tuple[dict, object]:
+    """One row of the table but its speed (module docstring), and the loaded model; `text`
+    replaces the held-out test split."""
     from dataclasses import replace
 
     from decodekit.compress.apply import model_nbytes
@@ -86,8 +95,7 @@ def measure(
     row["memory_bytes"] = model_nbytes(loaded.net)
     result = text_perplexity(loaded, text)
     row.update(perplexity=round(result.perplexity, 4), nll=round(result.nll, 5), tokens=result.tokens)
-    row["decode_tok_s"] = round(decode_tokens_per_second(loaded, new_tokens, repeats), 1)
-    return row
+    return row, loaded
 
 
 def bench_compress(
@@ -98,20 +106,35 @@ def bench_compress(
     configs: tuple[CompressConfig | None, ...] = CONFIGS,
     progress=None,
     text: str | None = None,
+    threads: int = 1,
 ) -> dict:
-    """Rows of `measure` for every configuration, plus each row's change against fp32.
-    `progress(row)` is called as each row is done."""
-    rows = []
-    for config in configs:
-        rows.append(measure(model_name, config, new_tokens, repeats, calib_windows, text))
-        if progress is not None:
-            progress(rows[-1])
+    """Rows of `measure` for every configuration, decode speeds, and each row's change against
+    fp32. `progress(row)` is called as each row is measured. Runs on `threads` torch threads:
+    on a shared 2-core machine two threads that wait on each other decode several times
+    slower than one (measured: 42 vs 358 tok/s at load average 4)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows, models = [], []
+        for config in configs:
+            row, model = measure(model_name, config, calib_windows, text)
+            rows.append(row)
+            models.append(model)
+            if progress is not None:
+                progress(row)
+        speeds = decode_tokens_per_second(models, new_tokens, repeats)
+        report_machine = machine()
+    finally:
+        torch.set_num_threads(previous)
+    for row, speed in zip(rows, speeds, strict=True):
+        row["decode_tok_s"] = round(speed, 1)
     base = next((r for r in rows if r["config"] == "fp32"), None)
     if base is not None:
         for row in rows:
             row["ppl_change_pct"] = round(100 * (row["perplexity"] / base["perplexity"] - 1), 2)
             row["memory_ratio"] = round(row["memory_bytes"] / base["memory_bytes"], 3)
-    return {"model": model_name, "new_tokens": new_tokens, "machine": machine(), "rows": rows}
+    return {"model": model_name, "new_tokens": new_tokens, "repeats": repeats,
+            "machine": report_machine, "rows": rows}  # fmt: skip
 
 
 def table(report: dict) -> str:
