@@ -1,0 +1,166 @@
+"""Controlled decoding (Mudgal et al. 2024; seed 000, "controlled decoding").
+
+Given a prefix value V (align/value.py), steer the base policy p at inference time:
+- token-wise (`tokenwise_cd`): z ~ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p.
+  Each step is the KL-regularised optimum of that step (a tilt with beta = 1/lam);
+  KL(pi || p) of the sequence is measured by Monte Carlo of the log-ratios log pi/p.
+- blockwise (`blockwise_cd`): draw K continuations of M tokens from p, keep the one with
+  the highest V, repeat until `max_tokens`. KL <= (L/M)(log K - (K-1)/K)
+  (`align.bon.blockwise_kl_bound`).
+
+Completions have a fixed length `max_tokens` (EOS is an ordinary token here; rewards read
+the decoded text). `sample_base` draws plain samples of p with the same loop and stores
+what CD-Q training needs. Offline rewards: `keyword_reward`, `newline_length_reward`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decodekit.align.value import BaseSamples, PrefixValue
+from decodekit.models.base import LanguageModel, prefill
+
+__all__ = [
+    "Controlled",
+    "blockwise_cd",
+    "keyword_reward",
+    "newline_length_reward",
+    "sample_base",
+    "score",
+    "tokenwise_cd",
+]
+
+KEYWORDS = ("love", "lord", "king", "good", "sweet", "heaven", "god", "queen", "heart", "death")
+
+
+@dataclass
+class Controlled:
+    """Completions tokens [N, L]; for token-wise CD the Monte Carlo KL terms per sample:
+    log_ratio [N] = sum_t log pi(z_t)/p(z_t) and step_kl [N] = sum_t KL(pi_t || p_t)."""
+
+    tokens: torch.Tensor
+    log_ratio: torch.Tensor | None = None
+    step_kl: torch.Tensor | None = None
+
+
+def _check(name: str, value, low: float, integer: bool = True):
+    bad = isinstance(value, bool) or not isinstance(value, int if integer else int | float)
+    if bad or (not integer and math.isnan(value)) or value < low:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} >= {low}, got {value!r}")
+    return value
+
+
+def _start(model: LanguageModel, prompt: Sequence[int], rows: int):
+    logits, cache = prefill(model, [list(prompt)])  # [1, V]
+    return logits.expand(rows, -1), cache.fork([0] * rows)
+
+
+def sample_base(model: LanguageModel, prompt: Sequence[int], n: int, max_tokens: int,
+                top_k: int = 64, generator: torch.Generator | None = None) -> BaseSamples:
+    """n plain samples of p (temperature 1) with the top-k of p at every position.
+    Rewards are left at zero: fill them with `score`."""
+    _check("n", n, 1)
+    _check("max_tokens", max_tokens, 1)
+    top_k = min(_check("top_k", top_k, 1), model.vocab_size)
+    logits, cache = _start(model, prompt, n)
+    tokens, child_ids, child_logp = [], [], []
+    for step in range(max_tokens):
+        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [N, k]
+        child_ids.append(ids)
+        child_logp.append(values)
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, V], as in blockwise_cd
+        z = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N]
+        tokens.append(z)
+        if step + 1 < max_tokens:
+            logits = model.forward(z[:, None], cache)[:, -1, :]
+    return BaseSamples(torch.stack(tokens, 1), torch.zeros(n), torch.stack(child_ids, 1),
+                       torch.stack(child_logp, 1))
+
+
+def tokenwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int], n: int,
+                 max_tokens: int, lam: float, top_k: int | None = 32,
+                 generator: torch.Generator | None = None) -> Controlled:
+    """n completions with z ∝ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p
+    (top_k None: the whole vocabulary; then lam = 0 is plain sampling from p)."""
+    _check("lam", lam, 0, integer=False)
+    _check("n", n, 1)
+    _check("max_tokens", max_tokens, 1)
+    k = model.vocab_size if top_k is None else min(_check("top_k", top_k, 1), model.vocab_size)
+    logits, cache = _start(model, prompt, n)
+    bag = torch.zeros(n, value.bag.embedding_dim)  # [N, D]
+    log_ratio, step_kl, tokens = torch.zeros(n), torch.zeros(n), []
+    for step in range(max_tokens):
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+        top_logp, ids = logp.topk(k, dim=-1)  # [N, k]
+        with torch.no_grad():
+            v = value.children(bag, torch.full((n,), float(step)), ids) if lam > 0 else 0.0
+        log_pi = torch.log_softmax(top_logp + lam * v, dim=-1)  # [N, k]
+        pick = torch.multinomial(log_pi.exp(), 1, generator=generator)  # [N, 1]
+        z = ids.gather(1, pick)[:, 0]  # [N]
+        log_ratio += (log_pi.gather(1, pick) - top_logp.gather(1, pick))[:, 0]
+        step_kl += (log_pi.exp() * (log_pi - top_logp)).sum(-1)
+        tokens.append(z)
+        with torch.no_grad():
+            bag = bag + value.bag(z)
+        if step + 1 < max_tokens:
+            logits = model.forward(z[:, None], cache)[:, -1, :]
+    return Controlled(torch.stack(tokens, 1), log_ratio, step_kl)
+
+
+def blockwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int], n: int,
+                 max_tokens: int, k: int, m: int,
+                 generator: torch.Generator | None = None) -> Controlled:
+    """n completions built block by block: K samples of M tokens from p, the best by V kept."""
+    _check("k", k, 1)
+    _check("m", m, 1)
+    _check("n", n, 1)
+    _check("max_tokens", max_tokens, 1)
+    logits, cache = _start(model, prompt, n)
+    done = torch.zeros(n, 0, dtype=torch.long)  # [N, t]
+    while done.shape[1] < max_tokens:
+        rows = [i for i in range(n) for _ in range(k)]  # K candidates per sample
+        block_cache = cache.fork(rows)
+        block_logits = logits[rows]  # [N*K, V]
+        width = min(m, max_tokens - done.shape[1])
+        block = []
+        for j in range(width):
+            probs = torch.softmax(block_logits.float(), dim=-1)  # [N*K, V]
+            z = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N*K]
+            block.append(z)
+            if done.shape[1] + j + 1 < max_tokens:
+                block_logits = model.forward(z[:, None], block_cache)[:, -1, :]
+        cand = torch.cat([done[rows], torch.stack(block, 1)], dim=1)  # [N*K, t+M]
+        with torch.no_grad():
+            v = value(cand)[:, -1].view(n, k)  # [N, K]
+        best = [i * k + int(b) for i, b in enumerate(v.argmax(dim=1).tolist())]
+        done = cand[best]
+        if done.shape[1] < max_tokens:
+            block_cache.select(best)
+            cache, logits = block_cache, block_logits[best]
+    return Controlled(done)
+
+
+def keyword_reward(words: Sequence[str] = KEYWORDS) -> Callable[[str], float]:
+    """Number of whole-word, case-insensitive occurrences of `words` in a text."""
+    if not words:
+        raise ValueError("words must not be empty")
+    pattern = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
+    return lambda text: float(len(pattern.findall(text)))
+
+
+def newline_length_reward(text: str) -> float:
+    """Length reward (Mudgal et al. 2024 use response length): characters before the first
+    newline (the whole text if none)."""
+    cut = text.find("\n")
+    return float(len(text) if cut < 0 else cut)
+
+
+def score(model: LanguageModel, tokens: torch.Tensor, reward: Callable[[str], float]) -> torch.Tensor:
+    """Rewards [N] of completions tokens [N, L], each decoded to text."""
+    return torch.tensor([reward(model.decode(row)) for row in tokens.tolist()])
