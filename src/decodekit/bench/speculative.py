@@ -3,9 +3,10 @@
 Held-out prompts from the shipped Shakespeare test text, `new_tokens` new tokens each (EOS
 ignored, so every run produces exactly that many), temperature 0 and 1, γ over 1..8:
 
-- speedup: wall time of plain `decodekit.generate` on the same target and prompts divided
-  by that of `speculative_generate`; the baseline is timed right before each configuration
-  (paired), because the machine is shared and its speed drifts;
+- speedup: time of plain `decodekit.generate` on the same target and prompts divided by that
+  of `speculative_generate`, wall clock and CPU; each configuration's time is its best of
+  `repeats` runs, the plain reference the best of the runs interleaved with the sweep
+  (other processes on a shared machine only ever add time);
 - acceptance α (Leviathan et al.: mean Σ_x min(p, q) at the verified positions), the
   acceptance rate (accepted / drafted) and block efficiency (tokens per target call) of
   block and token verification; at temperature 1 also a paired comparison: E[τ] of both
@@ -19,7 +20,6 @@ ignored, so every run produces exactly that many), temperature 0 and 1, γ over 
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,17 +62,23 @@ class Timing:
     cpu: float
 
 
-def timed(fn) -> Timing:
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return Timing(time.perf_counter() - wall, time.process_time() - cpu)
+def timed(fn, repeats: int = 1) -> Timing:
+    """The best (smallest) wall and CPU time of `repeats` runs, as `timeit` reports: other
+    processes on a shared machine only ever add time."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return Timing(min(walls), min(cpus))
 
 
 def _params(new_tokens: int, temperature: float) -> SamplingParams:
     return SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=0)
 
 
-def run_plain(model, prompts, params) -> Timing:
+def run_plain(model, prompts, params, repeats: int = 1) -> Timing:
     import decodekit as dk
 
     def go():
@@ -80,21 +86,24 @@ def run_plain(model, prompts, params) -> Timing:
             [c] = dk.generate(model, prompt, params)
             assert len(c.token_ids) == params.max_new_tokens
 
-    return timed(go)
+    return timed(go, repeats)
 
 
-def run_speculative(target, draft, prompts, params, gamma, verify, adaptive=False) -> tuple[dict, Timing]:
-    """Stats summed over the prompts, and the timing of the whole run."""
+def run_speculative(
+    target, draft, prompts, params, gamma, verify, adaptive=False, repeats: int = 1
+) -> tuple[dict, Timing]:
+    """Stats summed over the prompts (seeded: every repeat is the same), and the best timing."""
     total: dict = {}
 
     def go():
+        total.clear()
         for prompt in prompts:
             result = speculative_generate(target, draft, prompt, params, gamma, verify, adaptive)
             assert len(result.completions[0].token_ids) == params.max_new_tokens
             for key, value in vars(result.stats).items():
                 total[key] = total.get(key, 0) + value
 
-    return total, timed(go)
+    return total, timed(go, repeats)
 
 
 def summary(stats: dict, timing: Timing, plain: Timing) -> dict:
@@ -132,7 +141,7 @@ def paired_block_efficiency(target, draft, prompts, params, gamma) -> dict:
     return {"token": round(token, 4), "block": round(block, 4), "gain": round(block / token - 1, 4)}
 
 
-def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma) -> dict:
+def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma, repeats=1) -> dict:
     """tokens/s of HF plain generate(), assisted generation at HF's defaults, and at γ."""
     from transformers import AutoModelForCausalLM
 
@@ -171,7 +180,7 @@ def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma) ->
                 assert result.shape[1] - ids.shape[1] == new_tokens
 
         go()  # warm-up
-        out[label] = tokens_per_second(new_tokens * len(prompts), timed(go))
+        out[label] = tokens_per_second(new_tokens * len(prompts), timed(go, repeats))
     return out
 
 
@@ -179,7 +188,7 @@ def tokens_per_second(tokens: int, timing: Timing) -> dict:
     return {"tok_s": round(tokens / timing.wall, 1), "cpu_tok_s": round(tokens / timing.cpu, 1)}
 
 
-def hf_prompt_lookup(target_name, prompts, new_tokens, gamma) -> dict:
+def hf_prompt_lookup(target_name, prompts, new_tokens, gamma, repeats=1) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decodekit.models.registry import resolve
@@ -197,7 +206,7 @@ def hf_prompt_lookup(target_name, prompts, new_tokens, gamma) -> dict:
                                 pad_token_id=tokenizer.eos_token_id, prompt_lookup_num_tokens=gamma)
 
     go()
-    return tokens_per_second(new_tokens * len(prompts), timed(go))
+    return tokens_per_second(new_tokens * len(prompts), timed(go, repeats))
 
 
 def kgram_drafter(target, order: int = 4):
@@ -214,10 +223,11 @@ def bench_speculative(
     draft_name: str = "shakespeare-draft",
     new_tokens: int = 256,
     gammas: tuple[int, ...] = tuple(range(1, 9)),
-    num_prompts: int = 4,
+    num_prompts: int = 3,
     quick: bool = False,
     hf: bool = True,
     threads: int = 1,
+    repeats: int = 3,
 ) -> dict:
     """The whole benchmark as a dict (see the module doc). `threads`: torch intra-op threads for
     every run, ours and HF's; one is fastest for models this small and steadiest on a shared
@@ -225,16 +235,16 @@ def bench_speculative(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf)
+        return _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, repeats)
     finally:
         torch.set_num_threads(previous)
 
 
-def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) -> dict:
+def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, repeats) -> dict:
     import decodekit as dk
 
     if quick:
-        new_tokens, gammas, num_prompts = min(new_tokens, 64), (2, 4), 1
+        new_tokens, gammas, num_prompts, repeats = min(new_tokens, 64), (2, 4), 1, 1
     target, draft = dk.load_model(target_name), dk.load_model(draft_name)
     prompts = heldout_prompts(target, num_prompts)
     out: dict = {"target": target_name, "draft": draft_name, "backend": type(target).__name__,
@@ -254,16 +264,20 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) 
         sweep.append(("draft model", 4, "block", True, draft))
         sweep += [("k-gram", g, "block", False, kgram) for g in (2, 4)]
         sweep += [("prompt lookup", g, "block", False, "prompt-lookup") for g in (2, 4)]
-        plains = []
+        plains, runs = [], []
         for task, gamma, verify, adaptive, drafter in sweep:
-            # Paired timing: the plain baseline runs right before each configuration.
+            # The plain baseline runs once between configurations; its best time over the
+            # whole sweep is the reference, as each configuration's is its best of `repeats`.
             plains.append(run_plain(target, prompts, params))
-            stats, timing = run_speculative(target, drafter, prompts, params, gamma, verify, adaptive)
+            stats, timing = run_speculative(target, drafter, prompts, params, gamma, verify, adaptive,
+                                            repeats)  # fmt: skip
+            runs.append((task, gamma, verify, adaptive, stats, timing))
+        plain = Timing(min(t.wall for t in plains), min(t.cpu for t in plains))
+        for task, gamma, verify, adaptive, stats, timing in runs:
             row = {"task": task, "temperature": temperature, "gamma": gamma, "verify": verify,
-                   "adaptive": adaptive, **summary(stats, timing, plains[-1])}  # fmt: skip
+                   "adaptive": adaptive, **summary(stats, timing, plain)}  # fmt: skip
             out["rows"].append(row)
-        median = Timing(statistics.median(t.wall for t in plains), statistics.median(t.cpu for t in plains))
-        out[f"plain_t{temperature:g}"] = tokens_per_second(new_tokens * len(prompts), median)
+        out[f"plain_t{temperature:g}"] = tokens_per_second(new_tokens * len(prompts), plain)
     out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, _params(new_tokens, 1.0), g)
                         for g in gammas}  # fmt: skip
     copies = copy_prompts(target, num_prompts)
@@ -271,26 +285,29 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf) 
     out["copy_workload"] = {}
     for gamma in (4, 8):
         for label, drafter in (("prompt lookup", "prompt-lookup"), ("draft model", draft)):
-            plain = run_plain(target, copies, params)
-            stats, timing = run_speculative(target, drafter, copies, params, gamma, "block")
+            plain = run_plain(target, copies, params, repeats)
+            stats, timing = run_speculative(target, drafter, copies, params, gamma, "block", False,
+                                            repeats)  # fmt: skip
             out["copy_workload"][f"{label} gamma{gamma}"] = summary(stats, timing, plain)
     if hf:
         model_rows = [r for r in out["rows"] if r["task"] == "draft model" and not r["adaptive"]]
         for temperature in (0.0, 1.0):
             rows = [r for r in model_rows if r["temperature"] == temperature]
             best = max(rows, key=lambda r: r["speedup_cpu"])
-            runs = hf_runs(target_name, draft_name, prompts, new_tokens, temperature, best["gamma"])
+            runs = hf_runs(target_name, draft_name, prompts, new_tokens, temperature, best["gamma"],
+                           repeats)  # fmt: skip
             params = _params(new_tokens, temperature)
-            plain = run_plain(target, prompts, params)
-            stats, timing = run_speculative(target, draft, prompts, params, best["gamma"], best["verify"])
+            plain = run_plain(target, prompts, params, repeats)
+            stats, timing = run_speculative(target, draft, prompts, params, best["gamma"], best["verify"],
+                                            False, repeats)  # fmt: skip
             runs["decodekit_plain"] = tokens_per_second(new_tokens * len(prompts), plain)
             runs[f"decodekit_gamma{best['gamma']}_{best['verify']}"] = tokens_per_second(
                 new_tokens * len(prompts), timing)
             out[f"hf_t{temperature:g}"] = runs
         params = _params(new_tokens, 0.0)
         out["copy_workload"]["hf_prompt_lookup_gamma8"] = hf_prompt_lookup(
-            target_name, copies, new_tokens, 8)
-        _, timing = run_speculative(target, "prompt-lookup", copies, params, 8, "block")
+            target_name, copies, new_tokens, 8, repeats)
+        _, timing = run_speculative(target, "prompt-lookup", copies, params, 8, "block", False, repeats)
         out["copy_workload"]["decodekit_prompt_lookup_gamma8"] = tokens_per_second(
             new_tokens * len(copies), timing)
     out["load_average"].append(os.getloadavg()[0])
