@@ -425,7 +425,25 @@ def run_eval_perplexity(args) -> None:
           f"{result.tokens} tokens of {text_path.name}; window {result.window}, stride {result.stride})")
 
 
-EVAL_TASKS = {"arith": run_eval_arith, "perplexity": run_eval_perplexity}  # `decodekit eval TASK`
+def run_eval_alignment(args) -> None:
+    """Reward–KL frontier on the Shakespeare model (align/frontier.py)."""
+    from decodekit.align.frontier import FrontierConfig, alignment_frontier, plot_frontier, table
+
+    config = FrontierConfig()
+    progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
+    report = alignment_frontier(config, progress)
+    if args.plot:
+        plot_frontier(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(table(report))
+    if args.plot:
+        print(f"plot: {args.plot}")
+
+
+EVAL_TASKS = {"arith": run_eval_arith, "perplexity": run_eval_perplexity,  # `decodekit eval TASK`
+              "alignment": run_eval_alignment}
 
 
 def add_compress(sub) -> None:

@@ -134,7 +134,7 @@ def test_tokenwise_with_lam_zero_samples_from_p():
 class _TableValue(PrefixValue):
     """V(prefix + z) read from EXACT (prefixes here have one token)."""
 
-    def children(self, bag, t, ids):
+    def child_values(self, bag, t, ids):
         return torch.tensor([[EXACT[(int(z),)] for z in row] for row in ids.tolist()])
 
 

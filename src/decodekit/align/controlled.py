@@ -99,7 +99,7 @@ def tokenwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
         logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
         top_logp, ids = logp.topk(k, dim=-1)  # [N, k]
         with torch.no_grad():
-            v = value.children(bag, torch.full((n,), float(step)), ids) if lam > 0 else 0.0
+            v = value.child_values(bag, torch.full((n,), float(step)), ids) if lam > 0 else 0.0
         log_pi = torch.log_softmax(top_logp + lam * v, dim=-1)  # [N, k]
         pick = torch.multinomial(log_pi.exp(), 1, generator=generator)  # [N, 1]
         z = ids.gather(1, pick)[:, 0]  # [N]

@@ -4,7 +4,7 @@ V(prefix) estimates the expected reward of completing `prefix` with the base pol
 `PrefixValue` is a small model over token ids, fast on CPU: an embedding bag (sum of the
 completion's token embeddings), the embedding of the last token and the position, through
 a two-layer MLP. Adding one token z only adds its embedding, so V(prefix + z) for all
-top-k candidates z is one batched MLP call (`children`), which is what token-wise
+top-k candidates z is one batched MLP call (`child_values`), which is what token-wise
 controlled decoding needs at every step.
 
 Training, on samples of the base policy (`BaseSamples`):
@@ -74,7 +74,7 @@ class PrefixValue(nn.Module):
         """V of every prefix of tokens [N, L] (the empty one included) -> [N, L+1]."""
         return self._head(*self.prefix_states(tokens))
 
-    def children(self, bag: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def child_values(self, bag: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """V(prefix + z) for prefixes given by bag [..., D] and length t [...], ids [..., k]."""
         child_bag = bag[..., None, :] + self.bag(ids)  # [..., k, D]
         return self._head(child_bag, ids, (t + 1)[..., None].expand(ids.shape).to(bag.dtype))
@@ -87,7 +87,7 @@ def cdq_targets(value: PrefixValue, samples: BaseSamples) -> torch.Tensor:
     with torch.no_grad():
         bag, _, t = value.prefix_states(samples.tokens)
         probs = torch.softmax(samples.child_logp, dim=-1)  # [N, L, k], renormalised top-k
-        child_v = value.children(bag[:, :-1], t[:, :-1], samples.child_ids)  # [N, L, k]
+        child_v = value.child_values(bag[:, :-1], t[:, :-1], samples.child_ids)  # [N, L, k]
         inner = (probs * child_v).sum(dim=-1)  # [N, L]
         return torch.cat([inner, samples.rewards[:, None].to(inner.dtype)], dim=1)
 
