@@ -3,7 +3,9 @@
     from decodekit.align import bon_kl, bon_kl_bound, bon_win_rate, beta_for_kl
     bon_kl([0.5, 0.5], [0, 1], n=4)        # exact KL(pi_4 || p) = log 2 - h(2^-4)
 
-Controlled decoding (value functions, token-wise and blockwise) is issue 8's remaining work.
+Controlled decoding (Mudgal et al. 2024): a prefix value V trained by CD-FUDGE or CD-Q
+(`align.value`), token-wise and blockwise decoding with it (`align.controlled`); the
+reward–KL frontier on the Shakespeare model is `align.frontier` (`decodekit eval alignment`).
 """
 
 from decodekit.align.bon import (
@@ -19,6 +21,13 @@ from decodekit.align.bon import (
     bon_win_rate_bound,
     bon_win_rate_mc,
 )
+from decodekit.align.controlled import (
+    blockwise_cd,
+    keyword_reward,
+    newline_length_reward,
+    sample_base,
+    tokenwise_cd,
+)
 from decodekit.align.preference import (
     bt_probability,
     bt_to_elo,
@@ -29,9 +38,12 @@ from decodekit.align.preference import (
     fit_bradley_terry,
 )
 from decodekit.align.tilt import beta_for_kl, mismatched_tilt, tilt, tilt_kl_max
+from decodekit.align.value import PrefixValue, train_cdq, train_fudge
 
 __all__ = [
+    "PrefixValue",
     "beta_for_kl",
+    "blockwise_cd",
     "blockwise_kl_bound",
     "bon_kl",
     "bon_kl_bound",
@@ -50,7 +62,13 @@ __all__ = [
     "elo_to_bt",
     "elo_update",
     "fit_bradley_terry",
+    "keyword_reward",
     "mismatched_tilt",
+    "newline_length_reward",
+    "sample_base",
     "tilt",
     "tilt_kl_max",
+    "tokenwise_cd",
+    "train_cdq",
+    "train_fudge",
 ]
