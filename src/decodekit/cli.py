@@ -266,8 +266,8 @@ def run_bench(args) -> None:
     elif args.which == "compress":
         from decodekit.bench.compress import bench_compress, table
 
-        progress = None if args.json else lambda row: print(row, file=sys.stderr, flush=True)
-        result = bench_compress(args.model, args.new_tokens, args.repeats, progress=progress)
+        result = bench_compress(args.model, args.new_tokens, args.repeats,
+                                progress=lambda row: print(json.dumps(row), file=sys.stderr, flush=True))
         if not args.json:
             print(table(result))
             return
