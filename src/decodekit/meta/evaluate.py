@@ -282,7 +282,7 @@ def plot(report: dict, path: str) -> None:
 
     colors = {"single": "black", "calculator": "tab:brown", "majority": "tab:gray", "bon": "tab:red",
               "weighted": "tab:orange", "beam": "tab:blue", "dvts": "tab:green", "rebase": "tab:purple"}
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 5.5))
     strategies = dict.fromkeys(r["strategy"] for r in report["summary"])
     for strategy in strategies:
         points = sorted((r for r in report["summary"] if r["strategy"] == strategy), key=lambda r: r["n"])
@@ -299,7 +299,7 @@ def plot(report: dict, path: str) -> None:
     ax.set_title(f"arith: {report['problems']} problems, {config['seeds']} seeds, N = "
                  f"{', '.join(map(str, config['ns']))}")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
