@@ -29,6 +29,8 @@ def test_bench_rows_and_table(tiny_llama_dir, one_thread):
     assert sparse["memory_bytes"] == fp32["memory_bytes"]  # zeros are stored densely
     assert int8["disk_bytes"] < fp32["disk_bytes"] and int8["layers"] == 8
     assert all(r["decode_tok_s"] > 0 and r["tokens"] == fp32["tokens"] for r in report["rows"])
+    assert fp32["kl_fp32"] == pytest.approx(0.0, abs=1e-6)  # the same weights, saved and loaded
+    assert sparse["kl_fp32"] > int8["kl_fp32"] > 0
     lines = table(report).splitlines()
     assert lines[2].startswith("| config | perplexity") and len(lines) == 4 + 3
     assert lines[5].startswith("| rtn-8b | ")

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from decodekit.compress.evaluate import perplexity, text_perplexity, windows
+from decodekit.compress.evaluate import mean_kl, perplexity, text_perplexity, window_logprobs, windows
 from decodekit.models.base import Cache, LanguageModel
 
 
@@ -100,3 +100,14 @@ def test_text_perplexity_defaults_to_the_models_context(tiny_lm):
     assert result.tokens == len(tiny_lm.encode(text)) - 1
     with pytest.raises(ValueError, match="window must be at most the model's context 96"):
         text_perplexity(tiny_lm, text, window=200)
+
+
+def test_mean_kl_of_two_fixed_distributions_by_hand():
+    reference = FixedLM([math.log(1.0), math.log(3.0)], max_context=8)  # (1/4, 3/4)
+    model = FixedLM([0.0, 0.0], max_context=8)  # (1/2, 1/2)
+    tokens = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1]])  # [W, T]
+    ref_logprobs = window_logprobs(reference, tokens, rows_per_batch=2)
+    assert ref_logprobs.shape == (3, 4, 2)
+    expected = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert mean_kl(ref_logprobs, model, tokens, rows_per_batch=2) == pytest.approx(expected, rel=1e-6)
+    assert mean_kl(ref_logprobs, reference, tokens) == pytest.approx(0.0, abs=1e-7)

@@ -6,7 +6,9 @@ quantisation, 50 % unstructured and 2:4 sparsity): load the float model, compres
 and load it back through `load_model`, as a user would. On the loaded model: held-out
 per-token perplexity of the shipped test split (compress/evaluate.py defaults: windows of
 the model's context, stride half of it), bytes of parameters and buffers in memory, bytes of
-the weights file on disk, and greedy decode tokens/s through `decodekit.generate` (batch 1,
+the weights file on disk, the mean KL(fp32 ‖ compressed) per position over the first
+`kl_windows` context-length windows of the test split (compress/evaluate.py `mean_kl`), and
+greedy decode tokens/s through `decodekit.generate` (batch 1,
 EOS ignored, median of `repeats` runs after one warm-up, interleaved over the configurations,
 one torch thread by default). The output head is tied to the embedding and stays float32 in
 every row (as in GPTQ and SparseGPT, which leave embeddings and the head alone), so it bounds
@@ -65,13 +67,15 @@ def measure(
     config: CompressConfig | None,
     calib_windows: int | None = None,
     text: str | None = None,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[dict, object]:
     """One row of the table but its speed (module docstring), and the loaded model; `text`
-    replaces the held-out test split."""
+    replaces the held-out test split; `reference` is (tokens [W, T], the float model's
+    log-probabilities [W, T, V]) for the KL column."""
     from dataclasses import replace
 
     from decodekit.compress.apply import model_nbytes
-    from decodekit.compress.evaluate import text_perplexity
+    from decodekit.compress.evaluate import mean_kl, text_perplexity
     from decodekit.compress.pretrained import WEIGHTS_FILE, save_compressed_dir
     from decodekit.compress.recipe import compress_lm
     from decodekit.models.registry import load_model, resolve
@@ -95,7 +99,25 @@ def measure(
     row["memory_bytes"] = model_nbytes(loaded.net)
     result = text_perplexity(loaded, text)
     row.update(perplexity=round(result.perplexity, 4), nll=round(result.nll, 5), tokens=result.tokens)
+    if reference is not None:
+        row["kl_fp32"] = float(f"{mean_kl(reference[1], loaded, reference[0]):.4g}")
     return row, loaded
+
+
+def kl_reference(
+    model_name: str, text: str | None, windows: int, length: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `windows` windows [W, T] of the text (T = min(length, context)) and the float
+    model's log-probabilities [W, T, V] on them."""
+    from decodekit.compress.evaluate import TEST_TEXT, window_logprobs
+    from decodekit.models.registry import load_model
+
+    model = load_model(model_name, backend="native")
+    ids = torch.tensor(model.encode(TEST_TEXT.read_text() if text is None else text))
+    length = min(length, model.max_context, len(ids))
+    count = max(1, min(windows, len(ids) // length))
+    tokens = ids[: count * length].view(count, length)  # [W, T]
+    return tokens, window_logprobs(model, tokens)
 
 
 def bench_compress(
@@ -107,6 +129,7 @@ def bench_compress(
     progress=None,
     text: str | None = None,
     threads: int = 1,
+    kl_windows: int = 16,
 ) -> dict:
     """Rows of `measure` for every configuration, decode speeds, and each row's change against
     fp32. `progress(row)` is called as each row is measured. Runs on `threads` torch threads:
@@ -115,9 +138,10 @@ def bench_compress(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        reference = kl_reference(model_name, text, kl_windows)
         rows, models = [], []
         for config in configs:
-            row, model = measure(model_name, config, calib_windows, text)
+            row, model = measure(model_name, config, calib_windows, text, reference)
             rows.append(row)
             models.append(model)
             if progress is not None:
@@ -142,13 +166,15 @@ def table(report: dict) -> str:
     lines = [
         f"{report['model']} (held-out Shakespeare test split, per-token perplexity)",
         "",
-        "| config | perplexity | vs fp32 | memory MB | disk MB | decode tok/s | compress s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| config | perplexity | vs fp32 | KL from fp32 | memory MB | disk MB | decode tok/s "
+        "| compress s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         change = f"{r['ppl_change_pct']:+.2f} %" if "ppl_change_pct" in r else ""
+        kl = f"{r['kl_fp32']:.2g}" if "kl_fp32" in r else ""
         lines.append(
-            f"| {r['config']} | {r['perplexity']:.2f} | {change} | {r['memory_bytes'] / 1e6:.2f} | "
+            f"| {r['config']} | {r['perplexity']:.2f} | {change} | {kl} | {r['memory_bytes'] / 1e6:.2f} | "
             f"{r['disk_bytes'] / 1e6:.2f} | {r['decode_tok_s']:.0f} | {r['compress_s']:.1f} |"
         )
     return "\n".join(lines)

@@ -7,6 +7,10 @@ scored exactly once, by the first window that holds it with at least one token b
 with stride < window every token after the first window sees at least window - stride
 tokens of context. Perplexity = exp(mean negative log-likelihood in nats) over the N - 1
 scored tokens (the first token of the text has no context and is not scored).
+
+`mean_kl` compares a model with a reference (a compressed model with its float original)
+position by position over the whole next-token distribution: on a small model, perplexity
+on a fixed text moves by less than the distributions do, and can move either way.
 """
 
 from __future__ import annotations
@@ -112,3 +116,27 @@ def text_perplexity(
     by the model's own tokenizer."""
     text = TEST_TEXT.read_text() if text is None else text
     return perplexity(model, model.encode(text), window, stride, batch_tokens)
+
+
+@torch.inference_mode()
+def window_logprobs(model: LanguageModel, tokens: torch.Tensor, rows_per_batch: int = 4) -> torch.Tensor:
+    """Log-probabilities [W, T, V] of the model at every position of windows tokens [W, T]."""
+    parts = [
+        torch.log_softmax(model.forward(chunk, model.new_cache(len(chunk))).float(), dim=-1)
+        for chunk in tokens.split(rows_per_batch)
+    ]
+    return torch.cat(parts)
+
+
+@torch.inference_mode()
+def mean_kl(
+    reference_logprobs: torch.Tensor, model: LanguageModel, tokens: torch.Tensor, rows_per_batch: int = 4
+) -> float:
+    """Mean KL(p_ref ‖ p_model) in nats per position over windows tokens [W, T], given the
+    reference model's `window_logprobs` [W, T, V]: how far compression moved the whole
+    next-token distribution, not only the probability of the observed token."""
+    total = 0.0
+    for ref, chunk in zip(reference_logprobs.split(rows_per_batch), tokens.split(rows_per_batch)):
+        logp = torch.log_softmax(model.forward(chunk, model.new_cache(len(chunk))).float(), dim=-1)
+        total += float((ref.exp() * (ref - logp)).sum())
+    return total / tokens.numel()
