@@ -19,11 +19,9 @@ SMALL = frontier.FrontierConfig(base_samples=16, samples=4, max_tokens=6, bon_n=
 @pytest.fixture(scope="module")
 def report():
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return frontier.alignment_frontier(SMALL)
-    finally:
-        torch.set_num_threads(before)
+    out = frontier.alignment_frontier(SMALL)  # runs on SMALL.threads = 1 thread
+    assert torch.get_num_threads() == before  # and restores the setting
+    return out
 
 
 def _by(report, method):
