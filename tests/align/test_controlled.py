@@ -11,6 +11,7 @@ from decodekit.align.controlled import (
     blockwise_cd,
     keyword_reward,
     newline_length_reward,
+    orm_reward,
     sample_base,
     tokenwise_cd,
 )
@@ -212,3 +213,10 @@ def test_offline_rewards():
     assert newline_length_reward("abcd") == 4.0
     with pytest.raises(ValueError, match="words"):
         keyword_reward([])
+
+
+def test_orm_reward_scores_the_completion_for_its_question():
+    calls = []
+    reward = orm_reward("2+3", lambda q, s: calls.append((q, s)) or 0.25)
+    assert reward(" 5") == 0.25
+    assert calls == [("2+3", " 5")]

@@ -10,7 +10,8 @@ Given a prefix value V (align/value.py), steer the base policy p at inference ti
 
 Completions have a fixed length `max_tokens` (EOS is an ordinary token here; rewards read
 the decoded text). `sample_base` draws plain samples of p with the same loop and stores
-what CD-Q training needs. Offline rewards: `keyword_reward`, `newline_length_reward`.
+what CD-Q training needs. Offline rewards: `keyword_reward`, `newline_length_reward`,
+`orm_reward` (the arithmetic ORM).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "blockwise_cd",
     "keyword_reward",
     "newline_length_reward",
+    "orm_reward",
     "sample_base",
     "score",
     "tokenwise_cd",
@@ -159,6 +161,17 @@ def newline_length_reward(text: str) -> float:
     newline (the whole text if none)."""
     cut = text.find("\n")
     return float(len(text) if cut < 0 else cut)
+
+
+def orm_reward(question: str, orm: Callable[[str, str], float] | None = None
+               ) -> Callable[[str], float]:
+    """The arithmetic outcome reward model's score of a completion to `question`
+    (meta/tasks/arith.py `load_orm`, loaded when `orm` is None); use with the arith model."""
+    if orm is None:
+        from decodekit.meta.tasks.arith import load_orm
+
+        orm = load_orm()
+    return lambda text: float(orm(question, text))
 
 
 def score(model: LanguageModel, tokens: torch.Tensor, reward: Callable[[str], float]) -> torch.Tensor:
