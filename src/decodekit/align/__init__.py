@@ -25,6 +25,7 @@ from decodekit.align.controlled import (
     blockwise_cd,
     keyword_reward,
     newline_length_reward,
+    orm_reward,
     sample_base,
     tokenwise_cd,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "keyword_reward",
     "mismatched_tilt",
     "newline_length_reward",
+    "orm_reward",
     "sample_base",
     "tilt",
     "tilt_kl_max",
