@@ -134,7 +134,7 @@ def bench_compress(
     """Rows of `measure` for every configuration, decode speeds, and each row's change against
     fp32. `progress(row)` is called as each row is measured. Runs on `threads` torch threads:
     on a shared 2-core machine two threads that wait on each other decode several times
-    slower than one (measured: 42 vs 358 tok/s at load average 4)."""
+    slower than one (measured: 42 vs 358 tok/s while other jobs ran)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
