@@ -38,6 +38,8 @@ def test_loaded_directory_gives_the_in_memory_logits(tiny_llama_dir, tmp_path, c
     tokens = torch.tensor([model.encode("JULIET: O Romeo, Romeo")])
     expected = model.forward(tokens, model.new_cache(1))
     assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
+    # Float Linear layers get NativeLM's own (transposed) weight layout, as from_pretrained's.
+    assert loaded.net.lm_head.weight.stride() == model.net.lm_head.weight.stride()
     quantized = config.method in ("rtn", "gptq")
     kinds = {type(m) for n, m in loaded.net.named_modules() if n.endswith("proj")}
     assert kinds == ({QuantizedLinear} if quantized else {torch.nn.Linear})

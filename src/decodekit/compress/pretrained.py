@@ -96,7 +96,7 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 def load_compressed_dir(path: str | Path, name: str | None = None) -> Any:
     """The NativeLM stored in a directory written by `save_compressed_dir`."""
     from decodekit.models.checkpoint import eos_token_ids, load_tokenizer, read_config
-    from decodekit.models.native import LlamaNet, NativeConfig, NativeLM
+    from decodekit.models.native import LlamaNet, NativeConfig, NativeLM, transpose_weight_layout
 
     path = Path(path)
     marker = read_marker(path)
@@ -108,6 +108,7 @@ def load_compressed_dir(path: str | Path, name: str | None = None) -> Any:
     if parsed.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     load_compressed(net, path / marker["weights"])
+    transpose_weight_layout(net)  # the float Linear layers as `NativeLM.from_pretrained` lays them out
     tokenizer = load_tokenizer(path)
     return NativeLM(
         net,
