@@ -1,0 +1,95 @@
+"""Process-wide runtime setup: how many CPU threads torch uses, and progress bars.
+
+STYLE.md item 9: threading setup lives in this one explicit place and happens only
+when a caller asks for it (`set_threads`), never as an import side effect.
+
+Why choose threads at all: torch's default is one intra-op thread per visible core.
+A decode step of a small model is a few sub-millisecond matmuls, so splitting each
+across threads costs more in synchronisation than it saves, and when another process
+holds a core the threads spin-wait on a worker that is not running (issue 13 item 9:
+19 tok/s with the default against 230 tok/s with one thread on a busy 2-core machine).
+The rule and the measurements behind it are in BENCHMARKS.md, section "Threads"
+(benchmarks/threads.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+# Below this many parameters one thread decodes at least as fast as two (BENCHMARKS.md, "Threads").
+MULTITHREAD_MIN_PARAMETERS = 100_000_000
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Whole cores allowed by a cgroup v2 `cpu.max` quota ("max 100000" = no quota), or None."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, int(quota) // int(period))
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup quota."""
+    # macOS and Windows have no affinity call.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return max(1, min(cores, limit) if limit is not None else cores)
+
+
+def choose_threads(parameters: int | None = None) -> int:
+    """Threads for a model of `parameters` weights: 1 below MULTITHREAD_MIN_PARAMETERS, else every core.
+
+    `parameters=None` (unknown size) counts as small: one thread is never far from the
+    best choice, while too many threads on a busy machine is ten times slower.
+    """
+    if parameters is None or parameters < MULTITHREAD_MIN_PARAMETERS:
+        return 1
+    return available_cores()
+
+
+def count_parameters(model: Any) -> int | None:
+    """Weights of a LanguageModel (`num_parameters()`) or a torch module; None when unknown."""
+    if hasattr(model, "num_parameters"):
+        count = int(model.num_parameters())
+        return count or None  # the base class answers 0 for "unknown"
+    if hasattr(model, "parameters"):
+        return sum(p.numel() for p in model.parameters())
+    return None
+
+
+def set_threads(threads: int | None, model: Any = None) -> int:
+    """Set torch's intra-op threads (None: `choose_threads` for `model`'s size); returns the number used.
+
+    Inter-op threads are left alone: decodekit runs no inter-op parallel work, and
+    torch refuses to change them once any parallel work has started.
+    """
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads}")
+    if threads is None:
+        threads = choose_threads(count_parameters(model) if model is not None else None)
+    import torch
+
+    torch.set_num_threads(threads)
+    return threads
+
+
+def progress(
+    iterable: Iterable | None = None,
+    *,
+    total: int | None = None,
+    desc: str | None = None,
+    enabled: bool | None = None,
+):
+    """A tqdm bar on stderr; `enabled=None` means "stderr is a terminal". Disabled, it only iterates."""
+    from tqdm import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
