@@ -73,7 +73,10 @@ class RunConfig:
 
 
 RUNS = {
-    "full": RunConfig(LMConfig(96, 3, 4, 2, 256, 256, 64, 32, 3e-3, 100), 2500, 200_000, 3000,
+    # windows of the whole declared context (256), 8 x 256 tokens a step: the same tokens per
+    # step as the first model's 32 x 64 windows, which never saw a position past 63 although
+    # prompt and solution reach 92 characters (issue 13)
+    "full": RunConfig(LMConfig(96, 3, 4, 2, 256, 256, 256, 8, 3e-3, 100), 2500, 200_000, 3000,
                       500, 96),
     "tiny": RunConfig(LMConfig(32, 1, 2, 1, 64, 256, 64, 4, 1e-3, 1), 3, 200, 4, 4, 16),
 }
@@ -100,7 +103,8 @@ def documents(problems) -> str:
     return "".join(format_prompt(p) + format_solution(p) + EOS for p in problems)
 
 
-def train_lm_stage(run: RunConfig, out: Path, max_minutes: float | None, seed: int):
+def train_lm_stage(run: RunConfig, out: Path, max_minutes: float | None, seed: int,
+                   device: str = "cpu"):
     tokenizer = build_tokenizer(out / "tokenizer")
     problems = generate_problems(run.train_problems, SEEDS["train"], TASK)
     val = generate_problems(max(run.train_problems // 50, 20), SEEDS["val"], TASK)
@@ -113,7 +117,7 @@ def train_lm_stage(run: RunConfig, out: Path, max_minutes: float | None, seed: i
         model, train_ids, val_ids, out_dir=str(out / "lm"), seq_len=run.lm.seq_len,
         batch_size=run.lm.batch_size, steps=run.lm_steps, lr=run.lm.lr, seed=seed,
         warmup=min(run.lm.warmup, max(1, run.lm_steps // 10)), eval_every=min(200, run.lm_steps),
-        log_every=1 if run.lm_steps < 10 else 50, max_minutes=max_minutes,
+        log_every=1 if run.lm_steps < 10 else 50, max_minutes=max_minutes, device=device,
     )
     from transformers import GenerationConfig
 
@@ -252,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--install", action="store_true", help="copy models into the package")
+    parser.add_argument("--device", default="cpu", help="where the LM trains: cpu or cuda")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     lm_dir = out / "lm" / "final"
     if not (lm_dir / "model.safetensors").exists():
-        train_lm_stage(run, out, args.max_minutes, args.seed)
+        train_lm_stage(run, out, args.max_minutes, args.seed, args.device)
     tokenizer = AutoTokenizer.from_pretrained(lm_dir)
     lm = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32).eval()
 
