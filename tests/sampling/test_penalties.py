@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from decodekit.params import SamplingParams
 from decodekit.sampling import processors as P
-from decodekit.sampling.chain import bad_word_sequences, dry_breaker_sequences
+from decodekit.sampling.chain import SamplerState, bad_word_sequences, build_chain, dry_breakers
 
 INF = math.inf
 WORDS = ["<eos>", "a", "b", "c", ":", "::", "hello", "world"]
@@ -131,25 +132,88 @@ def test_dry_penalises_tokens_that_extend_a_repeat(allowed, expected):
     assert out[0].tolist() == pytest.approx([-expected.get(t, 0.0) for t in range(6)])
 
 
+def breakers(strings, texts):
+    return P.DryBreakers.from_texts(strings, texts)
+
+
+# token i of the hand-made vocabulary for DRY breakers is the character str(i)
+DIGITS = [str(i) for i in range(10)]
+
+
 def test_dry_repeat_stops_at_a_sequence_breaker():
     context = [1, 2, 3, 4, 7, 1, 2, 3]  # "1 2 3" repeats: token 4 would extend it (L = 3)
     out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2)
     assert out[0, 4].item() == pytest.approx(-MULT * BASE)
     # with 1 a breaker the repeat can only reach back to "2 3" (L = 2)
-    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers=[(1,)])
+    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers(["1"], DIGITS))
     assert out[0, 4].item() == pytest.approx(-MULT)
-    # a two-token breaker (3, 4) before the repeat does not shorten it ...
-    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers=[(3, 4)])
+    # a two-token breaker "34" before the repeat does not shorten it ...
+    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers(["34"], DIGITS))
     assert out[0, 4].item() == pytest.approx(-MULT * BASE)
     # ... but one that ends the context leaves no room for a repeat at all
-    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers=[(2, 3)])
+    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers(["23"], DIGITS))
     assert out[0, 4].item() == 0.0
 
 
 def test_dry_never_penalises_a_single_token_breaker():
     context = [5, 6, 7, 5, 6]  # "5 6" repeats; 7 would extend it
     assert P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2)[0, 7].item() == pytest.approx(-MULT)
-    assert P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers=[(7,)])[0, 7].item() == 0
+    out = P.dry(torch.zeros(1, 8), [context], MULT, BASE, 2, breakers(["7"], DIGITS))
+    assert out[0, 7].item() == 0
+
+
+# Breakers on text (llama.cpp): " ROM" + "EO:" holds "ROMEO:", "a\n" + "\nb" holds "\n\n".
+TEXTS = [" x", " y", " z", " ROM", "EO:", "ROMEO", ":", "a\n", "\nb", "\n", " ROMEO:"]
+X, Y, Z, ROM, EO_COLON, ROMEO, COLON, A_NL, NL_B, NL, ROMEO_COLON = range(len(TEXTS))
+
+
+class HandTokenizer:
+    """A tokenizer over TEXTS that encodes by greedy longest match: "ROMEO:" alone is
+    ROMEO + ":" and "\n\n" alone is "\n" + "\n", unlike inside the contexts below."""
+
+    def __len__(self):
+        return len(TEXTS)
+
+    def batch_decode(self, ids):
+        return ["".join(TEXTS[i] for i in row) for row in ids]
+
+    def encode(self, text, add_special_tokens=False):
+        ids = []
+        while text:
+            i = max((i for i, t in enumerate(TEXTS) if text.startswith(t)), key=lambda i: len(TEXTS[i]))
+            ids.append(i)
+            text = text[len(TEXTS[i]) :]
+        return ids
+
+
+@pytest.mark.parametrize(
+    ("breaker", "context", "expected"),
+    [
+        # Without breakers " ROM EO: x y" repeats (L = 4) and " z" would extend it: MULT * BASE**2.
+        # "ROMEO:" split as " ROM" + "EO:" (alone it is "ROMEO" + ":") cuts it to " x y" (L = 2)
+        ("ROMEO:", [ROM, EO_COLON, X, Y, Z, ROM, EO_COLON, X, Y], {Z: MULT}),
+        # "\n\n" split as "a\n" + "\nb" (alone "\n" + "\n"): L = 4 cut to L = 2
+        ("\n\n", [A_NL, NL_B, X, Y, Z, A_NL, NL_B, X, Y], {Z: MULT}),
+        # ":" inside " ROMEO:" (a single-token breaker): L = 3 cut to L = 2
+        (":", [ROMEO_COLON, X, Y, Z, ROMEO_COLON, X, Y], {Z: MULT}),
+        # "EO: x" ends inside " x": only " y" is left for a repeat, too short to penalise
+        ("EO: x", [ROM, EO_COLON, X, Y, Z, ROM, EO_COLON, X, Y], {}),
+        # "ROMEO: z" is not in the text: nothing breaks the repeat
+        ("ROMEO: z", [ROM, EO_COLON, X, Y, Z, ROM, EO_COLON, X, Y], {Z: MULT * BASE**2}),
+        # " ROM" only starts "ROMEO:", so it is penalised like any token (L = 2) ...
+        ("ROMEO:", [X, Y, ROM, Z, X, Y], {ROM: MULT}),
+        # ... but a token that holds a whole breaker never is
+        (" ROM", [X, Y, ROM, Z, X, Y], {}),
+    ],
+)
+def test_dry_matches_breakers_on_text_across_token_boundaries(breaker, context, expected):
+    logits = torch.zeros(1, len(TEXTS))
+    params = SamplingParams(
+        dry_multiplier=MULT, dry_base=BASE, dry_allowed_length=2, dry_sequence_breakers=(breaker,)
+    )
+    state = SamplerState(params, context, 1, len(TEXTS))
+    out = build_chain(params, HandTokenizer())(logits, state)
+    assert (-out[0]).tolist() == pytest.approx([expected.get(t, 0.0) for t in range(len(TEXTS))])
 
 
 def test_dry_exponent_is_capped_so_the_penalty_stays_finite():
@@ -158,10 +222,23 @@ def test_dry_exponent_is_capped_so_the_penalty_stays_finite():
     assert out[0].tolist() == pytest.approx([0.0, -(1000.0**12), 0.0])
 
 
+def test_dry_repeat_limit_finds_the_breaker_that_ends_last():
+    digits = list(range(10)) * 2  # text "01234567890123456789", one character per token
+    limit = lambda strings: P._dry_repeat_limit(digits, breakers(strings, DIGITS))  # noqa: E731
+    assert limit(["5"]) == 4  # the last "5" is token 15
+    assert limit(["99"]) == 20  # no breaker: the whole context
+    # "3456789012345678" (tokens 3-18) starts before the last 16 tokens and ends after the
+    # last "7" (token 17), so it is the one that bounds the repeat
+    assert limit(["7", "3456789012345678"]) == 1
+
+
 def test_dry_breakers_come_from_the_tokenizer(tokenizer):
-    # ":" is inside tokens ":" (4) and "::" (5); "a b" tokenises to two tokens
-    assert dry_breaker_sequences([":", "a b"], tokenizer) == [(4,), (5,), (1, 2)]
-    assert dry_breaker_sequences([":"], None) == []
+    # ":" is inside tokens ":" (4) and "::" (5); "a b" is in no single token
+    found = dry_breakers([":", "a b", ""], tokenizer)
+    assert found.strings == (":", "a b")
+    assert found.tokens == {4, 5}
+    assert found.token_texts[:3] == ("<eos>", "a", "b")
+    assert dry_breakers([":"], None) == P.DryBreakers()
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,7 @@ def build_chain(params: SamplingParams, tokenizer: Any = None) -> Chain:
     """The request's adapters, in `params.order`, as one function (logits, state) -> logits."""
     p, keep = params, params.min_tokens_to_keep
     bad = bad_word_sequences(p.bad_words, tokenizer)
-    breakers = dry_breaker_sequences(p.dry_sequence_breakers, tokenizer) if p.dry_multiplier else []
+    breakers = dry_breakers(p.dry_sequence_breakers, tokenizer if p.dry_multiplier else None)
     # name -> adapter, or None when the adapter is at its off value
     adapters: dict[str, Chain | None] = {
         "logit_bias": _on(p.logit_bias, lambda x, s: P.logit_bias(x, p.logit_bias)),
@@ -180,17 +180,13 @@ def bad_word_sequences(
     return list(dict.fromkeys(sequences))
 
 
-def dry_breaker_sequences(breakers: Sequence[str], tokenizer: Any = None) -> list[tuple[int, ...]]:
-    """DRY sequence breakers as token sequences: every token whose text contains a breaker
-    string (a single-token breaker), plus the breaker's own tokenisation when it is longer
-    than one token. Without a tokenizer there are none (REFERENCES: llama.cpp's rule)."""
-    breakers = [b for b in breakers if b]
-    if tokenizer is None or not breakers:
-        return []
+def dry_breakers(breakers: Sequence[str], tokenizer: Any = None) -> P.DryBreakers:
+    """DRY sequence breakers with the text of every token, so that `P.dry` matches them on
+    the context's text across token boundaries. Without a tokenizer there are none."""
+    if tokenizer is None or not any(breakers):
+        return P.DryBreakers()
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    sequences = [(i,) for i, text in enumerate(texts) if any(b in text for b in breakers)]
-    sequences += [ids for ids in (_encode(tokenizer, b) for b in breakers) if len(ids) > 1]
-    return sequences
+    return P.DryBreakers.from_texts(breakers, texts)
 
 
 def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:

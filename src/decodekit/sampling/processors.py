@@ -21,8 +21,11 @@ Conventions shared by the truncation adapters (top_k ... mirostat):
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -297,28 +300,45 @@ def dry_match_lengths(context: Sequence[int], limit: int) -> torch.Tensor:
     return lengths
 
 
+@dataclass(frozen=True)
+class DryBreakers:
+    """DRY sequence breakers, matched on the text of the context (llama.cpp's DRY, from
+    koboldcpp PR 982): a breaker counts wherever its characters appear, inside a token
+    (" ROMEO:" holds ":") or across tokens (" ROM" + "EO:" holds "ROMEO:"), whatever the
+    tokenisation. `token_texts[i]` is the text of token i; `tokens` are the tokens whose
+    own text contains a breaker (llama.cpp's single-token breakers), never penalised."""
+
+    strings: tuple[str, ...] = ()
+    token_texts: tuple[str, ...] = ()
+    tokens: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_texts(cls, strings: Sequence[str], token_texts: Sequence[str]) -> DryBreakers:
+        strings = tuple(dict.fromkeys(s for s in strings if s))
+        tokens = frozenset(i for i, text in enumerate(token_texts) if any(s in text for s in strings))
+        return cls(strings, tuple(token_texts), tokens)
+
+
 def dry(
     logits: torch.Tensor,
     contexts: Sequence[Sequence[int]],
     multiplier: float,
     base: float,
     allowed_length: int,
-    breakers: Sequence[Sequence[int]] = (),
+    breakers: DryBreakers = DryBreakers(),
 ) -> torch.Tensor:
     """DRY, "don't repeat yourself" (llama.cpp's rule).
 
     A token that would extend a repeat of length L >= allowed_length (the longest suffix
     of the context that also occurs earlier, followed there by this token) loses
-    multiplier * base ** (L - allowed_length). A repeat never reaches back past the last
-    sequence breaker (`breakers`: token sequences) in the context, and a single-token
-    breaker is never penalised itself.
+    multiplier * base ** (L - allowed_length). A repeat never reaches back to a token that
+    holds (part of) the last sequence breaker in the context's text, and a token whose
+    own text contains a breaker is never penalised itself.
     """
-    single = {seq[0] for seq in breakers if len(seq) == 1}  # often thousands of tokens
-    multi = [list(seq) for seq in breakers if len(seq) > 1]
     max_exponent = int(_LOG_FLOAT_MAX / math.log(base)) if base > 1.000001 else 0
     out = logits.clone()
     for row, context in enumerate(contexts):
-        limit = _dry_repeat_limit(context, single, multi)
+        limit = _dry_repeat_limit(context, breakers)
         if len(context) <= allowed_length or limit < allowed_length:
             continue
         longest: dict[int, int] = {}  # next token -> longest repeat it would extend
@@ -327,7 +347,7 @@ def dry(
             token, length = context[j + 1], int(lengths[j])
             longest[token] = max(length, longest.get(token, 0))
         for token, length in longest.items():
-            if token in single:
+            if token in breakers.tokens:
                 continue
             exponent = length - allowed_length
             if max_exponent > 0:
@@ -336,11 +356,25 @@ def dry(
     return out
 
 
-def _dry_repeat_limit(context: Sequence[int], single: set[int], multi: list[list[int]]) -> int:
-    """Tokens after the most recent sequence breaker (the whole context when none)."""
-    for end in range(len(context), 0, -1):  # a breaker ending at context[end - 1]
-        if context[end - 1] in single or any(
-            len(seq) <= end and list(context[end - len(seq) : end]) == seq for seq in multi
-        ):
-            return len(context) - end
-    return len(context)
+def _dry_repeat_limit(context: Sequence[int], breakers: DryBreakers) -> int:
+    """Tokens after the last one that holds the end of a breaker in the context's text (the
+    whole context when none). The text is searched in windows growing back from the end;
+    the last breaker found is final once it ends `longest` or more characters into the
+    window, since a breaker that starts before the window ends sooner than that."""
+    if not breakers.strings:
+        return len(context)
+    longest = max(map(len, breakers.strings))
+    vocab = breakers.token_texts
+    size = 16
+    while True:
+        start = max(len(context) - size, 0)
+        texts = [vocab[t] if t < len(vocab) else "" for t in context[start:]]
+        text = "".join(texts)
+        ends = [at + len(s) for s in breakers.strings if (at := text.rfind(s)) >= 0]
+        if ends and (max(ends) >= longest or start == 0):
+            # the token holding character max(ends) - 1
+            token = bisect.bisect_left(list(itertools.accumulate(map(len, texts))), max(ends))
+            return len(texts) - 1 - token
+        if start == 0:
+            return len(context)
+        size *= 4
