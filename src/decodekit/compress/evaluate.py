@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -25,6 +25,11 @@ from decodekit.models.base import LanguageModel
 from decodekit.models.registry import ASSETS
 
 TEST_TEXT = ASSETS / "data" / "shakespeare_test.txt"
+# The held-out plays shipped with the package (MODELS.md): the one perplexity protocol of
+# MODELS.md, registry.json and `decodekit models` is `text_perplexity` with its defaults on
+# one of these, which is what `decodekit eval perplexity MODEL [--split val]` runs.
+HELD_OUT = {"test": TEST_TEXT, "val": ASSETS / "data" / "shakespeare_val.txt"}
+EOS_MARKER = "<|endoftext|>"
 # Default window: the model's context, at most this (GPTQ and SparseGPT score WikiText-2
 # in 2048-token windows; a k-gram model's context is unbounded).
 MAX_DEFAULT_WINDOW = 2048
@@ -37,9 +42,17 @@ class PerplexityResult:
     tokens: int  # tokens scored
     window: int
     stride: int
+    characters: int | None = None  # characters of the text, when scored from text
+
+    @property
+    def bits_per_char(self) -> float | None:
+        """Total negative log-likelihood in bits over the text's characters."""
+        if not self.characters:
+            return None
+        return self.nll * self.tokens / math.log(2) / self.characters
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"bits_per_char": self.bits_per_char}
 
 
 def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -111,11 +124,16 @@ def text_perplexity(
     window: int | None = None,
     stride: int | None = None,
     batch_tokens: int = 4096,
+    split: str = "test",
 ) -> PerplexityResult:
-    """`perplexity` of `text` (default: the shipped held-out Shakespeare test split) tokenised
-    by the model's own tokenizer."""
-    text = TEST_TEXT.read_text() if text is None else text
-    return perplexity(model, model.encode(text), window, stride, batch_tokens)
+    """`perplexity` of `text` tokenised by the model's own tokenizer; without a text, of the
+    shipped held-out Shakespeare `split` ("test" or "val"). Characters exclude EOS markers."""
+    if text is None:
+        if split not in HELD_OUT:
+            raise ValueError(f"split must be one of {sorted(HELD_OUT)}, got {split!r}")
+        text = HELD_OUT[split].read_text()
+    result = perplexity(model, model.encode(text), window, stride, batch_tokens)
+    return replace(result, characters=len(text.replace(EOS_MARKER, "")))
 
 
 @torch.inference_mode()
