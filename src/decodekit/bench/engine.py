@@ -142,7 +142,7 @@ def bench_engine(
         results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens)}
     if "shared_prefix" in scenarios:
         samples, generated = 16, 128
-        length = min(512, model.max_context - generated - 1)  # the prompt and its samples fit
+        length = min(512, model.max_context - generated)  # the prompt and its samples fit
         [prompt] = prompts_from_text(model, 1, [length])
         params = dk.SamplingParams(max_new_tokens=generated, n=samples, seed=0, ignore_eos=True)
         stats = {}
