@@ -48,7 +48,7 @@ def test_generate_json_on_a_local_checkpoint(tiny_llama_dir):
     out = run_cli("generate", "ROMEO:", "--model", str(tiny_llama_dir), "--max-new-tokens", "5",
                   "--seed", "1", "--n", "2", "--json")
     assert out.returncode == 0, out.stderr
-    completions = json.loads(out.stdout)
+    completions = [json.loads(line) for line in out.stdout.splitlines()]  # one compact line each
     assert len(completions) == 2
     assert all(len(c["token_ids"]) <= 5 for c in completions)
 

@@ -24,7 +24,7 @@ def test_compress_then_generate_from_the_directory(tiny_llama_dir, tmp_path, cap
     assert report["memory_bytes_after"] < report["memory_bytes_before"]
     assert report["disk_bytes"] == (out / "model.compressed.safetensors").stat().st_size
     # The directory is a model for every command that takes one.
-    [completion] = cli_json(capsys, "generate", "ROMEO:", "--model", str(out), "--max-new-tokens",
+    completion = cli_json(capsys, "generate", "ROMEO:", "--model", str(out), "--max-new-tokens",
                             "6", "--strategy", "greedy")  # fmt: skip
     assert len(completion["token_ids"]) == 6 or completion["finish_reason"] == "stop"
     assert completion["usage"]["prompt_tokens"] == len(load_model(out).encode("ROMEO:"))

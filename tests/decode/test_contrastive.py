@@ -209,7 +209,7 @@ def test_embedded_pair_runs_from_the_cli(capsys):
     if not {"shakespeare", "shakespeare-draft"} <= set(embedded_models()):
         pytest.skip("the embedded shakespeare models are not installed")
     code = main(["generate", "ROMEO:\n", "--strategy", "contrastive", "--max-new-tokens", "8", "--json"])
-    [c] = json.loads(capsys.readouterr().out)
+    [c] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # one per line
     assert code == 0 and len(c["token_ids"]) <= 8
     expert, amateur = dk.load_model("shakespeare"), dk.load_model("shakespeare-draft")
     cd = ContrastiveLM(expert, amateur)  # alpha 0.1, as the CLI's default

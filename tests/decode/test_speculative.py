@@ -483,12 +483,12 @@ def test_cli_speculative_equals_plain_greedy(tiny_llama_dir, capsys):
     base = ["generate", "ROMEO: But soft", "--model", str(tiny_llama_dir), "--strategy", "greedy",
             "--max-new-tokens", "10", "--json"]  # fmt: skip
     assert main(base) == 0
-    plain = json.loads(capsys.readouterr().out)
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # one per line
     for extra in (["--speculative", "prompt-lookup", "--gamma", "3", "--verify", "token"],
                   ["--speculative", str(tiny_llama_dir), "--adaptive-gamma"]):
         assert main(base + extra) == 0
         out = capsys.readouterr()
-        assert json.loads(out.out)[0]["token_ids"] == plain[0]["token_ids"]
+        assert json.loads(out.out)["token_ids"] == plain[0]["token_ids"]
         stats = json.loads(out.err)["speculative"]
         assert stats["emitted_tokens"] == len(plain[0]["token_ids"])
     assert stats["acceptance_rate"] == 1.0  # the target drafting for itself

@@ -33,6 +33,7 @@ from decodekit.align.controlled import (
 from decodekit.align.soft_bon import soft_bon_pmf
 from decodekit.align.tilt import tilt
 from decodekit.align.value import PrefixValue, train_cdq, train_fudge
+from decodekit.optional import require
 
 __all__ = ["FrontierConfig", "alignment_frontier", "plot_frontier", "table"]
 
@@ -144,8 +145,7 @@ def table(report: dict) -> str:
 
 
 def plot_frontier(report: dict, path) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "eval", "plotting")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

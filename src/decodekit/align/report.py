@@ -27,6 +27,7 @@ from decodekit.align.bon import (
     bon_win_rate_bound,
 )
 from decodekit.align.pmf import check_n, check_pmf, check_rewards
+from decodekit.optional import require
 
 __all__ = ["bon_report", "plot_bon"]
 
@@ -63,7 +64,7 @@ def plot_bon(p, r, n_max: int, path: str | Path) -> Path:
     """Plot KL (exact, bound, estimate) and win rate (exact, bound) against n = 1..n_max."""
     # Lazy: matplotlib is an optional dependency (extra "eval"). A bare Figure needs no
     # pyplot and no global backend switch.
-    from matplotlib.figure import Figure
+    Figure = require("matplotlib.figure", "eval", "plotting").Figure
 
     rows = bon_report(p, r, n_max, curve=True)["curve"]
     ns = [row["n"] for row in rows]

@@ -36,19 +36,13 @@ from weakref import WeakKeyDictionary
 import torch
 
 from decodekit.models.base import LanguageModel
+from decodekit.optional import require
 
 NEG_INF = float("-inf")
 
 
 def _llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise ImportError(
-            "constrained decoding and token healing need llguidance: "
-            "pip install 'decodekit[constrained]'"
-        ) from None
-    return llguidance
+    return require("llguidance", "constrained", "constrained decoding and token healing")
 
 
 class TokenMask(Protocol):

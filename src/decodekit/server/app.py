@@ -23,9 +23,14 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
+from decodekit.optional import missing, require
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+except ImportError as error:
+    raise missing(error.name or "fastapi", "server", "the server") from None
 
 from decodekit.completion import Completion, Usage
 from decodekit.server import protocol, responses
@@ -273,7 +278,7 @@ class ServerThread:
     """
 
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
+        uvicorn = require("uvicorn", "server", "the server")
 
         config = uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=1)
@@ -299,9 +304,7 @@ class ServerThread:
         self.thread.join(10)
 
 
-def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, config=None) -> None:
-    """`decodekit serve`: load the models and answer until interrupted."""
-    import uvicorn
-
-    backend = Backend(load_models(models), config)
+def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """`decodekit serve`: answer until interrupted (the CLI loads the models: `load_models`)."""
+    uvicorn = require("uvicorn", "server", "the server")
     uvicorn.run(create_app(backend), host=host, port=port, log_level="info")

@@ -1,0 +1,44 @@
+"""`decodekit compress MODEL --method ... --out DIR`: quantise or prune, save a loadable directory."""
+
+from __future__ import annotations
+
+import json
+
+from decodekit.cli.common import add_threads, check_out_dir, set_threads
+
+
+def add_compress(sub) -> None:
+    p = sub.add_parser("compress", help="quantise or prune a model's Linear layers and save it")
+    p.add_argument("model", help="embedded model name or local Llama-family directory")
+    p.add_argument("--method", required=True, help="rtn|gptq (quantise) or magnitude|sparsegpt (prune)")
+    p.add_argument("--bits", type=int, default=None, help="2..8 (default 8 for rtn, 4 for gptq)")
+    p.add_argument("--group", type=int, default=None, help="inputs per scale (default: per channel)")
+    p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing Hessian diag")
+    p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
+    p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
+    p.add_argument("--calib", type=int, default=128, help="calibration windows (gptq, sparsegpt)")
+    p.add_argument("--calib-len", type=int, default=None, help="tokens per window (default: context)")
+    p.add_argument("--calib-file", default=None, help="calibration text (default: Shakespeare val)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    add_threads(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run_compress)
+
+
+def run_compress(args) -> None:
+    from decodekit.compress.recipe import CompressConfig, compress_to_dir
+
+    config = CompressConfig(
+        args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
+        sparsity=args.sparsity, n_m=args.n_m, calib_windows=args.calib, calib_length=args.calib_len,
+    )
+    check_out_dir(args.out)  # before minutes of calibration, not after
+    set_threads(args)  # the model loads inside compress_to_dir; None picks for a small model
+    report = compress_to_dir(args.model, config, args.out, args.calib_file)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    mb = 1e6
+    print(f"{report['model']} -> {report['out']} ({report['label']}, {report['layers']} layers): "
+          f"{report['memory_bytes_before'] / mb:.2f} MB -> {report['memory_bytes_after'] / mb:.2f} MB "
+          f"in memory, {report['disk_bytes'] / mb:.2f} MB on disk")

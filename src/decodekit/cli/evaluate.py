@@ -1,0 +1,160 @@
+"""`decodekit eval arith|perplexity|alignment` (accuracy, perplexity, reward-KL frontier) and
+`decodekit align bon` (the best-of-n calculator)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from decodekit.cli.common import UsageError, add_threads, check_plot, set_threads
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="evaluations: accuracy against compute (prints a table or JSON)")
+    p.add_argument("task", choices=sorted(EVAL_TASKS))
+    p.add_argument("target", nargs="?", metavar="MODEL", help="perplexity: model (default shakespeare)")
+    p.add_argument("--text", default=None, help="perplexity: text file (default: held-out Shakespeare)")
+    p.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (context)")
+    p.add_argument("--stride", type=int, default=None, help="perplexity: window step (window / 2)")
+    p.add_argument("--strategies", default="all",
+                   help="comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all)")
+    p.add_argument("--n", default="1,2,4,8,16,32", help="budgets N, comma-separated")
+    p.add_argument("--seeds", type=int, default=3, help="sampling seeds (bands in the plot)")
+    p.add_argument("--problems", type=int, default=50, help="held-out problems")
+    p.add_argument("--model", default="arith")
+    p.add_argument("--orm", default="arith-orm", help="outcome reward model (name or directory)")
+    p.add_argument("--prm", default="arith-prm", help="process reward model (name or directory)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--width", type=int, default=4, help="tree search: children per expanded node")
+    p.add_argument("--tau", type=float, default=0.2, help="REBASE softmax temperature")
+    p.add_argument("--aggregate", default="last", help="step scores: last|min|product")
+    p.add_argument("--tree-final", default="weighted_vote", help="best|vote|weighted_vote")
+    p.add_argument("--tree-max-n", type=int, default=None, help="run tree search only up to this N")
+    add_threads(p)
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--plot", default=None, help="write accuracy against tokens to FILE.png")
+    p.add_argument("--endpoint", default=None, help="generate on an OpenAI-compatible server (URL) "
+                   "serving --model (meta/remote.py)")
+    p.set_defaults(run=run_eval)
+
+
+def run_eval(args) -> None:
+    if args.target is not None and args.task != "perplexity":
+        raise UsageError(f"eval {args.task} takes no MODEL argument (use --model), got {args.target!r}")
+    EVAL_TASKS[args.task](args)
+
+
+def run_eval_arith(args) -> None:
+    from decodekit.meta.evaluate import STRATEGIES, EvalConfig, evaluate_arith, plot, table
+
+    try:
+        ns = tuple(int(x) for x in args.n.split(","))
+    except ValueError:
+        raise UsageError(f"--n must be comma-separated integers, got {args.n!r}") from None
+    names = STRATEGIES if args.strategies == "all" else tuple(s.strip() for s in args.strategies.split(","))
+    config = EvalConfig(
+        strategies=names, ns=ns, seeds=args.seeds, problems=args.problems,
+        temperature=args.temperature, width=args.width, tau=args.tau, aggregate=args.aggregate,
+        tree_final=args.tree_final, tree_max_n=args.tree_max_n, model=args.model, orm=args.orm,
+        prm=args.prm,
+    )
+    check_plot(args.plot)
+    set_threads(args)  # the models load inside evaluate_arith; None picks for a small model
+    progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
+    generator = None
+    if args.endpoint:
+        from decodekit.meta.remote import RemoteGenerator
+
+        generator = RemoteGenerator(args.endpoint, args.model)
+    report = evaluate_arith(config, generator=generator, progress=progress)
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print("accuracy (generated tokens per problem)")
+    print(table(report))
+    if args.plot:
+        print(f"plot: {args.plot}")
+
+
+def run_eval_perplexity(args) -> None:
+    """Held-out per-token perplexity in strided windows (compress/evaluate.py)."""
+    from pathlib import Path
+
+    import decodekit as dk
+    from decodekit.compress.evaluate import TEST_TEXT, text_perplexity
+
+    name = args.target or (args.model if args.model != "arith" else "shakespeare")
+    text_path = Path(args.text) if args.text else TEST_TEXT
+    model = dk.load_model(name)
+    set_threads(args, model)
+    result = text_perplexity(model, text_path.read_text(), args.window, args.stride)
+    if args.json:
+        print(json.dumps({"model": name, "text": str(text_path), **result.to_dict()}, indent=1))
+        return
+    print(f"{name}: perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token over "
+          f"{result.tokens} tokens of {text_path.name}; window {result.window}, stride {result.stride})")
+
+
+def run_eval_alignment(args) -> None:
+    """Reward–KL frontier on the Shakespeare model (align/frontier.py)."""
+    from decodekit.align.frontier import FrontierConfig, alignment_frontier, plot_frontier, table
+
+    check_plot(args.plot)
+    config = FrontierConfig(threads=set_threads(args))  # the frontier sets them around its run
+    progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
+    report = alignment_frontier(config, progress)
+    if args.plot:
+        plot_frontier(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(table(report))
+    if args.plot:
+        print(f"plot: {args.plot}")
+
+
+EVAL_TASKS = {"arith": run_eval_arith, "perplexity": run_eval_perplexity,  # `decodekit eval TASK`
+              "alignment": run_eval_alignment}
+
+
+def add_align(sub) -> None:
+    p = sub.add_parser("align", help="inference-time alignment calculators")
+    align = p.add_subparsers(dest="align_command", required=True)
+    bon = align.add_parser("bon", help="best-of-n: exact KL, bound, estimate and win rate")
+    bon.add_argument("--n", type=int, required=True, help="number of samples")
+    bon.add_argument("--p", required=True, help="base probabilities, comma-separated")
+    bon.add_argument("--r", required=True, help="rewards, comma-separated (ties allowed)")
+    bon.add_argument("--json", action="store_true", help="print JSON (with the curve 1..n)")
+    bon.add_argument("--plot", default=None, help="write KL and win rate against n to FILE.png")
+    bon.set_defaults(run=run_align_bon)
+
+
+def float_list(flag: str, text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
+def run_align_bon(args) -> None:
+    from decodekit.align.report import bon_report, plot_bon
+
+    p, r = float_list("--p", args.p), float_list("--r", args.r)
+    check_plot(args.plot)
+    report = bon_report(p, r, args.n, curve=args.json)
+    if args.plot:
+        plot_bon(p, r, args.n, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"best-of-{report['n']} over p = {report['p']}, r = {report['r']}")
+    print(f"  KL(pi_n || p)  exact     {report['kl']:.6f} nats")
+    print(f"                 bound     {report['kl_bound']:.6f}  (log n - (n-1)/n)")
+    print(f"                 estimate  {report['kl_estimate']:.6f}  (E over pi_n of D^(p(y)))")
+    print(f"                 max       {report['kl_max']:.6f}  (-log p(top reward))")
+    print(f"  win rate       exact     {report['win_rate']:.6f}  (ties count 1/2)")
+    print(f"                 bound     {report['win_rate_bound']:.6f}  (n/(n+1))")
+    if args.plot:
+        print(f"  plot: {args.plot}")

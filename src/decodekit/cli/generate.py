@@ -1,0 +1,246 @@
+"""`decodekit generate`: one prompt -> n completions (sampling, greedy, beam, contrastive,
+constrained, healed, speculative), printed as text or one JSON document per completion."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from decodekit.cli.common import UsageError, add_threads, set_threads, unescape, warn
+from decodekit.params import SamplingParams
+
+# SamplingParams fields exposed as flags: name -> type of one value.
+SAMPLING_FLAGS: dict[str, type] = {
+    "max_new_tokens": int,
+    "min_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "typical_p": float,
+    "epsilon": float,
+    "eta": float,
+    "top_n_sigma": float,
+    "min_tokens_to_keep": int,
+    "mirostat_tau": float,
+    "mirostat_eta": float,
+    "xtc_threshold": float,
+    "xtc_probability": float,
+    "dry_multiplier": float,
+    "dry_base": float,
+    "dry_allowed_length": int,
+    "repetition_penalty": float,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "no_repeat_ngram_size": int,
+    "seed": int,
+    "logprobs": int,
+}
+STRATEGIES = ("greedy", "sample", "beam", "contrastive")
+CONSTRAINT_FLAGS = ("json_schema", "regex", "grammar", "choices")
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="shakespeare", help="embedded model name or local directory")
+    p.add_argument("--strategy", default="sample", help="|".join(STRATEGIES))
+    p.add_argument("--n", type=int, default=1, help="samples (or beams returned) per prompt")
+    for name, kind in SAMPLING_FLAGS.items():
+        if name != "seed":
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None,
+                   help=r"stop string (repeatable); escapes are interpreted: \n \t \r \\ \xHH \uHHHH, "
+                   r"so --stop '\n\n' stops at a blank line")
+    p.add_argument("--order", default=None, help="comma-separated adapter order")
+    p.add_argument("--num-beams", type=int, default=4)
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print each completion as one JSON line")
+    add_threads(p)
+    add_structure_flags(p)
+    add_speculative_flags(p)
+    p.set_defaults(run=run_generate)
+
+
+def add_speculative_flags(p) -> None:
+    spec = p.add_argument_group("speculative decoding (decode/speculative.py)")
+    spec.add_argument("--speculative", nargs="?", const="auto", default=None, metavar="DRAFT",
+                      help="draft with DRAFT: a model name or directory, or 'prompt-lookup'; "
+                      "alone (after the prompt): the target's '-draft' model")
+    spec.add_argument("--gamma", type=int, default=4, help="draft tokens per target call")
+    spec.add_argument("--verify", choices=["block", "token"], default="block")
+    spec.add_argument("--adaptive-gamma", action="store_true",
+                      help="gamma +2 after a fully accepted draft, -1 otherwise")
+
+
+def add_structure_flags(p) -> None:
+    """Contrastive decoding, constraints and token healing (decode/contrastive.py, constrained.py,
+    healing.py)."""
+    cd = p.add_argument_group("contrastive decoding: --strategy contrastive (greedy on CD scores), "
+                              "or --amateur with any strategy")
+    cd.add_argument("--amateur", default=None, help="amateur model (default: shakespeare-draft)")
+    cd.add_argument("--alpha", type=float, default=None, help="plausibility cut (default 0.1)")
+    cd.add_argument("--amateur-temperature", type=float, default=None)
+    cd.add_argument("--amateur-window", type=int, default=None, help="amateur sees the last W tokens")
+    cd.add_argument("--amateur-weight", type=float, default=None, help="beta: p_e / p_a^beta")
+    structure = p.add_argument_group("structured output (at most one; a completion that runs out of "
+                                     "tokens first ends with finish reason 'length' and a warning)")
+    structure.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
+    structure.add_argument("--regex", help="regular expression the output must match")
+    structure.add_argument("--grammar", metavar="FILE", help="Lark grammar file")
+    structure.add_argument("--choices", help="comma-separated options: the output is one of them")
+    p.add_argument("--heal", action="store_true", help="token healing of the prompt's last token")
+
+
+def generation_model(args):
+    """The model, or a ContrastiveLM of it against --amateur for contrastive decoding."""
+    import decodekit as dk
+
+    knobs = {"alpha": args.alpha, "amateur_temperature": args.amateur_temperature,
+             "amateur_window": args.amateur_window, "amateur_weight": args.amateur_weight}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if args.amateur is None and args.strategy != "contrastive" and knobs:
+        raise UsageError(f"--{next(iter(knobs)).replace('_', '-')} needs --amateur or "
+                         "--strategy contrastive")
+    model = dk.load_model(args.model)
+    if args.amateur is None and args.strategy != "contrastive":
+        return model
+    return dk.ContrastiveLM(model, dk.load_model(args.amateur or "shakespeare-draft"), **knobs)
+
+
+def constraint_from(args):
+    """The constraint of --json-schema, --regex, --grammar or --choices, or None."""
+    from pathlib import Path
+
+    given = [name for name in CONSTRAINT_FLAGS if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise UsageError("give at most one of --json-schema, --regex, --grammar, --choices")
+    if not given:
+        return None
+    import decodekit as dk
+
+    if args.json_schema is not None:
+        return dk.JsonSchema(Path(args.json_schema).read_text())
+    if args.regex is not None:
+        return dk.Regex(args.regex)
+    if args.grammar is not None:
+        return dk.Grammar(Path(args.grammar).read_text())
+    return dk.Choices([c for c in args.choices.split(",") if c] if args.choices else [])
+
+
+def sampling_params(args) -> SamplingParams:
+    values = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if args.stop:
+        values["stop"] = tuple(unescape("--stop", stop) for stop in args.stop)
+    if args.order:
+        values["order"] = tuple(s.strip() for s in args.order.split(","))
+    values["n"] = args.n
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
+    if args.strategy in ("greedy", "contrastive"):
+        if values.get("temperature", 0.0) != 0.0:
+            raise UsageError(f"--strategy {args.strategy} takes no --temperature (it is 0)")
+        values["temperature"] = 0.0
+    return SamplingParams(**values)
+
+
+def run_generate(args) -> None:
+    import decodekit as dk
+
+    params = sampling_params(args)
+    mask = {"constraint": constraint_from(args), "heal": args.heal}
+    check_combination(args, params, mask)
+    model = generation_model(args)
+    set_threads(args, model)
+    warn_beyond_context(args, model, params)
+    if args.speculative is not None:
+        result = dk.speculative_generate(model, args.speculative, args.prompt, params,
+                                         num_draft_tokens=args.gamma, verify=args.verify,
+                                         adaptive=args.adaptive_gamma)
+        print(json.dumps({"speculative": result.stats.as_dict()}), file=sys.stderr)
+        completions = result.completions
+    elif args.strategy == "beam":
+        completions = dk.beam_search(
+            model, args.prompt, params, num_beams=args.num_beams, length_penalty=args.length_penalty,
+            **mask,
+        )
+    elif args.stream and not args.json:
+        completions = [stream_one(model, args.prompt, params, mask)]
+    else:
+        completions = dk.generate(model, args.prompt, params, **mask)
+    if args.json:
+        for c in completions:
+            print(json.dumps(completion_json(c)))
+    elif not args.stream:  # (a streamed sample is printed already)
+        for i, c in enumerate(completions):
+            if len(completions) > 1:
+                score = f" score={c.score:.4f}" if c.score is not None else ""
+                print(f"--- sample {i} ({c.finish_reason}{score})")
+            print(args.prompt + c.text)
+    if mask["constraint"] is not None:
+        warn_incomplete(args, model, params, completions)
+
+
+def check_combination(args, params: SamplingParams, mask: dict) -> None:
+    """Flags that cannot go together, refused before any model is loaded."""
+    if args.speculative is not None and (
+        args.stream or args.strategy not in ("greedy", "sample") or any(mask.values())
+    ):
+        raise UsageError("--speculative works with --strategy greedy or sample, without --stream, "
+                         "constraints or --heal")
+    if args.stream and args.strategy == "beam":
+        raise UsageError("--stream works with --strategy greedy or sample, not beam")
+    if args.stream and not args.json and params.n != 1:
+        raise UsageError(f"--stream prints one sample, so --n must be 1, got {params.n}")
+
+
+def stream_one(model, prompt: str, params: SamplingParams, mask: dict):
+    """Print the prompt and then the text as it is accepted; returns the completion."""
+    from decodekit.decode.sample import stream_events
+
+    sys.stdout.write(prompt)
+    completion = None
+    for delta in stream_events(model, [prompt], params, **mask):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        completion = delta.completion or completion
+    sys.stdout.write("\n")
+    return completion
+
+
+def warn_beyond_context(args, model, params: SamplingParams) -> None:
+    """max_new_tokens past the room the context leaves is capped by the decoders: say so."""
+    prompt_tokens = len(model.encode(args.prompt))
+    room = model.max_context - prompt_tokens
+    if 0 < room < params.max_new_tokens:
+        warn(args, f"--max-new-tokens {params.max_new_tokens} is more than the context leaves "
+             f"({model.max_context} tokens, {prompt_tokens} in the prompt): at most {room} will be generated")
+
+
+def warn_incomplete(args, model, params: SamplingParams, completions) -> None:
+    """A constrained completion that ran out of tokens is an unfinished prefix: say so."""
+    cut = [i for i, c in enumerate(completions) if c.finish_reason == "length"]
+    if not cut:
+        return
+    which = "the output is" if len(completions) == 1 else f"sample(s) {', '.join(map(str, cut))} are"
+    limit = f"--max-new-tokens {params.max_new_tokens}"
+    if all(len(completions[i].token_ids) < params.max_new_tokens for i in cut):
+        limit = f"the model's context ({model.max_context} tokens)"
+    warn(args, f"{which} incomplete: generation reached {limit} before the constraint was complete "
+         "(finish reason 'length')")
+
+
+def completion_json(c) -> dict:
+    return {
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "processed_logprobs": c.processed_logprobs,
+        "top_logprobs": c.top_logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "score": c.score,
+        "usage": {"prompt_tokens": c.usage.prompt_tokens, "completion_tokens": c.usage.completion_tokens},
+    }
