@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import decodekit as dk
+from decodekit.models.base import Cache, LanguageModel
 
 
 def exhaustive(model, prompt, max_len, alpha):
@@ -67,3 +68,98 @@ def test_beam_bad_input(tiny_lm):
         dk.beam_search(tiny_lm, "a", num_beams=0)
     with pytest.raises(ValueError, match="n must be <= num_beams"):
         dk.beam_search(tiny_lm, "a", dk.SamplingParams(n=5), num_beams=2)
+
+
+class BigramLM(LanguageModel):
+    """Next-token log-probs that depend on the last token only: a table small enough to
+    work beam search out by hand."""
+
+    name, tokenizer, max_context = "bigram", None, 64
+
+    def __init__(self, table):
+        self.logp = torch.tensor(table).log()  # [V, V]: row = last token
+        self.vocab_size = self.logp.shape[0]
+        self.eos_token_ids = (0,)
+
+    def new_cache(self, batch_size):
+        return NoCache()
+
+    def forward(self, tokens, cache, mask=None):
+        return self.logp[tokens]  # [B, T, V]
+
+
+class NoCache(Cache):
+    length = 0
+
+    def fork(self, rows):
+        return NoCache()
+
+    def select(self, rows):
+        pass
+
+    def crop(self, length):
+        pass
+
+
+def test_only_the_top_num_beams_candidates_may_finish():
+    # Tokens: 0 EOS, 1 a, 2 b, 3 the prompt. Two beams.
+    lm = BigramLM([
+        [1.0, 0.0, 0.0, 0.0],
+        [0.4, 0.5, 0.1, 0.0],  # after a
+        [0.5, 0.3, 0.2, 0.0],  # after b
+        [0.0, 0.6, 0.4, 0.0],  # after the prompt
+    ])
+    # Step 1: beams a (.6), b (.4). Step 2 ranks the candidates a a (.30), a EOS (.24),
+    # b EOS (.20), b a (.12): b EOS ranks third, outside the top two, so it may not finish
+    # (Hugging Face, fairseq) although a live beam is still missing when it is reached.
+    # Step 3: a a a (.15), a a EOS (.12) ranks second and finishes the second hypothesis.
+    for alpha in (0.0, 1.0):
+        out = dk.beam_search(lm, [[3]], dk.SamplingParams(max_new_tokens=8, n=2),
+                             num_beams=2, length_penalty=alpha, early_stopping=True)[0]
+        expected = sorted([(math.log(0.24) / 2**alpha, [1, 0]), (math.log(0.12) / 3**alpha, [1, 1, 0])],
+                          reverse=True)  # alpha = 1: -0.7068 for a a EOS beats -0.7136 for a EOS
+        assert [c.token_ids for c in out] == [ids for _, ids in expected]
+        assert [c.score for c in out] == pytest.approx([s for s, _ in expected], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def shakespeare_hf():
+    """The shipped model through transformers, so decodekit and `generate` see the same logits."""
+    from decodekit.models.registry import load_model
+
+    return load_model("shakespeare", backend="hf")
+
+
+def hf_beam_search(lm, prompt_ids, eos, num_beams, n, alpha, early_stopping, max_new_tokens):
+    """transformers' beam search: generated ids (up to the first EOS) and sequences_scores."""
+    out = lm.model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        do_sample=False, num_beams=num_beams, num_return_sequences=n, length_penalty=alpha,
+        early_stopping=early_stopping, max_new_tokens=max_new_tokens, eos_token_id=eos,
+        pad_token_id=lm.eos_token_ids[0], output_scores=True, return_dict_in_generate=True,
+    )
+    found = []
+    for ids, score in zip(out.sequences[:, len(prompt_ids):].tolist(), out.sequences_scores.tolist()):
+        found.append((ids[: ids.index(eos) + 1] if eos in ids else ids, score))  # cut the padding
+    return found
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 2.0])
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_beam_search_equals_transformers(shakespeare_hf, alpha, early_stopping):
+    # "\n" is the EOS on both sides: frequent enough that hypotheses finish at every step.
+    # decodekit's early_stopping=False is the exact bound, transformers' "never" (its False
+    # is a heuristic that may stop before a live beam could still win).
+    lm = shakespeare_hf
+    [eos] = lm.tokenizer.encode("\n", add_special_tokens=False)
+    hf_stopping = True if early_stopping else "never"
+    cases = [("the sun", 4, 4, 16), ("HAMLET:\nTo be", 4, 4, 16), ("KING:", 3, 2, 6)]
+    for prompt, num_beams, n, max_new_tokens in cases:
+        ids = lm.encode(prompt)
+        expected = hf_beam_search(lm, ids, eos, num_beams, n, alpha, hf_stopping, max_new_tokens)
+        params = dk.SamplingParams(max_new_tokens=max_new_tokens, n=n, stop_token_ids=(eos,),
+                                   ignore_eos=True)
+        out = dk.beam_search(lm, [ids], params, num_beams=num_beams, length_penalty=alpha,
+                             early_stopping=early_stopping)[0]
+        assert [c.token_ids for c in out] == [ids for ids, _ in expected], prompt
+        assert [c.score for c in out] == pytest.approx([s for _, s in expected], abs=1e-4), prompt

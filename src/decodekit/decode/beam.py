@@ -1,15 +1,21 @@
 """Beam search with length normalisation (seeds 003, 004).
 
-Keeps the `num_beams` best prefixes by summed log-probability. A hypothesis that
-emits EOS (or a stop token) leaves the beam with score Σ log p / |y|^α, where |y|
-counts generated tokens only, the final EOS included (counting the prompt is a
-bug once reported against Hugging Face). The adapter chain of `SamplingParams`
-is applied before scoring, so n-gram blocking (`no_repeat_ngram_size`), bad
-words, logit bias and penalties work; temperature is ignored (set to 1).
+Keeps the `num_beams` best prefixes by summed log-probability. Each step ranks the
+2 * num_beams best continuations; one that emits EOS (or a stop token) among the top
+`num_beams` of them leaves the beam with score Σ log p / |y|^α, where |y| counts
+generated tokens only, the final EOS included (counting the prompt is a bug once
+reported against Hugging Face). Lower-ranked EOS candidates are dropped: they only
+make room for live beams, as in Hugging Face and fairseq (at the last step every
+top-`num_beams` continuation finishes, with reason "length").
+
+The adapter chain of `SamplingParams` is applied before scoring, so n-gram blocking
+(`no_repeat_ngram_size`), bad words, logit bias and penalties work; temperature is
+ignored (set to 1).
 
 early_stopping=True stops once `num_beams` hypotheses have finished (the usual
 choice); False stops only when no live beam can still beat the worst kept
-hypothesis, which makes a wide enough beam equal exhaustive search.
+hypothesis, which makes a wide enough beam equal exhaustive search (transformers'
+early_stopping="never"; its False is a heuristic that may stop sooner).
 
 A token mask (`constraint=` or `heal=`, as in `generate`) is applied before the chain; a
 hypothesis whose constraint is complete leaves the beam like one that emits EOS.
@@ -95,11 +101,14 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask,
         scores = torch.log_softmax(processed, dim=-1)
         raw = torch.log_softmax(logits, dim=-1)
         totals = torch.tensor([b.total for b in beams])[:, None] + scores  # [K, V]
-        k = min(2 * num_beams, int(torch.isfinite(totals).sum()))
-        best = totals.flatten().topk(k)
+        # 2K candidates (one more K per extra stop token, as Hugging Face keeps) leave at least
+        # K that do not stop, to refill the live beams.
+        width = max(2, 1 + len(stop_ids)) * num_beams
+        best = totals.flatten().topk(min(width, int(torch.isfinite(totals).sum())))
         vocab = totals.shape[1]
+        last = step + 1 == max_steps  # every candidate stops: out of length
         parents, tokens, next_beams = [], [], []
-        for flat in best.indices.tolist():
+        for rank, flat in enumerate(best.indices.tolist()):
             parent, token = divmod(flat, vocab)
             beam = beams[parent]
             grown = Hypothesis(
@@ -107,21 +116,27 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask,
                 beam.logprobs + [float(raw[parent, token])],
                 beam.scores + [float(scores[parent, token])],
             )
-            if token in stop_ids and len(grown.tokens) > params.min_new_tokens or (
+            ends = token in stop_ids and len(grown.tokens) > params.min_new_tokens or (
                 mask is not None and token not in stop_ids and mask.completes(parent, token)
-            ):
-                grown.finish_reason = "stop"  # EOS, a stop token, or a complete constraint
-                grown.stop_reason = token if token in stop_ids else None
-                finished = _keep_best(finished + [grown], num_beams, alpha)
+            )
+            if ends or last:
+                # A hypothesis finishes only from the top num_beams candidates (Hugging Face's
+                # `_update_finished_beams`, fairseq's `finalize_hypos` over the first beam_size);
+                # the candidates below are only there to refill the live beams.
+                if rank < num_beams:
+                    if ends:
+                        grown.finish_reason = "stop"  # EOS, a stop token, or a complete constraint
+                        grown.stop_reason = token if token in stop_ids else None
+                    finished = _keep_best(finished + [grown], num_beams, alpha)
             elif token not in stop_ids:
                 parents.append(parent)
                 tokens.append(token)
                 next_beams.append(grown)
-            if len(next_beams) == num_beams:
+            if len(next_beams) == num_beams or (last and rank + 1 == num_beams):
                 break
         beams = next_beams
         if not beams or _done(finished, beams, num_beams, alpha, early_stopping, step + 1, max_steps):
-            beams = []  # stopped early: live beams cannot beat the finished hypotheses
+            beams = []  # out of length, or stopped early: live beams cannot beat the finished ones
             break
         cache.select(parents)
         state.select_rows(parents)
@@ -130,8 +145,6 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask,
         if mask is not None:
             mask.select_rows(parents)
             mask.accept(chosen)
-        if step + 1 == max_steps:
-            break  # out of length: live beams finish with reason "length"
         logits = model.forward(chosen[:, None], cache)[:, -1, :]  # [K, V]
     finished = _keep_best(finished + beams, num_beams, alpha)
     return [_completion(decode, h, prompt_ids, alpha) for h in finished[: params.n]]
