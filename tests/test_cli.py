@@ -3,10 +3,13 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from decodekit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, timeout=120):
@@ -77,3 +80,117 @@ def test_align_bon_bad_p_is_one_line(capsys):
     assert main(["align", "bon", "--n", "4", "--p", "0.5,0.6", "--r", "0,1"]) == 2
     err = capsys.readouterr().err
     assert "p must sum to 1" in err and err.count("\n") == 1
+
+
+def test_a_bad_typed_value_is_one_line_not_the_usage():
+    out = run_cli("generate", "x", "--seed", "abc")
+    assert out.returncode == 2
+    assert out.stderr == "decodekit generate: error: argument --seed: invalid int value: 'abc'\n"
+    out = run_cli("generate")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "usage" not in out.stderr
+
+
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("decodekit 0.")
+
+
+def test_stop_escapes():
+    from decodekit.cli.common import UsageError, unescape
+
+    assert unescape("--stop", r"\n\n") == "\n\n"
+    assert unescape("--stop", r"a\tb\\n\r") == "a\tb\\n\r"
+    assert unescape("--stop", r"\u00e9\x41\U0001F600é") == "éA😀é"
+    for bad in (r"\q", "trailing\\", r"\x4"):
+        with pytest.raises(UsageError, match="unknown escape"):
+            unescape("--stop", bad)
+
+
+def test_json_is_one_compact_line_per_completion(tiny_llama_dir, capsys):
+    assert main(["generate", "ROMEO:", "--model", str(tiny_llama_dir), "--max-new-tokens", "4",
+                 "--n", "3", "--seed", "0", "--json", "--stop", r"\n"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(line.startswith('{"text": ') for line in lines)
+    assert all("\n" not in json.loads(line)["text"] for line in lines)  # --stop "\n" is a newline
+
+
+def test_max_new_tokens_beyond_the_context_warns(tiny_llama_dir, capsys):
+    assert main(["generate", "ROMEO:", "--model", str(tiny_llama_dir), "--max-new-tokens", "500",
+                 "--strategy", "greedy", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "warning: --max-new-tokens 500 is more than the context leaves (96 tokens" in out.err
+    assert out.err.count("\n") == 1
+    assert json.loads(out.out)["usage"]["completion_tokens"] <= 96
+
+
+def test_threads_flag_on_every_command_that_runs_a_model(tiny_llama_dir, capsys):
+    import torch
+
+    from decodekit.cli import RUNS_A_MODEL, build_parser
+
+    parser = build_parser()
+    for command in RUNS_A_MODEL:
+        required = {"generate": ["x"], "bench": ["decode"], "eval": ["arith"],
+                    "compress": ["m", "--method", "rtn", "--out", "o"], "serve": []}[command]
+        assert parser.parse_args([command, *required, "--threads", "3"]).threads == 3
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "x", "--model", str(tiny_llama_dir), "--max-new-tokens", "2",
+                     "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+        assert main(["generate", "x", "--model", str(tiny_llama_dir), "--max-new-tokens", "2"]) == 0
+        assert torch.get_num_threads() == 1  # automatic: a small model decodes fastest on one
+    finally:
+        torch.set_num_threads(before)
+    assert main(["generate", "x", "--model", str(tiny_llama_dir), "--threads", "0"]) == 2
+    assert "threads must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_model_loading_prints_no_progress_bars(tiny_llama_dir, capsys):
+    from transformers.utils import logging
+
+    assert main(["generate", "x", "--model", str(tiny_llama_dir), "--max-new-tokens", "2"]) == 0
+    assert not logging.is_progress_bar_enabled()  # "Loading weights" bars of from_pretrained
+
+
+def test_compress_checks_its_output_directory_first(tmp_path, capsys, monkeypatch):
+    import decodekit.compress.recipe as recipe
+
+    monkeypatch.setattr(recipe, "compress_to_dir", lambda *a, **k: pytest.fail("compressed anyway"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("x")
+    (tmp_path / "a-file").write_text("x")
+    for out, message in [(tmp_path / "full", "is not empty"), (tmp_path / "a-file", "is not a directory"),
+                         (tmp_path / "a-file" / "sub", "is a file, not a directory")]:
+        assert main(["compress", "shakespeare", "--method", "rtn", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+def test_a_missing_optional_dependency_names_the_install_command(capsys, monkeypatch, tmp_path):
+    import sys
+
+    import decodekit.meta.evaluate as evaluate
+    from decodekit.optional import MissingDependency, install_command
+
+    monkeypatch.chdir(ROOT)
+    assert install_command("server") in (".venv/bin/pip install -e '.[server]'",
+                                         f"{sys.executable} -m pip install -e '.[server]'")
+    monkeypatch.setattr(evaluate, "evaluate_arith", lambda *a, **k: pytest.fail("evaluated anyway"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["eval", "arith", "--plot", str(tmp_path / "acc.png")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"decodekit eval: error: --plot needs matplotlib, which is not installed; run: " \
+                  f"{install_command('eval')}\n"
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    import decodekit as dk
+
+    with pytest.raises(MissingDependency, match=r"install -e '\.\[constrained\]'"):
+        dk.Regex("a")
+    assert main(["generate", "x", "--regex", "a"]) == 1
+    assert "[constrained]" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    monkeypatch.delitem(sys.modules, "decodekit.server.app", raising=False)
+    assert main(["serve"]) == 1
+    err = capsys.readouterr().err
+    assert "the server needs fastapi" in err and "[server]" in err and err.count("\n") == 1

@@ -76,3 +76,17 @@ def test_heal_and_contrastive_flags(capsys, tiny_llama_dir, amateur_dir):
 def test_bad_flags_exit_2_with_one_line(capsys, tiny_llama_dir, flags, message):
     code, _, err = run(capsys, "x", "--model", tiny_llama_dir, *flags)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_a_constrained_output_cut_by_the_token_limit_is_flagged(capsys, tiny_llama_dir):
+    code, out, err = run(capsys, "ROMEO:", "--model", tiny_llama_dir, "--regex", "[a-z]{30}",
+                         "--max-new-tokens", 3, "--json")
+    assert code == 0 and json.loads(out)["finish_reason"] == "length"
+    assert err == ("decodekit generate: warning: the output is incomplete: generation reached "
+                   "--max-new-tokens 3 before the constraint was complete (finish reason 'length')\n")
+    code, out, err = run(capsys, "ROMEO:", "--model", tiny_llama_dir, "--choices", "yes,no",
+                         "--max-new-tokens", 3, "--stream")
+    assert code == 0 and out.strip() in ("ROMEO:yes", "ROMEO:no") and err == ""
+    code, out, err = run(capsys, "ROMEO:", "--model", tiny_llama_dir, "--regex", "[a-z]{30}",
+                         "--max-new-tokens", 3, "--stream")
+    assert code == 0 and "the output is incomplete" in err
