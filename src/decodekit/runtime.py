@@ -14,8 +14,10 @@ The rule and the measurements behind it are in BENCHMARKS.md, section "Threads"
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -43,15 +45,38 @@ def available_cores() -> int:
     return max(1, min(cores, limit) if limit is not None else cores)
 
 
-def choose_threads(parameters: int | None = None) -> int:
-    """Threads for a model of `parameters` weights: 1 below MULTITHREAD_MIN_PARAMETERS, else every core.
+def other_load() -> float:
+    """Cores' worth of runnable work from other processes: the 1-minute load average,
+    scaled to our share of the machine's CPUs, less our own share of it.
 
-    `parameters=None` (unknown size) counts as small: one thread is never far from the
-    best choice, while too many threads on a busy machine is ten times slower.
+    The load average is host-wide where a container sees the host's; scaling by
+    available/cpu_count assumes that load spreads evenly. Our own contribution after t
+    CPU-seconds is at most 1 - exp(-t/60) (the load average is an exponential average with
+    a 60 s time constant, exact for one thread), so it is subtracted as that: an
+    underestimate for several threads, which errs towards fewer threads.
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        return 0.0
+    scaled = load * available_cores() / (os.cpu_count() or 1)
+    own = 1.0 - math.exp(-time.process_time() / 60.0)
+    return max(0.0, scaled - own)
+
+
+def choose_threads(parameters: int | None = None) -> int:
+    """Threads for a model of `parameters` weights (BENCHMARKS.md, "Threads").
+
+    One below MULTITHREAD_MIN_PARAMETERS, and for an unknown size: one thread is never far
+    from the best there, while two on a busy core are 4-10x slower. From that size on, the
+    cores left free by other processes (`available_cores() - other_load()`, rounded), at
+    least one: a thread whose core is taken spin-waits and slows every other thread.
     """
     if parameters is None or parameters < MULTITHREAD_MIN_PARAMETERS:
         return 1
-    return available_cores()
+    cores = available_cores()
+    free = int(cores - other_load() + 0.5)
+    return max(1, min(cores, free))
 
 
 def count_parameters(model: Any) -> int | None:

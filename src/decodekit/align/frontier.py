@@ -34,6 +34,7 @@ from decodekit.align.soft_bon import soft_bon_pmf
 from decodekit.align.tilt import tilt
 from decodekit.align.value import PrefixValue, train_cdq, train_fudge
 from decodekit.optional import require
+from decodekit.runtime import progress as progress_bar
 
 __all__ = ["FrontierConfig", "alignment_frontier", "plot_frontier", "table"]
 
@@ -67,9 +68,10 @@ def _sampled(method: str, setting: str, kl: float, rewards: torch.Tensor, **extr
     return _point(method, setting, kl, float(rewards.mean()), reward_se=se, **extra)
 
 
-def alignment_frontier(config: FrontierConfig | None = None,
-                       progress: Callable[[str], None] | None = None) -> dict:
-    """Run every method once; returns {"config", "points", "seconds"} (JSON-ready)."""
+def alignment_frontier(config: FrontierConfig | None = None, progress: bool = False) -> dict:
+    """Run every method once; returns {"config", "points", "seconds"} (JSON-ready).
+    `progress` shows a bar on stderr over the stages (base samples, two value trainings,
+    each token-wise and blockwise run), the last stage's result beside it."""
     config = config or FrontierConfig()
     before = torch.get_num_threads()
     torch.set_num_threads(config.threads)
@@ -79,10 +81,20 @@ def alignment_frontier(config: FrontierConfig | None = None,
         torch.set_num_threads(before)
 
 
-def _frontier(config: FrontierConfig, progress: Callable[[str], None] | None) -> dict:
+def _frontier(config: FrontierConfig, progress: bool) -> dict:
+    stages = 3 + 2 * len(config.lams) + len(config.blocks)
+    with progress_bar(total=stages, desc="eval alignment", enabled=progress) as bar:
+
+        def say(line: str) -> None:
+            bar.set_postfix_str(line, refresh=False)
+            bar.update()
+
+        return _run_frontier(config, say)
+
+
+def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
     from decodekit.models.registry import load_model
 
-    say = progress or (lambda line: None)
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     gen = torch.Generator().manual_seed(config.seed)

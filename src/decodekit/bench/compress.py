@@ -26,6 +26,7 @@ import torch
 
 from decodekit.bench.decode import machine
 from decodekit.compress.recipe import CompressConfig
+from decodekit.runtime import progress as progress_bar
 
 CONFIGS: tuple[CompressConfig | None, ...] = (
     None,  # the float32 model
@@ -126,13 +127,13 @@ def bench_compress(
     repeats: int = 3,
     calib_windows: int | None = None,
     configs: tuple[CompressConfig | None, ...] = CONFIGS,
-    progress=None,
+    progress: bool = False,
     text: str | None = None,
     threads: int = 1,
     kl_windows: int = 16,
 ) -> dict:
     """Rows of `measure` for every configuration, decode speeds, and each row's change against
-    fp32. `progress(row)` is called as each row is measured. Runs on `threads` torch threads:
+    fp32. `progress` shows a bar over the configurations on stderr. Runs on `threads` torch threads:
     on a shared 2-core machine two threads that wait on each other decode several times
     slower than one (measured: 42 vs 358 tok/s while other jobs ran)."""
     previous = torch.get_num_threads()
@@ -140,12 +141,12 @@ def bench_compress(
     try:
         reference = kl_reference(model_name, text, kl_windows)
         rows, models = [], []
-        for config in configs:
+        bar = progress_bar(configs, desc="bench compress", enabled=progress)
+        for config in bar:
+            bar.set_postfix_str(config.label() if config is not None else "fp32")
             row, model = measure(model_name, config, calib_windows, text, reference)
             rows.append(row)
             models.append(model)
-            if progress is not None:
-                progress(row)
         speeds = decode_tokens_per_second(models, new_tokens, repeats)
         report_machine = machine()
     finally:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from decodekit.bench.decode import machine
+from decodekit.runtime import progress as progress_bar
 
 PROMPT = "ROMEO:\n"
 CONSTRAINTS = {
@@ -83,15 +84,19 @@ def mask_timings(model, constraint, tokens: list[int]) -> dict:
             "accept_us": us(accept)}
 
 
-def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new_tokens: int = 200) -> dict:
+def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new_tokens: int = 200,
+                      progress: bool = False) -> dict:
+    """One row per constraint and strategy (module docstring); `progress`: a bar over them on stderr."""
     import decodekit as dk
 
     model = dk.load_model(model_name)
     results = {"model": model_name, "backend": type(model).__name__, "vocab_size": model.vocab_size,
                "prompt": PROMPT, "machine": machine(), "runs": []}
+    bar = progress_bar(total=2 * len(CONSTRAINTS), desc="bench constrained", enabled=progress)
     for kind, spec in CONSTRAINTS.items():
         constraint = make_constraint(kind, spec)
         for mode, temperature in (("greedy", 0.0), ("sample", 1.0)):
+            bar.set_postfix_str(f"{kind} {mode}")
             params = dk.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
             [c] = dk.generate(model, PROMPT, params, constraint=constraint)
             count = len(c.token_ids)
@@ -114,4 +119,6 @@ def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new
                                         * 1e-6 * count / statistics.median(without), 2),
                 "text": c.text[:200],
             })
+            bar.update()
+    bar.close()
     return results

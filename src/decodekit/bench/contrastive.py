@@ -20,6 +20,7 @@ import torch
 from decodekit.bench.decode import machine
 from decodekit.models.base import LanguageModel, left_pad
 from decodekit.models.registry import ASSETS
+from decodekit.runtime import progress as progress_bar
 
 TEST_TEXT = ASSETS / "data" / "shakespeare_test.txt"
 
@@ -59,7 +60,9 @@ def bench_contrastive(
     new_tokens: int = 64,
     alpha: float = 0.1,
     amateur_temperature: float = 1.0,
+    progress: bool = False,
 ) -> dict:
+    """Diversity, expert log-likelihood and speed of each strategy; `progress`: a bar over them on stderr."""
     import decodekit as dk
 
     expert, amateur = dk.load_model(expert_name), dk.load_model(amateur_name)
@@ -79,7 +82,8 @@ def bench_contrastive(
     results = {"expert": expert_name, "amateur": amateur_name, "alpha": alpha,
                "amateur_temperature": amateur_temperature, "prompts": len(texts),
                "new_tokens": new_tokens, "machine": machine(), "strategies": {}}
-    for name, (model, params) in strategies.items():
+    for name, (model, params) in progress_bar(strategies.items(), total=len(strategies),
+                                              desc="bench contrastive", enabled=progress):
         start = time.perf_counter()
         if name.endswith("beam4"):
             completions = [dk.beam_search(model, [p], params, num_beams=4)[0][0] for p in prompt_ids]

@@ -15,6 +15,8 @@ from datetime import date
 
 import torch
 
+from decodekit.runtime import progress as progress_bar
+
 
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
@@ -35,7 +37,9 @@ def machine() -> dict:
     }
 
 
-def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3) -> dict:
+def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3,
+                 progress: bool = False) -> dict:
+    """decodekit and Hugging Face tok/s, greedy and sampling; `progress`: a bar over the 4 timings."""
     import transformers
 
     import decodekit as dk
@@ -48,6 +52,7 @@ def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats
     ids = torch.tensor([model.encode(prompt)])
     results = {"model": model_name, "backend": type(model).__name__, "new_tokens": new_tokens,
                "batch": 1, "machine": machine()}
+    bar = progress_bar(total=4, desc="bench decode", enabled=progress)
     for mode, temperature in (("greedy", 0.0), ("sample", 1.0)):
         params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=temperature,
                                    ignore_eos=True, seed=0)
@@ -64,11 +69,16 @@ def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats
                                   pad_token_id=model.eos_token_ids[0])
             assert out.shape[1] - ids.shape[1] == new_tokens
 
+        bar.set_postfix_str(f"decodekit {mode}")
         ours_s = _median_seconds(ours, repeats)
+        bar.update()
+        bar.set_postfix_str(f"transformers {mode}")
         hf_s = _median_seconds(theirs, repeats)
+        bar.update()
         results[mode] = {
             "decodekit_tok_s": round(new_tokens / ours_s, 1),
             "hf_tok_s": round(new_tokens / hf_s, 1),
             "ratio": round(hf_s / ours_s, 3),
         }
+    bar.close()
     return results

@@ -29,6 +29,7 @@ import time
 import torch
 
 from decodekit.bench.decode import machine
+from decodekit.runtime import progress as progress_bar
 
 SCENARIOS = ("single", "shared_prefix", "concurrent", "memory")
 
@@ -120,7 +121,10 @@ def bench_engine(
     repeats: int = 3,
     threads: int = 1,
     scenarios: tuple[str, ...] = SCENARIOS,
+    progress: bool = False,
 ) -> dict:
+    """The chosen scenarios (module docstring), decodekit against transformers;
+    `progress`: a bar over the scenarios on stderr."""
     import transformers
 
     import decodekit as dk
@@ -134,13 +138,17 @@ def bench_engine(
     params_count = model.num_parameters()
     results: dict = {"model": model_name, "parameters": params_count, "machine": machine(),
                      "repeats": repeats}  # fmt: skip
+    bar = progress_bar(total=len(set(scenarios) & set(SCENARIOS)), desc="bench engine", enabled=progress)
     if "single" in scenarios:
+        bar.set_postfix_str("single")
         prompt = [model.encode("ROMEO:")]
         greedy = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         ours, theirs = compare(lambda: dk.generate(model, prompt, greedy),
                                lambda: run_hf(hf, prompt, new_tokens, False, pad=eos), repeats)
         results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens)}
+        bar.update()
     if "shared_prefix" in scenarios:
+        bar.set_postfix_str("shared_prefix")
         samples, generated = 16, 128
         length = min(512, model.max_context - generated)  # the prompt and its samples fit
         [prompt] = prompts_from_text(model, 1, [length])
@@ -154,11 +162,17 @@ def bench_engine(
             "decodekit_prefill_tokens": stats["prefill_tokens"],
             "hf_prefill_tokens": samples * length,
         }  # fmt: skip
+        bar.update()
     if "concurrent" in scenarios:
+        bar.set_postfix_str("concurrent")
         results["concurrent"] = _concurrent(dk, model, hf, eos, params_count, repeats)
+        bar.update()
     if "memory" in scenarios:
+        bar.set_postfix_str("memory")
         results["memory"] = {backend: _in_fresh_process(model_name, backend, threads)
                              for backend in ("decodekit", "hf")}  # fmt: skip
+        bar.update()
+    bar.close()
     return results
 
 

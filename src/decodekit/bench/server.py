@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from decodekit.runtime import progress as progress_bar
+
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING HENRY:", "First Citizen:\nBefore we proceed",
            "HAMLET:\nTo be, or not"]
 LEVELS = (1, 8, 32, 64)
@@ -166,10 +168,11 @@ def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Po
     raise RuntimeError(f"the server did not answer /health within {timeout} s")
 
 
-async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: int, repeats: int
-                       ) -> list[dict]:
+async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: int, repeats: int,
+                       progress: bool = False) -> list[dict]:
     """Each level over HTTP, then straight away on the engine (paired, as the machine is shared),
-    `repeats` times; a row holds the median of each figure over the repeats."""
+    `repeats` times; a row holds the median of each figure over the repeats. `progress`: a bar
+    over levels x repeats on stderr."""
     import httpx
 
     async def http_level(c: int) -> dict:
@@ -187,12 +190,15 @@ async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: in
     for level in modes.values():  # warm-up: every batch size up to 8, full length
         await level(8)
     rows = []
-    for c in levels:
-        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-        for _ in range(repeats):
-            for mode, level in modes.items():
-                runs[mode].append(await level(c))
-        rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
+    with progress_bar(total=len(levels) * repeats, desc="bench server", enabled=progress) as bar:
+        for c in levels:
+            bar.set_postfix_str(f"{c} clients")
+            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for _ in range(repeats):
+                for mode, level in modes.items():
+                    runs[mode].append(await level(c))
+                bar.update()
+            rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
     return rows
 
 
@@ -203,7 +209,9 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS, repeats: int = 3) -> dict:
+def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS, repeats: int = 3,
+                 progress: bool = False) -> dict:
+    """The closed-loop load at each level (module docstring); `progress`: a bar on stderr."""
     from decodekit.bench.decode import machine
     from decodekit.models.registry import load_model
     from decodekit.server.backend import Backend, ServerConfig
@@ -219,7 +227,7 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
     try:
         load_before = os.getloadavg()
         url = f"http://127.0.0.1:{port}"
-        rows = asyncio.run(bench_levels(url, process.pid, engine, levels, new_tokens, repeats))
+        rows = asyncio.run(bench_levels(url, process.pid, engine, levels, new_tokens, repeats, progress))
         load = [round(x, 2) for x in load_before + os.getloadavg()]
     finally:
         engine.stop()

@@ -29,6 +29,7 @@ import torch
 from decodekit.bench.decode import machine
 from decodekit.decode.speculative import block_verify, expected_accepted, speculative_generate
 from decodekit.params import SamplingParams
+from decodekit.runtime import progress as progress_bar
 
 TEST_TEXT = Path(__file__).parents[1] / "models" / "assets" / "data" / "shakespeare_test.txt"
 VAL_TEXT = TEST_TEXT.with_name("shakespeare_val.txt")
@@ -228,23 +229,28 @@ def bench_speculative(
     hf: bool = True,
     threads: int = 1,
     repeats: int = 3,
+    progress: bool = False,
 ) -> dict:
     """The whole benchmark as a dict (see the module doc). `threads`: torch intra-op threads for
     every run, ours and HF's; one is fastest for models this small and steadiest on a shared
-    machine, where a second thread mostly waits for a core."""
+    machine, where a second thread mostly waits for a core. `progress`: a bar over the
+    configurations on stderr."""
+    if quick:
+        new_tokens, gammas, num_prompts, repeats = min(new_tokens, 64), (2, 4), 1, 1
+    # configurations: the sweep at t=0 (one rule) and t=1 (two), paired, copy workload, HF
+    total = 3 * len(gammas) + 2 * 5 + 1 + 4 + (3 if hf else 0)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, repeats)
+        with progress_bar(total=total, desc="bench speculative", enabled=progress) as bar:
+            return _bench(target_name, draft_name, new_tokens, gammas, num_prompts, hf, repeats, bar)
     finally:
         torch.set_num_threads(previous)
 
 
-def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, repeats) -> dict:
+def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, hf, repeats, bar) -> dict:
     import decodekit as dk
 
-    if quick:
-        new_tokens, gammas, num_prompts, repeats = min(new_tokens, 64), (2, 4), 1, 1
     target, draft = dk.load_model(target_name), dk.load_model(draft_name)
     prompts = heldout_prompts(target, num_prompts)
     out: dict = {"target": target_name, "draft": draft_name, "backend": type(target).__name__,
@@ -266,12 +272,14 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, 
         sweep += [("prompt lookup", g, "block", False, "prompt-lookup") for g in (2, 4)]
         plains, runs = [], []
         for task, gamma, verify, adaptive, drafter in sweep:
+            bar.set_postfix_str(f"t={temperature:g} {task} gamma={gamma} {verify}", refresh=False)
             # The plain baseline runs once between configurations; its best time over the
             # whole sweep is the reference, as each configuration's is its best of `repeats`.
             plains.append(run_plain(target, prompts, params))
             stats, timing = run_speculative(target, drafter, prompts, params, gamma, verify, adaptive,
                                             repeats)  # fmt: skip
             runs.append((task, gamma, verify, adaptive, stats, timing))
+            bar.update()
         plain = Timing(min(t.wall for t in plains), min(t.cpu for t in plains))
         for task, gamma, verify, adaptive, stats, timing in runs:
             row = {"task": task, "temperature": temperature, "gamma": gamma, "verify": verify,
@@ -280,6 +288,7 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, 
         out[f"plain_t{temperature:g}"] = tokens_per_second(new_tokens * len(prompts), plain)
     out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, _params(new_tokens, 1.0), g)
                         for g in gammas}  # fmt: skip
+    bar.update()
     copies = copy_prompts(target, num_prompts)
     params = _params(new_tokens, 0.0)
     out["copy_workload"] = {}
@@ -289,6 +298,7 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, 
             stats, timing = run_speculative(target, drafter, copies, params, gamma, "block", False,
                                             repeats)  # fmt: skip
             out["copy_workload"][f"{label} gamma{gamma}"] = summary(stats, timing, plain)
+            bar.update()
     if hf:
         model_rows = [r for r in out["rows"] if r["task"] == "draft model" and not r["adaptive"]]
         for temperature in (0.0, 1.0):
@@ -304,12 +314,14 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, quick, hf, 
             runs[f"decodekit_gamma{best['gamma']}_{best['verify']}"] = tokens_per_second(
                 new_tokens * len(prompts), timing)
             out[f"hf_t{temperature:g}"] = runs
+            bar.update()
         params = _params(new_tokens, 0.0)
         out["copy_workload"]["hf_prompt_lookup_gamma8"] = hf_prompt_lookup(
             target_name, copies, new_tokens, 8, repeats)
         _, timing = run_speculative(target, "prompt-lookup", copies, params, 8, "block", False, repeats)
         out["copy_workload"]["decodekit_prompt_lookup_gamma8"] = tokens_per_second(
             new_tokens * len(copies), timing)
+        bar.update()
     out["load_average"].append(os.getloadavg()[0])
     return out
 

@@ -34,6 +34,7 @@ from decodekit.compress.hessian import HessianAccumulator
 from decodekit.compress.prune import parse_n_m, prune_magnitude, prune_sparsegpt
 from decodekit.compress.qlinear import QuantizedLinear
 from decodekit.compress.quantize import QuantSpec, gptq_quantize, quantize_rtn
+from decodekit.runtime import progress as progress_bar
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], Any]
 DEFAULT_SKIP = ("lm_head",)
@@ -140,22 +141,29 @@ def _compress_layers(
     forward: ForwardFn | None,
     sequential: bool,
     compress_one: Callable[[str, nn.Linear, torch.Tensor | None], None],
+    progress: bool = False,
 ) -> None:
-    """Run `compress_one(name, layer, hessian)` on every layer, calibrating group by group."""
-    if not needs_calibration:
-        for name, layer in layers.items():
-            compress_one(name, layer, None)
-        return
-    if not calib_batches:
+    """Run `compress_one(name, layer, hessian)` on every layer, calibrating group by group;
+    `progress` shows a bar over the layers on stderr."""
+    if needs_calibration and not calib_batches:
         raise ValueError(
             "this method needs calibration data: pass calib_batches (token tensors [B, T])"
         )
-    groups = block_groups(layers) if sequential else [list(layers)]
-    for group in groups:
-        group_layers = {name: layers[name] for name in group}
-        hessians = collect_hessians(model, group_layers, calib_batches, forward or default_forward)
-        for name in group:
-            compress_one(name, layers[name], hessians.pop(name))
+    with progress_bar(total=len(layers), desc="compress", enabled=progress) as bar:
+        if not needs_calibration:
+            for name, layer in layers.items():
+                bar.set_postfix_str(name, refresh=False)
+                compress_one(name, layer, None)
+                bar.update()
+            return
+        groups = block_groups(layers) if sequential else [list(layers)]
+        for group in groups:
+            group_layers = {name: layers[name] for name in group}
+            hessians = collect_hessians(model, group_layers, calib_batches, forward or default_forward)
+            for name in group:
+                bar.set_postfix_str(name, refresh=False)
+                compress_one(name, layers[name], hessians.pop(name))
+                bar.update()
 
 
 def quantize_model(
@@ -170,12 +178,14 @@ def quantize_model(
     block_size: int = 128,
     damp: float = 0.01,
     sequential: bool = True,
+    progress: bool = False,
 ) -> CompressionSummary:
     """Replace every Linear (except `skip`) by a `QuantizedLinear`, in place.
 
     method "rtn": absmax round-to-nearest; "gptq": GPTQ on calibration batches [B, T]
     run through `forward(model, tokens)` (module docstring). Layers whose in_features the
-    group size does not divide are left in float and not listed in the summary.
+    group size does not divide are left in float and not listed in the summary. `progress`
+    shows a bar over the layers on stderr.
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"method must be one of {QUANT_METHODS}, got {method!r}")
@@ -198,7 +208,7 @@ def quantize_model(
         summary.layers.append(name)
 
     _compress_layers(
-        model, layers, method == "gptq", calib_batches, forward, sequential, compress_one
+        model, layers, method == "gptq", calib_batches, forward, sequential, compress_one, progress
     )
     summary.calib_batches = len(calib_batches) if method == "gptq" and calib_batches else 0
     return summary
@@ -215,12 +225,14 @@ def prune_model(
     block_size: int = 128,
     damp: float = 0.01,
     sequential: bool = True,
+    progress: bool = False,
 ) -> CompressionSummary:
     """Prune every Linear (except `skip`) in place; the layers stay `nn.Linear` with zeros.
 
     method "magnitude" or "sparsegpt" (needs calibration batches, module docstring);
     `n_m` ("2:4") gives n zeros in every m weights and then `sparsity` is unused. With
     n_m, layers whose in_features m does not divide are left dense and not listed.
+    `progress` shows a bar over the layers on stderr.
     """
     if method not in PRUNE_METHODS:
         raise ValueError(f"method must be one of {PRUNE_METHODS}, got {method!r}")
@@ -242,7 +254,8 @@ def prune_model(
         summary.layers.append(name)
 
     _compress_layers(
-        model, layers, method == "sparsegpt", calib_batches, forward, sequential, compress_one
+        model, layers, method == "sparsegpt", calib_batches, forward, sequential, compress_one,
+        progress,
     )
     summary.calib_batches = len(calib_batches) if method == "sparsegpt" and calib_batches else 0
     return summary

@@ -120,10 +120,14 @@ def _net_forward(lm: Any):
 
 
 def compress_lm(
-    lm: Any, config: CompressConfig, calib_text: str | Sequence[int] | None = None
+    lm: Any,
+    config: CompressConfig,
+    calib_text: str | Sequence[int] | None = None,
+    progress: bool = False,
 ) -> CompressionSummary:
     """Compress a NativeLM in place (its `net`); `calib_text` (text or token ids) defaults to
-    the shipped validation split. Returns what was done."""
+    the shipped validation split; `progress` shows a bar over the layers on stderr. Returns
+    what was done."""
     from decodekit.models.native import NativeLM
 
     if not isinstance(lm, NativeLM):
@@ -140,7 +144,7 @@ def compress_lm(
             )
         batches = calibration_batches(lm, text, config.calib_windows, length, seed=config.seed)
     calibration = {"calib_batches": batches, "forward": _net_forward(lm),
-                   "block_size": config.block_size, "damp": config.damp}  # fmt: skip
+                   "block_size": config.block_size, "damp": config.damp, "progress": progress}  # fmt: skip
     if config.method in QUANT_METHODS:
         summary = quantize_model(
             lm.net, config.method, config.bits or DEFAULT_BITS[config.method],
@@ -159,8 +163,10 @@ def compress_to_dir(
     config: CompressConfig,
     out: str | Path,
     calib_file: str | Path | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Load `model` (embedded name or local directory), compress it, write `out`.
+    """Load `model` (embedded name or local directory), compress it, write `out`;
+    `progress` shows a bar over the layers on stderr.
 
     Returns a report: the summary, bytes in memory before and after, bytes on disk.
     """
@@ -174,7 +180,7 @@ def compress_to_dir(
     lm = load_model(model, backend="native")
     calib_text = Path(calib_file).read_text() if calib_file is not None else None
     before = model_nbytes(lm.net)
-    summary = compress_lm(lm, config, calib_text)
+    summary = compress_lm(lm, config, calib_text, progress)
     out = save_compressed_dir(lm, out, source, summary)
     return {
         "model": name,

@@ -27,6 +27,7 @@ from decodekit.meta.parallel import choose_best, vote
 from decodekit.meta.result import Candidate
 from decodekit.meta.tree import TreeConfig, tree_search_batch
 from decodekit.params import SamplingParams
+from decodekit.runtime import progress as progress_bar
 
 PARALLEL = ("single", "majority", "bon-orm", "weighted-orm", "bon-oracle", "weighted-oracle")
 TREE = ("beam-prm", "dvts-prm", "rebase-prm", "beam-oracle", "dvts-oracle", "rebase-oracle")
@@ -252,10 +253,11 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = None, problems=None,
-                   progress: Callable[[str], None] | None = None) -> dict:
+                   progress: bool = False) -> dict:
     """Run the configured strategies; returns {"config", "problems", "rows", "summary"}.
     generator, scorers (as `arith_scorers` returns) and problems default to the embedded
-    model, its reward models and `eval_problems(config.problems)`."""
+    model, its reward models and `eval_problems(config.problems)`. `progress` shows a bar
+    on stderr over seeds x parts (parallel, tree, chain), each part's time beside it."""
     if generator is None:
         from decodekit.models.registry import load_model
 
@@ -263,12 +265,15 @@ def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = No
     scorers = scorers if scorers is not None else arith_scorers(config)
     problems = problems if problems is not None else eval_problems(config.problems)
     rows = []
-    for seed in range(config.seeds):
-        for part in (evaluate_parallel, evaluate_tree, evaluate_chain):
-            start = time.perf_counter()
-            rows += part(generator, problems, scorers, config, seed)
-            if progress is not None:
-                progress(f"seed {seed}: {part.__name__} in {time.perf_counter() - start:.1f} s")
+    parts = (evaluate_parallel, evaluate_tree, evaluate_chain)
+    with progress_bar(total=config.seeds * len(parts), desc="eval arith", enabled=progress) as bar:
+        for seed in range(config.seeds):
+            for part in parts:
+                start = time.perf_counter()
+                rows += part(generator, problems, scorers, config, seed)
+                bar.set_postfix_str(f"seed {seed}: {part.__name__} in {time.perf_counter() - start:.1f} s",
+                                    refresh=False)
+                bar.update()
     return {"config": asdict(config), "problems": len(problems), "rows": rows, "summary": summarize(rows)}
 
 

@@ -1,0 +1,112 @@
+"""runtime.py: the automatic thread count, set_threads' checks, and progress bars on stderr."""
+
+import pytest
+import torch
+from torch import nn
+
+from decodekit import runtime
+from decodekit.compress import prune_model, quantize_model
+
+
+@pytest.fixture
+def threads_restored():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def machine(monkeypatch, cores: int, other_load: float) -> None:
+    """Pretend the process may use `cores` cores while other processes keep `other_load` busy."""
+    monkeypatch.setattr(runtime, "available_cores", lambda: cores)
+    monkeypatch.setattr(runtime, "other_load", lambda: other_load)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "cores", "other_load", "expected"),
+    [
+        (3_400_000, 2, 0.0, 1),  # shakespeare: one thread even on an idle machine
+        (None, 8, 0.0, 1),  # unknown size counts as small
+        (99_999_999, 2, 0.0, 1),  # just under the threshold
+        (100_000_000, 2, 0.0, 2),  # at the threshold, idle: every core
+        (240_000_000, 2, 0.4, 2),  # 2 - 0.4 = 1.6 free cores rounds to 2
+        (240_000_000, 2, 0.6, 1),  # 1.4 free rounds to 1: a second thread would wait on a busy core
+        (240_000_000, 2, 6.0, 1),  # a loaded machine: never fewer than one
+        (240_000_000, 8, 3.0, 5),  # 8 - 3 = 5 free
+    ],
+)
+def test_choose_threads_rule(monkeypatch, parameters, cores, other_load, expected):
+    machine(monkeypatch, cores, other_load)
+    assert runtime.choose_threads(parameters) == expected
+
+
+def test_other_load_scales_a_host_wide_load_to_our_cores(monkeypatch):
+    # 2 of 64 host CPUs; host load 32 -> 1 core's worth on ours; no CPU time of our own yet.
+    monkeypatch.setattr(runtime, "available_cores", lambda: 2)
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(runtime.os, "getloadavg", lambda: (32.0, 0.0, 0.0))
+    monkeypatch.setattr(runtime.time, "process_time", lambda: 0.0)
+    assert runtime.other_load() == pytest.approx(1.0)
+
+
+def test_cgroup_quota_caps_the_cores(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert runtime.cgroup_cpu_limit(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert runtime.cgroup_cpu_limit(tmp_path) is None
+    assert runtime.cgroup_cpu_limit(tmp_path / "missing") is None
+    assert 1 <= runtime.available_cores() <= (runtime.os.cpu_count() or 1)
+
+
+class Sized:
+    """A LanguageModel as far as set_threads looks: it counts its own parameters."""
+
+    def __init__(self, parameters: int):
+        self.parameters = parameters
+
+    def num_parameters(self) -> int:
+        return self.parameters
+
+
+def test_set_threads(monkeypatch, threads_restored):
+    with pytest.raises(ValueError, match="threads must be a positive integer, got 0"):
+        runtime.set_threads(0)
+    assert runtime.set_threads(1) == 1 and torch.get_num_threads() == 1
+    machine(monkeypatch, 2, 0.0)
+    assert runtime.set_threads(None, Sized(100_000_000)) == 2 and torch.get_num_threads() == 2
+    assert runtime.set_threads(None, Sized(0)) == 1  # a LanguageModel answering 0: size unknown
+    assert runtime.set_threads(None, nn.Linear(4, 4)) == 1 and torch.get_num_threads() == 1
+
+
+def test_progress_disabled_iterates_silently(capsys):
+    assert list(runtime.progress(range(3), desc="quiet", enabled=False)) == [0, 1, 2]
+    assert list(runtime.progress(range(3), desc="not a tty")) == [0, 1, 2]  # capsys is no TTY
+    bar = runtime.progress(total=2, enabled=False)
+    bar.update()
+    bar.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_enabled_writes_a_bar_to_stderr(capsys):
+    assert list(runtime.progress(range(3), desc="work", enabled=True)) == [0, 1, 2]
+    err = capsys.readouterr().err
+    assert "work" in err and "3/3" in err
+
+
+def two_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("compress", [
+    lambda model, progress: quantize_model(
+        model, "gptq", 4, calib_batches=[torch.randn(16, 8)], skip=(), progress=progress),
+    lambda model, progress: prune_model(
+        model, "sparsegpt", 0.5, calib_batches=[torch.randn(16, 8)], skip=(), progress=progress),
+    lambda model, progress: quantize_model(model, "rtn", 8, skip=(), progress=progress),
+])
+def test_compression_progress_goes_to_stderr_only_when_asked(capsys, compress):
+    compress(two_layers(), progress=False)
+    assert capsys.readouterr().err == ""
+    summary = compress(two_layers(), progress=True)
+    err = capsys.readouterr().err
+    assert "compress" in err and "2/2" in err and len(summary.layers) == 2
