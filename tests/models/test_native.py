@@ -282,12 +282,6 @@ def test_bfloat16_weights_give_float32_logits_close_to_float32(pair):
     assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
 
 
-def test_sliding_window_caps_max_context(tmp_path):
-    config = transformers.MistralConfig(**TINY, sliding_window=32)
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    assert NativeLM.from_pretrained(tmp_path).max_context == 32
-
-
 def test_user_errors(pair):
     _, model = pair
     cache = model.new_cache(2)

@@ -4,8 +4,10 @@
 
 The loop (`_steps`) prefills each prompt once, forks its KV cache into the
 request's n rows, then decodes one token per step for every live row. Each
-request keeps its own adapter chain and random generator, so a seeded request
-draws the same tokens whatever else is in the batch. Finished rows leave the
+request keeps its own adapter chain and random generator (one uniform per row per
+step), so a seeded request's random stream never depends on what else is in the
+batch; its logits can, by float rounding (~1e-5), unless the model computes each
+row alone (NativeLM's `batch_invariant`). Finished rows leave the
 batch (their cache rows are dropped) so later steps cost only the live rows.
 
 A request may carry a token mask (`constraint=`: constrained.py; `heal=`: healing.py),

@@ -13,6 +13,12 @@ the block pool and computes each sequence's attention:
 - each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
   its blocks gathered from the pool, its cached prefix included.
 
+A sliding-window layer (`windows`) masks the positions that fell out of each query's
+window. In the batch-invariant mode (`paged_forward(..., batch_invariant=True)`) every
+query, decoding or prefilling, attends alone over exactly its visible keys
+(`kv.attend_alone`) and the rows hold their whole sequence (no shared prefix), so a
+token's arithmetic is the same whatever else shares the step.
+
 The layers themselves are NativeLM's (models/native.py): one implementation of the maths.
 """
 
@@ -26,7 +32,7 @@ import torch.nn.functional as F
 from decodekit.engine.kv import BlockPool, BlockTable
 from decodekit.engine.rows import FLASH_WITH_LSE, RunningKV, SharedPrefix
 from decodekit.models.kv import attend as dense_attend
-from decodekit.models.kv import causal_mask
+from decodekit.models.kv import attend_alone, causal_mask
 from decodekit.models.native import NativeLM
 
 
@@ -44,7 +50,9 @@ class RunningRows:
 
     kv: RunningKV
     columns: torch.Tensor  # [B] where each row's new position goes
-    mask: torch.Tensor | None  # [B, 1, 1, S] positions each row sees; None when all do
+    # per sliding window (None: full attention), [B, 1, 1, S] positions each row sees;
+    # None when every row sees all S
+    masks: dict[int | None, torch.Tensor | None]
     width: int  # S, the longest row
     groups: list[tuple[SharedPrefix, torch.Tensor]]  # each shared prefix and its rows [n]
 
@@ -58,33 +66,39 @@ class PagedBatch:
         slots: torch.Tensor,  # [T] pool slot of every new token
         running: RunningRows | None,
         prefills: list[PrefillSpan],
+        windows: tuple[int | None, ...] = (),
     ):
         self.pool = pool
         self.slots = slots
         self.running = running
         self.prefills = prefills
+        self.windows = windows  # each layer's sliding window; () when none slides
 
-    def attend(self, layer, q, k, v, mask, causal) -> torch.Tensor:
-        """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused."""
+    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+        """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused.
+        per_query: the batch-invariant mode (module docstring)."""
         _, _, heads, dim = q.shape
         kv_heads = k.shape[2]
+        window = self.windows[layer] if self.windows else None
         keys = self.pool.keys[layer]  # [H_kv, blocks, block_size, D]
         values = self.pool.values[layer]
         keys.view(kv_heads, -1, dim).index_copy_(1, self.slots, k[0].transpose(0, 1))
         values.view(kv_heads, -1, dim).index_copy_(1, self.slots, v[0].transpose(0, 1))
         decoding = len(self.running.columns) if self.running is not None else 0
         if decoding and not self.prefills:
-            return self._decode(layer, q[0], k[0], v[0])[None]
+            return self._decode(layer, q[0], k[0], v[0], window, per_query)[None]
         out = torch.empty_like(q[0])  # [T, H, D]
         if decoding:
             out[:decoding] = self._decode(
-                layer, q[0, :decoding], k[0, :decoding], v[0, :decoding]
+                layer, q[0, :decoding], k[0, :decoding], v[0, :decoding], window, per_query
             )
         for span in self.prefills:
-            out[span.start : span.end] = _prefill(q[0, span.start : span.end], keys, values, span)
+            out[span.start : span.end] = _prefill(
+                q[0, span.start : span.end], keys, values, span, window, per_query
+            )
         return out[None]
 
-    def _decode(self, layer: int, q, k, v) -> torch.Tensor:
+    def _decode(self, layer: int, q, k, v, window: int | None, per_query: bool) -> torch.Tensor:
         """q [B, H, D], k/v [B, H_kv, D] of the running rows -> [B, H, D]."""
         running = self.running
         batch, heads, dim = q.shape
@@ -94,14 +108,24 @@ class PagedBatch:
         rows = torch.arange(batch)
         row_keys[rows, :, running.columns] = k  # [B, H_kv, D] at each row's new position
         row_values[rows, :, running.columns] = v
+        if per_query:
+            assert not running.groups  # the rows hold their whole sequences
+            out = torch.empty_like(q)
+            for row, length in enumerate(running.kv.lengths[:batch]):
+                first = max(0, length - window) if window is not None else 0
+                keys, values = row_keys[row, :, first:length], row_values[row, :, first:length]
+                out[row] = attend_alone(q[row], keys, values)  # [H, D]
+            return out
         # Fold the query heads that share a key head into the query axis (as models/kv.py).
         folded = q.view(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
         own_keys = row_keys[:batch, :, : running.width]  # [B, H_kv, S, D]
         own_values = row_values[:batch, :, : running.width]
+        mask = running.masks[window]
         if not running.groups:
-            out = F.scaled_dot_product_attention(folded, own_keys, own_values, running.mask)
+            out = F.scaled_dot_product_attention(folded, own_keys, own_values, mask)
             return out.reshape(batch, heads, dim)
-        out, lse = FLASH_WITH_LSE(folded, own_keys, own_values, 0.0, False, attn_mask=running.mask)
+        assert window is None  # RunningKV shares no prefix in a sliding-window model
+        out, lse = FLASH_WITH_LSE(folded, own_keys, own_values, 0.0, False, attn_mask=mask)
         for prefix, rows in running.groups:
             out[rows] = _with_prefix(folded[rows], out[rows], lse[rows], prefix, layer)
         return out.reshape(batch, heads, dim)
@@ -127,16 +151,28 @@ def _with_prefix(q, out, lse, prefix: SharedPrefix, layer: int) -> torch.Tensor:
     return (out * own_weight + shared * shared_weight) / (own_weight + shared_weight)
 
 
-def _prefill(q: torch.Tensor, keys, values, span: PrefillSpan) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor, keys, values, span: PrefillSpan, window: int | None, per_query: bool
+) -> torch.Tensor:
     """q [T_i, H, D] of one sequence -> [T_i, H, D], causal over its blocks."""
     num_new, heads, dim = q.shape
     kv_heads = keys.shape[0]
-    k = keys.index_select(1, span.blocks).view(kv_heads, -1, dim)[None, :, : span.length]
-    v = values.index_select(1, span.blocks).view(kv_heads, -1, dim)[None, :, : span.length]
+    k = keys.index_select(1, span.blocks).view(kv_heads, -1, dim)[:, : span.length]
+    v = values.index_select(1, span.blocks).view(kv_heads, -1, dim)[:, : span.length]
     start = span.length - num_new
-    mask = None if start == 0 else causal_mask(start, num_new)[None, None]  # [1, 1, T, S]
-    out = dense_attend(q.transpose(0, 1)[None], k, v, mask, causal=start == 0)  # [1, H, T, D]
-    return out[0].transpose(0, 1)
+    if per_query:
+        out = torch.empty_like(q)
+        for t in range(num_new):
+            end = start + t + 1  # the query's position + 1
+            first = max(0, end - window) if window is not None else 0
+            out[t] = attend_alone(q[t], k[:, first:end], v[:, first:end])
+        return out
+    slides = window is not None and span.length > window
+    mask = None
+    if start or slides:
+        mask = causal_mask(start, num_new, window if slides else None)[None, None]  # [1, 1, T, S]
+    out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=mask is None)
+    return out[0].transpose(0, 1)  # [T, H, D]
 
 
 @torch.inference_mode()
@@ -146,17 +182,23 @@ def paged_forward(
     positions: torch.Tensor,  # [T] their positions in their sequences
     batch: PagedBatch,
     keep: torch.Tensor,  # [K] flat indices whose logits are wanted
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """Logits [K, V] float32 of the kept positions."""
+    """Logits [K, V] float32 of the kept positions. batch_invariant: every linear layer
+    per token and every query alone (module docstring; models/native.py)."""
+    assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
+    model.check_positions(int(positions.max()) + 1)
     cos, sin = model.rope.tables(int(positions.max()) + 1)
     cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
-    return model.net(tokens[None], cos, sin, batch, None, False, keep)[0]
+    masks = [(None, False)] * model.config.num_layers  # PagedBatch masks by itself
+    return model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant)[0]
 
 
 def build_batch(
     pool: BlockPool,
     items: list[tuple[BlockTable, list[int], list[int]]],
     running: RunningKV | None = None,
+    windows: tuple[int | None, ...] = (),
 ):
     """tokens [T], positions [T], the PagedBatch and kept indices [K] of a step.
 
@@ -164,7 +206,7 @@ def build_batch(
     tokens (at least `table.length` of them) and the pool slots of its new positions. With
     `running`, the first len(running) items are its rows 0..B-1 in order (one new token
     each, `running.grow` already called). Each item's last new token's logits are kept,
-    in the order of `items`.
+    in the order of `items`. windows: the model's `config.layer_windows`.
     """
     tokens: list[int] = []
     positions: list[int] = []
@@ -186,23 +228,29 @@ def build_batch(
             prefills.append(PrefillSpan(start, start + count, blocks, length))
     rows = None
     if decoding:
-        rows = _running_rows(running)
-    batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), rows, prefills)
+        rows = _running_rows(running, set(windows) or {None})
+    batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), rows, prefills, windows)
     as_long = torch.tensor
     return as_long(tokens), as_long(positions), batch, as_long(keep)
 
 
-def _running_rows(running: RunningKV) -> RunningRows:
+def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
     lengths = torch.tensor(running.lengths)  # [B] each row's own positions
     width = max(running.lengths)
     groups: dict[int, tuple[SharedPrefix, list[int]]] = {}
     for row, prefix in enumerate(running.prefixes):
         if prefix is not None:
             groups.setdefault(id(prefix), (prefix, []))[1].append(row)
-    mask = None
-    if int(lengths.min()) != width:
-        mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]  # [B,1,1,S]
-        if groups:  # the LSE-returning kernel takes an additive mask
+    masks: dict[int | None, torch.Tensor | None] = {}
+    columns = torch.arange(width)[None, :]  # [1, S]
+    for window in windows:
+        first = lengths - window if window is not None else torch.zeros_like(lengths)
+        if int(lengths.min()) == width and int(first.max()) <= 0:
+            masks[window] = None
+            continue
+        mask = ((columns < lengths[:, None]) & (columns >= first[:, None]))[:, None, None, :]
+        if groups:  # the LSE-returning kernel takes an additive mask [B, 1, 1, S]
             mask = torch.zeros(mask.shape, dtype=running.keys.dtype).masked_fill(~mask, -torch.inf)
+        masks[window] = mask
     shared = [(prefix, torch.tensor(rows)) for prefix, rows in groups.values()]
-    return RunningRows(running, lengths - 1, mask, width, shared)
+    return RunningRows(running, lengths - 1, masks, width, shared)

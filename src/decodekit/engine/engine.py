@@ -7,8 +7,10 @@
 
 A step (`step`) admits waiting requests, runs one forward over every scheduled token
 (batch.py) and samples one token for every row with the request's own chain and
-generator (decode/sample.py: `sample_rows`, `record`, `emit`), so a seeded request draws
-the same tokens alone or beside others. Requests join and leave between steps.
+generator (decode/sample.py: `sample_rows`, `record`, `emit`), so a seeded request's
+random stream is the same alone or beside others; with the model's `batch_invariant` on
+(read when the engine is built) its logits are too, bit for bit, and so are its tokens
+and logprobs. Requests join and leave between steps.
 `decodekit.generate` runs NativeLM models through `run_requests`.
 """
 
@@ -157,7 +159,11 @@ class Engine:
             model.dtype,
             PrefixCache() if config.prefix_caching else None,
         )
-        self.running_kv = RunningKV(self.pool)
+        # The model's batch-invariant mode as it is now holds for this engine's life.
+        self.batch_invariant = model.batch_invariant
+        self.windows = c.layer_windows
+        share = not (self.batch_invariant or c.layer_windows)
+        self.running_kv = RunningKV(self.pool, share_prefixes=share)
         self.scheduler = Scheduler(BlockManager(self.pool), self.running_kv, config)
         self._lock = threading.Condition()
         self._incoming: deque[EngineRequest] = deque()
@@ -254,7 +260,8 @@ class Engine:
         if decoding:
             self.running_kv.grow(1)
         items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
-        logits = self._forward(self.model, *build_batch(self.pool, items, self.running_kv))
+        batch = build_batch(self.pool, items, self.running_kv, self.windows)
+        logits = self._forward(self.model, *batch, self.batch_invariant)
         manager = self.scheduler.manager
         for work in step.work:
             manager.register(work.seq.table, work.seq.tokens, work.seq.table.length)

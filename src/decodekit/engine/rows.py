@@ -46,7 +46,13 @@ class SharedPrefix:
 
 
 class RunningKV:
-    def __init__(self, pool: BlockPool, rows: int = 8, capacity: int = 64):
+    """share_prefixes=False: every row holds its whole sequence (the batch-invariant mode,
+    where a row's attention must not depend on its request's other samples, and
+    sliding-window models, whose windows would have to mask the shared part too)."""
+
+    def __init__(
+        self, pool: BlockPool, rows: int = 8, capacity: int = 64, share_prefixes: bool = True
+    ):
         num_layers, kv_heads, _, _, head_dim = pool.keys.shape
         shape = (num_layers, rows, kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=pool.keys.dtype)  # [N, R, H_kv, C, D]
@@ -55,6 +61,7 @@ class RunningKV:
         self.owners: list[object] = []  # the sequence in each used row
         self.lengths: list[int] = []  # positions stored in each used row (after its prefix)
         self.prefixes: list[SharedPrefix | None] = []  # the shared prefix each row continues
+        self.share_prefixes = share_prefixes and FLASH_WITH_LSE is not None
 
     def __len__(self) -> int:
         return len(self.owners)
@@ -74,7 +81,7 @@ class RunningKV:
     def add_shared(self, owners: list, blocks: list[int], length: int) -> list[int]:
         """Rows for samples that all continue positions [0, length) of these blocks: the
         prefix is read once and shared, and each row starts empty."""
-        if FLASH_WITH_LSE is None:
+        if not self.share_prefixes:
             first = self.add(owners[0], blocks, length)
             return [first] + [self.copy(owner, first) for owner in owners[1:]]
         keys, values = self._gather(blocks, length)  # [N, H_kv, P, D]

@@ -8,6 +8,7 @@ towards a row's position (ARCHITECTURE.md, LanguageModel contract).
 
 This is the simple engine-less cache; the paged engine (issue 4, item 2) replaces it
 behind the same `Cache` operations, and `attend` is the one function it swaps.
+`attend_alone` is the batch-invariant mode's attention, shared with the engine.
 """
 
 from __future__ import annotations
@@ -97,12 +98,20 @@ class ContiguousKVCache(Cache):
         v: torch.Tensor,  # [B, T, H_kv, D]
         mask: torch.Tensor | None,
         causal: bool,
+        per_query: bool = False,
     ) -> torch.Tensor:
-        """Store layer `layer`'s new keys/values at the last T positions, attend: [B, T, H, D]."""
+        """Store layer `layer`'s new keys/values at the last T positions, attend: [B, T, H, D].
+
+        per_query: each query alone over the keys its row of `mask` shows (the
+        batch-invariant mode, models/native.py; `mask` is then never None).
+        """
         end = self._length
         start = end - q.shape[1]
         self.keys[layer, :, :, start:end] = k.transpose(1, 2)
         self.values[layer, :, :, start:end] = v.transpose(1, 2)
+        if per_query:
+            assert mask is not None
+            return _attend_per_query(q, self.keys[layer, :, :, :end], self.values[layer, :, :, :end], mask)
         out = attend(
             q.transpose(1, 2),  # [B, H, T, D]
             self.keys[layer, :, :, :end],  # [B, H_kv, S, D]
@@ -168,36 +177,70 @@ def _take_rows(tensor: torch.Tensor, index: torch.Tensor, length: int) -> torch.
     return taken
 
 
-def attention_mask(cache: ContiguousKVCache, num_new: int) -> torch.Tensor | None:
-    """Boolean mask [B, 1, T, S] for the last `num_new` of the cache's S positions, or None.
+def attention_mask(
+    cache: ContiguousKVCache, num_new: int, window: int | None = None, explicit: bool = False
+) -> torch.Tensor | None:
+    """Boolean mask [B or 1, 1, T, S] for the last `num_new` of the cache's S positions, or None.
 
-    None means no mask: with one new token and no padding it attends to everything (the
-    fast decode path); with several new tokens into an empty, unpadded cache the caller
-    passes `causal=True` to `attend` instead.
-    A query may see a key when the key is a real token at or before it; every query also
-    sees its own slot, so a padding query never has an empty row (softmax of all -inf is
-    NaN) -- its output is meaningless but finite, and nothing real attends to it.
+    None (never when `explicit`) means no mask: with one new token and no padding it
+    attends to everything (the fast decode path); with several new tokens into an empty,
+    unpadded cache the caller passes `causal=True` to `attend` instead.
+    A query may see a key when the key is a real token at or before it and, with a sliding
+    `window`, less than `window` positions before it (positions count real tokens only).
+    Every query also sees its own slot, so a padding query never has an empty row
+    (softmax of all -inf is NaN) -- its output is meaningless but finite, and nothing
+    real attends to it.
     """
     total = cache.length
     start = total - num_new
+    slides = window is not None and total > window  # else no key can fall out of a window
     if not cache.has_padding:
-        if num_new == 1 or start == 0:
+        if not (slides or explicit) and (num_new == 1 or start == 0):
             return None
-        return causal_mask(start, num_new)[None, None]  # [1, 1, T, S]
-    keys = cache.mask[:, None, None, :]  # [B, 1, 1, S]
-    if num_new == 1:
-        visible = keys.clone()
-        visible[..., -1] = True
-        return visible
-    causal = causal_mask(start, num_new)  # [T, S]
-    own = torch.zeros_like(causal)
-    own[:, start:] = torch.eye(num_new, dtype=torch.bool)
-    return (keys & causal) | own  # [B, 1, T, S]
+        return causal_mask(start, num_new, window)[None, None]  # [1, 1, T, S]
+    keys = cache.mask  # [B, S]
+    visible = keys[:, None, :] & causal_mask(start, num_new)  # [B, T, S]
+    if slides:
+        positions = keys.long().cumsum(dim=1) - 1  # [B, S]
+        near = positions[:, None, :] > positions[:, start:, None] - window  # [B, T, S]
+        visible &= near
+    visible[:, :, start:] |= torch.eye(num_new, dtype=torch.bool)
+    return visible[:, None]  # [B, 1, T, S]
 
 
-def causal_mask(start: int, num_new: int) -> torch.Tensor:
-    """[T, start + T] bool: query t (at position start + t) sees keys 0 .. start + t."""
-    return torch.ones((num_new, start + num_new), dtype=torch.bool).tril(diagonal=start)
+def causal_mask(start: int, num_new: int, window: int | None = None) -> torch.Tensor:
+    """[T, start + T] bool: query t (at position start + t) sees keys 0 .. start + t, or
+    with a sliding window only start + t - window + 1 .. start + t (transformers'
+    `sliding_window_overlay`: kv_idx > q_idx - window)."""
+    ones = torch.ones((num_new, start + num_new), dtype=torch.bool)
+    visible = ones.tril(diagonal=start)
+    if window is not None:
+        visible &= ~ones.tril(diagonal=start - window)
+    return visible
+
+
+def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query over exactly the keys it sees, no mask: q [H, D], k/v [H_kv, S, D] -> [H, D].
+
+    The batch-invariant mode's attention (models/native.py): every query of every row,
+    in a prefill or a decode step, alone or beside others, is this one call, so its
+    reduction over keys never depends on other rows' lengths or on how its sequence was
+    split into steps.
+    """
+    heads, dim = q.shape
+    kv_heads = k.shape[0]
+    folded = q.reshape(1, kv_heads, heads // kv_heads, dim)  # [1, H_kv, G, D]
+    return F.scaled_dot_product_attention(folded, k[None], v[None]).reshape(heads, dim)
+
+
+def _attend_per_query(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, H_kv, S, D], mask [B or 1, 1, T, S] -> [B, T, H, D]."""
+    out = torch.empty_like(q)
+    for row in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            seen = mask[min(row, mask.shape[0] - 1), 0, t].nonzero()[:, 0]  # [S_seen]
+            out[row, t] = attend_alone(q[row, t], k[row][:, seen], v[row][:, seen])
+    return out
 
 
 def attend(

@@ -8,12 +8,25 @@ MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMS
 
 Design (STYLE.md; gpt-fast and nano-vllm do the same): q/k/v and gate/up are each one
 fused `nn.Linear` (fewer, larger matmuls; compress/ swaps any `nn.Linear` in `model.net`);
-cos/sin tables are precomputed; one attention mask per forward is shared by all layers;
-a single unpadded row decodes with no mask at all. Attention itself is `kv.attend`.
+cos/sin tables are precomputed; one attention mask per forward (per sliding window) is
+shared by the layers; a single unpadded row decodes with no mask at all. Attention
+itself is `kv.attend`.
 
-Sliding-window attention (Mistral, Qwen2/3 with `use_sliding_window`) is not
-implemented: such a model's `max_context` is capped at its window, inside which
-sliding-window and full attention are the same function, so results stay exact.
+Sliding-window attention (Mistral; Qwen2/3 layers marked "sliding_attention"): a query at
+position p sees the keys at positions p - window + 1 .. p, as transformers'
+`sliding_window_overlay`. The cache keeps every position; the mask hides the old ones.
+The context is `max_position_embeddings`, times the RoPE factor for linear and dynamic
+scaling (transformers' docs: with these, max_position_embeddings is *not* raised to the
+new length); a forward past it raises ValueError.
+
+`batch_invariant` (off by default): every linear layer runs one token at a time and
+every query attends alone over exactly the keys it sees (`rowwise_linear`,
+`kv.attend_alone`), so a token's arithmetic -- and its logits, bit for bit -- never
+depend on which other tokens share the forward, how a prompt was split into steps, or
+whether its prefix came from the cache. BLAS picks another kernel for one row than for
+several, and the two round differently (~1e-5 in the logits); vLLM's batch-invariant
+kernels fix the reduction order for the same reason. Its cost: `python -m
+decodekit.bench.batch_invariant` (docs/ARCHITECTURE.md quotes a run).
 """
 
 from __future__ import annotations
@@ -81,7 +94,8 @@ class NativeConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # set only if some layer actually slides
+    # Each layer's sliding window (None: full attention); () when no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -89,6 +103,23 @@ class NativeConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows must have one entry per layer ({self.num_layers}), "
+                f"got {len(self.layer_windows)}"
+            )
+        bad = [w for w in self.layer_windows if w is not None and w < 1]
+        if bad:
+            raise ValueError(f"sliding_window must be >= 1, got {bad[0]}")
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model can encode: max_position_embeddings, stretched by linear or
+        dynamic RoPE scaling (for these, transformers' docs say not to raise
+        max_position_embeddings to the new length; llama3 configs already state it)."""
+        if self.rope.kind in ("linear", "dynamic"):
+            return int(self.max_positions * max(self.rope.factor, 1.0))
+        return self.max_positions
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], tie_default: bool = False) -> NativeConfig:
@@ -120,20 +151,53 @@ class NativeConfig:
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
-            sliding_window=_sliding_window(config),
+            layer_windows=_layer_windows(config, int(config["num_hidden_layers"])),
         )
 
 
-def _sliding_window(config: dict[str, Any]) -> int | None:
+def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers' modeling_{mistral,qwen2,qwen3}.py."""
     window = config.get("sliding_window")
     if window is None or config["model_type"] == "llama":
-        return None
+        return ()
     layer_types = config.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if config["model_type"] in ("qwen2", "qwen3"):
-        return int(window) if config.get("use_sliding_window", False) else None
-    return int(window)  # mistral: every layer slides
+    if layer_types is None and config["model_type"] in ("qwen2", "qwen3"):
+        if not config.get("use_sliding_window", False):
+            return ()
+        first = int(config.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(num_layers)]  # fmt: skip
+    if layer_types is None:
+        return (int(window),) * num_layers  # mistral: every layer slides
+    if "sliding_attention" not in layer_types:
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer` applied to each token on its own: x [B, T, in] -> [B, T, out].
+
+    The batch-invariant mode's linear layers (module docstring): a token's output is the
+    same [1, in] product whatever else shares the forward. One call with M > 1 rows would
+    run BLAS's GEMM kernel, whose rounding differs from the M = 1 kernel a lone decoding
+    row gets (measured: ~1e-6 relative per layer, ~1e-5 in the logits). An `nn.Linear`
+    runs as one batched matmul of [1, in] x [in, out] products over a broadcast weight
+    (each product computed on its own, ~2x faster than a Python loop); any other layer
+    (compress/'s quantised ones) is called once per token.
+    """
+    rows = x.reshape(-1, x.shape[-1])  # [N, in]
+    if type(layer) is nn.Linear:
+        weight = layer.weight.t()  # [in, out]
+        out = torch.bmm(rows[:, None], weight.expand(rows.shape[0], *weight.shape))[:, 0]
+        if layer.bias is not None:
+            out = out + layer.bias
+    else:
+        out = torch.cat([layer(rows[i : i + 1]) for i in range(rows.shape[0])])  # [N, out]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    return rowwise_linear(layer, x) if rowwise else layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -169,14 +233,16 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B or 1, T, 1, D]
         sin: torch.Tensor,
-        cache: ContiguousKVCache,  # or anything with its `attend(layer, q, k, v, mask, causal)`
+        cache: ContiguousKVCache,  # or anything with ContiguousKVCache.attend's signature
         layer: int,
         mask: torch.Tensor | None,  # [B or 1, 1, T, S]
         causal: bool,
+        rowwise: bool = False,  # batch-invariant mode (module docstring)
     ) -> torch.Tensor:
         batch, num_new, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
+        qkv = _linear(self.qkv_proj, x, rowwise)
+        qkv = qkv.view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is None:
             # One RoPE call over the query and key heads together.
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
@@ -187,8 +253,8 @@ class Attention(nn.Module):
         v = qkv[:, :, heads + kv_heads :]
         # The cache stores k/v and attends: ContiguousKVCache here, the engine's paged
         # batch (engine/batch.py) there; the layer maths stay in this one module.
-        out = cache.attend(layer, q, k, v, mask, causal)  # [B, T, H, D]
-        return self.o_proj(out.reshape(batch, num_new, heads * self.head_dim))
+        out = cache.attend(layer, q, k, v, mask, causal, rowwise)  # [B, T, H, D]
+        return _linear(self.o_proj, out.reshape(batch, num_new, heads * self.head_dim), rowwise)
 
 
 class MLP(nn.Module):
@@ -200,9 +266,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.mlp_bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+        gate, up = _linear(self.gate_up_proj, x, rowwise).chunk(2, dim=-1)
+        return _linear(self.down_proj, F.silu(gate) * up, rowwise)
 
 
 class Block(nn.Module):
@@ -213,9 +279,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache, layer, mask, causal, rowwise=False):
+        normed = self.input_layernorm(x)
+        x = x + self.self_attn(normed, cos, sin, cache, layer, mask, causal, rowwise)
+        return x + self.mlp(self.post_attention_layernorm(x), rowwise)
 
 
 class LlamaNet(nn.Module):
@@ -231,14 +298,18 @@ class LlamaNet(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens, cos, sin, cache, mask, causal, keep=None) -> torch.Tensor:
-        """Logits [B, T, V]; with `keep` (a [K] index) only those positions', [B, K, V]."""
+    def forward(self, tokens, cos, sin, cache, masks, keep=None, rowwise=False) -> torch.Tensor:
+        """Logits [B, T, V]; with `keep` (a [K] index) only those positions', [B, K, V].
+
+        masks: each layer's (attention mask, causal) for `cache.attend`; rowwise: the
+        batch-invariant mode (module docstring).
+        """
         x = self.embed_tokens(tokens)  # [B, T, hidden]
-        for index, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache, index, mask, causal)
+        for index, (block, (mask, causal)) in enumerate(zip(self.layers, masks, strict=True)):
+            x = block(x, cos, sin, cache, index, mask, causal, rowwise)
         if keep is not None:
             x = x[:, keep]  # the engine needs logits at each sequence's last token only
-        return self.lm_head(self.norm(x)).float()  # [B, T or K, V]
+        return _linear(self.lm_head, self.norm(x), rowwise).float()  # [B, T or K, V]
 
 
 def fuse_checkpoint(
@@ -299,6 +370,7 @@ class NativeLM(LanguageModel):
         name: str = "native",
         tokenizer: Any | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        batch_invariant: bool = False,
     ):
         self.net = net.eval()
         self.config = config
@@ -306,9 +378,9 @@ class NativeLM(LanguageModel):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = config.vocab_size
-        self.max_context = config.max_positions
-        if config.sliding_window is not None:
-            self.max_context = min(self.max_context, config.sliding_window)
+        self.max_context = config.context_length
+        # Read by each forward and by each Engine when it is built (module docstring).
+        self.batch_invariant = batch_invariant
         self.dtype = net.embed_tokens.weight.dtype
         self.rope = RotaryTables(config.rope, self.dtype)
 
@@ -340,7 +412,11 @@ class NativeLM(LanguageModel):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        name: str | None = None,
+        batch_invariant: bool = False,
     ) -> NativeLM:
         path = Path(path)
         config = read_config(path)
@@ -352,6 +428,7 @@ class NativeLM(LanguageModel):
             name=name or path.name,
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(path, config, tokenizer),
+            batch_invariant=batch_invariant,
         )
 
     def new_cache(self, batch_size: int) -> ContiguousKVCache:
@@ -376,6 +453,7 @@ class NativeLM(LanguageModel):
         start = cache.length
         if mask is None and not cache.has_padding:
             # Every row is at position `start`: slice the tables, no gather.
+            self.check_positions(start + num_new)
             cos, sin = self.rope.tables(start + num_new)
             cos, sin = cos[start : start + num_new, None], sin[start : start + num_new, None]
         else:
@@ -383,12 +461,31 @@ class NativeLM(LanguageModel):
             # Padding never advances a row's position: position = real tokens before it.
             positions = cache.next_position[:, None] + real.long().cumsum(dim=1) - 1  # [B, T]
             positions = positions.clamp(min=0)
+            self.check_positions(int(positions.max()) + 1)
             cos, sin = self.rope.tables(int(positions.max()) + 1)
             cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, T, 1, D]
         cache.append(mask, num_new)
-        attn_mask = attention_mask(cache, num_new)
-        causal = attn_mask is None and num_new > 1
-        return self.net(tokens, cos, sin, cache, attn_mask, causal)
+        rowwise = self.batch_invariant
+        by_window = {w: attention_mask(cache, num_new, w, explicit=rowwise)
+                     for w in set(self.layer_windows())}  # fmt: skip
+        masks = [(by_window[w], by_window[w] is None and num_new > 1) for w in self.layer_windows()]
+        return self.net(tokens, cos, sin, cache, masks, rowwise=rowwise)
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for full attention."""
+        return self.config.layer_windows or (None,) * self.config.num_layers
+
+    def check_positions(self, num_positions: int) -> None:
+        """ValueError unless positions 0 .. num_positions - 1 fit the model's context."""
+        if num_positions > self.max_context:
+            c = self.config
+            scaled = (f", times the {c.rope.kind} RoPE factor {c.rope.factor:g}"
+                      if self.max_context != c.max_positions else "")  # fmt: skip
+            raise ValueError(
+                f"position {num_positions - 1} is past the model's context of "
+                f"{self.max_context} positions (max_position_embeddings={c.max_positions}"
+                f"{scaled})"
+            )
 
 
 def _check_inputs(tokens, cache, mask, vocab_size: int) -> None:
