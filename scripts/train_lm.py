@@ -27,10 +27,13 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from decodekit import runtime
 
 EOS = "<|endoftext|>"
 REPO = Path(__file__).resolve().parents[1]
@@ -134,6 +137,7 @@ def train_causal_lm(
     max_minutes: float | None = None,
     bf16: bool = False,
     device: str = "cpu",
+    progress: bool | None = None,
 ) -> dict:
     """Train `model` (a transformers causal LM) and save it to `out_dir/final`.
 
@@ -143,7 +147,8 @@ def train_causal_lm(
     seeded but not bit-for-bit reproducible. `bf16` runs the forward under bfloat16 autocast
     (weights and optimizer stay float32; evaluation is float32). `device` ("cpu", "cuda")
     is where the model trains; the data stream stays on the CPU, so a run's windows are the
-    same on any device.
+    same on any device. `progress` (None: when stderr is a terminal) shows a bar over the
+    steps on stderr, the training loss beside it, instead of the per-step log lines.
     Returns {"history", "val_loss", "train_minutes"}.
     """
     if train_ids.dim() != 1 or val_ids.dim() != 1:
@@ -188,14 +193,17 @@ def train_causal_lm(
     start = time.perf_counter()
     running, running_n, t_log = 0.0, 0, time.perf_counter()
     minutes = minutes_before
+    bar = runtime.progress(total=steps, desc="train", enabled=progress)
+    bar.update(step)
+    say = partial(print, flush=True) if bar.disable else bar.write  # lines above the bar, not in it
     while True:
         minutes = minutes_before + (time.perf_counter() - start) / 60
-        progress = step / steps
+        done = step / steps
         if max_minutes is not None:
-            progress = max(progress, minutes / max_minutes)
-        if step >= steps or progress >= 1.0:
+            done = max(done, minutes / max_minutes)
+        if step >= steps or done >= 1.0:
             break
-        rate = learning_rate(progress, step, lr, warmup)
+        rate = learning_rate(done, step, lr, warmup)
         for group in optimizer.param_groups:
             group["lr"] = rate
         inputs, targets = random_windows(train_ids, seq_len, batch_size, gen)  # [B, T] each
@@ -210,20 +218,25 @@ def train_causal_lm(
         step += 1
         running += loss.item()
         running_n += 1
+        bar.update()
 
         if step % log_every == 0 or step == 1:
             sec = (time.perf_counter() - t_log) / running_n
-            print(f"step {step:5d} | loss {running / running_n:.4f} | lr {rate:.2e} | "
-                  f"{sec:.2f} s/step | {minutes:.1f} min", flush=True)
+            if bar.disable:
+                print(f"step {step:5d} | loss {running / running_n:.4f} | lr {rate:.2e} | "
+                      f"{sec:.2f} s/step | {minutes:.1f} min", flush=True)
+            else:
+                bar.set_postfix_str(f"loss {running / running_n:.4f} lr {rate:.2e}", refresh=False)
             history.append({"step": step, "train_loss": running / running_n, "lr": rate,
                             "minutes": minutes})
             running, running_n, t_log = 0.0, 0, time.perf_counter()
         if step % eval_every == 0:
             val, _ = evaluate_loss(model, val_ids, seq_len, batch_size, EVAL_WINDOWS)
-            print(f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}", flush=True)
+            say(f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
             history.append({"step": step, "val_loss": val, "minutes": minutes})
             save_checkpoint(minutes_before + (time.perf_counter() - start) / 60)
 
+    bar.close()
     val, n_tokens = evaluate_loss(model, val_ids, seq_len, batch_size)
     print(f"final step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f} "
           f"over {n_tokens} tokens | {minutes:.1f} min", flush=True)
