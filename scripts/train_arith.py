@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decodekit import runtime
 from decodekit.meta.rewards import (
     FEATURES,
     PROBE_FILE,
@@ -131,12 +132,13 @@ def train_lm_stage(run: RunConfig, out: Path, max_minutes: float | None, seed: i
 @torch.inference_mode()
 def sample_solutions(model, tokenizer, problems, n: int, *, greedy: bool, seed: int,
                      max_new_tokens: int, batch_size: int = 256) -> list[list[str]]:
-    """n completions per problem with transformers `generate` (pure temperature-1 sampling)."""
+    """n completions per problem with transformers `generate` (pure temperature-1 sampling);
+    a bar over the batches when stderr is a terminal."""
     tokenizer.padding_side = "left"
     prompts = [format_prompt(p) for p in problems for _ in range(n)]
     texts: list[str] = []
     torch.manual_seed(seed)
-    for b in range(0, len(prompts), batch_size):
+    for b in runtime.progress(range(0, len(prompts), batch_size), desc="sample"):
         batch = tokenizer(prompts[b : b + batch_size], return_tensors="pt", padding=True,
                           add_special_tokens=False)
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0,
