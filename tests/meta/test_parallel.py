@@ -128,6 +128,12 @@ def test_rejection_sampling_without_acceptance_returns_best_seen():
     assert result.text == "bbb"
 
 
+def test_rejection_sampling_falls_back_to_the_best_not_the_last_or_first():
+    gen = ScriptedGenerator(["bb", "cccc", "a"])  # scores 2, 4, 1; threshold 5 never reached
+    result = rejection_sampling(gen, "P", len, threshold=5, max_tries=3, round_size=2)
+    assert result.tallies == {"accepted": False, "tries": 3} and result.text == "cccc"
+
+
 def test_budget_limit_stops_between_rounds():
     gen = ScriptedGenerator(["abc"])  # 4 tokens per sample
     budget = Budget(limits={"generated_tokens": 5})

@@ -50,6 +50,9 @@ def test_verifier_feedback_and_bad_feedback():
     gen = ScriptedGenerator(["ab", "abcd"])
     result = refine(gen, "Q", verifier_feedback(len, threshold=3), rounds=3)
     assert result.text == "abcd" and "scored this 2, below 3" in result.candidates[0].note
+    # a score equal to the threshold reaches it
+    result = refine(ScriptedGenerator(["ab", "abc", "abcd"]), "Q", verifier_feedback(len, threshold=3))
+    assert result.text == "abc" and result.tallies == {"accepted": True, "attempts": 2}
     with pytest.raises(TypeError, match="feedback on attempt 0 returned 'yes'"):
         refine(ScriptedGenerator(["a"]), "Q", lambda p, o: "yes")
     with pytest.raises(ValueError, match="rounds must be an integer >= 0"):

@@ -217,3 +217,54 @@ def test_batched_prm_scores_all_children_in_one_call(toy_model):
 
     with pytest.raises(ScorerError, match="scorer server down"):
         tree_search_batch(LocalGenerator(toy_model), [TOY_PROMPT], broken, 2, prm_kind="batch")
+
+
+def scripted_tree(method, n, width, prm, aggregate="last"):
+    """A search over a ScriptedGenerator: from "Q\\n" the k-th child is the step "abcd"[k],
+    not finished; from "Q\\n<p>\\n" it is "<p>1", "<p>2", ... ending at EOS."""
+    counters = {}
+
+    def respond(prompt, i):
+        k = counters[prompt] = counters.get(prompt, -1) + 1
+        if prompt == "Q\n":
+            return "abcd"[k], "\n"
+        return f"{prompt.split(chr(10))[1]}{k + 1}", 0
+
+    gen = ScriptedGenerator(respond)
+    result = tree_search(gen, "Q\n", prm, n, method, config=TreeConfig(width=width, aggregate=aggregate))
+    return result, gen.requests
+
+
+def last_step_prm(scores):
+    return lambda question, steps: [scores.get(step, 0.5) for step in steps]
+
+
+def test_dvts_follows_the_best_child_of_each_subtree():
+    # N = 4, width 2: two subtrees share the root's request; subtree 1 gets children a, b and
+    # follows b (0.9 > 0.2), subtree 2 gets c, d and follows c (0.7 > 0.1). Each then picks
+    # its best leaf: b2 (0.8 > 0.3), and c1 over c2, the first of equal scores.
+    scores = {"a": 0.2, "b": 0.9, "c": 0.7, "d": 0.1, "b1": 0.3, "b2": 0.8, "c1": 0.6, "c2": 0.6}
+    result, requests = scripted_tree("dvts", 4, 2, last_step_prm(scores))
+    assert requests == [("Q\n", 4), ("Q\nb\n", 2), ("Q\nc\n", 2)]
+    assert [c.text for c in result.candidates] == ["b\nb2", "c\nc1"]
+    assert result.text == "b\nb2" and result.chosen.score == 0.8
+
+
+def test_beam_keeps_the_best_and_the_earlier_of_equal_children():
+    # N = 4, width 2: keep 2 of the root's 4 children: b (0.9), then a, the first of three
+    # at 0.5; each kept node gets 2 children, which finish (4 leaves = N).
+    scores = {"a": 0.5, "b": 0.9, "c": 0.5, "d": 0.5, "b1": 0.3, "b2": 0.8}
+    result, requests = scripted_tree("beam", 4, 2, last_step_prm(scores))
+    assert requests == [("Q\n", 4), ("Q\nb\n", 2), ("Q\na\n", 2)]
+    assert [c.text for c in result.candidates] == ["b\nb1", "b\nb2", "a\na1", "a\na2"]
+    assert result.text == "b\nb2"
+
+
+@pytest.mark.parametrize(("aggregate", "expected"), [("last", "a1"), ("min", "a2"), ("product", "a1")])
+def test_search_ranks_paths_by_the_aggregate(aggregate, expected):
+    # N = 2, width 2: keep a (0.9 > 0.1) and expand it. The PRM rescores the whole path:
+    # a1 [0.4, 0.9] (last 0.9, min 0.4, product 0.36), a2 [0.5, 0.7] (0.7, 0.5, 0.35).
+    paths = {("a",): [0.9], ("b",): [0.1], ("a", "a1"): [0.4, 0.9], ("a", "a2"): [0.5, 0.7]}
+    result, requests = scripted_tree("beam", 2, 2, lambda q, steps: paths[tuple(steps)], aggregate)
+    assert requests == [("Q\n", 2), ("Q\na\n", 2)]
+    assert result.text == f"a\n{expected}"
