@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 
-from decodekit.cli.common import add_threads, set_threads
+from decodekit.cli.common import add_threads, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine")
 
@@ -27,26 +26,27 @@ def add_bench(sub) -> None:
 
 def run_bench(args) -> None:
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
+    progress = show_progress(args)
     if args.which == "constrained":
         from decodekit.bench.constrained import bench_constrained
 
-        result = bench_constrained(args.model, args.repeats)
+        result = bench_constrained(args.model, args.repeats, progress=progress)
     elif args.which == "contrastive":
         from decodekit.bench.contrastive import bench_contrastive
 
-        result = bench_contrastive(args.model, args.amateur)
+        result = bench_contrastive(args.model, args.amateur, progress=progress)
     elif args.which == "compress":
         from decodekit.bench.compress import bench_compress, table
 
-        result = bench_compress(args.model, args.new_tokens, args.repeats,
-                                progress=lambda row: print(json.dumps(row), file=sys.stderr, flush=True))
+        result = bench_compress(args.model, args.new_tokens, args.repeats, progress=progress, threads=threads)
         if not args.json:
             print(table(result))
             return
     elif args.which == "speculative":
         from decodekit.bench.speculative import bench_speculative, markdown_table
 
-        result = bench_speculative(args.model, args.draft, new_tokens=args.new_tokens, quick=args.quick)
+        result = bench_speculative(args.model, args.draft, new_tokens=args.new_tokens, quick=args.quick,
+                                   threads=threads, progress=progress)
         if not args.json:
             print(markdown_table(result))
             return
@@ -54,16 +54,16 @@ def run_bench(args) -> None:
         from decodekit.bench.server import bench_server, table
 
         levels = [int(c) for c in args.concurrency.split(",")]
-        result = bench_server(args.model, args.new_tokens, levels, args.repeats)
+        result = bench_server(args.model, args.new_tokens, levels, args.repeats, progress=progress)
         if not args.json:
             print(table(result))
             return
     elif args.which == "engine":
         from decodekit.bench.engine import bench_engine
 
-        result = bench_engine(args.model, args.new_tokens, args.repeats, threads)
+        result = bench_engine(args.model, args.new_tokens, args.repeats, threads, progress=progress)
     else:
         from decodekit.bench.decode import bench_decode
 
-        result = bench_decode(args.model, args.new_tokens, args.repeats)
+        result = bench_decode(args.model, args.new_tokens, args.repeats, progress=progress)
     print(json.dumps(result, indent=None if args.json else 2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import add_threads, check_out_dir, set_threads
+from decodekit.cli.common import add_threads, check_out_dir, set_threads, show_progress
 
 
 def add_compress(sub) -> None:
@@ -34,7 +34,7 @@ def run_compress(args) -> None:
     )
     check_out_dir(args.out)  # before minutes of calibration, not after
     set_threads(args)  # the model loads inside compress_to_dir; None picks for a small model
-    report = compress_to_dir(args.model, config, args.out, args.calib_file)
+    report = compress_to_dir(args.model, config, args.out, args.calib_file, progress=show_progress(args))
     if args.json:
         print(json.dumps(report, indent=1))
         return

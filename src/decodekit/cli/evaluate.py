@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import json
-import sys
 
-from decodekit.cli.common import UsageError, add_threads, check_plot, set_threads
+from decodekit.cli.common import UsageError, add_threads, check_plot, set_threads, show_progress
 
 
 def add_eval(sub) -> None:
@@ -60,13 +59,12 @@ def run_eval_arith(args) -> None:
     )
     check_plot(args.plot)
     set_threads(args)  # the models load inside evaluate_arith; None picks for a small model
-    progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
     generator = None
     if args.endpoint:
         from decodekit.meta.remote import RemoteGenerator
 
         generator = RemoteGenerator(args.endpoint, args.model)
-    report = evaluate_arith(config, generator=generator, progress=progress)
+    report = evaluate_arith(config, generator=generator, progress=show_progress(args))
     if args.plot:
         plot(report, args.plot)
     if args.json:
@@ -103,8 +101,7 @@ def run_eval_alignment(args) -> None:
 
     check_plot(args.plot)
     config = FrontierConfig(threads=set_threads(args))  # the frontier sets them around its run
-    progress = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
-    report = alignment_frontier(config, progress)
+    report = alignment_frontier(config, progress=show_progress(args))
     if args.plot:
         plot_frontier(report, args.plot)
     if args.json:
