@@ -194,3 +194,30 @@ def test_a_missing_optional_dependency_names_the_install_command(capsys, monkeyp
     assert main(["serve"]) == 1
     err = capsys.readouterr().err
     assert "the server needs fastapi" in err and "[server]" in err and err.count("\n") == 1
+
+
+def test_progress_bars_on_a_terminal_only_and_never_with_json(monkeypatch, capsys, tmp_path):
+    import io
+    import sys
+
+    import decodekit.compress.recipe as recipe
+    import decodekit.meta.evaluate as evaluate
+
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate_arith", lambda *a, progress, **k: seen.append(progress) or {})
+    monkeypatch.setattr(evaluate, "table", lambda report: "")
+    report = dict(model="m", out="o", label="rtn-8b", layers=1, memory_bytes_before=2,
+                  memory_bytes_after=1, disk_bytes=1)
+    monkeypatch.setattr(recipe, "compress_to_dir", lambda *a, progress, **k: seen.append(progress) or report)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stderr, flags, expected in [(Terminal(), [], True), (Terminal(), ["--json"], False),
+                                    (io.StringIO(), [], False)]:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        seen.clear()
+        assert main(["eval", "arith", *flags]) == 0
+        assert main(["compress", "m", "--method", "rtn", "--out", str(tmp_path / "new"), *flags]) == 0
+        assert seen == [expected, expected]
