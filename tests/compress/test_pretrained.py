@@ -43,10 +43,8 @@ def test_loaded_directory_gives_the_in_memory_logits(tiny_llama_dir, tmp_path, c
     quantized = config.method in ("rtn", "gptq")
     kinds = {type(m) for n, m in loaded.net.named_modules() if n.endswith("proj")}
     assert kinds == ({QuantizedLinear} if quantized else {torch.nn.Linear})
-    # Through the engine (generate runs NativeLM through it): the same greedy tokens.
-    from decodekit.decode.sample import uses_engine
-
-    assert uses_engine(loaded)
+    # Through the engine (generate runs models with paged KV on it): the same greedy tokens.
+    assert loaded.supports_paged_kv
     params = dk.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     [a] = dk.generate(model, "ROMEO:", params)
     [b] = dk.generate(loaded, "ROMEO:", params)

@@ -105,7 +105,7 @@ def test_bad_token_ids_are_rejected(tiny_lm):
 def test_incremental_detokenising_equals_decoding_everything(tiny_lm):
     import random
 
-    from decodekit.decode.text import TextTracker
+    from decodekit.text import TextTracker
 
     rng = random.Random(0)
     for _ in range(100):

@@ -9,9 +9,10 @@ import engine_fixtures
 import pytest
 
 import decodekit as dk
-from decodekit.decode.sample import _steps, emit, make_requests
+from decodekit.decode.sample import _steps
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine, EngineFull
+from decodekit.request import emit, make_requests
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
 

@@ -15,9 +15,10 @@ import torch
 import transformers
 
 import decodekit as dk
-from decodekit.decode.sample import _steps, emit, make_requests
+from decodekit.decode.sample import _steps
 from decodekit.models.native import NativeLM
 from decodekit.models.registry import load_model
+from decodekit.request import emit, make_requests
 
 WINDOW = 16
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -31,9 +31,9 @@ import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.decode.constrained import Constraint, token_mask
-from decodekit.decode.sample import Prompt, encode_prompt
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
+from decodekit.request import Prompt, encode_prompt
 from decodekit.sampling import SamplerState, build_chain
 
 

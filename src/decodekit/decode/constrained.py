@@ -30,34 +30,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 
 from decodekit.models.base import LanguageModel
 from decodekit.optional import require
+from decodekit.params import SamplingParams
+from decodekit.request import MaskBuilder, TokenMask
 
 NEG_INF = float("-inf")
 
 
 def _llguidance():
     return require("llguidance", "constrained", "constrained decoding and token healing")
-
-
-class TokenMask(Protocol):
-    """Per-row token filter of a request, applied before its adapter chain (the shape of
-    llama.cpp's samplers: apply, accept): `GrammarMask` here, `healing.HealingMask`."""
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...  # [R, V] -> [R, V]
-
-    def accept(self, tokens: torch.Tensor) -> None: ...  # [R] chosen tokens
-
-    def select_rows(self, rows: Sequence[int]) -> None: ...
-
-    def is_complete(self, row: int) -> bool: ...  # after accept: must the row stop?
-
-    def completes(self, row: int, token: int) -> bool: ...  # would `token` complete it?
 
 
 @dataclass(frozen=True)
@@ -279,3 +266,14 @@ def token_mask(
             "ignore_eos cannot be combined with a constraint: EOS is how an accepting grammar ends"
         )
     return GrammarMask(model, constraint, num_rows), list(prompt_ids), model.decode
+
+
+def mask_builder(constraint: Constraint | None = None, heal: bool | int = False) -> MaskBuilder | None:
+    """`make_requests`' masks for a constraint or token healing; None when there is neither."""
+    if constraint is None and not heal:
+        return None
+
+    def masks(model: LanguageModel, prompt_ids: list[int], params: SamplingParams):
+        return token_mask(model, prompt_ids, params.n, constraint, heal, params.ignore_eos)
+
+    return masks

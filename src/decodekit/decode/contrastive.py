@@ -159,6 +159,16 @@ class ContrastiveLM(LanguageModel):
         windowed = amateur_window is not None
         self.max_context = expert.max_context if windowed else min(expert.max_context, amateur.max_context)
 
+    # Two models per step: the plain loop runs it (supports_paged_kv stays False). Its cache
+    # forks and crops when the expert's and the amateur's do (a WindowCache always does).
+    @property
+    def supports_fork(self) -> bool:
+        return self.expert.supports_fork and (self.amateur_window is not None or self.amateur.supports_fork)
+
+    @property
+    def supports_crop(self) -> bool:
+        return self.expert.supports_crop and (self.amateur_window is not None or self.amateur.supports_crop)
+
     def new_cache(self, batch_size: int) -> PairCache:
         windowed = self.amateur_window is not None
         amateur = WindowCache(batch_size) if windowed else self.amateur.new_cache(batch_size)

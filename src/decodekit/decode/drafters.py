@@ -87,6 +87,8 @@ class IncrementalModel:
     """
 
     def __init__(self, model: LanguageModel):
+        if not model.supports_crop:
+            raise TypeError(f"model {model.name!r} cannot crop its cache, which rejected drafts need")
         self.model = model
         self.cache = model.new_cache(1)
         self.tokens: list[int] = []  # what the cache holds, position by position

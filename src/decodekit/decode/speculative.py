@@ -34,9 +34,9 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.decode.drafters import DraftSampler, IncrementalModel, make_drafter, scratch_state
-from decodekit.decode.sample import Prompt, Row, make_requests, record, to_completion
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
+from decodekit.request import Prompt, Row, make_requests, record, to_completion
 from decodekit.sampling import SamplerState
 
 # (p [γ+1, V], q [γ, V], draft [γ] long, generator) -> (τ accepted draft tokens, extra token y)

@@ -7,11 +7,12 @@
 
 A step (`step`) admits waiting requests, runs one forward over every scheduled token
 (batch.py) and samples one token for every row with the request's own chain and
-generator (decode/sample.py: `sample_rows`, `record`, `emit`), so a seeded request's
+generator (request.py: `sample_rows`, `record`, `emit`), so a seeded request's
 random stream is the same alone or beside others; with the model's `batch_invariant` on
 (read when the engine is built) its logits are too, bit for bit, and so are its tokens
 and logprobs. Requests join and leave between steps.
-`decodekit.generate` runs NativeLM models through `run_requests`.
+`decodekit.generate` runs models that support paged KV (`LanguageModel.supports_paged_kv`:
+NativeLM) through `run_requests`.
 """
 
 from __future__ import annotations
@@ -25,16 +26,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import torch
 
 from decodekit.completion import Completion
-from decodekit.decode.sample import (
-    Delta,
-    Prompt,
-    Request,
-    drop_finished_rows,
-    emit,
-    make_requests,
-    sample_rows,
-    to_completion,
-)
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockPool
@@ -44,6 +35,16 @@ from decodekit.engine.scheduler import EngineRequest, Scheduler, Step, blocks_al
 from decodekit.models.base import LanguageModel
 from decodekit.models.native import NativeLM
 from decodekit.params import SamplingParams
+from decodekit.request import (
+    Delta,
+    Prompt,
+    Request,
+    drop_finished_rows,
+    emit,
+    make_requests,
+    sample_rows,
+    to_completion,
+)
 
 
 class EngineFull(RuntimeError):
@@ -143,8 +144,10 @@ def _resolve(future: asyncio.Future) -> None:
 
 class Engine:
     def __init__(self, model: LanguageModel, config: EngineConfig | None = None):
-        if not isinstance(model, NativeLM):
-            raise TypeError(f"the engine runs NativeLM models, got {type(model).__name__}")
+        if not model.supports_paged_kv:
+            raise TypeError(
+                f"the engine runs models that support paged KV (NativeLM), got {type(model).__name__}"
+            )
         self.model = model
         self.config = config = config or EngineConfig()
         c = model.config
@@ -194,7 +197,7 @@ class Engine:
         return self.add(request, request_id)
 
     def add(self, request: Request, request_id: str | None = None) -> RequestHandle:
-        """Queue a request built by `decode.sample.make_requests` (its `index` is kept)."""
+        """Queue a request built by `request.make_requests` (its `index` is kept)."""
         needed = blocks_alone(request, self.config.block_size)
         if needed > self.pool.num_blocks:
             raise ValueError(

@@ -10,7 +10,7 @@ Each step (Orca, Yu et al. 2022; vLLM's scheduler):
    preempted request recomputes each sample's prompt + generated tokens.
 
 All samples of a request run in the same steps, so a request's rows stay together and
-its `SamplerState` rows line up with them (decode/sample.py). A request is admitted
+its `SamplerState` rows line up with them (request.py). A request is admitted
 only if its samples fit the pool alone, so the oldest request can always finish.
 """
 
@@ -20,10 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from decodekit.decode.sample import Request, Row
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockTable
 from decodekit.engine.rows import RunningKV
+from decodekit.request import Request, Row
 
 
 @dataclass(eq=False)

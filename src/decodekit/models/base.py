@@ -12,6 +12,14 @@ A cache is the model's own object with three operations:
 - `select(rows)` in place: keep and reorder rows (beam search);
 - `crop(length)` in place: roll every row back to `length` positions
                  (speculative decoding after rejected draft tokens).
+
+A model declares what it supports beyond that as capabilities (class attributes), and the
+code that picks an execution path reads them, never the model's class:
+- `supports_paged_kv`  runs on the paged engine (engine/: KV blocks, copy-on-write
+                       fork, prefix cache); False: the plain loop (decode/sample.py);
+- `supports_fork`      its cache forks and selects rows (n samples, beam search);
+- `supports_crop`      its cache crops (speculative decoding's rollback).
+Every model here forks, selects and crops its cache, so the last two default to True.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ class LanguageModel(ABC):
 
     Attributes: `name`, `vocab_size`, `eos_token_ids`, `tokenizer` (a Hugging Face
     tokenizer, or None for models with their own `encode`/`decode`) and
-    `max_context` (positions the model can attend over).
+    `max_context` (positions the model can attend over); capabilities as in the module
+    docstring.
     """
 
     name: str
@@ -53,6 +62,9 @@ class LanguageModel(ABC):
     eos_token_ids: tuple[int, ...]
     tokenizer: Any | None
     max_context: int
+    supports_paged_kv: bool = False
+    supports_fork: bool = True
+    supports_crop: bool = True
 
     @abstractmethod
     def new_cache(self, batch_size: int) -> Cache:

@@ -363,6 +363,8 @@ def _contiguous_state(module, state_dict, prefix, local_metadata) -> None:
 class NativeLM(LanguageModel):
     """A Llama-family model run by decodekit's own forward. `net` holds the weights."""
 
+    supports_paged_kv = True  # its layers attend over the engine's KV blocks (engine/batch.py)
+
     def __init__(
         self,
         net: LlamaNet,

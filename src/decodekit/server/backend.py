@@ -4,9 +4,10 @@
 engine's `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()`
 and ends early with `cancel()`:
 
-- plain sampling, greedy and constrained sampling on a NativeLM go through the model's
-  `Engine` (continuous batching over paged KV, engine/engine.py), so concurrent
-  requests share forwards, and a cancelled request frees its KV blocks at the next step;
+- plain sampling, greedy and constrained sampling on a model that supports paged KV
+  (`supports_paged_kv`: NativeLM) go through the model's `Engine` (continuous batching
+  over paged KV, engine/engine.py), so concurrent requests share forwards, and a
+  cancelled request frees its KV blocks at the next step;
 - beam search, contrastive and speculative decoding, and models the engine does not run
   (Hugging Face fallback, k-gram) run in one worker thread, one job at a time. Their
   cancellation takes effect between deltas (beam and speculative search produce their
@@ -26,8 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decodekit.decode.sample import Delta, make_requests, stream_events
+from decodekit.decode.constrained import mask_builder
+from decodekit.decode.sample import stream_events
 from decodekit.models.base import LanguageModel
+from decodekit.request import Delta, make_requests
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,11 @@ class ThreadJob:
 
 
 class Backend:
-    """Served models by name, an engine for each NativeLM, a worker thread for the rest."""
+    """Served models by name, an engine for each model with paged KV, a worker thread for the rest."""
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None):
         from decodekit.engine.config import EngineConfig
         from decodekit.engine.engine import Engine
-        from decodekit.models.native import NativeLM
 
         if not models:
             raise ValueError("a server needs at least one model")
@@ -136,7 +138,7 @@ class Backend:
         engine_config = EngineConfig(max_kv_bytes=config.kv_bytes, max_running=config.max_running,
                                      max_waiting=config.max_queued)
         self.engines = {name: Engine(model, engine_config) for name, model in self.models.items()
-                        if isinstance(model, NativeLM)}
+                        if model.supports_paged_kv}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-worker")
         self._thread_jobs = 0  # submitted to the worker and not yet finished
         self._lock = threading.Lock()
@@ -158,7 +160,7 @@ class Backend:
         from decodekit.engine.engine import EngineFull
 
         model = self.models[name]
-        [request] = make_requests(model, [prompt], params, constraint)
+        [request] = make_requests(model, [prompt], params, mask_builder(constraint))
         try:
             return self.engines[name].add(request, f"req-{next(self._ids)}")
         except EngineFull as error:
@@ -188,7 +190,7 @@ class Backend:
             return self.submit_engine(name, prompt, params, constraint)
         model = self.models[name]
         # Encoding and constraint errors surface here, before the job is queued.
-        make_requests(model, [prompt], params, constraint)
+        make_requests(model, [prompt], params, mask_builder(constraint))
         return self.submit_thread(lambda: stream_events(model, [prompt], params, constraint=constraint))
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:

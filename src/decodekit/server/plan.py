@@ -83,7 +83,7 @@ def chat_text(model: LanguageModel, messages: list[ChatMessage]) -> tuple[str, b
 
 
 def encode(model: LanguageModel, prompt, param: str) -> list[int]:
-    from decodekit.decode.sample import encode_prompt
+    from decodekit.request import encode_prompt
 
     try:
         return encode_prompt(model, prompt)
@@ -312,11 +312,14 @@ def launch(plan: Plan, index: int, backend: Backend) -> Job:
 
 def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
     """A function producing the deltas of one prompt in the worker thread."""
-    from decodekit.decode.sample import Delta, make_requests, stream_events
+    from decodekit.decode.constrained import mask_builder
+    from decodekit.decode.sample import stream_events
+    from decodekit.request import Delta, make_requests
 
     params, constraint = plan.params, plan.constraint
     if plan.decoder == "sample":
-        make_requests(model, [prompt], params, constraint)  # raise bad input now, not in the worker
+        # Raise bad input now, not in the worker.
+        make_requests(model, [prompt], params, mask_builder(constraint))
         return lambda: stream_events(model, [prompt], params, constraint=constraint)
 
     def finished(completions):

@@ -1,4 +1,5 @@
-"""Incremental detokenisation with stop strings, shared by every decoder.
+"""Incremental detokenisation with stop strings: the text of a request's row (request.py),
+shared by every decoder.
 
 `TextTracker` turns a growing list of token ids into text, finds stop strings
 that span token boundaries, and hands out streaming deltas that never have to be

@@ -1,0 +1,246 @@
+"""The request model every decoder runs: requests, their rows, sampling and streaming a step.
+
+    make_requests(model, prompts, params) -> list[Request]   (one per prompt, n rows each)
+    sample_rows(logits [R, V], rows) -> tokens [R]           (chain, selector, record)
+    emit(rows, context) -> Delta, ...                        (text deltas, completions at the end)
+
+A `Request` is one prompt with its `SamplingParams`, adapter chain, sampler state (its
+own random generator: one uniform per row per step) and optional token mask; its `Row`s
+are its n samples. The paged engine (engine/) and the plain loop (decode/sample.py) run
+the same objects, so a request's tokens, logprobs and finish reasons are decided here,
+once, whichever of them computes its logits. This module sits below both: it imports
+models' contract, sampling and params, never a decoder or the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from decodekit.completion import Completion, Usage
+from decodekit.models.base import LanguageModel
+from decodekit.params import SamplingParams
+from decodekit.sampling import SamplerState, build_chain, select_tokens
+from decodekit.text import TextTracker
+
+Prompt = str | Sequence[int]
+
+
+class TokenMask(Protocol):
+    """Per-row token filter of a request, applied before its adapter chain (the shape of
+    llama.cpp's samplers: apply, accept): decode/constrained.py's `GrammarMask`,
+    decode/healing.py's `HealingMask`."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...  # [R, V] -> [R, V]
+
+    def accept(self, tokens: torch.Tensor) -> None: ...  # [R] chosen tokens
+
+    def select_rows(self, rows: Sequence[int]) -> None: ...
+
+    def is_complete(self, row: int) -> bool: ...  # after accept: must the row stop?
+
+    def completes(self, row: int, token: int) -> bool: ...  # would `token` complete it?
+
+
+# (model, prompt ids, params) -> (the request's mask or None, the prompt ids to run, how its
+# generated ids read as text). decode/constrained.py's `mask_builder` makes one from a
+# constraint or token healing; without one a request has no mask.
+MaskBuilder = Callable[
+    [LanguageModel, list[int], SamplingParams],
+    tuple[TokenMask | None, list[int], Callable[[Sequence[int]], str]],
+]
+
+
+@dataclass
+class Row:
+    """One sample being generated."""
+
+    request: Request
+    sample: int
+    text: TextTracker
+    logprobs: list[float] = field(default_factory=list)
+    processed_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.text.ids
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    state: SamplerState
+    chain: object
+    rows: list[Row] = field(default_factory=list)
+    mask: TokenMask | None = None  # of the request's rows
+
+
+@dataclass
+class Delta:
+    """A streaming event: new settled text of one sample; `completion` is set when it ends."""
+
+    prompt_index: int
+    sample_index: int
+    text: str
+    completion: Completion | None = None
+
+
+def encode_prompt(model: LanguageModel, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        ids = model.encode(prompt)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {model.vocab_size})")
+    else:
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {prompt!r:.80}")
+    if not ids:
+        raise ValueError("prompt is empty: it must contain at least one token")
+    if len(ids) >= model.max_context:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens; the model's context is {model.max_context}, "
+            "so a prompt must have fewer tokens than that"
+        )
+    return ids
+
+
+def make_requests(
+    model: LanguageModel,
+    prompts: Sequence[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    masks: MaskBuilder | None = None,
+) -> list[Request]:
+    """One request per prompt; `masks` gives each its token mask (a constraint, healing)."""
+    params_list = per_prompt_params(params, len(prompts))
+    requests = []
+    for index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+        p.check_vocab(model.vocab_size)
+        ids = encode_prompt(model, prompt)
+        mask, decode = None, model.decode
+        if masks is not None:
+            mask, ids, decode = masks(model, ids, p)
+        state = SamplerState(p, ids, p.n, model.vocab_size, model.eos_token_ids, model.tokenizer)
+        request = Request(index, ids, p, state, build_chain(p, model.tokenizer), mask=mask)
+        plain = decode == model.decode  # healing decodes through prompt context: not incremental
+        request.rows = [Row(request, s, TextTracker(decode, p.stop, plain)) for s in range(p.n)]
+        requests.append(request)
+    return requests
+
+
+def per_prompt_params(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"params must be one SamplingParams or one per prompt ({count})")
+    return params
+
+
+def sample_rows(logits: torch.Tensor, live: list[Row]) -> torch.Tensor:
+    """Apply each request's chain and selector to its rows (contiguous in `live`); record tokens."""
+    tokens = torch.empty(len(live), dtype=torch.long)
+    processed_all = torch.empty_like(logits)  # [R, V]
+    start = 0
+    while start < len(live):
+        request = live[start].request
+        stop = start
+        while stop < len(live) and live[stop].request is request:
+            stop += 1
+        raw = logits[start:stop]  # [r, V]
+        # The token mask comes first, so the chain renormalises over the allowed tokens.
+        allowed = raw if request.mask is None else request.mask.apply(raw)
+        processed = request.chain(allowed, request.state)
+        chosen = select_tokens(processed, request.state)  # [r]
+        request.state.accept(chosen, processed)
+        if request.mask is not None:
+            request.mask.accept(chosen)
+        processed_all[start:stop] = processed
+        tokens[start:stop] = chosen
+        start = stop
+    record(live, logits, processed_all, tokens)
+    return tokens
+
+
+def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor):
+    """Append each row's token and logprobs, and end the rows it finishes. The rows may
+    belong to several requests (each request's rows contiguous, in its state's order); the
+    log-softmaxes run once over the whole batch."""
+    raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
+    processed_lp = torch.log_softmax(processed, dim=-1)
+    index = chosen.long()[:, None]
+    raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
+    processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()
+    local = 0
+    for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+        local = local + 1 if i > 0 and rows[i - 1].request is row.request else 0
+        request = row.request
+        params, mask = request.params, request.mask
+        row.logprobs.append(raw_chosen[i])
+        row.processed_logprobs.append(processed_chosen[i])
+        if params.logprobs:
+            values, ids = raw_lp[i].topk(params.logprobs)
+            row.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+        if token in params.stop_token_ids or (
+            token in request.state.eos_token_ids and not params.ignore_eos
+        ):
+            row.text.ids.append(token)
+            row.finish_reason, row.stop_reason = "stop", token
+        elif row.text.push(token):
+            row.finish_reason, row.stop_reason = "stop", row.text.stopped_by
+        elif mask is not None and mask.is_complete(local):
+            row.finish_reason = "stop"  # the constraint is complete
+        if row.finish_reason is None and len(row.token_ids) >= params.max_new_tokens:
+            row.finish_reason = "length"
+
+
+def drop_finished_rows(live: list[Row]) -> None:
+    """Shrink each request's sampler state to its rows that are still live."""
+    kept: dict[int, tuple[Request, list[int]]] = {}
+    local = 0
+    for i, row in enumerate(live):  # a request's rows are contiguous and in its state's order
+        local = local + 1 if i > 0 and live[i - 1].request is row.request else 0
+        _, rows = kept.setdefault(id(row.request), (row.request, []))
+        if row.finish_reason is None:
+            rows.append(local)
+    for request, rows in kept.values():
+        request.state.select_rows(rows)
+        if request.mask is not None:
+            request.mask.select_rows(rows)
+
+
+def to_completion(row: Row) -> Completion:
+    request = row.request
+    text = row.text.text
+    return Completion(
+        token_ids=list(row.token_ids),
+        text=text,
+        logprobs=row.logprobs,
+        processed_logprobs=row.processed_logprobs,
+        finish_reason=row.finish_reason or "length",
+        usage=Usage(len(request.prompt_ids), len(row.token_ids)),
+        top_logprobs=row.top_logprobs if request.params.logprobs else None,
+        stop_reason=row.stop_reason,
+    )
+
+
+def emit(rows: list[Row], context: int) -> Iterator[Delta]:
+    """After a step: end the rows whose context window is full; the deltas of `rows`."""
+    for row in rows:
+        if row.finish_reason is None and len(row.request.prompt_ids) + len(row.token_ids) >= context:
+            row.finish_reason = "length"  # the context window is full
+        done = row.finish_reason is not None
+        piece = row.text.delta(final=done)
+        completion = to_completion(row) if done else None
+        if piece or done:
+            yield Delta(row.request.index, row.sample, piece, completion)
