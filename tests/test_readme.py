@@ -162,3 +162,16 @@ def wait_for(url: str, server: subprocess.Popen, seconds: float) -> None:
         except OSError:
             time.sleep(0.3)
     raise AssertionError(f"no answer from {url} in {seconds} s")
+
+
+def test_setup_installs_what_the_readme_says():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["all"] == ["decodekit[constrained,server,eval,openai]"]
+    assert "decodekit[all,train]" in extras["dev"]
+    assert "extras=${1:-all}" in (ROOT / "scripts" / "setup.sh").read_text()  # command 1 installs [all]
+    for package in ("llguidance", "fastapi", "uvicorn", "httpx", "matplotlib", "sacrebleu", "openai"):
+        assert f"`{package}`" in README.read_text()
+        assert any(dep.startswith(package) for name in ("constrained", "server", "eval", "openai")
+                   for dep in extras[name])
