@@ -5,8 +5,9 @@ import torch
 
 import decodekit as dk
 from decodekit.compress import QuantizedLinear, model_nbytes
-from decodekit.compress.pretrained import COMPRESSION_FILE, WEIGHTS_FILE, save_compressed_dir
+from decodekit.compress.pretrained import save_compressed_dir
 from decodekit.compress.recipe import CompressConfig, calibration_batches, compress_lm
+from decodekit.models.compressed import COMPRESSION_FILE, WEIGHTS_FILE
 from decodekit.models.registry import load_model
 
 CALIB_TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east. " * 12

@@ -5,6 +5,9 @@ Layer level: `quantize_rtn`, `gptq_quantize`, `clip_round`, `prune_magnitude`,
 `prune_model`, and `save_compressed` / `load_compressed` for checkpoints. Whole models:
 `CompressConfig` + `compress_lm` (a NativeLM in place), `compress_to_dir` / `load_model(DIR)`
 for compressed model directories, `perplexity` / `text_perplexity` to measure the result.
+The integer layout (`QuantSpec`, round-to-nearest, `QuantizedLinear`) and the reading of
+checkpoints and directories belong to models/ (qlinear.py, compressed.py), so that loading
+a compressed model never imports this package; they are exported here too.
 """
 
 from decodekit.compress.apply import (
@@ -15,18 +18,10 @@ from decodekit.compress.apply import (
     prune_model,
     quantize_model,
 )
-from decodekit.compress.checkpoint import (
-    load_compressed,
-    read_compression_config,
-    save_compressed,
-)
+from decodekit.compress.checkpoint import save_compressed
 from decodekit.compress.evaluate import PerplexityResult, perplexity, text_perplexity
 from decodekit.compress.hessian import HessianAccumulator, hessian_from_inputs
-from decodekit.compress.pretrained import (
-    is_compressed_dir,
-    load_compressed_dir,
-    save_compressed_dir,
-)
+from decodekit.compress.pretrained import is_compressed_dir, save_compressed_dir
 from decodekit.compress.prune import (
     magnitude_mask,
     nm_mask,
@@ -34,17 +29,19 @@ from decodekit.compress.prune import (
     prune_magnitude,
     prune_sparsegpt,
 )
-from decodekit.compress.qlinear import QuantizedLinear, pack_int4, unpack_int4
-from decodekit.compress.quantize import (
+from decodekit.compress.quantize import clip_round, gptq_quantize
+from decodekit.compress.recipe import CompressConfig, compress_lm, compress_to_dir
+from decodekit.models.compressed import load_compressed, load_compressed_dir, read_compression_config
+from decodekit.models.qlinear import (
+    QuantizedLinear,
     QuantSpec,
     absmax_scales,
-    clip_round,
     dequantize,
-    gptq_quantize,
+    pack_int4,
     quantize_rtn,
     round_half_away,
+    unpack_int4,
 )
-from decodekit.compress.recipe import CompressConfig, compress_lm, compress_to_dir
 
 __all__ = [
     "CompressConfig",

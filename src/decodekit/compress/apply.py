@@ -32,8 +32,8 @@ from torch import nn
 
 from decodekit.compress.hessian import HessianAccumulator
 from decodekit.compress.prune import parse_n_m, prune_magnitude, prune_sparsegpt
-from decodekit.compress.qlinear import QuantizedLinear
-from decodekit.compress.quantize import QuantSpec, gptq_quantize, quantize_rtn
+from decodekit.compress.quantize import gptq_quantize
+from decodekit.models.qlinear import QuantizedLinear, QuantSpec, quantize_rtn
 from decodekit.runtime import progress as progress_bar
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], Any]

@@ -1,15 +1,14 @@
-"""Weight quantisation: round-to-nearest with clipping, absmax per channel / per group, GPTQ.
+"""Weight quantisation: seed 000's clip-and-round, and GPTQ.
 
 Seed 000 ("Standard post-training quantization"): clip the outliers, then quantise all
 values to equally spaced bins. Its worked example clips to [-2, 2] and rounds to
 {-2, -1, 0, 1, 2}, with 0.5 -> 1, so rounding is half away from zero (`round_half_away`;
 `torch.round` rounds half to even and would give 0).
 
-Integer grids here are symmetric: b bits give the levels -qmax..qmax with
-qmax = 2^(b-1) - 1 (int8: ±127, int4: ±7, int3: ±3) and one float scale per output
-channel or per group of `group_size` consecutive input features; absmax scaling maps the
-largest |w| of a channel or group onto qmax, so nothing is clipped and the error of every
-weight is at most scale / 2.
+The integer grid the codes live on (`QuantSpec`: symmetric, one scale per channel or per
+group), round-to-nearest absmax quantisation (`quantize_rtn`) and `dequantize` are
+models/qlinear.py's, beside the `QuantizedLinear` layer that stores them, so that loading
+a compressed model needs nothing from this package.
 
 GPTQ (Frantar et al., 2022) is seed 000's optimal-brain-quantisation loop made fast:
 columns are quantised in a fixed order, and the rounding error of column i is spread
@@ -19,50 +18,10 @@ applied lazily, one block of `block_size` columns at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from decodekit.compress.hessian import dead_columns, inverse_hessian_cholesky
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """Symmetric integer grid: `bits` in 2..8, one scale per channel or per group."""
-
-    bits: int = 8
-    group_size: int | None = None  # None: one scale per output channel (row)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise TypeError(f"bits must be an int, got {self.bits!r}")
-        if not 2 <= self.bits <= 8:
-            raise ValueError(f"bits must be in 2..8, got {self.bits}")
-        if self.group_size is not None and (
-            isinstance(self.group_size, bool)
-            or not isinstance(self.group_size, int)
-            or self.group_size < 1
-        ):
-            raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
-
-    @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
-
-    def num_groups(self, in_features: int) -> int:
-        """Scales per row for a layer with `in_features` inputs."""
-        if self.group_size is None:
-            return 1
-        if in_features % self.group_size:
-            raise ValueError(
-                f"group_size {self.group_size} must divide the layer's in_features {in_features}"
-            )
-        return in_features // self.group_size
-
-
-def round_half_away(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest integer, ties away from zero (seed 000: 0.5 -> 1)."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+from decodekit.models.qlinear import QuantSpec, absmax_scales, round_half_away, scale_from_absmax
 
 
 def clip_round(x: torch.Tensor, clip: float, step: float = 1.0) -> torch.Tensor:
@@ -70,42 +29,6 @@ def clip_round(x: torch.Tensor, clip: float, step: float = 1.0) -> torch.Tensor:
     if clip <= 0 or step <= 0:
         raise ValueError(f"clip and step must be > 0, got clip={clip}, step={step}")
     return round_half_away(x.clamp(-clip, clip) / step) * step
-
-
-def _scale_from_absmax(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
-    # An all-zero channel or group quantises to zeros with any scale; 1 avoids 0/0.
-    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
-
-
-def absmax_scales(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Scales [N, G] mapping each row's (or group's) largest |w| onto qmax."""
-    n, k = weight.shape
-    groups = spec.num_groups(k)
-    absmax = weight.detach().to(torch.float32).reshape(n, groups, k // groups).abs().amax(-1)
-    return _scale_from_absmax(absmax, spec.qmax)
-
-
-def quantize_with_scales(weight: torch.Tensor, scales: torch.Tensor, qmax: int) -> torch.Tensor:
-    """Integer codes int8 [N, K] of weight [N, K] under scales [N, G], clamped to ±qmax."""
-    n, k = weight.shape
-    group = k // scales.shape[1]
-    w = weight.detach().to(torch.float32).reshape(n, scales.shape[1], group)
-    q = round_half_away(w / scales.unsqueeze(-1)).clamp(-qmax, qmax)
-    return q.reshape(n, k).to(torch.int8)
-
-
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Float32 weight [N, K] from codes [N, K] and scales [N, G] (group = K / G)."""
-    n, k = q.shape
-    groups = scales.shape[1]
-    w = q.to(torch.float32).reshape(n, groups, k // groups) * scales.to(torch.float32).unsqueeze(-1)
-    return w.reshape(n, k)
-
-
-def quantize_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest absmax quantisation. Returns codes int8 [N, K] and scales [N, G]."""
-    scales = absmax_scales(weight, spec)
-    return quantize_with_scales(weight, scales, spec.qmax), scales
 
 
 def gptq_quantize(
@@ -167,7 +90,7 @@ def gptq_quantize(
             col = i1 + i
             if dynamic_groups and col % group == 0:
                 absmax = w_block[:, i : i + group].abs().amax(-1)
-                scales[:, col // group] = _scale_from_absmax(absmax, qmax)
+                scales[:, col // group] = scale_from_absmax(absmax, qmax)
             s = scales[:, column_group[col]]  # [N]
             w = w_block[:, i]
             q = round_half_away(w / s).clamp(-qmax, qmax)

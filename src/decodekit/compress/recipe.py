@@ -171,7 +171,8 @@ def compress_to_dir(
     Returns a report: the summary, bytes in memory before and after, bytes on disk.
     """
     from decodekit.compress.apply import model_nbytes
-    from decodekit.compress.pretrained import WEIGHTS_FILE, is_compressed_dir, save_compressed_dir
+    from decodekit.compress.pretrained import is_compressed_dir, save_compressed_dir
+    from decodekit.models.compressed import WEIGHTS_FILE
     from decodekit.models.registry import load_model, resolve
 
     name, source, _ = resolve(model)

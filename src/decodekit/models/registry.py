@@ -39,7 +39,7 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
     if path.is_dir():
         kind = "ngram" if (path / "ngram.json").exists() else "hf"
         if (path / "compression.json").exists():
-            kind = "compressed"  # written by `decodekit compress` (compress/pretrained.py)
+            kind = "compressed"  # written by `decodekit compress` (models/compressed.py)
         return path.name, path, kind
     if path.exists():
         raise ValueError(f"model path {text!r} is a file; expected a checkpoint directory")
@@ -73,7 +73,7 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto") 
     if kind == "compressed":
         if backend == "hf":
             raise ValueError(f"compressed model {name!r} runs on the native backend only")
-        from decodekit.compress.pretrained import load_compressed_dir
+        from decodekit.models.compressed import load_compressed_dir
 
         return load_compressed_dir(path, name=name)
     if not (path / "config.json").exists():

@@ -1,4 +1,13 @@
-"""`QuantizedLinear`: a drop-in `nn.Linear` whose weight stays in integers in memory.
+"""`QuantizedLinear`: a drop-in `nn.Linear` whose weight stays in integers in memory, and
+the integer grid it stores (compress/ writes it, `load_model` of a compressed directory
+reads it: models/compressed.py).
+
+Grids are symmetric: b bits give the levels -qmax..qmax with qmax = 2^(b-1) - 1 (int8:
+±127, int4: ±7, int3: ±3) and one float scale per output channel or per group of
+`group_size` consecutive input features (`QuantSpec`). Round-to-nearest absmax scaling
+(`quantize_rtn`) maps the largest |w| of a channel or group onto qmax, so nothing is
+clipped and the error of every weight is at most scale / 2; rounding is half away from
+zero (seed 000's worked example: 0.5 -> 1; `torch.round` rounds half to even).
 
 Codes are kept as int8 [N, K] for 5..8 bits and packed two per byte, uint8 [N, ceil(K/2)],
 for 2..4 bits, with float32 scales [N, G] (one per output channel, or per group of K/G
@@ -18,11 +27,86 @@ picks one of these (each a named function below):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.compress.quantize import QuantSpec, dequantize, quantize_rtn
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Symmetric integer grid: `bits` in 2..8, one scale per channel or per group."""
+
+    bits: int = 8
+    group_size: int | None = None  # None: one scale per output channel (row)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"bits must be an int, got {self.bits!r}")
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 2..8, got {self.bits}")
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool)
+            or not isinstance(self.group_size, int)
+            or self.group_size < 1
+        ):
+            raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def num_groups(self, in_features: int) -> int:
+        """Scales per row for a layer with `in_features` inputs."""
+        if self.group_size is None:
+            return 1
+        if in_features % self.group_size:
+            raise ValueError(
+                f"group_size {self.group_size} must divide the layer's in_features {in_features}"
+            )
+        return in_features // self.group_size
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer, ties away from zero (seed 000: 0.5 -> 1)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def scale_from_absmax(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
+    # An all-zero channel or group quantises to zeros with any scale; 1 avoids 0/0.
+    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+
+
+def absmax_scales(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Scales [N, G] mapping each row's (or group's) largest |w| onto qmax."""
+    n, k = weight.shape
+    groups = spec.num_groups(k)
+    absmax = weight.detach().to(torch.float32).reshape(n, groups, k // groups).abs().amax(-1)
+    return scale_from_absmax(absmax, spec.qmax)
+
+
+def quantize_with_scales(weight: torch.Tensor, scales: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Integer codes int8 [N, K] of weight [N, K] under scales [N, G], clamped to ±qmax."""
+    n, k = weight.shape
+    group = k // scales.shape[1]
+    w = weight.detach().to(torch.float32).reshape(n, scales.shape[1], group)
+    q = round_half_away(w / scales.unsqueeze(-1)).clamp(-qmax, qmax)
+    return q.reshape(n, k).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Float32 weight [N, K] from codes [N, K] and scales [N, G] (group = K / G)."""
+    n, k = q.shape
+    groups = scales.shape[1]
+    w = q.to(torch.float32).reshape(n, groups, k // groups) * scales.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k)
+
+
+def quantize_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest absmax quantisation. Returns codes int8 [N, K] and scales [N, G]."""
+    scales = absmax_scales(weight, spec)
+    return quantize_with_scales(weight, scales, spec.qmax), scales
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
