@@ -189,6 +189,8 @@ def test_a_missing_optional_dependency_names_the_install_command(capsys, monkeyp
         dk.Regex("a")
     assert main(["generate", "x", "--regex", "a"]) == 1
     assert "[constrained]" in capsys.readouterr().err
+    assert main(["generate", "ROMEO: Good mor", "--heal", "--max-new-tokens", "2"]) == 1  # llguidance too
+    assert "[constrained]" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "fastapi", None)
     monkeypatch.delitem(sys.modules, "decodekit.server.app", raising=False)
     assert main(["serve"]) == 1

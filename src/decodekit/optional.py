@@ -4,8 +4,8 @@
 
 A missing module raises `MissingDependency` (an ImportError) whose message is the exact
 command that installs the extra in this environment: for an editable install from a
-checkout, `.venv/bin/pip install -e '.[server]'` (paths as seen from the working directory);
-otherwise `python -m pip install 'decodekit[server]'`.
+checkout, `.venv/bin/pip install -e '.[server]'` (relative paths when run from the checkout's
+root, absolute ones elsewhere); otherwise `python -m pip install 'decodekit[server]'`.
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ def install_command(extra: str) -> str:
     """The command that installs decodekit's `extra` into the running interpreter's environment."""
     python = Path(sys.executable)
     pip = python.with_name("pip")
-    installer = f"{_shown(pip)}" if pip.is_file() else f"{_shown(python)} -m pip"
     checkout = Path(__file__).resolve().parents[2]  # src/decodekit/optional.py -> the checkout
-    if (checkout / "pyproject.toml").is_file() and (checkout / "src" / "decodekit").is_dir():
-        return f"{installer} install -e '{_shown(checkout)}[{extra}]'"
+    editable = (checkout / "pyproject.toml").is_file() and (checkout / "src" / "decodekit").is_dir()
+    # Paths as typed from the checkout's root when that is where we are, else absolute.
+    here = editable and Path.cwd().resolve() == checkout
+    installer = f"{_shown(pip, here)}" if pip.is_file() else f"{_shown(python, here)} -m pip"
+    if editable:
+        return f"{installer} install -e '{_shown(checkout, here)}[{extra}]'"
     return f"{installer} install 'decodekit[{extra}]'"
 
 
-def _shown(path: Path) -> str:
-    """`path` relative to the working directory when it lies under it, else absolute."""
+def _shown(path: Path, relative: bool) -> str:
     absolute = Path(os.path.abspath(path))
-    try:
-        relative = absolute.relative_to(Path.cwd())
-    except ValueError:
-        return str(absolute)
-    return str(relative)
+    if relative and absolute.is_relative_to(Path.cwd()):
+        return str(absolute.relative_to(Path.cwd()))
+    return str(absolute)

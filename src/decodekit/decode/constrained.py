@@ -44,7 +44,7 @@ NEG_INF = float("-inf")
 
 
 def _llguidance():
-    return require("llguidance", "constrained", "constrained decoding and token healing")
+    return require("llguidance", "constrained", "constrained decoding (and token healing)")
 
 
 @dataclass(frozen=True)
@@ -164,10 +164,9 @@ def ll_tokenizer(model: LanguageModel):
     if key not in per_tokenizer:
         if not model.eos_token_ids:
             raise ValueError(f"model {model.name!r} has no EOS token; constraints need one")
-        from llguidance.hf import from_tokenizer
-
+        hf = require("llguidance.hf", "constrained", "constrained decoding (and token healing)")
         try:
-            per_tokenizer[key] = from_tokenizer(
+            per_tokenizer[key] = hf.from_tokenizer(
                 tokenizer, n_vocab=model.vocab_size, eos_token=list(model.eos_token_ids)
             )
         except ValueError as error:
