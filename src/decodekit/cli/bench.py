@@ -52,6 +52,10 @@ def run_bench(args) -> None:
             return
     elif args.which == "server":
         from decodekit.bench.server import bench_server, table
+        from decodekit.optional import require
+
+        for module in ("fastapi", "uvicorn", "httpx"):
+            require(module, "server", "bench server")
 
         levels = [int(c) for c in args.concurrency.split(",")]
         result = bench_server(args.model, args.new_tokens, levels, args.repeats, progress=progress)

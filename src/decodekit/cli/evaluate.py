@@ -62,6 +62,9 @@ def run_eval_arith(args) -> None:
     generator = None
     if args.endpoint:
         from decodekit.meta.remote import RemoteGenerator
+        from decodekit.optional import require
+
+        require("httpx", "server", "--endpoint")
 
         generator = RemoteGenerator(args.endpoint, args.model)
     report = evaluate_arith(config, generator=generator, progress=show_progress(args))
