@@ -33,9 +33,9 @@ LONG = {
     "tests/meta/test_evaluate.py runs the same code on a small budget",
     "decodekit eval perplexity": "about 20 s over the 75k held-out tokens; "
     "tests/compress/test_cli_compress.py runs the command on a short text",
-    "decodekit compress": "GPTQ calibrates for minutes; tests/compress/test_cli_compress.py "
+    "decodekit compress": "GPTQ calibration, about 45 s; tests/compress/test_cli_compress.py "
     "compresses a tiny checkpoint through the same command",
-    "decodekit bench": "a benchmark: minutes by design",
+    "decodekit bench": "a benchmark: half a minute (decode) to minutes (the others) by design",
     "decodekit serve --model shakespeare --port": "the Server section's serve command (a superset) "
     "runs in test_server_examples",
 }
