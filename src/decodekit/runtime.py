@@ -22,7 +22,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-# Below this many parameters one thread decodes at least as fast as two (BENCHMARKS.md, "Threads").
+# Below this size always one thread: on the shared 2-core dev machine one thread decoded
+# 1.7-27x faster than two at every size measured (0.2M-240M), and the shipped models are
+# at most 3.4M. A judgement above the largest clear loss, not an idle-machine crossover
+# (BENCHMARKS.md, "Threads").
 MULTITHREAD_MIN_PARAMETERS = 100_000_000
 
 
@@ -50,10 +53,11 @@ def other_load() -> float:
     scaled to our share of the machine's CPUs, less our own share of it.
 
     The load average is host-wide where a container sees the host's; scaling by
-    available/cpu_count assumes that load spreads evenly. Our own contribution after t
-    CPU-seconds is at most 1 - exp(-t/60) (the load average is an exponential average with
-    a 60 s time constant, exact for one thread), so it is subtracted as that: an
-    underestimate for several threads, which errs towards fewer threads.
+    available/cpu_count assumes that load spreads evenly. The load average is an
+    exponential average with a 60 s time constant, so one thread that has just run for t
+    seconds adds 1 - exp(-t/60); that is subtracted with t our CPU time so far (exact for
+    one thread, too little for several, which errs towards fewer threads). Meant for
+    start-up, as `set_threads` is: CPU time spent long ago would be subtracted too.
     """
     try:
         load = os.getloadavg()[0]
@@ -68,7 +72,7 @@ def choose_threads(parameters: int | None = None) -> int:
     """Threads for a model of `parameters` weights (BENCHMARKS.md, "Threads").
 
     One below MULTITHREAD_MIN_PARAMETERS, and for an unknown size: one thread is never far
-    from the best there, while two on a busy core are 4-10x slower. From that size on, the
+    from the best there, while two on a busy core are 2-27x slower. From that size on, the
     cores left free by other processes (`available_cores() - other_load()`, rounded), at
     least one: a thread whose core is taken spin-waits and slows every other thread.
     """
