@@ -12,7 +12,10 @@ def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluations: accuracy against compute (prints a table or JSON)")
     p.add_argument("task", choices=sorted(EVAL_TASKS))
     p.add_argument("target", nargs="?", metavar="MODEL", help="perplexity: model (default shakespeare)")
-    p.add_argument("--text", default=None, help="perplexity: text file (default: held-out Shakespeare)")
+    p.add_argument("--text", default=None, help="perplexity: text file (default: the held-out "
+                   "Shakespeare plays of --split)")
+    p.add_argument("--split", default="test", choices=["test", "val"],
+                   help="perplexity: which shipped held-out plays (default test)")
     p.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (context)")
     p.add_argument("--stride", type=int, default=None, help="perplexity: window step (window / 2)")
     p.add_argument("--strategies", default="all",
@@ -84,18 +87,19 @@ def run_eval_perplexity(args) -> None:
     from pathlib import Path
 
     import decodekit as dk
-    from decodekit.compress.evaluate import TEST_TEXT, text_perplexity
+    from decodekit.compress.evaluate import HELD_OUT, text_perplexity
 
     name = args.target or (args.model if args.model != "arith" else "shakespeare")
-    text_path = Path(args.text) if args.text else TEST_TEXT
+    text_path = Path(args.text) if args.text else HELD_OUT[args.split]
     model = dk.load_model(name)
     set_threads(args, model)
     result = text_perplexity(model, text_path.read_text(), args.window, args.stride)
     if args.json:
         print(json.dumps({"model": name, "text": str(text_path), **result.to_dict()}, indent=1))
         return
-    print(f"{name}: perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token over "
-          f"{result.tokens} tokens of {text_path.name}; window {result.window}, stride {result.stride})")
+    print(f"{name}: perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token, "
+          f"{result.bits_per_char:.4f} bits/char over {result.tokens} tokens of {text_path.name}; "
+          f"window {result.window}, stride {result.stride})")
 
 
 def run_eval_alignment(args) -> None:
