@@ -50,3 +50,37 @@ def test_registry_lists_both_with_measured_figures():
 def test_same_tokenizer_for_target_and_draft():
     target = (ASSETS / "shakespeare" / "tokenizer.json").read_bytes()
     assert target == (ASSETS / "shakespeare-draft" / "tokenizer.json").read_bytes()
+
+
+# A slice of the held-out test plays: enough for 20+ full-context windows, a few seconds.
+HELD_OUT_SLICE = 10_000  # characters, about 3,700 tokens
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "shakespeare-draft"])
+def test_perplexity_at_full_context_no_worse_than_at_half(name):
+    """Issue 13, item 2: a model trained on windows of its whole declared context is as good
+    at the end of its context as in its first half. Both evaluations score the same tokens
+    (stride = window / 2); the full window gives every token at least twice the context."""
+    from decodekit.compress.evaluate import HELD_OUT, text_perplexity
+
+    model = load_model(name)
+    text = HELD_OUT["test"].read_text()[:HELD_OUT_SLICE]
+    full = text_perplexity(model, text, window=model.max_context)
+    half = text_perplexity(model, text, window=model.max_context // 2)
+    assert full.tokens == half.tokens
+    assert full.perplexity <= 1.02 * half.perplexity, (full.perplexity, half.perplexity)
+
+
+def test_published_perplexity_is_what_eval_perplexity_measures():
+    """registry.json (and so MODELS.md and `decodekit models`) reports the figures of the one
+    protocol: `text_perplexity` with its defaults, i.e. `decodekit eval perplexity NAME`."""
+    from decodekit.compress.evaluate import text_perplexity
+
+    entry = embedded_models()["shakespeare-draft"]
+    model = load_model("shakespeare-draft")
+    for split in ("test", "val"):
+        result = text_perplexity(model, split=split)
+        assert result.window == model.max_context and result.stride == model.max_context // 2
+        assert result.perplexity == pytest.approx(entry[f"{split}_ppl_token"], abs=2e-3)
+        assert result.bits_per_char == pytest.approx(entry[f"{split}_bits_per_char"], abs=2e-4)
+    assert entry["metric"]["test_ppl"] == round(entry["test_ppl_token"], 2)
