@@ -183,7 +183,16 @@ def test_a_missing_optional_dependency_names_the_install_command(capsys, monkeyp
     assert err == f"decodekit eval: error: --plot needs matplotlib, which is not installed; run: " \
                   f"{install_command('eval')}\n"
     monkeypatch.setitem(sys.modules, "llguidance", None)
+    monkeypatch.setitem(sys.modules, "llguidance.hf", None)
+    from weakref import WeakKeyDictionary
+
     import decodekit as dk
+    import decodekit.decode.constrained as constrained
+    import decodekit.decode.healing as healing
+
+    # as on a machine without llguidance: nothing earlier tests built is cached
+    monkeypatch.setattr(constrained, "_TOKENIZERS", WeakKeyDictionary())
+    monkeypatch.setattr(healing, "_TOKEN_BYTES", WeakKeyDictionary())
 
     with pytest.raises(MissingDependency, match=r"install -e '\.\[constrained\]'"):
         dk.Regex("a")
