@@ -81,6 +81,7 @@ class Request:
     chain: object
     rows: list[Row] = field(default_factory=list)
     mask: TokenMask | None = None  # of the request's rows
+    cached_prompt_tokens: int = 0  # of the first sample's prompt, reused from a prefix cache
 
 
 @dataclass
@@ -228,7 +229,8 @@ def to_completion(row: Row) -> Completion:
         logprobs=row.logprobs,
         processed_logprobs=row.processed_logprobs,
         finish_reason=row.finish_reason or "length",
-        usage=Usage(len(request.prompt_ids), len(row.token_ids)),
+        usage=Usage(len(request.prompt_ids), len(row.token_ids),
+                    request.cached_prompt_tokens if row.sample == 0 else 0),
         top_logprobs=row.top_logprobs if request.params.logprobs else None,
         stop_reason=row.stop_reason,
     )

@@ -82,7 +82,7 @@ def test_fork_shares_full_blocks_and_equals_a_fresh_prefill(sharp_lm):
     manager.free(child)
     assert [pool.refs[b] for b in parent.blocks] == [1, 1, 1]
     manager.free(parent)
-    assert pool.num_used == 0 and len(pool.free) == pool.num_blocks
+    assert pool.num_used == 0 and pool.num_free == pool.num_blocks
 
 
 def test_crop_then_extend_equals_never_extended(sharp_lm):

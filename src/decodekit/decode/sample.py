@@ -69,7 +69,7 @@ def stream_events(
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
     requests = make_requests(model, prompts, params, mask_builder(constraint, heal))
     if model.supports_paged_kv:  # the paged engine; the plain loop (`_steps`) otherwise
-        from decodekit.engine.engine import run_requests
+        from decodekit.engine.shared import run_requests
 
         yield from run_requests(model, requests)
         return

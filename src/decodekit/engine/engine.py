@@ -12,7 +12,7 @@ random stream is the same alone or beside others; with the model's `batch_invari
 (read when the engine is built) its logits are too, bit for bit, and so are its tokens
 and logprobs. Requests join and leave between steps.
 `decodekit.generate` runs models that support paged KV (`LanguageModel.supports_paged_kv`:
-NativeLM) through `run_requests`.
+NativeLM) on the model's persistent engine (shared.py: `engine_for`, `run_requests`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.rows import RunningKV
 from decodekit.engine.scheduler import EngineRequest, Scheduler, Step, blocks_alone
 from decodekit.models.base import LanguageModel
-from decodekit.models.native import NativeLM
 from decodekit.params import SamplingParams
 from decodekit.request import (
     Delta,
@@ -174,6 +173,7 @@ class Engine:
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._starts = 0  # `start` calls not yet undone by `stop`
         self.steps = 0
         self.generated_tokens = 0
         self.peak_blocks_used = 0
@@ -239,6 +239,11 @@ class Engine:
             if step.work:
                 self._run(step)
 
+    def take_incoming(self) -> None:
+        """Queue the submitted requests and drop the cancelled ones (freeing their blocks)."""
+        with self._step_lock:
+            self._take_incoming()
+
     def _take_incoming(self) -> None:
         with self._lock:
             incoming, self._incoming = self._incoming, deque()
@@ -292,8 +297,11 @@ class Engine:
     # ------------------------------------------------------------------ background thread
 
     def start(self) -> None:
-        """Run `step` in a background thread whenever there is work."""
+        """Run `step` in a background thread whenever there is work. Each `start` is undone
+        by one `stop`: two servers on one model's shared engine (shared.py) keep it running
+        until both stop."""
         with self._lock:
+            self._starts += 1
             if self._thread is not None and self._thread.is_alive():
                 return
             self._stopping = False
@@ -301,8 +309,12 @@ class Engine:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the background thread after its current step (queued requests stay)."""
+        """Stop the background thread after its current step (queued requests stay), once
+        every `start` has had its `stop`."""
         with self._lock:
+            self._starts = max(self._starts - 1, 0)
+            if self._starts:
+                return
             self._stopping = True
             self._lock.notify_all()
             thread = self._thread
@@ -339,9 +351,9 @@ class Engine:
             "waiting_requests": len(scheduler.waiting) + len(self._incoming),
             "total_blocks": pool.num_blocks,
             "used_blocks": pool.num_used,
-            "free_blocks": len(pool.free),
+            "free_blocks": pool.num_free,
             "cached_blocks": cached,
-            "idle_cached_blocks": pool.num_available - len(pool.free),
+            "idle_cached_blocks": pool.num_available - pool.num_free,
             "peak_used_blocks": self.peak_blocks_used,
             "block_bytes": pool.bytes_per_block,
             "running_rows_bytes": self.running_kv.nbytes,
@@ -359,17 +371,3 @@ def _emit_rows(rows, context: int):
         for delta in emit([row], context):
             yield delta, row
 
-
-def run_requests(model: NativeLM, requests: list[Request]) -> Iterator[Delta]:
-    """`decodekit.generate`'s path for NativeLM: an engine sized for these requests."""
-    size = EngineConfig.block_size
-    blocks = sum(blocks_alone(r, size) for r in requests)
-    rows = sum(len(r.rows) for r in requests)
-    config = EngineConfig(num_blocks=blocks, max_running=max(rows, 1),
-                          max_waiting=len(requests))  # fmt: skip
-    engine = Engine(model, config)
-    handles = [engine.add(request) for request in requests]
-    while engine.has_work():
-        engine.step()
-        for handle in handles:
-            yield from handle.poll()

@@ -16,7 +16,9 @@ positions are stored. `BlockManager` implements the table operations:
 - `free(table)`        drop the table's references.
 
 The pool is zero-initialised, so a gather that reaches past a sequence's end reads
-finite values, which the attention mask then gives weight zero.
+finite values, which the attention mask then gives weight zero. Its storage grows by
+doubling up to `num_blocks` as blocks are first used, so a long-lived engine with a
+generous bound (engine/shared.py) holds only the memory its KV has needed so far.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ class BlockPool:
     ):
         # Heads outermost: a gather of blocks (index_select on dim 2) yields, per head, each
         # sequence's [S, D] keys contiguous, the layout SDPA reads fastest.
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)  # [N, H_kv, blocks, block_size, D]
+        shape = (num_layers, num_kv_heads, min(num_blocks, 64), block_size, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)  # [N, H_kv, capacity, block_size, D]
         self.values = torch.zeros(shape, dtype=dtype)
         self.block_size = block_size
         self.refs = [0] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free: deque[int] = deque()  # released blocks, reused first (their memory is warm)
+        self.fresh = 0  # blocks 0..fresh-1 have been handed out at least once
         self.cache = prefix_cache
         self.num_used = 0
 
@@ -61,9 +64,14 @@ class BlockPool:
         return len(self.refs)
 
     @property
+    def num_free(self) -> int:
+        """Blocks nobody uses that hold no cached KV: released ones and never used ones."""
+        return len(self.free) + self.num_blocks - self.fresh
+
+    @property
     def num_available(self) -> int:
         """Blocks `allocate` can hand out: free ones and idle cached ones."""
-        return len(self.free) + (self.cache.num_idle if self.cache is not None else 0)
+        return self.num_free + (self.cache.num_idle if self.cache is not None else 0)
 
     @property
     def bytes_per_block(self) -> int:
@@ -72,6 +80,9 @@ class BlockPool:
     def allocate(self) -> int:
         if self.free:
             block = self.free.popleft()
+        elif self.fresh < self.num_blocks:
+            block, self.fresh = self.fresh, self.fresh + 1
+            self._reserve(self.fresh)
         elif self.cache is not None and self.cache.num_idle:
             block = self.cache.evict()  # idle only: never a block in use
         else:
@@ -80,6 +91,19 @@ class BlockPool:
         self.refs[block] = 1
         self.num_used += 1
         return block
+
+    def _reserve(self, blocks: int) -> None:
+        """Storage for at least `blocks` blocks, doubling (zero-filled) up to `num_blocks`."""
+        capacity = self.keys.shape[2]
+        if blocks <= capacity:
+            return
+        capacity = min(max(blocks, 2 * capacity), self.num_blocks)
+        grown = []
+        for old in (self.keys, self.values):
+            new = old.new_zeros((*old.shape[:2], capacity, *old.shape[3:]))
+            new[:, :, : old.shape[2]] = old
+            grown.append(new)
+        self.keys, self.values = grown
 
     def share(self, block: int) -> None:
         if self.refs[block] == 0:

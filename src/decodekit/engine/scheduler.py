@@ -136,6 +136,8 @@ class Scheduler:
             live += samples
             self.prefill_tokens += sum(counts)
             self.cached_tokens += sum(t.length for t in tables)
+            if fresh:
+                entry.request.cached_prompt_tokens = tables[0].length
             for seq, table, count in zip(seqs, tables, counts):
                 seq.table = table
                 # n samples of a fresh prompt all read its one row of logits

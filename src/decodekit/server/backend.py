@@ -129,7 +129,7 @@ class Backend:
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None):
         from decodekit.engine.config import EngineConfig
-        from decodekit.engine.engine import Engine
+        from decodekit.engine.shared import engine_for
 
         if not models:
             raise ValueError("a server needs at least one model")
@@ -137,7 +137,9 @@ class Backend:
         self.config = config = config or ServerConfig()
         engine_config = EngineConfig(max_kv_bytes=config.kv_bytes, max_running=config.max_running,
                                      max_waiting=config.max_queued)
-        self.engines = {name: Engine(model, engine_config) for name, model in self.models.items()
+        # The model's persistent engine (engine/shared.py), with the server's bound: the
+        # server's requests and any `decodekit.generate` call in this process share its cache.
+        self.engines = {name: engine_for(model, engine_config) for name, model in self.models.items()
                         if model.supports_paged_kv}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-worker")
         self._thread_jobs = 0  # submitted to the worker and not yet finished
