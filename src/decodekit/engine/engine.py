@@ -288,6 +288,7 @@ class Engine:
             for seq in entry.seqs:
                 seq.tokens.append(seq.row.token_ids[-1])
                 if seq.row.finish_reason is not None:
+                    manager.register_last(seq.table, seq.tokens)  # its KV stays cached
                     self.scheduler.release(seq)
             entry.seqs = [seq for seq in entry.seqs if seq.row.finish_reason is None]
             if not entry.seqs:

@@ -6,7 +6,8 @@ uses keep their KV until the pool needs them (prefix_cache.py). A sequence's KV 
 `BlockTable`: the blocks holding its positions 0, 1, ... in order, and how many
 positions are stored. `BlockManager` implements the table operations:
 
-- `new_table(tokens)`  a table that starts with the prompt's cached leading blocks;
+- `new_table(tokens)`  a table that starts with the prompt's cached leading blocks (and a
+                       finished sequence's cached partial last block: `register_last`);
 - `reserve(table, k)`  room for k more positions (new blocks as needed), returning the
                        flat slots to write; a block that is shared or cached is copied
                        before it is written (copy-on-write);
@@ -169,6 +170,14 @@ class BlockManager:
             table.keys.append(key)
             parent = key
         table.length = len(table.blocks) * size
+        rest = tokens[table.length : len(tokens) - 1]
+        for count in range(min(len(rest), size - 1), 0, -1):  # a finished sequence's last block
+            block = cache.lookup(block_key(parent, rest[:count]), rest[:count])
+            if block is not None:
+                self.pool.share(block)  # read-only: `reserve` copies it before writing
+                table.blocks.append(block)
+                table.length += count
+                break
         return table
 
     def blocks_needed(self, table: BlockTable, count: int) -> int:
@@ -204,6 +213,21 @@ class BlockManager:
             key = block_key(table.keys[-1] if table.keys else ROOT_KEY, chunk)
             cache.register(table.blocks[index], key, chunk)
             table.keys.append(key)
+
+    def register_last(self, table: BlockTable, tokens: Sequence[int]) -> None:
+        """A finished sequence's partially filled last block becomes findable too (keyed like
+        a full block, by its fewer tokens), so a prompt that extends the sequence's text (a
+        tree-search child, a refinement round) reuses all of its KV, not only its full blocks.
+        Call with every full block registered and every position computed."""
+        cache = self.pool.cache
+        size = self.block_size
+        count = table.length % size
+        if cache is None or not count or len(table.keys) != table.length // size:
+            return
+        block = table.blocks[-1]
+        if self.pool.refs[block] == 1 and not cache.is_cached(block):
+            chunk = tokens[table.length - count : table.length]
+            cache.register(block, block_key(table.keys[-1] if table.keys else ROOT_KEY, chunk), chunk)
 
     def fork(self, table: BlockTable) -> BlockTable:
         size = self.block_size

@@ -4,7 +4,9 @@ nano-vllm's scheme (also vLLM's automatic prefix caching): a full block's key is
 `hash((parent_key, its tokens))`, so equal keys mean equal token prefixes, and a new
 prompt reuses the blocks of the longest run of its leading full blocks whose keys are
 cached. The tokens are kept beside the key and compared on a hit, so a hash collision
-costs a miss, never a wrong answer.
+costs a miss, never a wrong answer. A finished sequence's partially filled last block is
+cached the same way, keyed by its fewer tokens (kv.py `register_last`; SGLang's radix
+cache keeps such tails too), so a prompt that extends a finished text reuses all its KV.
 
 Cached blocks are immutable (a writer copies them first: kv.py). A cached block that no
 sequence uses is *idle*: it keeps its KV and stays findable, and is the first thing the

@@ -67,10 +67,12 @@ def engine_for(model: LanguageModel, config: EngineConfig | None = None) -> Engi
         return engine
 
 
-def forget_engine(model: LanguageModel, engine: Engine) -> None:
-    """Drop the model's engine if it is still `engine` (after a failed step)."""
+def forget_engine(model: LanguageModel, engine: Engine | None = None) -> None:
+    """Drop the model's engine (only if it is still `engine`, when given): the next call
+    builds a fresh one with an empty cache. Callers still running on it finish there."""
     with _LOCK:
-        if model.__dict__.get(_ATTRIBUTE, (None,))[0] is engine:
+        current = model.__dict__.get(_ATTRIBUTE, (None,))[0]
+        if current is not None and (engine is None or current is engine):
             del model.__dict__[_ATTRIBUTE]
 
 
