@@ -268,3 +268,47 @@ def test_search_ranks_paths_by_the_aggregate(aggregate, expected):
     result, requests = scripted_tree("beam", 2, 2, lambda q, steps: paths[tuple(steps)], aggregate)
     assert requests == [("Q\n", 2), ("Q\na\n", 2)]
     assert result.text == f"a\n{expected}"
+
+
+class EngineSpy(LocalGenerator):
+    """Records each call's prompts and the prompt tokens the model's persistent engine
+    computed and reused for it (engine/shared.py)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = []
+
+    def generate(self, prompts, n, params):
+        from decodekit.engine.shared import engine_for
+
+        stats = engine_for(self.model).stats
+        before = stats()
+        results = super().generate(prompts, n, params)
+        after = stats()
+        held = sum(len(self.model.encode(p)) for p in prompts)
+        self.calls.append((len(prompts), held, after["prefill_tokens"] - before["prefill_tokens"],
+                           after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]))
+        return results
+
+
+@pytest.mark.parametrize("method", ["beam", "dvts", "rebase"])
+def test_deeper_nodes_compute_no_prompt_token_the_engine_already_holds(method):
+    """A child's prompt is its parent's prompt and step: the parent computed all of it but
+    the step's last token (the delimiter), so each child prompt computes that one token."""
+    from decodekit.engine.shared import forget_engine
+    from decodekit.meta.tasks.arith import format_prompt, generate_problems
+    from decodekit.models.registry import load_model
+
+    model = load_model("arith")
+    forget_engine(model)
+    spy = EngineSpy(model)
+    prompt = format_prompt(generate_problems(1, seed=4)[0])
+    tree_search(spy, prompt, lambda p, steps: [0.5] * len(steps), 8, method,
+                SamplingParams(max_new_tokens=24, seed=0), TreeConfig(width=2))
+    (_, held, computed, cached), *deeper = spy.calls
+    assert (computed, cached) == (held, 0)  # the root: nothing cached yet
+    assert deeper, "the search never went past the first depth"
+    for prompts, held, computed, cached in deeper:
+        assert computed == prompts and cached == held - prompts
+    assert spy.budget.prompt_tokens == sum(call[2] for call in spy.calls)
+
