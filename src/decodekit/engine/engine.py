@@ -332,9 +332,10 @@ class Engine:
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 -- handed to every waiting consumer
-                self._fail_all(error)
+                self.fail_all(error)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def fail_all(self, error: BaseException) -> None:
+        """End every queued and running request with `error` (after a step raised)."""
         entries = list(self.scheduler.running) + list(self.scheduler.waiting)
         with self._lock:
             entries += list(self._incoming)

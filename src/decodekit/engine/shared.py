@@ -120,7 +120,7 @@ def _step(model: LanguageModel, engine: Engine) -> None:
     try:
         engine.step()
     except BaseException as error:
-        engine._fail_all(error)
+        engine.fail_all(error)
         forget_engine(model, engine)
         raise
 
