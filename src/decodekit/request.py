@@ -138,13 +138,16 @@ def make_requests(
 
 
 def per_prompt_params(params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: None (the defaults) or one object for all, or a list."""
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)
-    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
-        raise ValueError(f"params must be one SamplingParams or one per prompt ({count})")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError(f"params must be a SamplingParams or a list of them, got {params!r:.80}")
+    if len(params) != count:
+        raise ValueError(f"params must be one SamplingParams or one per prompt ({count}), got {len(params)}")
     return params
 
 

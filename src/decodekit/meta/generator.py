@@ -31,6 +31,7 @@ from decodekit.completion import Completion
 from decodekit.meta.budget import Budget
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
+from decodekit.request import per_prompt_params
 
 PREFIX_MODES = ("shared", "replicated", "separate")
 
@@ -58,15 +59,6 @@ def per_prompt_counts(n: int | Sequence[int], count: int) -> list[int]:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"n must be an integer >= 1, got {k!r}")
     return counts
-
-
-def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
-        raise TypeError(f"params must be a SamplingParams or one per prompt ({count})")
-    return params
 
 
 def derive_seed(seed: int | None, *keys: int | str) -> int | None:

@@ -44,8 +44,9 @@ from dataclasses import fields
 
 from decodekit.completion import Completion, Usage
 from decodekit.meta.budget import Budget
-from decodekit.meta.generator import account_request, per_prompt_counts, per_prompt_params
+from decodekit.meta.generator import account_request, per_prompt_counts
 from decodekit.params import SamplingParams
+from decodekit.request import per_prompt_params
 
 # SamplingParams fields sent as OpenAI fields (the rest go by their own name when not default).
 STANDARD = {"max_new_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
