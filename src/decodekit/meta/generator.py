@@ -29,7 +29,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.meta.budget import Budget
-from decodekit.models.base import LanguageModel
+from decodekit.models.base import LanguageModel, score_tokens
 from decodekit.params import SamplingParams
 from decodekit.request import per_prompt_params
 
@@ -151,13 +151,9 @@ class LocalGenerator:
             full = self.model.encode(prompt + text)
             if full[: len(prompt_ids)] != prompt_ids:
                 raise ValueError("the continuation changes the prompt's tokenisation at the boundary")
-            continuation = torch.tensor(full[len(prompt_ids) :])
-            if len(continuation) == 0:
+            if len(full) == len(prompt_ids):
                 scores.append(0.0)
                 continue
-            tokens = torch.tensor([full[:-1]])  # position i predicts token i + 1
-            logits = self.model.forward(tokens, self.model.new_cache(1))[0, len(prompt_ids) - 1 :]
-            logp = torch.log_softmax(logits, dim=-1)  # [len(continuation), V]
-            scores.append(float(logp[torch.arange(len(continuation)), continuation].sum()))
+            scores.append(float(score_tokens(self.model, full, len(prompt_ids)).sum()))
             self.budget.add_generation(len(full) - 1, 0)
         return scores
