@@ -25,6 +25,7 @@ import torch
 
 from decodekit.align.value import BaseSamples, PrefixValue
 from decodekit.models.base import LanguageModel, prefill
+from decodekit.sampling import draw
 
 __all__ = [
     "Controlled",
@@ -77,7 +78,7 @@ def sample_base(model: LanguageModel, prompt: Sequence[int], n: int, max_tokens:
         child_ids.append(ids)
         child_logp.append(values)
         probs = torch.softmax(logits.float(), dim=-1)  # [N, V], as in blockwise_cd
-        z = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N]
+        z = draw(probs, generator)  # [N]
         tokens.append(z)
         if step + 1 < max_tokens:
             logits = model.forward(z[:, None], cache)[:, -1, :]
@@ -103,7 +104,7 @@ def tokenwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
         with torch.no_grad():
             v = value.child_values(bag, torch.full((n,), float(step)), ids) if lam > 0 else 0.0
         log_pi = torch.log_softmax(top_logp + lam * v, dim=-1)  # [N, k]
-        pick = torch.multinomial(log_pi.exp(), 1, generator=generator)  # [N, 1]
+        pick = draw(log_pi.exp(), generator)[:, None]  # [N, 1]
         z = ids.gather(1, pick)[:, 0]  # [N]
         log_ratio += (log_pi.gather(1, pick) - top_logp.gather(1, pick))[:, 0]
         step_kl += (log_pi.exp() * (log_pi - top_logp)).sum(-1)
@@ -133,7 +134,7 @@ def blockwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
         block = []
         for j in range(width):
             probs = torch.softmax(block_logits.float(), dim=-1)  # [N*K, V]
-            z = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N*K]
+            z = draw(probs, generator)  # [N*K]
             block.append(z)
             if done.shape[1] + j + 1 < max_tokens:
                 block_logits = model.forward(z[:, None], block_cache)[:, -1, :]
