@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from decodekit.align.bon import bon_pmf
-from decodekit.align.pmf import check_n, check_pmf, check_rewards, reward_levels
+from decodekit.align.pmf import check_pmf, check_rewards, reward_levels
 from decodekit.sampling import draw
+from decodekit.validate import check_n
 
 __all__ = ["soft_bon_pmf", "soft_bon_sample"]
 

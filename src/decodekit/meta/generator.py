@@ -32,6 +32,7 @@ from decodekit.meta.budget import Budget
 from decodekit.models.base import LanguageModel, score_tokens
 from decodekit.params import SamplingParams
 from decodekit.request import per_prompt_params
+from decodekit.validate import check_n
 
 PREFIX_MODES = ("shared", "replicated", "separate")
 
@@ -55,10 +56,7 @@ def per_prompt_counts(n: int | Sequence[int], count: int) -> list[int]:
     counts = list(n) if isinstance(n, Sequence) else [n] * count
     if len(counts) != count:
         raise ValueError(f"n must be an integer or one count per prompt ({count}), got {len(counts)}")
-    for k in counts:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"n must be an integer >= 1, got {k!r}")
-    return counts
+    return [check_n(k) for k in counts]
 
 
 def derive_seed(seed: int | None, *keys: int | str) -> int | None:
