@@ -19,7 +19,7 @@ ROOT = "decodekit"  # the package's __init__.py
 # Bottom first, as docs/ARCHITECTURE.md states them. A unit imports only units of its own
 # layer or of layers below; within a layer, the cycle check keeps imports one-way.
 LAYERS = [
-    {"params", "completion", "optional", "runtime", "text"},  # no decodekit imports
+    {"validate", "params", "completion", "optional", "runtime", "text"},  # params imports validate only
     {"models", "sampling"},  # the LanguageModel contract and models; sampling adapters
     {"compress", "request"},  # compression of models; the request model of every decoder
     {"engine"},  # paged KV, prefix cache, scheduler: runs requests

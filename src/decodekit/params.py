@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from decodekit.validate import check_int, check_range
+
 # Names of the adapters a chain can contain, in the default order.
 PENALTY_ADAPTERS = (
     "logit_bias",
@@ -39,28 +41,6 @@ TRUNCATION_ADAPTERS = (
 )
 DEFAULT_ORDER = PENALTY_ADAPTERS + ("temperature",) + TRUNCATION_ADAPTERS
 ADAPTER_NAMES = frozenset(DEFAULT_ORDER)
-
-
-def _check_range(name: str, value: float, lo: float, hi: float, lo_open=False, hi_open=False):
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if math.isnan(value):
-        raise ValueError(f"{name} must be a number, got nan")
-    below = value <= lo if lo_open else value < lo
-    above = value >= hi if hi_open else value > hi
-    if below or above:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        hi_text = "inf" if hi == math.inf else f"{hi:g}"
-        raise ValueError(f"{name} must be in {left}{lo:g}, {hi_text}{right}, got {value!r}")
-
-
-def _check_int(name: str, value: int, lo: int, hi: float = math.inf):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < lo or value > hi:
-        hi_text = "" if hi == math.inf else f" and <= {hi}"
-        raise ValueError(f"{name} must be an integer >= {lo}{hi_text}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -120,40 +100,40 @@ class SamplingParams:
         self._validate()
 
     def _validate(self):
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("min_new_tokens", self.min_new_tokens, 0)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens}"
             )
-        _check_range("temperature", self.temperature, 0.0, math.inf)
-        _check_int("top_k", self.top_k, 0)
-        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        _check_range("typical_p", self.typical_p, 0.0, 1.0, lo_open=True)
-        _check_range("epsilon", self.epsilon, 0.0, 1.0, hi_open=True)
-        _check_range("eta", self.eta, 0.0, 1.0, hi_open=True)
+        check_range("temperature", self.temperature, 0.0, math.inf)
+        check_int("top_k", self.top_k, 0)
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        check_range("typical_p", self.typical_p, 0.0, 1.0, low_open=True)
+        check_range("epsilon", self.epsilon, 0.0, 1.0, high_open=True)
+        check_range("eta", self.eta, 0.0, 1.0, high_open=True)
         if self.top_n_sigma is not None:
-            _check_range("top_n_sigma", self.top_n_sigma, 0.0, math.inf)
-        _check_int("min_tokens_to_keep", self.min_tokens_to_keep, 1)
+            check_range("top_n_sigma", self.top_n_sigma, 0.0, math.inf)
+        check_int("min_tokens_to_keep", self.min_tokens_to_keep, 1)
         if self.mirostat_tau is not None:
-            _check_range("mirostat_tau", self.mirostat_tau, 0.0, math.inf, lo_open=True)
-        _check_range("mirostat_eta", self.mirostat_eta, 0.0, math.inf)
-        _check_range("xtc_threshold", self.xtc_threshold, 0.0, 1.0)
-        _check_range("xtc_probability", self.xtc_probability, 0.0, 1.0)
-        _check_range("dry_multiplier", self.dry_multiplier, 0.0, math.inf)
-        _check_range("dry_base", self.dry_base, 1.0, math.inf)
-        _check_int("dry_allowed_length", self.dry_allowed_length, 1)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
+            check_range("mirostat_tau", self.mirostat_tau, 0.0, math.inf, low_open=True)
+        check_range("mirostat_eta", self.mirostat_eta, 0.0, math.inf)
+        check_range("xtc_threshold", self.xtc_threshold, 0.0, 1.0)
+        check_range("xtc_probability", self.xtc_probability, 0.0, 1.0)
+        check_range("dry_multiplier", self.dry_multiplier, 0.0, math.inf)
+        check_range("dry_base", self.dry_base, 1.0, math.inf)
+        check_int("dry_allowed_length", self.dry_allowed_length, 1)
+        check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
         if not isinstance(self.logit_bias, dict):
             raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
-            _check_int("logit_bias token id", token, 0)
-            _check_range(f"logit_bias[{token}]", bias, -math.inf, math.inf)
+            check_int("logit_bias token id", token, 0)
+            check_range(f"logit_bias[{token}]", bias, -math.inf, math.inf)
         for word in self.bad_words:
             if not (isinstance(word, str) and word) and not (
                 isinstance(word, tuple) and word and all(isinstance(t, int) for t in word)
@@ -165,17 +145,17 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be None or non-empty, got ()")
             for token in self.allowed_token_ids:
-                _check_int("allowed_token_ids entry", token, 0)
+                check_int("allowed_token_ids entry", token, 0)
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         for token in self.stop_token_ids:
-            _check_int("stop_token_ids entry", token, 0)
+            check_int("stop_token_ids entry", token, 0)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_int("n", self.n, 1)
+            check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("n", self.n, 1)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, 20)
+            check_int("logprobs", self.logprobs, 0, 20)
         unknown = [name for name in self.order if name not in ADAPTER_NAMES]
         if unknown:
             raise ValueError(

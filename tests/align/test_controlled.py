@@ -186,9 +186,11 @@ def test_tokenwise_rejects_bad_input(kwargs, name):
         tokenwise_cd(TreeLM(), PrefixValue(3), [2], 2, 2, **kwargs)
 
 
-@pytest.mark.parametrize(("k", "m", "name"), [(0, 2, "k"), (2, 0, "m"), (1.5, 2, "k")])
-def test_blockwise_rejects_bad_input(k, m, name):
-    with pytest.raises(ValueError, match=f"^{name} "):
+@pytest.mark.parametrize(
+    ("k", "m", "name", "error"), [(0, 2, "k", ValueError), (2, 0, "m", ValueError), (1.5, 2, "k", TypeError)]
+)
+def test_blockwise_rejects_bad_input(k, m, name, error):
+    with pytest.raises(error, match=f"^{name} "):
         blockwise_cd(TreeLM(), PrefixValue(3), [2], 2, 2, k=k, m=m)
 
 

@@ -19,7 +19,6 @@ from decodekit.decode.speculative import (
     SpeculativeConfig,
     block_acceptance,
     block_verify,
-    draw,
     expected_accepted,
     residual,
     speculative_generate,
@@ -27,7 +26,7 @@ from decodekit.decode.speculative import (
     token_verify,
 )
 from decodekit.models.base import Cache, LanguageModel
-from decodekit.sampling import SamplerState, build_chain
+from decodekit.sampling import SamplerState, build_chain, draw
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -314,7 +313,7 @@ def sample_sequences(target, draft, params, verify, samples: int, gamma: int = 2
 def wrong_residual(p, q, draft, generator):
     """Token verification that draws y from p_{τ+1} instead of the residual: not lossless."""
     tau, _ = token_verify(p, q, draft, generator)
-    return tau, draw(p[tau], generator)
+    return tau, int(draw(p[tau], generator))
 
 
 SAMPLES = 1200  # a wrong residual gives p ~ 1e-50 here; the right rules p ~ U(0, 1)

@@ -66,8 +66,8 @@ def test_per_prompt_counts_and_params(toy_model):
 
 def test_generator_rejects_bad_n(toy_model):
     gen = LocalGenerator(toy_model)
-    for bad in (0, -2, 1.0):
-        with pytest.raises(ValueError, match="n must be an integer >= 1"):
+    for bad, error in ((0, ValueError), (-2, ValueError), (1.0, TypeError)):
+        with pytest.raises(error, match="n must be an integer >= 1"):
             gen.generate([TOY_PROMPT], bad, GREEDY)
     with pytest.raises(ValueError, match="one count per prompt"):
         gen.generate([TOY_PROMPT], [1, 2], GREEDY)

@@ -175,11 +175,13 @@ def test_scorer_failures_recorded_when_asked():
     assert result.answer == "ok" and result.tallies == {"ok": 3.0}  # failed candidates do not vote
 
 
-@pytest.mark.parametrize("n", [0, -1, 1.5, True])
-def test_n_must_be_a_positive_integer(n):
-    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+@pytest.mark.parametrize(
+    ("n", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_n_must_be_a_positive_integer(n, error):
+    with pytest.raises(error, match="n must be an integer >= 1"):
         best_of_n(ScriptedGenerator(["a"]), "P", n, len)
-    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+    with pytest.raises(error, match="n must be an integer >= 1"):
         majority_vote(ScriptedGenerator(["a"]), "P", n, len)
 
 

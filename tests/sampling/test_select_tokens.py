@@ -12,6 +12,7 @@ from decodekit.params import SamplingParams
 from decodekit.sampling import (
     SamplerState,
     build_chain,
+    draw,
     logprobs_of,
     sample_categorical,
     select_tokens,
@@ -58,6 +59,19 @@ def test_tokens_of_zero_probability_are_never_drawn():
     logits = torch.tensor([[-math.inf, 0.0, -math.inf, 0.0, -math.inf]]).repeat(5000, 1)
     tokens = sample_categorical(logits, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {1, 3}
+
+
+def test_draw_inverts_the_cdf_one_uniform_per_row():
+    """u = 0.55 of the (unnormalised) weights [2, 1, 1] falls in the second bucket
+    (cdf / total = 0.5, 0.75, 1); a [V] row gives a 0-d index; sample_categorical is
+    draw over softmax(logits), consuming the generator the same way."""
+    u = float(torch.rand(1, generator=torch.Generator().manual_seed(7), dtype=torch.float64))
+    expected = 0 if u < 0.5 else 1 if u < 0.75 else 2
+    token = draw(torch.tensor([2.0, 1.0, 1.0]), torch.Generator().manual_seed(7))
+    assert token.shape == () and int(token) == expected
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    seeded = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(sample_categorical(logits, seeded[0]), draw(logits.double().softmax(-1), seeded[1]))
 
 
 def run_request(params, steps, rows=1):

@@ -23,7 +23,8 @@ import math
 
 import numpy as np
 
-from decodekit.align.pmf import RewardLevels, check_n, check_pmf, check_rewards, reward_levels
+from decodekit.align.pmf import RewardLevels, check_pmf, check_rewards, reward_levels
+from decodekit.validate import check_n
 
 __all__ = [
     "blockwise_kl_bound",

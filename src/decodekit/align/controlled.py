@@ -16,7 +16,6 @@ what CD-Q training needs. Offline rewards: `keyword_reward`, `newline_length_rew
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ import torch
 
 from decodekit.align.value import BaseSamples, PrefixValue
 from decodekit.models.base import LanguageModel, prefill
+from decodekit.sampling import draw
+from decodekit.validate import check_n, check_range
 
 __all__ = [
     "Controlled",
@@ -50,14 +51,6 @@ class Controlled:
     step_kl: torch.Tensor | None = None
 
 
-def _check(name: str, value, low: float, integer: bool = True):
-    bad = isinstance(value, bool) or not isinstance(value, int if integer else int | float)
-    if bad or (not integer and math.isnan(value)) or value < low:
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind} >= {low}, got {value!r}")
-    return value
-
-
 def _start(model: LanguageModel, prompt: Sequence[int], rows: int):
     logits, cache = prefill(model, [list(prompt)])  # [1, V]
     return logits.expand(rows, -1), cache.fork([0] * rows)
@@ -67,9 +60,9 @@ def sample_base(model: LanguageModel, prompt: Sequence[int], n: int, max_tokens:
                 top_k: int = 64, generator: torch.Generator | None = None) -> BaseSamples:
     """n plain samples of p (temperature 1) with the top-k of p at every position.
     Rewards are left at zero: fill them with `score`."""
-    _check("n", n, 1)
-    _check("max_tokens", max_tokens, 1)
-    top_k = min(_check("top_k", top_k, 1), model.vocab_size)
+    check_n(n)
+    check_n(max_tokens, "max_tokens")
+    top_k = min(check_n(top_k, "top_k"), model.vocab_size)
     logits, cache = _start(model, prompt, n)
     tokens, child_ids, child_logp = [], [], []
     for step in range(max_tokens):
@@ -77,7 +70,7 @@ def sample_base(model: LanguageModel, prompt: Sequence[int], n: int, max_tokens:
         child_ids.append(ids)
         child_logp.append(values)
         probs = torch.softmax(logits.float(), dim=-1)  # [N, V], as in blockwise_cd
-        z = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N]
+        z = draw(probs, generator)  # [N]
         tokens.append(z)
         if step + 1 < max_tokens:
             logits = model.forward(z[:, None], cache)[:, -1, :]
@@ -90,10 +83,10 @@ def tokenwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
                  generator: torch.Generator | None = None) -> Controlled:
     """n completions with z ∝ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p
     (top_k None: the whole vocabulary; then lam = 0 is plain sampling from p)."""
-    _check("lam", lam, 0, integer=False)
-    _check("n", n, 1)
-    _check("max_tokens", max_tokens, 1)
-    k = model.vocab_size if top_k is None else min(_check("top_k", top_k, 1), model.vocab_size)
+    check_range("lam", lam, 0.0)
+    check_n(n)
+    check_n(max_tokens, "max_tokens")
+    k = model.vocab_size if top_k is None else min(check_n(top_k, "top_k"), model.vocab_size)
     logits, cache = _start(model, prompt, n)
     bag = torch.zeros(n, value.bag.embedding_dim)  # [N, D]
     log_ratio, step_kl, tokens = torch.zeros(n), torch.zeros(n), []
@@ -103,7 +96,7 @@ def tokenwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
         with torch.no_grad():
             v = value.child_values(bag, torch.full((n,), float(step)), ids) if lam > 0 else 0.0
         log_pi = torch.log_softmax(top_logp + lam * v, dim=-1)  # [N, k]
-        pick = torch.multinomial(log_pi.exp(), 1, generator=generator)  # [N, 1]
+        pick = draw(log_pi.exp(), generator)[:, None]  # [N, 1]
         z = ids.gather(1, pick)[:, 0]  # [N]
         log_ratio += (log_pi.gather(1, pick) - top_logp.gather(1, pick))[:, 0]
         step_kl += (log_pi.exp() * (log_pi - top_logp)).sum(-1)
@@ -119,10 +112,10 @@ def blockwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
                  max_tokens: int, k: int, m: int,
                  generator: torch.Generator | None = None) -> Controlled:
     """n completions built block by block: K samples of M tokens from p, the best by V kept."""
-    _check("k", k, 1)
-    _check("m", m, 1)
-    _check("n", n, 1)
-    _check("max_tokens", max_tokens, 1)
+    check_n(k, "k")
+    check_n(m, "m")
+    check_n(n)
+    check_n(max_tokens, "max_tokens")
     logits, cache = _start(model, prompt, n)
     done = torch.zeros(n, 0, dtype=torch.long)  # [N, t]
     while done.shape[1] < max_tokens:
@@ -133,7 +126,7 @@ def blockwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int]
         block = []
         for j in range(width):
             probs = torch.softmax(block_logits.float(), dim=-1)  # [N*K, V]
-            z = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N*K]
+            z = draw(probs, generator)  # [N*K]
             block.append(z)
             if done.shape[1] + j + 1 < max_tokens:
                 block_logits = model.forward(z[:, None], block_cache)[:, -1, :]

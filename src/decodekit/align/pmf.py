@@ -7,22 +7,12 @@ bad input raises a `ValueError` naming the value and what is allowed (STYLE.md, 
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 # Probabilities may sum to 1 up to this tolerance; they are then renormalised exactly.
 SUM_TOLERANCE = 1e-6
-
-
-def check_n(n, name: str = "n") -> int:
-    """`n` as a Python int >= 1 (numpy integers accepted)."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= 1, got {n!r}")
-    if n < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
-    return int(n)
 
 
 def check_pmf(p, name: str = "p") -> np.ndarray:

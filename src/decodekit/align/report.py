@@ -26,8 +26,9 @@ from decodekit.align.bon import (
     bon_win_rate,
     bon_win_rate_bound,
 )
-from decodekit.align.pmf import check_n, check_pmf, check_rewards
+from decodekit.align.pmf import check_pmf, check_rewards
 from decodekit.optional import require
+from decodekit.validate import check_n
 
 __all__ = ["bon_report", "plot_bon"]
 

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from decodekit.align.bon import bon_pmf
-from decodekit.align.pmf import check_n, check_pmf, check_rewards, reward_levels
+from decodekit.align.pmf import check_pmf, check_rewards, reward_levels
+from decodekit.sampling import draw
+from decodekit.validate import check_n
 
 __all__ = ["soft_bon_pmf", "soft_bon_sample"]
 
@@ -52,7 +54,7 @@ def soft_bon_sample(rewards, lam: float, generator: torch.Generator | None = Non
     else:
         logits = flat / lam
     probs = torch.softmax(logits, dim=-1)  # [B, n]
-    index = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    index = draw(probs, generator)  # [B]
     return index.reshape(r.shape[:-1])
 
 

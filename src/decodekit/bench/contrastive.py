@@ -18,7 +18,7 @@ import time
 import torch
 
 from decodekit.bench.decode import machine
-from decodekit.models.base import LanguageModel, left_pad
+from decodekit.models.base import LanguageModel, score_batch
 from decodekit.models.registry import ASSETS
 from decodekit.runtime import progress as progress_bar
 
@@ -42,15 +42,7 @@ def distinct(ids: list[int], n: int) -> float:
 def loglik_per_token(model: LanguageModel, prompts: list[list[int]], continuations: list[list[int]]):
     """Mean log p_model of each continuation's tokens given its prompt: one value per row."""
     rows = [p + c for p, c in zip(prompts, continuations, strict=True)]
-    tokens, mask = left_pad(rows)
-    logp = torch.log_softmax(model.forward(tokens, model.new_cache(len(rows)), mask), dim=-1)  # [B, T, V]
-    out = []
-    for b, c in enumerate(continuations):
-        # position t predicts token t + 1; the continuation fills the last len(c) positions
-        width = tokens.shape[1]
-        picked = logp[b, width - len(c) - 1 : width - 1].gather(-1, tokens[b, width - len(c) :, None])
-        out.append(float(picked.mean()))
-    return out
+    return [float(s.mean()) for s in score_batch(model, rows, [len(p) for p in prompts])]
 
 
 def bench_contrastive(

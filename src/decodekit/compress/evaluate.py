@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from decodekit.models.base import LanguageModel
+from decodekit.models.base import LanguageModel, logprobs, score_batch
 from decodekit.models.registry import ASSETS
 
 TEST_TEXT = ASSETS / "data" / "shakespeare_test.txt"
@@ -106,14 +106,9 @@ def perplexity(
         for i in range(0, len(group), batch_size):
             chunk = group[i : i + batch_size]
             rows = torch.stack([ids[b:e] for b, e, _ in chunk])  # [B, length]
-            logits = model.forward(rows, model.new_cache(len(chunk)))  # [B, length, V]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            for row, (begin, end, first) in enumerate(chunk):
-                # logits at local position t predict the token at t + 1
-                targets = rows[row, first - begin :]  # [end - first]
-                picked = logp[row, first - begin - 1 : length - 1].gather(-1, targets[:, None])
-                total -= float(picked.sum())
-                count += end - first
+            for scores in score_batch(model, rows, [first - begin for begin, _, first in chunk]):
+                total -= float(scores.sum())  # scores: [end - first]
+                count += len(scores)
     nll = total / count
     return PerplexityResult(math.exp(nll), nll, count, window, stride)
 
@@ -139,11 +134,7 @@ def text_perplexity(
 @torch.inference_mode()
 def window_logprobs(model: LanguageModel, tokens: torch.Tensor, rows_per_batch: int = 4) -> torch.Tensor:
     """Log-probabilities [W, T, V] of the model at every position of windows tokens [W, T]."""
-    parts = [
-        torch.log_softmax(model.forward(chunk, model.new_cache(len(chunk))).float(), dim=-1)
-        for chunk in tokens.split(rows_per_batch)
-    ]
-    return torch.cat(parts)
+    return torch.cat([logprobs(model, chunk) for chunk in tokens.split(rows_per_batch)])
 
 
 @torch.inference_mode()
@@ -155,6 +146,6 @@ def mean_kl(
     next-token distribution, not only the probability of the observed token."""
     total = 0.0
     for ref, chunk in zip(reference_logprobs.split(rows_per_batch), tokens.split(rows_per_batch)):
-        logp = torch.log_softmax(model.forward(chunk, model.new_cache(len(chunk))).float(), dim=-1)
+        logp = logprobs(model, chunk)  # [B, T, V]
         total += float((ref.exp() * (ref - logp)).sum())
     return total / tokens.numel()

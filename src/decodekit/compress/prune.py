@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from decodekit.compress.hessian import dead_columns, inverse_hessian_cholesky
+from decodekit.validate import check_range
 
 
 def parse_n_m(n_m: str | tuple[int, int]) -> tuple[int, int]:
@@ -36,8 +37,7 @@ def parse_n_m(n_m: str | tuple[int, int]) -> tuple[int, int]:
 
 
 def _check_sparsity(sparsity: float) -> None:
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    check_range("sparsity", sparsity, 0.0, 1.0, high_open=True)
 
 
 def lowest_mask(scores: torch.Tensor, count: int) -> torch.Tensor:

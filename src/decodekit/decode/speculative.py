@@ -37,7 +37,7 @@ from decodekit.decode.drafters import DraftSampler, IncrementalModel, make_draft
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.request import Prompt, Row, make_requests, record, to_completion
-from decodekit.sampling import SamplerState
+from decodekit.sampling import SamplerState, draw
 
 # (p [γ+1, V], q [γ, V], draft [γ] long, generator) -> (τ accepted draft tokens, extra token y)
 VerifyRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
@@ -90,35 +90,28 @@ def residual(p_next: torch.Tensor, q_next: torch.Tensor, weight: float = 1.0) ->
     return mass / mass.sum()
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from probabilities [V] by inverting the CDF at one uniform."""
-    cdf = torch.cumsum(probs.double(), dim=0)
-    u = torch.rand(1, generator=generator, dtype=torch.float64)
-    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(probs) - 1)
-
-
 def token_verify(p, q, draft, generator) -> tuple[int, int]:
     """Token verification: accept x_i while η_i < h_i; y from the residual or p_{γ+1}."""
     gamma = len(draft)
     eta = torch.rand(gamma, generator=generator, dtype=torch.float64)
     tau = int((eta < token_acceptance(p, q, draft)).long().cumprod(0).sum()) if gamma else 0
     if tau == gamma:
-        return tau, draw(p[gamma], generator)
-    return tau, draw(residual(p[tau], q[tau]), generator)
+        return tau, int(draw(p[gamma], generator))
+    return tau, int(draw(residual(p[tau], q[tau]), generator))
 
 
 def block_verify(p, q, draft, generator) -> tuple[int, int]:
     """Block verification: τ = the last i with η_i < h_i (0 if none)."""
     gamma = len(draft)
     if gamma == 0:
-        return 0, draw(p[0], generator)
+        return 0, int(draw(p[0], generator))
     h, P = block_acceptance(p, q, draft)
     eta = torch.rand(gamma, generator=generator, dtype=torch.float64)
     hits = (eta < h).nonzero()
     tau = int(hits[-1]) + 1 if len(hits) else 0
     if tau == gamma:
-        return tau, draw(p[gamma], generator)
-    return tau, draw(residual(p[tau], q[tau], float(P[tau])), generator)
+        return tau, int(draw(p[gamma], generator))
+    return tau, int(draw(residual(p[tau], q[tau], float(P[tau])), generator))
 
 
 def greedy_verify(p: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:

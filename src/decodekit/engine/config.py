@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from decodekit.validate import check_int
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -35,10 +37,10 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_waiting", "max_prefill_tokens"):
-            _check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1)
         if self.num_blocks is not None:
-            _check_positive("num_blocks", self.num_blocks)
-        _check_positive("max_kv_bytes", self.max_kv_bytes)
+            check_int("num_blocks", self.num_blocks, 1)
+        check_int("max_kv_bytes", self.max_kv_bytes, 1)
 
     def num_blocks_for(self, bytes_per_block: int) -> int:
         """Blocks that fit the bound, given one block's K and V bytes over all layers."""
@@ -51,10 +53,3 @@ class EngineConfig:
                 f"of {bytes_per_block} bytes"
             )
         return blocks
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value}")

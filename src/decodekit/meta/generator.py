@@ -29,9 +29,10 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.meta.budget import Budget
-from decodekit.models.base import LanguageModel
+from decodekit.models.base import LanguageModel, score_tokens
 from decodekit.params import SamplingParams
 from decodekit.request import per_prompt_params
+from decodekit.validate import check_n
 
 PREFIX_MODES = ("shared", "replicated", "separate")
 
@@ -55,10 +56,7 @@ def per_prompt_counts(n: int | Sequence[int], count: int) -> list[int]:
     counts = list(n) if isinstance(n, Sequence) else [n] * count
     if len(counts) != count:
         raise ValueError(f"n must be an integer or one count per prompt ({count}), got {len(counts)}")
-    for k in counts:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"n must be an integer >= 1, got {k!r}")
-    return counts
+    return [check_n(k) for k in counts]
 
 
 def derive_seed(seed: int | None, *keys: int | str) -> int | None:
@@ -151,13 +149,9 @@ class LocalGenerator:
             full = self.model.encode(prompt + text)
             if full[: len(prompt_ids)] != prompt_ids:
                 raise ValueError("the continuation changes the prompt's tokenisation at the boundary")
-            continuation = torch.tensor(full[len(prompt_ids) :])
-            if len(continuation) == 0:
+            if len(full) == len(prompt_ids):
                 scores.append(0.0)
                 continue
-            tokens = torch.tensor([full[:-1]])  # position i predicts token i + 1
-            logits = self.model.forward(tokens, self.model.new_cache(1))[0, len(prompt_ids) - 1 :]
-            logp = torch.log_softmax(logits, dim=-1)  # [len(continuation), V]
-            scores.append(float(logp[torch.arange(len(continuation)), continuation].sum()))
+            scores.append(float(score_tokens(self.model, full, len(prompt_ids)).sum()))
             self.budget.add_generation(len(full) - 1, 0)
         return scores

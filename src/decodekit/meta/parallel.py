@@ -26,13 +26,9 @@ from decodekit.meta.generator import Generator, call_generator, derive_seed
 from decodekit.meta.result import Candidate, MetaResult
 from decodekit.meta.scorers import check_on_error, outcome_scorer, score_candidates
 from decodekit.params import SamplingParams
+from decodekit.validate import check_n
 
 Extractor = Callable[[str], Hashable | None]
-
-
-def check_n(n: int, name: str = "n") -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
 
 
 def sample(

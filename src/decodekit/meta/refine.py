@@ -20,6 +20,7 @@ from decodekit.meta.parallel import Extractor
 from decodekit.meta.result import Candidate, MetaResult
 from decodekit.meta.scorers import as_number, outcome_scorer
 from decodekit.params import SamplingParams
+from decodekit.validate import check_int
 
 DEFAULT_TEMPLATE = "{prompt}{previous}\nFeedback: {feedback}\nRevised answer:\n"
 
@@ -72,8 +73,7 @@ def refine(
     """One generation, then up to `rounds` regenerations while feedback(prompt, output) is
     not ok (at most rounds + 1 attempts). Chosen: the first accepted attempt, else the last.
     Every attempt is a candidate (score 1 accepted / 0 not; note = the feedback message)."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
+    check_int("rounds", rounds, 0)
     params = params or SamplingParams()
     budget = budget if budget is not None else Budget()
     candidates: list[Candidate] = []

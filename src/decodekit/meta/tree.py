@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from decodekit.completion import Completion
 from decodekit.meta.budget import Budget
 from decodekit.meta.generator import Generator, account_request, call_generator, derive_seed
-from decodekit.meta.parallel import Extractor, check_n, choose_best, chosen_for, vote
+from decodekit.meta.parallel import Extractor, choose_best, chosen_for, vote
 from decodekit.meta.result import Candidate, MetaResult
 from decodekit.meta.scorers import ScorerError, as_number, check_on_error, describe, process_scorer
 from decodekit.params import SamplingParams
+from decodekit.validate import check_n
 
 METHODS = ("beam", "dvts", "rebase")
 AGGREGATIONS = ("last", "min", "product")

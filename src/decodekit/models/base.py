@@ -125,3 +125,39 @@ def prefill(model: LanguageModel, prompts: Sequence[Sequence[int]]) -> tuple[tor
     cache = model.new_cache(len(prompts))
     logits = model.forward(tokens, cache, mask)  # [B, T, V]
     return logits[:, -1, :], cache
+
+
+def logprobs(model: LanguageModel, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probabilities [B, T, V] float32 of the next token after every position of tokens
+    [B, T], in one forward on a fresh cache (`mask` as in `forward`)."""
+    return torch.log_softmax(model.forward(tokens, model.new_cache(len(tokens)), mask).float(), dim=-1)
+
+
+def score_batch(
+    model: LanguageModel, rows: Sequence[Sequence[int]] | torch.Tensor, starts: Sequence[int]
+) -> list[torch.Tensor]:
+    """log p(row[t] | row[:t]) for t in [start, len(row)) of each row, [len(row) - start]
+    float32, in one forward: rows of different lengths are left-padded."""
+    if len(starts) != len(rows):
+        raise ValueError(f"need one start per row: {len(rows)} rows, got {len(starts)} starts")
+    for row, start in zip(rows, starts):
+        if not 1 <= start <= len(row):
+            raise ValueError(f"start must be in [1, {len(row)}] (the first token has no prefix), got {start}")
+    if isinstance(rows, torch.Tensor):  # [B, T], no padding
+        tokens, mask = rows, None
+    else:
+        tokens, mask = left_pad(rows)
+        mask = None if bool(mask.all()) else mask
+    width = tokens.shape[1]
+    logp = logprobs(model, tokens, mask)  # [B, T, V]
+    scores = []
+    for b, (row, start) in enumerate(zip(rows, starts)):
+        first = width - len(row) + start  # the first scored token's column
+        # the logits at column t predict the token at t + 1
+        scores.append(logp[b, first - 1 : width - 1].gather(-1, tokens[b, first:, None])[:, 0])
+    return scores
+
+
+def score_tokens(model: LanguageModel, ids: Sequence[int], start: int) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t in [start, len(ids)): [len(ids) - start] float32, one forward."""
+    return score_batch(model, [ids], [start])[0]

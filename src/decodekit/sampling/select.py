@@ -16,17 +16,24 @@ def select_tokens(processed_logits: torch.Tensor, state: SamplerState) -> torch.
 
 
 def sample_categorical(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of softmax(logits) [R, V] by inverting the CDF at a uniform.
+    """One draw per row of softmax(logits) [R, V]: tokens [R] long (see `draw`)."""
+    return draw(torch.softmax(logits.double(), dim=-1), generator)
 
-    Each row uses exactly one uniform from the (CPU) generator, whatever V and the
-    device of `logits`, so a seed gives the same draws on every device. A token of zero
-    probability is never drawn: the search returns the first i with cdf[i] > u * total.
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of probabilities probs [..., V] (weights need not sum to 1) by
+    inverting the CDF at a uniform: long [...] (a 0-d tensor for probs [V]).
+
+    Each row uses exactly one float64 uniform from the (CPU) generator, whatever V and the
+    device of `probs`, so a seed gives the same draws on every device (None: torch's global
+    generator). An index of zero probability is never drawn: the search returns the first i
+    with cdf[i] > u * total.
     """
-    u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)  # [R] in [0, 1)
-    cdf = torch.cumsum(torch.softmax(logits.double(), dim=-1), dim=-1)  # [R, V]
-    target = u.to(cdf.device)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return tokens.clamp(max=logits.shape[-1] - 1)
+    u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64)  # [...] in [0, 1)
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [..., V]
+    target = u.to(cdf.device)[..., None] * cdf[..., -1:]
+    tokens = torch.searchsorted(cdf, target, right=True)[..., 0]
+    return tokens.clamp(max=probs.shape[-1] - 1)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

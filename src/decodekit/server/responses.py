@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from decodekit.completion import Completion
-from decodekit.models.base import LanguageModel
+from decodekit.models.base import LanguageModel, logprobs
 from decodekit.server import protocol as p
 from decodekit.server.plan import Plan, Selection
 
@@ -53,8 +53,7 @@ def top_dict(model: LanguageModel, top: dict[int, float] | None) -> dict[str, fl
 @torch.inference_mode()
 def prompt_logprobs(model: LanguageModel, ids: list[int], k: int) -> tuple[list, list]:
     """log p(token i | tokens < i) of a prompt (None for the first) and each position's top k."""
-    logits = model.forward(torch.tensor([ids]), model.new_cache(1))[0, :-1]  # [T-1, V]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = logprobs(model, torch.tensor([ids]))[0, :-1]  # [T-1, V]
     chosen = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     tops: list = [None]
     if k:
