@@ -26,8 +26,8 @@ def machine(monkeypatch, cores: int, other_load: float) -> None:
     [
         (3_400_000, 2, 0.0, 1),  # shakespeare: one thread even on an idle machine
         (None, 8, 0.0, 1),  # unknown size counts as small
-        (99_999_999, 2, 0.0, 1),  # just under the threshold
-        (100_000_000, 2, 0.0, 2),  # at the threshold, idle: every core
+        (9_999_999, 2, 0.0, 1),  # just under the threshold
+        (10_000_000, 2, 0.0, 2),  # at the threshold, idle: every core
         (240_000_000, 2, 0.4, 2),  # 2 - 0.4 = 1.6 free cores rounds to 2
         (240_000_000, 2, 0.6, 1),  # 1.4 free rounds to 1: a second thread would wait on a busy core
         (240_000_000, 2, 6.0, 1),  # a loaded machine: never fewer than one
@@ -72,7 +72,7 @@ def test_set_threads(monkeypatch, threads_restored):
         runtime.set_threads(0)
     assert runtime.set_threads(1) == 1 and torch.get_num_threads() == 1
     machine(monkeypatch, 2, 0.0)
-    assert runtime.set_threads(None, Sized(100_000_000)) == 2 and torch.get_num_threads() == 2
+    assert runtime.set_threads(None, Sized(10_000_000)) == 2 and torch.get_num_threads() == 2
     assert runtime.set_threads(None, Sized(0)) == 1  # a LanguageModel answering 0: size unknown
     assert runtime.set_threads(None, nn.Linear(4, 4)) == 1 and torch.get_num_threads() == 1
 

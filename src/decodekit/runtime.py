@@ -22,11 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-# Below this size always one thread: on the shared 2-core dev machine one thread decoded
-# 1.7-27x faster than two at every size measured (0.2M-240M), and the shipped models are
-# at most 3.4M. A judgement above the largest clear loss, not an idle-machine crossover
-# (BENCHMARKS.md, "Threads").
-MULTITHREAD_MIN_PARAMETERS = 100_000_000
+# Below this size always one thread. On the idle 2-core dev machine two threads decoded
+# 1.5-2.1x faster than one from 25M parameters up, but only 1.2x at 3.4M and 1.0x at 0.2M,
+# while a busy second core made two threads 4.6-27x slower at 3.4-25M (BENCHMARKS.md,
+# "Threads"). From 10M the gain when a core is free is worth the risk the load check leaves.
+MULTITHREAD_MIN_PARAMETERS = 10_000_000
 
 
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
