@@ -12,6 +12,16 @@ TEXT = (
 )
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: tiny models gain nothing from intra-op threads,
+    and on the shared test machine a second thread only waits for a busy core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_text():
     """The text the tiny tokenizer was trained on (so a test can build models that know it)."""

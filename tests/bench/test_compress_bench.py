@@ -1,18 +1,9 @@
 import pytest
-import torch
 
 from decodekit.bench.compress import bench_compress, table
 from decodekit.compress.recipe import CompressConfig
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet. " * 6
-
-
-@pytest.fixture
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_bench_rows_and_table(tiny_llama_dir, one_thread, capsys):

@@ -12,12 +12,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only contend on the shared CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

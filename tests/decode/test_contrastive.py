@@ -11,12 +11,7 @@ from decodekit.models.base import Cache, LanguageModel
 NEG_INF = float("-inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only contend on the shared CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class CountCache(Cache):

@@ -28,14 +28,7 @@ from decodekit.decode.speculative import (
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.sampling import SamplerState, build_chain, draw
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Every tensor here is tiny: intra-op threads only add latency on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # -- a tabular language model: logits of the next token given the previous two ---------------

@@ -26,14 +26,7 @@ from decodekit.meta.tasks.arith import (
 )
 from decodekit.models.registry import ASSETS
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models: a second intra-op thread only adds contention on a shared machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -51,13 +51,7 @@ FAMILIES = {
 PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14], [64, 9, 0, 12, 77, 3, 50]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from threads, and the test machine's cores are shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

@@ -28,12 +28,7 @@ NEW_TOKENS = 28  # prompt + new > 2 x WINDOW
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def randomize(model: torch.nn.Module) -> None:
