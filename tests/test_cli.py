@@ -232,3 +232,34 @@ def test_progress_bars_on_a_terminal_only_and_never_with_json(monkeypatch, capsy
         assert main(["eval", "arith", *flags]) == 0
         assert main(["compress", "m", "--method", "rtn", "--out", str(tmp_path / "new"), *flags]) == 0
         assert seen == [expected, expected]
+
+
+def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
+    from decodekit.server.app import load_models
+
+    args = ["generate", "ROMEO:", "--strategy", "greedy", "--max-new-tokens", "4", "--json"]
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert len(bf16["token_ids"]) == 4 and all(lp <= 0 for lp in bf16["logprobs"])
+    assert main(["eval", "perplexity", "shakespeare", "--dtype", "bfloat16", "--window", "64",
+                 "--text", str(ROOT / "README.md")]) == 0  # fmt: skip
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["bench", "decode", "--dtype", "bfloat16", "--new-tokens", "2", "--repeats", "1",
+                 "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    assert str(load_models(["shakespeare"], dtype="bfloat16")["shakespeare"].dtype) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "x", "--dtype", "bf16"],
+     "dtype must be one of 'auto', 'float32', 'bfloat16', 'float16' (or the torch dtype), got 'bf16'"),
+    (["eval", "arith", "--dtype", "bfloat16"], "--dtype applies to eval perplexity only, not eval arith"),
+    (["bench", "constrained", "--dtype", "bfloat16"],
+     "--dtype applies to bench decode and bench engine, not bench constrained"),
+    (["generate", "x", "--model", "shakespeare-5gram", "--dtype", "bfloat16"],
+     "ngram model 'shakespeare-5gram' runs in float32 only"),
+])  # fmt: skip
+def test_a_bad_dtype_is_one_line_naming_what_is_allowed(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

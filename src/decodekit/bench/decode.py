@@ -37,21 +37,33 @@ def machine() -> dict:
     }
 
 
-def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3,
-                 progress: bool = False) -> dict:
-    """decodekit and Hugging Face tok/s, greedy and sampling; `progress`: a bar over the 4 timings."""
+def load_pair(model_name: str, dtype: str = "auto"):
+    """decodekit's `load_model` of `model_name` and the transformers model beside it, both in
+    `dtype`."""
     import transformers
 
     import decodekit as dk
-    from decodekit.models.registry import resolve
+    from decodekit.models.checkpoint import read_config
+    from decodekit.models.registry import resolve, resolve_dtype
 
-    model = dk.load_model(model_name)
-    _, path, _ = resolve(model_name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = dk.load_model(model_name, dtype=dtype)
+    path = resolve(model_name)[1]
+    torch_dtype = resolve_dtype(dtype, read_config(path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    return model, hf
+
+
+def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3,
+                 progress: bool = False, dtype: str = "auto") -> dict:
+    """decodekit and Hugging Face tok/s, greedy and sampling, in `dtype`; `progress`: a bar over
+    the 4 timings."""
+    import decodekit as dk
+
+    model, hf = load_pair(model_name, dtype)
     prompt = "ROMEO:"
     ids = torch.tensor([model.encode(prompt)])
     results = {"model": model_name, "backend": type(model).__name__, "new_tokens": new_tokens,
-               "batch": 1, "machine": machine()}
+               "batch": 1, "dtype": str(hf.dtype).removeprefix("torch."), "machine": machine()}
     bar = progress_bar(total=4, desc="bench decode", enabled=progress)
     for mode, temperature in (("greedy", 0.0), ("sample", 1.0)):
         params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=temperature,

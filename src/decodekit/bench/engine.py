@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from decodekit.bench.decode import machine
+from decodekit.bench.decode import load_pair, machine
 from decodekit.runtime import progress as progress_bar
 
 SCENARIOS = ("single", "shared_prefix", "concurrent", "memory")
@@ -122,22 +122,18 @@ def bench_engine(
     threads: int = 1,
     scenarios: tuple[str, ...] = SCENARIOS,
     progress: bool = False,
+    dtype: str = "auto",
 ) -> dict:
-    """The chosen scenarios (module docstring), decodekit against transformers;
-    `progress`: a bar over the scenarios on stderr."""
-    import transformers
-
+    """The chosen scenarios (module docstring), decodekit against transformers, both in
+    `dtype`; `progress`: a bar over the scenarios on stderr."""
     import decodekit as dk
-    from decodekit.models.registry import resolve
 
     torch.set_num_threads(threads)
-    model = dk.load_model(model_name)
-    _, path, _ = resolve(model_name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, hf = load_pair(model_name, dtype)
     eos = model.eos_token_ids[0] if model.eos_token_ids else 0
     params_count = model.num_parameters()
     results: dict = {"model": model_name, "parameters": params_count, "machine": machine(),
-                     "repeats": repeats}  # fmt: skip
+                     "dtype": str(hf.dtype).removeprefix("torch."), "repeats": repeats}  # fmt: skip
     bar = progress_bar(total=len(set(scenarios) & set(SCENARIOS)), desc="bench engine", enabled=progress)
     if "single" in scenarios:
         bar.set_postfix_str("single")
@@ -169,7 +165,7 @@ def bench_engine(
         bar.update()
     if "memory" in scenarios:
         bar.set_postfix_str("memory")
-        results["memory"] = {backend: _in_fresh_process(model_name, backend, threads)
+        results["memory"] = {backend: _in_fresh_process(model_name, backend, threads, dtype)
                              for backend in ("decodekit", "hf")}  # fmt: skip
         bar.update()
     bar.close()
@@ -202,28 +198,24 @@ def _concurrent(dk, model, hf, eos, params_count, repeats) -> dict:
     }  # fmt: skip
 
 
-def _in_fresh_process(model_name: str, backend: str, threads: int) -> dict:
+def _in_fresh_process(model_name: str, backend: str, threads: int, dtype: str) -> dict:
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        return pool.apply(_memory_of_concurrent, (model_name, backend, threads))
+        return pool.apply(_memory_of_concurrent, (model_name, backend, threads, dtype))
 
 
-def _memory_of_concurrent(model_name: str, backend: str, threads: int) -> dict:
+def _memory_of_concurrent(model_name: str, backend: str, threads: int, dtype: str) -> dict:
     """Peak RSS (MiB) of one run of scenario 3, and what it adds to the loaded model's RSS."""
-    import transformers
-
     import decodekit as dk
-    from decodekit.models.registry import resolve
 
     torch.set_num_threads(threads)
-    model = dk.load_model(model_name)
+    model = dk.load_model(model_name, dtype=dtype)
     spec = CONCURRENT
     prompts = prompts_from_text(model, spec["requests"], spec["prompt_lengths"])
     eos = model.eos_token_ids[0] if model.eos_token_ids else 0
     if backend == "hf":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            resolve(model_name)[1], dtype=torch.float32).eval()  # fmt: skip
         del model
+        hf = load_pair(model_name, dtype)[1]
         before, peak, _ = _peak_rss(lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos))
         extra = {}
     else:

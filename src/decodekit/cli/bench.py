@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import add_threads, set_threads, show_progress
+from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine")
 
@@ -19,12 +19,15 @@ def add_bench(sub) -> None:
     p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    add_dtype(p)
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(run=run_bench)
 
 
 def run_bench(args) -> None:
+    if args.dtype != "auto" and args.which not in ("decode", "engine"):
+        raise UsageError(f"--dtype applies to bench decode and bench engine, not bench {args.which}")
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
     progress = show_progress(args)
     if args.which == "constrained":
@@ -65,9 +68,10 @@ def run_bench(args) -> None:
     elif args.which == "engine":
         from decodekit.bench.engine import bench_engine
 
-        result = bench_engine(args.model, args.new_tokens, args.repeats, threads, progress=progress)
+        result = bench_engine(args.model, args.new_tokens, args.repeats, threads, progress=progress,
+                              dtype=args.dtype)
     else:
         from decodekit.bench.decode import bench_decode
 
-        result = bench_decode(args.model, args.new_tokens, args.repeats, progress=progress)
+        result = bench_decode(args.model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype)
     print(json.dumps(result, indent=None if args.json else 2))

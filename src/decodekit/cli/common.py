@@ -34,6 +34,13 @@ def add_threads(p) -> None:
                    "1 for the shipped models; see README, Threads)")
 
 
+def add_dtype(p) -> None:
+    # Checked by load_model (models/registry.py DTYPES), which names the allowed values.
+    p.add_argument("--dtype", default="auto", metavar="DTYPE",
+                   help="weights, activations and KV cache: auto (the checkpoint's; float32 for the "
+                   "shipped models), float32, bfloat16 or float16; logits stay float32")
+
+
 def set_threads(args, model=None) -> int:
     """Apply --threads (None: the automatic choice for `model`), once per command (runtime.py)."""
     from decodekit.runtime import set_threads as runtime_set_threads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import UsageError, add_threads, check_plot, set_threads, show_progress
+from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
 
 def add_eval(sub) -> None:
@@ -33,6 +33,7 @@ def add_eval(sub) -> None:
     p.add_argument("--tree-final", default="weighted_vote", help="best|vote|weighted_vote")
     p.add_argument("--tree-max-n", type=int, default=None, help="run tree search only up to this N")
     add_threads(p)
+    add_dtype(p)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--plot", default=None, help="write accuracy against tokens to FILE.png")
     p.add_argument("--endpoint", default=None, help="generate on an OpenAI-compatible server (URL) "
@@ -43,6 +44,8 @@ def add_eval(sub) -> None:
 def run_eval(args) -> None:
     if args.target is not None and args.task != "perplexity":
         raise UsageError(f"eval {args.task} takes no MODEL argument (use --model), got {args.target!r}")
+    if args.dtype != "auto" and args.task != "perplexity":
+        raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
@@ -91,7 +94,7 @@ def run_eval_perplexity(args) -> None:
 
     name = args.target or (args.model if args.model != "arith" else "shakespeare")
     text_path = Path(args.text) if args.text else HELD_OUT[args.split]
-    model = dk.load_model(name)
+    model = dk.load_model(name, dtype=args.dtype)
     set_threads(args, model)
     result = text_perplexity(model, text_path.read_text(), args.window, args.stride)
     if args.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from decodekit.cli.common import UsageError, add_threads, set_threads, unescape, warn
+from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, unescape, warn
 from decodekit.params import SamplingParams
 
 # SamplingParams fields exposed as flags: name -> type of one value.
@@ -58,6 +58,7 @@ def add_generate(sub) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print each completion as one JSON line")
+    add_dtype(p)
     add_threads(p)
     add_structure_flags(p)
     add_speculative_flags(p)
@@ -104,10 +105,11 @@ def generation_model(args):
     if args.amateur is None and args.strategy != "contrastive" and knobs:
         raise UsageError(f"--{next(iter(knobs)).replace('_', '-')} needs --amateur or "
                          "--strategy contrastive")
-    model = dk.load_model(args.model)
+    model = dk.load_model(args.model, dtype=args.dtype)
     if args.amateur is None and args.strategy != "contrastive":
         return model
-    return dk.ContrastiveLM(model, dk.load_model(args.amateur or "shakespeare-draft"), **knobs)
+    amateur = dk.load_model(args.amateur or "shakespeare-draft", dtype=args.dtype)
+    return dk.ContrastiveLM(model, amateur, **knobs)
 
 
 def constraint_from(args):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decodekit.cli.common import add_threads, set_threads
+from decodekit.cli.common import add_dtype, add_threads, set_threads
 
 
 def add_serve(sub) -> None:
@@ -15,6 +15,7 @@ def add_serve(sub) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="queued requests per model before 503")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before 504")
     p.add_argument("--reward-model", action="append", default=[], help="scorer requests may name")
+    add_dtype(p)
     add_threads(p)
     p.set_defaults(run=run_serve)
 
@@ -28,6 +29,6 @@ def run_serve(args) -> None:
     require("uvicorn", "server", "the server")
     config = ServerConfig(max_tokens=args.max_tokens, max_queued=args.max_queued,
                           request_timeout=args.timeout, reward_models=tuple(args.reward_model))
-    models = load_models(args.model or ["shakespeare"])
+    models = load_models(args.model or ["shakespeare"], dtype=args.dtype)
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
     serve(Backend(models, config), args.host, args.port)

@@ -48,7 +48,8 @@ class HFCache(Cache):
 
 
 class HFModelLM(LanguageModel):
-    """A transformers causal LM run in float32 on the CPU, in inference mode."""
+    """A transformers causal LM on the CPU (float32 unless loaded otherwise), in inference mode;
+    its logits are float32 whatever the weights' dtype."""
 
     def __init__(self, model, tokenizer, name: str):
         self.model = model.eval()
@@ -60,11 +61,13 @@ class HFModelLM(LanguageModel):
         self.eos_token_ids = eos_token_ids(model, tokenizer)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, name: str | None = None) -> HFModelLM:
+    def from_pretrained(
+        cls, path: str | Path, name: str | None = None, dtype: torch.dtype = torch.float32
+    ) -> HFModelLM:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, name or path.name)
 

@@ -12,10 +12,27 @@ import json
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from decodekit.models.base import LanguageModel
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = "shakespeare"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: dict | None = None) -> torch.dtype:
+    """The torch dtype of `dtype`: a name of DTYPES, one of its values, or "auto" (the
+    checkpoint's `dtype`/`torch_dtype` in config.json; float32 where it names none)."""
+    if dtype == "auto":
+        stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
+        return DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    names = ", ".join(repr(n) for n in ("auto", *DTYPES))
+    raise ValueError(f"dtype must be one of {names} (or the torch dtype), got {dtype!r}")
 
 
 @cache
@@ -52,15 +69,22 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
     )
 
 
-def load_model(name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto") -> LanguageModel:
+def load_model(
+    name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto", dtype: str | torch.dtype = "auto"
+) -> LanguageModel:
     """Load an embedded model by name or a local checkpoint directory.
 
     backend: "auto" (our native forward when the architecture is supported, else
-    transformers), "native" or "hf".
+    transformers), "native" or "hf". dtype: of the weights, activations and KV cache
+    ("auto": the checkpoint's, float32 for the shipped models; see `resolve_dtype`); the
+    logits are float32 whatever it is. N-gram and compressed models run in float32 only.
     """
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend must be 'auto', 'native' or 'hf', got {backend!r}")
+    resolve_dtype(dtype)  # a bad value fails before anything is read
     name, path, kind = resolve(name_or_path)
+    if kind in ("ngram", "compressed") and resolve_dtype(dtype) != torch.float32:
+        raise ValueError(f"{kind} model {name!r} runs in float32 only, got dtype {dtype!r}")
     if kind == "reward":
         raise ValueError(
             f"{name!r} is a reward model, not a language model: load it with "
@@ -79,13 +103,14 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto") 
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     config = json.loads((path / "config.json").read_text())
+    torch_dtype = resolve_dtype(dtype, config)
     if backend in ("auto", "native"):
         try:
             from decodekit.models.native import NativeLM
         except ImportError:
             NativeLM = None
         if NativeLM is not None and NativeLM.supports(config):
-            return NativeLM.from_pretrained(path, name=name)
+            return NativeLM.from_pretrained(path, dtype=torch_dtype, name=name)
         if backend == "native":
             raise ValueError(
                 f"model {name!r} (model_type {config.get('model_type')!r}) is not supported by the "
@@ -93,4 +118,4 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto") 
             )
     from decodekit.models.hf import HFModelLM
 
-    return HFModelLM.from_pretrained(path, name=name)
+    return HFModelLM.from_pretrained(path, name=name, dtype=torch_dtype)
