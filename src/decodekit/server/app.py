@@ -11,7 +11,9 @@ either collected into one body or streamed as OpenAI chunks. A client that disco
 cancels its jobs (their KV blocks return to the pool at the engine's next step); a request
 that outlives `request_timeout` is cancelled and answered 504 (an error event when
 streaming). Every failure is answered with an OpenAI-style error body; the server keeps
-serving.
+serving. In front of the routes, server/guard.py checks the `Host`, `Origin`, API key,
+content type and body size. Parsing and tokenising a request run in a worker thread, so a
+huge prompt never stalls `/health` or other streams.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from decodekit.optional import missing, require
 
 try:
     from fastapi import FastAPI, Request
+    from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 except ImportError as error:
@@ -35,11 +38,13 @@ except ImportError as error:
 from decodekit.completion import Completion, Usage
 from decodekit.server import protocol, responses
 from decodekit.server.backend import Backend, Job, QueueFull
+from decodekit.server.guard import Guard, host_policy
 from decodekit.server.plan import Plan, api_error, launch, plan_request
 from decodekit.server.protocol import APIError, ChatRequest, CompletionRequest, error_body
 
 
-def create_app(backend: Backend) -> FastAPI:
+def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
+    """The app over `backend`, for a server bound to `host` (which `Host` headers it accepts)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         backend.start()
@@ -48,6 +53,12 @@ def create_app(backend: Backend) -> FastAPI:
 
     app = FastAPI(title="decodekit", lifespan=lifespan)
     app.state.backend = backend
+    config = backend.config
+    app.add_middleware(Guard, api_key=config.api_key, hosts=host_policy(host, config.allowed_hosts),
+                       origins=config.cors_origins, max_body_bytes=config.max_body_bytes)
+    if config.cors_origins:  # outermost: answers preflights, adds CORS headers to every answer
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError):
@@ -56,7 +67,8 @@ def create_app(backend: Backend) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, error: HTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code,
+                            headers=error.headers)  # 405 carries Allow
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, error: Exception):
@@ -79,11 +91,11 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer(request, protocol.parse_request(CompletionRequest, await request.body()), backend)
+        return await answer(request, CompletionRequest, backend)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await answer(request, protocol.parse_request(ChatRequest, await request.body()), backend)
+        return await answer(request, ChatRequest, backend)
 
     return app
 
@@ -92,9 +104,14 @@ def model_card(name: str, backend: Backend) -> protocol.ModelCard:
     return protocol.ModelCard(id=name, created=0, max_model_len=backend.models[name].max_context)
 
 
-async def answer(request: Request, req, backend: Backend):
+def parse_and_plan(kind: type, body: bytes, backend: Backend) -> Plan:
+    return plan_request(protocol.parse_request(kind, body), backend)
+
+
+async def answer(request: Request, kind: type, backend: Backend):
+    body = await request.body()
     backend.counters["requests"] += 1
-    plan = plan_request(req, backend)
+    plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
     if plan.stream:
@@ -280,7 +297,7 @@ class ServerThread:
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
         uvicorn = require("uvicorn", "server", "the server")
 
-        config = uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+        config = uvicorn.Config(create_app(backend, host), host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="decodekit-server", daemon=True)
@@ -307,4 +324,4 @@ class ServerThread:
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000) -> None:
     """`decodekit serve`: answer until interrupted (the CLI loads the models: `load_models`)."""
     uvicorn = require("uvicorn", "server", "the server")
-    uvicorn.run(create_app(backend), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(backend, host), host=host, port=port, log_level="info")
