@@ -4,6 +4,8 @@ a huge prompt is tokenised off the event loop."""
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 import time
 
@@ -153,3 +155,31 @@ def test_serve_access_flags():
     with pytest.raises(ValueError, match="max_body_bytes"):
         ServerConfig(max_body_bytes=0)
     assert "s3cret" not in repr(ServerConfig(api_key=KEY))
+
+
+def test_a_client_gone_mid_upload_is_one_debug_line(server):
+    thread, _ = server
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "decodekit.server.app")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    try:
+        with socket.create_connection(("127.0.0.1", thread.port)) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while not any("disconnected" in r.getMessage() for r in records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in records]
+            time.sleep(0.05)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    assert [r.levelno for r in records if r.name == "decodekit.server.app"] == [logging.DEBUG]
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    assert httpx.get(thread.url + "/health").status_code == 200

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ try:
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
@@ -41,6 +43,8 @@ from decodekit.server.backend import Backend, Job, QueueFull
 from decodekit.server.guard import Guard, host_policy
 from decodekit.server.plan import Plan, api_error, launch, plan_request
 from decodekit.server.protocol import APIError, ChatRequest, CompletionRequest, error_body
+
+log = logging.getLogger(__name__)
 
 
 def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
@@ -109,7 +113,11 @@ def parse_and_plan(kind: type, body: bytes, backend: Backend) -> Plan:
 
 
 async def answer(request: Request, kind: type, backend: Backend):
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # gone mid-upload: one line, not an ASGI traceback
+        log.debug("%s %s: the client disconnected while sending its body", request.method, request.url.path)
+        raise APIError(499, "client closed the request", None, "client_closed") from None
     backend.counters["requests"] += 1
     plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
     jobs = [] if plan.score_only else start(plan, backend)
