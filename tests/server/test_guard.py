@@ -183,3 +183,39 @@ def test_a_client_gone_mid_upload_is_one_debug_line(server):
     assert [r.levelno for r in records if r.name == "decodekit.server.app"] == [logging.DEBUG]
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
     assert httpx.get(thread.url + "/health").status_code == 200
+
+
+def test_metrics_in_prometheus_text_format(guarded):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    error_of(httpx.get(guarded + "/metrics"), 401, "invalid_api_key")  # behind the key like the API
+    before = scrape(guarded)
+    request = {**OK, "n": 2, "max_tokens": 3}
+    answer = httpx.post(guarded + "/v1/completions", json=request, headers=AUTH).json()
+    after = scrape(guarded)
+    generated = answer["usage"]["completion_tokens"]
+    assert after["decodekit_generated_tokens_total", ()] - before["decodekit_generated_tokens_total", ()] \
+        == generated > 0
+    assert after["decodekit_requests_total", ()] == before["decodekit_requests_total", ()] + 1
+    ok, refused = ("decodekit_http_responses_total", (("status", "200"),)), \
+        ("decodekit_http_responses_total", (("status", "401"),))
+    assert after[ok] - before.get(ok, 0) == 2 and after[refused] >= 1  # the first scrape and the POST
+    assert after["decodekit_kv_blocks_used", (("model", "tiny"),)] == 0  # all returned to the pool
+    assert after["decodekit_kv_blocks_free", (("model", "tiny"),)] > 0
+    assert after["decodekit_running_requests", (("model", "tiny"),)] == 0
+    assert after["decodekit_waiting_requests", (("model", "tiny"),)] == 0
+    names = {name for name, _ in after}
+    assert names >= {"decodekit_cancelled_requests_total", "decodekit_rejected_requests_total",
+                     "decodekit_timed_out_requests_total", "decodekit_worker_jobs"}
+    text = httpx.get(guarded + "/metrics", headers=AUTH)
+    assert text.headers["content-type"].startswith("text/plain")
+    assert list(text_string_to_metric_families(text.text))
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(url + "/metrics", headers=AUTH)
+    assert response.status_code == 200
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples}

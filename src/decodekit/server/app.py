@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): `decodekit serve`.
 
     GET  /health                 {"status": "ok", ...engine and request counters}
+    GET  /metrics                the same and HTTP answers by status, in Prometheus' text format
     GET  /v1/models              the served models
     POST /v1/completions         prompt -> text (stream: server-sent events, then [DONE])
     POST /v1/chat/completions    messages -> assistant message
@@ -31,9 +32,11 @@ from decodekit.optional import missing, require
 try:
     from fastapi import FastAPI, Request
     from fastapi.middleware.cors import CORSMiddleware
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
+
+    from decodekit.server.metrics import CountStatus, Metrics
 except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
@@ -60,9 +63,11 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     config = backend.config
     app.add_middleware(Guard, api_key=config.api_key, hosts=host_policy(host, config.allowed_hosts),
                        origins=config.cors_origins, max_body_bytes=config.max_body_bytes)
-    if config.cors_origins:  # outermost: answers preflights, adds CORS headers to every answer
+    if config.cors_origins:  # outside the guard: answers preflights, adds CORS headers to every answer
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    metrics = Metrics(backend)
+    app.add_middleware(CountStatus, metrics=metrics)  # outermost: refusals are counted too
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError):
@@ -82,6 +87,11 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", **backend.stats()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        content, media_type = metrics.render()
+        return Response(content, media_type=media_type)
 
     @app.get("/v1/models")
     async def models():
@@ -125,7 +135,7 @@ async def answer(request: Request, kind: type, backend: Backend):
     if plan.stream:
         return StreamingResponse(stream(plan, jobs, rid, backend), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    drawn = await guarded(collect_all(plan, jobs), request, jobs, backend)
+    drawn = await guarded(collect_all(plan, jobs, backend), request, jobs, backend)
     model = backend.models[plan.model]
     chosen = drawn
     if plan.selection is not None:
@@ -160,18 +170,19 @@ def start(plan: Plan, backend: Backend) -> list[Job]:
     return jobs
 
 
-async def collect(job: Job) -> list[Completion]:
+async def collect(job: Job, backend: Backend) -> list[Completion]:
     done: dict[int, Completion] = {}
     async for delta in job.aiter():
         if delta.completion is not None:
             done[delta.sample_index] = delta.completion
+            backend.counters["generated_tokens"] += len(delta.completion.token_ids)
     return [done[i] for i in sorted(done)]
 
 
-async def collect_all(plan: Plan, jobs: list[Job]) -> list[list[Completion]]:
+async def collect_all(plan: Plan, jobs: list[Job], backend: Backend) -> list[list[Completion]]:
     if plan.score_only:
         return [[Completion([], "", [], [], "length", Usage(len(ids), 0))] * plan.n for ids in plan.prompts]
-    return list(await asyncio.gather(*(collect(job) for job in jobs)))
+    return list(await asyncio.gather(*(collect(job, backend) for job in jobs)))
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -264,6 +275,7 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> Asy
                 elif item.completion is not None or item.text:
                     if item.completion is not None:
                         drawn[i].append(item.completion)
+                        backend.counters["generated_tokens"] += len(item.completion.token_ids)
                     out.append(chunk(i * plan.n + item.sample_index, item.text, item.completion))
             if out:
                 yield "".join(out)

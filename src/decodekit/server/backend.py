@@ -155,7 +155,7 @@ class Backend:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._scorers = {name: reward_scorer(name) for name in config.reward_models}
-        self.counters = {"requests": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
 
     def start(self) -> None:
         for engine in self.engines.values():
