@@ -36,8 +36,8 @@ def run_serve(args) -> None:
     from decodekit.server.backend import Backend, ServerConfig
 
     require("uvicorn", "server", "the server")
-    if not args.max_body_mb > 0:
-        raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if not 0 < args.max_body_mb < 2**30:
+        raise ValueError(f"--max-body-mb must be a number of megabytes > 0, got {args.max_body_mb}")
     hosts = tuple(name.strip() for names in args.allowed_hosts for name in names.split(",") if name.strip())
     config = ServerConfig(max_tokens=args.max_tokens, max_queued=args.max_queued,
                           request_timeout=args.timeout, reward_models=tuple(args.reward_model),

@@ -5,8 +5,9 @@ In order, for every HTTP request:
 1. `Host` must name this server when it is bound to loopback (or when `allowed_hosts` is
    given): a web page that re-points its own domain at 127.0.0.1 (DNS rebinding) sends
    its domain as `Host` and gets 403.
-2. A browser's `Origin` must be one of `cors_origins` (none by default): 403, so a page
-   cannot drive a local server with a cross-origin "simple" POST.
+2. A browser's `Origin` must be the server itself (its `Host`: the /docs page) or one of
+   `cors_origins` (none by default): 403, so a page cannot drive a local server with a
+   cross-origin "simple" POST.
 3. Every route but `/health` needs `Authorization: Bearer KEY` when an API key is set:
    401, the key compared in constant time (`hmac.compare_digest`).
 4. A POST's body must be JSON (`Content-Type: application/json`): 415, and at most
@@ -57,6 +58,12 @@ def host_name(header: str) -> str:
     return header.rpartition(":")[0] if header.count(":") == 1 else header
 
 
+def same_origin(origin: str, host: str | None) -> bool:
+    """Whether `Origin` ("http://127.0.0.1:8000") names the `Host` the request was sent to."""
+    scheme, _, netloc = origin.partition("://")
+    return host is not None and scheme in ("http", "https") and netloc.lower() == host.strip().lower()
+
+
 class BodyTooLarge(APIError):
     def __init__(self, limit: int):
         super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes",
@@ -88,7 +95,7 @@ class Guard:
         if self.hosts is not None and host is not None and host_name(host) not in self.hosts:
             return APIError(403, f"Host {host!r} is not allowed (--allowed-hosts)", None, "host_not_allowed")
         origin = headers.get("origin")
-        if origin is not None and origin not in self.origins:
+        if origin is not None and origin not in self.origins and not same_origin(origin, host):
             return APIError(403, f"Origin {origin!r} is not allowed (--cors-origin)", None,
                             "origin_not_allowed")
         if self.api_key is not None and scope["path"] not in OPEN:
