@@ -193,7 +193,7 @@ def test_metrics_in_prometheus_text_format(guarded):
 
     error_of(httpx.get(guarded + "/metrics"), 401, "invalid_api_key")  # behind the key like the API
     before = scrape(guarded)
-    request = {**OK, "n": 2, "max_tokens": 3}
+    request = {**OK, "n": 2, "max_tokens": 3, "seed": 0}
     answer = httpx.post(guarded + "/v1/completions", json=request, headers=AUTH).json()
     after = scrape(guarded)
     generated = answer["usage"]["completion_tokens"]
@@ -207,6 +207,10 @@ def test_metrics_in_prometheus_text_format(guarded):
     assert after["decodekit_kv_blocks_free", (("model", "tiny"),)] > 0
     assert after["decodekit_running_requests", (("model", "tiny"),)] == 0
     assert after["decodekit_waiting_requests", (("model", "tiny"),)] == 0
+    ttft = "decodekit_time_to_first_token_seconds_count", ()
+    itl = "decodekit_inter_token_latency_seconds_count", ()
+    assert after[ttft] == before[ttft] + 1  # one per request
+    assert 0 < after[itl] - before[itl] <= generated  # gaps between a sample's deltas: at most a token each
     names = {name for name, _ in after}
     assert names >= {"decodekit_cancelled_requests_total", "decodekit_rejected_requests_total",
                      "decodekit_timed_out_requests_total", "decodekit_worker_jobs"}

@@ -36,7 +36,7 @@ try:
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 
-    from decodekit.server.metrics import CountStatus, Metrics
+    from decodekit.server.metrics import CountStatus, Metrics, TokenClock
 except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
@@ -66,7 +66,7 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     if config.cors_origins:  # outside the guard: answers preflights, adds CORS headers to every answer
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
-    metrics = Metrics(backend)
+    app.state.metrics = metrics = Metrics(backend)
     app.add_middleware(CountStatus, metrics=metrics)  # outermost: refusals are counted too
 
     @app.exception_handler(APIError)
@@ -123,6 +123,7 @@ def parse_and_plan(kind: type, body: bytes, backend: Backend) -> Plan:
 
 
 async def answer(request: Request, kind: type, backend: Backend):
+    clock = request.app.state.metrics.clock()
     try:
         body = await request.body()
     except ClientDisconnect:  # gone mid-upload: one line, not an ASGI traceback
@@ -133,9 +134,9 @@ async def answer(request: Request, kind: type, backend: Backend):
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
     if plan.stream:
-        return StreamingResponse(stream(plan, jobs, rid, backend), media_type="text/event-stream",
+        return StreamingResponse(stream(plan, jobs, rid, backend, clock), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    drawn = await guarded(collect_all(plan, jobs, backend), request, jobs, backend)
+    drawn = await guarded(collect_all(plan, jobs, backend, clock), request, jobs, backend)
     model = backend.models[plan.model]
     chosen = drawn
     if plan.selection is not None:
@@ -170,19 +171,22 @@ def start(plan: Plan, backend: Backend) -> list[Job]:
     return jobs
 
 
-async def collect(job: Job, backend: Backend) -> list[Completion]:
+async def collect(job: Job, backend: Backend, clock: TokenClock) -> list[Completion]:
     done: dict[int, Completion] = {}
     async for delta in job.aiter():
+        if delta.completion is not None or delta.text:
+            clock.tick((job.request_id, delta.sample_index))
         if delta.completion is not None:
             done[delta.sample_index] = delta.completion
             backend.counters["generated_tokens"] += len(delta.completion.token_ids)
     return [done[i] for i in sorted(done)]
 
 
-async def collect_all(plan: Plan, jobs: list[Job], backend: Backend) -> list[list[Completion]]:
+async def collect_all(plan: Plan, jobs: list[Job], backend: Backend, clock: TokenClock
+                      ) -> list[list[Completion]]:
     if plan.score_only:
         return [[Completion([], "", [], [], "length", Usage(len(ids), 0))] * plan.n for ids in plan.prompts]
-    return list(await asyncio.gather(*(collect(job, backend) for job in jobs)))
+    return list(await asyncio.gather(*(collect(job, backend, clock) for job in jobs)))
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -228,7 +232,8 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> AsyncIterator[str]:
+async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock: TokenClock
+                 ) -> AsyncIterator[str]:
     """The jobs' deltas as OpenAI chunks, in arrival order, then usage and [DONE]."""
     model = backend.models[plan.model]
     created = responses.now()
@@ -273,6 +278,7 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> Asy
                     yield "".join(out) + sse(json.dumps(error.body()))
                     return
                 elif item.completion is not None or item.text:
+                    clock.tick((i, item.sample_index))
                     if item.completion is not None:
                         drawn[i].append(item.completion)
                         backend.counters["generated_tokens"] += len(item.completion.token_ids)

@@ -3,12 +3,15 @@
 The request counters and each engine's state (running and waiting requests, KV blocks
 used, free and cached) are read from `Backend.stats()` at each scrape, so they cannot
 drift from `/health`; the HTTP answers by status are counted by `CountStatus`, an ASGI
-middleware outside every other, so refusals (401, 413, ...) are counted too.
+middleware outside every other, so refusals (401, 413, ...) are counted too; a request's
+`TokenClock` times its deltas (time to first token, inter-token latency).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from decodekit.server.backend import Backend
@@ -30,6 +33,7 @@ ENGINE_GAUGES = {
     "cached_blocks": ("decodekit_kv_blocks_cached", "KV blocks held by the prefix cache"),
     "total_blocks": ("decodekit_kv_blocks_total", "KV blocks in the engine's pool"),
 }
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class BackendCollector:
@@ -59,11 +63,36 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.responses = Counter("decodekit_http_responses", "HTTP answers by status code", ["status"],
                                  registry=self.registry)
+        self.ttft = Histogram("decodekit_time_to_first_token_seconds", "From a request's arrival to its "
+                              "first generated text", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("decodekit_inter_token_latency_seconds", "Between a sample's successive "
+                             "deltas (about one token each on the engine)", buckets=LATENCY_BUCKETS,
+                             registry=self.registry)
         self.registry.register(BackendCollector(backend))
+
+    def clock(self) -> TokenClock:
+        """A clock for one request, started now."""
+        return TokenClock(self)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class TokenClock:
+    """Times one request's deltas: its first (any sample) -> TTFT, each sample's gaps -> ITL."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics, self.started = metrics, time.perf_counter()
+        self.last: dict = {}  # sample key -> time of its last delta
+
+    def tick(self, key) -> None:
+        now = time.perf_counter()
+        if not self.last:
+            self.metrics.ttft.observe(now - self.started)
+        elif key in self.last:
+            self.metrics.itl.observe(now - self.last[key])
+        self.last[key] = now
 
 
 class CountStatus:
