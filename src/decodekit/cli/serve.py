@@ -16,19 +16,35 @@ def add_serve(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before 504")
     p.add_argument("--reward-model", action="append", default=[], help="scorer requests may name")
     add_dtype(p)
+    p.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on every route but /health "
+                   "(default: $DECODEKIT_API_KEY, else no key)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body; larger: 413")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+                   help="Host names accepted besides localhost, 127.0.0.1, [::1] and --host ('*': any)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a browser origin allowed to call the server (CORS); none by default")
     add_threads(p)
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args) -> None:
+    import os
+
     from decodekit.optional import require
     from decodekit.runtime import count_parameters
     from decodekit.server.app import load_models, serve  # fails at once without the server extra
     from decodekit.server.backend import Backend, ServerConfig
 
     require("uvicorn", "server", "the server")
+    if not 0 < args.max_body_mb < 2**30:
+        raise ValueError(f"--max-body-mb must be a number of megabytes > 0, got {args.max_body_mb}")
+    hosts = tuple(name.strip() for names in args.allowed_hosts for name in names.split(",") if name.strip())
     config = ServerConfig(max_tokens=args.max_tokens, max_queued=args.max_queued,
-                          request_timeout=args.timeout, reward_models=tuple(args.reward_model))
+                          request_timeout=args.timeout, reward_models=tuple(args.reward_model),
+                          api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
+                          max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
+                          cors_origins=tuple(args.cors_origin))
     models = load_models(args.model or ["shakespeare"], dtype=args.dtype)
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
     serve(Backend(models, config), args.host, args.port)

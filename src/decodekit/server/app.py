@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): `decodekit serve`.
 
     GET  /health                 {"status": "ok", ...engine and request counters}
+    GET  /metrics                the same and HTTP answers by status, in Prometheus' text format
     GET  /v1/models              the served models
     POST /v1/completions         prompt -> text (stream: server-sent events, then [DONE])
     POST /v1/chat/completions    messages -> assistant message
@@ -11,7 +12,9 @@ either collected into one body or streamed as OpenAI chunks. A client that disco
 cancels its jobs (their KV blocks return to the pool at the engine's next step); a request
 that outlives `request_timeout` is cancelled and answered 504 (an error event when
 streaming). Every failure is answered with an OpenAI-style error body; the server keeps
-serving.
+serving. In front of the routes, server/guard.py checks the `Host`, `Origin`, API key,
+content type and body size. Parsing and tokenising a request run in a worker thread, so a
+huge prompt never stalls `/health` or other streams.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -27,19 +31,27 @@ from decodekit.optional import missing, require
 
 try:
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.middleware.cors import CORSMiddleware
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+
+    from decodekit.server.metrics import CountStatus, Metrics, TokenClock
 except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
 from decodekit.completion import Completion, Usage
 from decodekit.server import protocol, responses
 from decodekit.server.backend import Backend, Job, QueueFull
+from decodekit.server.guard import Guard, host_policy
 from decodekit.server.plan import Plan, api_error, launch, plan_request
 from decodekit.server.protocol import APIError, ChatRequest, CompletionRequest, error_body
 
+log = logging.getLogger(__name__)
 
-def create_app(backend: Backend) -> FastAPI:
+
+def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
+    """The app over `backend`, for a server bound to `host` (which `Host` headers it accepts)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         backend.start()
@@ -48,6 +60,14 @@ def create_app(backend: Backend) -> FastAPI:
 
     app = FastAPI(title="decodekit", lifespan=lifespan)
     app.state.backend = backend
+    config = backend.config
+    app.add_middleware(Guard, api_key=config.api_key, hosts=host_policy(host, config.allowed_hosts),
+                       origins=config.cors_origins, max_body_bytes=config.max_body_bytes)
+    if config.cors_origins:  # outside the guard: answers preflights, adds CORS headers to every answer
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.state.metrics = metrics = Metrics(backend)
+    app.add_middleware(CountStatus, metrics=metrics)  # outermost: refusals are counted too
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError):
@@ -56,7 +76,8 @@ def create_app(backend: Backend) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, error: HTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code,
+                            headers=error.headers)  # 405 carries Allow
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, error: Exception):
@@ -66,6 +87,11 @@ def create_app(backend: Backend) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", **backend.stats()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        content, media_type = metrics.render()
+        return Response(content, media_type=media_type)
 
     @app.get("/v1/models")
     async def models():
@@ -79,11 +105,11 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer(request, protocol.parse_request(CompletionRequest, await request.body()), backend)
+        return await answer(request, CompletionRequest, backend)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await answer(request, protocol.parse_request(ChatRequest, await request.body()), backend)
+        return await answer(request, ChatRequest, backend)
 
     return app
 
@@ -92,15 +118,25 @@ def model_card(name: str, backend: Backend) -> protocol.ModelCard:
     return protocol.ModelCard(id=name, created=0, max_model_len=backend.models[name].max_context)
 
 
-async def answer(request: Request, req, backend: Backend):
+def parse_and_plan(kind: type, body: bytes, backend: Backend) -> Plan:
+    return plan_request(protocol.parse_request(kind, body), backend)
+
+
+async def answer(request: Request, kind: type, backend: Backend):
+    clock = request.app.state.metrics.clock()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # gone mid-upload: one line, not an ASGI traceback
+        log.debug("%s %s: the client disconnected while sending its body", request.method, request.url.path)
+        raise APIError(499, "client closed the request", None, "client_closed") from None
     backend.counters["requests"] += 1
-    plan = plan_request(req, backend)
+    plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
     if plan.stream:
-        return StreamingResponse(stream(plan, jobs, rid, backend), media_type="text/event-stream",
+        return StreamingResponse(stream(plan, jobs, rid, backend, clock), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    drawn = await guarded(collect_all(plan, jobs), request, jobs, backend)
+    drawn = await guarded(collect_all(plan, jobs, backend, clock), request, jobs, backend)
     model = backend.models[plan.model]
     chosen = drawn
     if plan.selection is not None:
@@ -135,18 +171,22 @@ def start(plan: Plan, backend: Backend) -> list[Job]:
     return jobs
 
 
-async def collect(job: Job) -> list[Completion]:
+async def collect(job: Job, backend: Backend, clock: TokenClock) -> list[Completion]:
     done: dict[int, Completion] = {}
     async for delta in job.aiter():
+        if delta.completion is not None or delta.text:
+            clock.tick((job.request_id, delta.sample_index))
         if delta.completion is not None:
             done[delta.sample_index] = delta.completion
+            backend.counters["generated_tokens"] += len(delta.completion.token_ids)
     return [done[i] for i in sorted(done)]
 
 
-async def collect_all(plan: Plan, jobs: list[Job]) -> list[list[Completion]]:
+async def collect_all(plan: Plan, jobs: list[Job], backend: Backend, clock: TokenClock
+                      ) -> list[list[Completion]]:
     if plan.score_only:
         return [[Completion([], "", [], [], "length", Usage(len(ids), 0))] * plan.n for ids in plan.prompts]
-    return list(await asyncio.gather(*(collect(job) for job in jobs)))
+    return list(await asyncio.gather(*(collect(job, backend, clock) for job in jobs)))
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -192,7 +232,8 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> AsyncIterator[str]:
+async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock: TokenClock
+                 ) -> AsyncIterator[str]:
     """The jobs' deltas as OpenAI chunks, in arrival order, then usage and [DONE]."""
     model = backend.models[plan.model]
     created = responses.now()
@@ -237,8 +278,10 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend) -> Asy
                     yield "".join(out) + sse(json.dumps(error.body()))
                     return
                 elif item.completion is not None or item.text:
+                    clock.tick((i, item.sample_index))
                     if item.completion is not None:
                         drawn[i].append(item.completion)
+                        backend.counters["generated_tokens"] += len(item.completion.token_ids)
                     out.append(chunk(i * plan.n + item.sample_index, item.text, item.completion))
             if out:
                 yield "".join(out)
@@ -281,7 +324,7 @@ class ServerThread:
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
         uvicorn = require("uvicorn", "server", "the server")
 
-        config = uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+        config = uvicorn.Config(create_app(backend, host), host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="decodekit-server", daemon=True)
@@ -308,4 +351,4 @@ class ServerThread:
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000) -> None:
     """`decodekit serve`: answer until interrupted (the CLI loads the models: `load_models`)."""
     uvicorn = require("uvicorn", "server", "the server")
-    uvicorn.run(create_app(backend), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(backend, host), host=host, port=port, log_level="info")

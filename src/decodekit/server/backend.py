@@ -24,7 +24,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decodekit.decode.constrained import mask_builder
@@ -42,7 +42,9 @@ class ServerConfig:
     max_queued: requests queued per model before 503. request_timeout: seconds a request
     may take (then 504, or an error event in a stream). max_running: sequences an engine
     decodes per step. kv_bytes: each engine's KV memory. reward_models: scorers a request
-    may name (`scorer`), loaded on first use.
+    may name (`scorer`), loaded on first use. Access (server/guard.py): api_key (None: no
+    key), max_body_bytes (larger bodies: 413), allowed_hosts (`Host` names accepted besides
+    the loopback ones; "*": any), cors_origins (browser origins allowed; none by default).
     """
 
     max_tokens: int = 2048
@@ -53,15 +55,22 @@ class ServerConfig:
     kv_bytes: int = 256 * 2**20
     retry_after: int = 1
     reward_models: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 8 * 2**20
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for name in ("max_tokens", "max_n", "max_queued", "max_running", "kv_bytes", "retry_after"):
+        for name in ("max_tokens", "max_n", "max_queued", "max_running", "kv_bytes", "retry_after",
+                     "max_body_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         timeout = self.request_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0, got {timeout!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("api_key must be a non-empty string or None")
 
 
 class QueueFull(RuntimeError):
@@ -146,7 +155,7 @@ class Backend:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._scorers = {name: reward_scorer(name) for name in config.reward_models}
-        self.counters = {"requests": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
 
     def start(self) -> None:
         for engine in self.engines.values():

@@ -259,6 +259,10 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
         items = [raw] if single else list(raw)
         if not items:
             raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+        if len(items) > backend.config.max_queued:  # no retry could succeed: not a 503
+            raise APIError(400, f"the request has {len(items)} prompts; this server queues at most "
+                           f"{backend.config.max_queued} per model (--max-queued), so it can never run: "
+                           "send fewer prompts per request", "prompt", "too_many_prompts")
         prompts = [encode(model, item, "prompt") for item in items]
         texts = [item if isinstance(item, str) else model.decode(ids) for item, ids in zip(items, prompts)]
         max_field, wanted, logprobs = "max_tokens", req.max_tokens, req.logprobs

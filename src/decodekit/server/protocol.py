@@ -10,7 +10,8 @@ error, not coerced. Every failure becomes an `APIError`, whose body is OpenAI's
 
 with `param` naming the offending field. Status codes (README "Server"): 400 for a
 malformed body or an invalid value, 404 for an unknown model or route, 503 (with
-Retry-After) when the queue is full, 504 when a request outlives the server's timeout.
+Retry-After) when the queue is full, 504 when a request outlives the server's timeout;
+guard.py answers 401 (API key), 403 (Host, Origin), 413 (body size) and 415 (not JSON).
 """
 
 from __future__ import annotations
