@@ -2,7 +2,8 @@
 
     make_requests(model, prompts, params) -> list[Request]   (one per prompt, n rows each)
     sample_rows(logits [R, V], rows) -> tokens [R]           (chain, selector, record)
-    emit(rows, context) -> Delta, ...                        (text deltas, completions at the end)
+    emit(rows, context) -> Delta, ...                        (text deltas with their tokens'
+                                                              logprobs, completions at the end)
 
 A `Request` is one prompt with its `SamplingParams`, adapter chain, sampler state (its
 own random generator: one uniform per row per step) and optional token mask; its `Row`s
@@ -86,12 +87,21 @@ class Request:
 
 @dataclass
 class Delta:
-    """A streaming event: new settled text of one sample; `completion` is set when it ends."""
+    """A streaming event: new settled text of one sample; `completion` is set when it ends.
+
+    `token_ids`, `logprobs` and `top_logprobs` (None unless requested) are those of the
+    tokens whose text this delta completes: a token whose text is held back (a possible stop
+    string, a partial character) comes with the delta that hands its text out, and the last
+    delta brings every token left (the EOS, a stop string's). Over a sample's deltas they
+    add up to its completion's."""
 
     prompt_index: int
     sample_index: int
     text: str
     completion: Completion | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 def encode_prompt(model: LanguageModel, prompt: Prompt) -> list[int]:
@@ -239,13 +249,22 @@ def to_completion(row: Row) -> Completion:
     )
 
 
+def next_delta(row: Row) -> Delta:
+    """The row's text settled since its last delta, with its tokens (all the rest once it ended)."""
+    done = row.finish_reason is not None
+    first = row.text.emitted_tokens
+    piece = row.text.delta(final=done)
+    span = slice(first, row.text.emitted_tokens)
+    return Delta(row.request.index, row.sample, piece, to_completion(row) if done else None,
+                 row.token_ids[span], row.logprobs[span],
+                 row.top_logprobs[span] if row.request.params.logprobs else None)
+
+
 def emit(rows: list[Row], context: int) -> Iterator[Delta]:
     """After a step: end the rows whose context window is full; the deltas of `rows`."""
     for row in rows:
         if row.finish_reason is None and len(row.request.prompt_ids) + len(row.token_ids) >= context:
             row.finish_reason = "length"  # the context window is full
-        done = row.finish_reason is not None
-        piece = row.text.delta(final=done)
-        completion = to_completion(row) if done else None
-        if piece or done:
-            yield Delta(row.request.index, row.sample, piece, completion)
+        delta = next_delta(row)
+        if delta.text or delta.completion is not None:
+            yield delta

@@ -12,6 +12,11 @@ SentencePiece word-start space, a split UTF-8 character) and a step costs O(1)
 rather than decoding the whole completion again. A `decode` that is not a plain map
 of token ids to text (token healing decodes through prompt context) passes
 `incremental=False` and is decoded whole.
+
+Each token's text ends where the text stood when it settled (a token that leaves a
+partial character settles with the token that completes it); `delta` counts, in
+`emitted_tokens`, the tokens whose text it has handed out in full, so a stream can send
+each token's log-probs with its text.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class TextTracker:
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0
+        self.emitted_tokens = 0  # the first tokens whose text `delta` has handed out in full
+        self._ends: list[int] = []  # end of each settled token's text
         self.stopped_by: str | None = None
         self._settled = ""  # text of ids[:read]
         self._prefix = 0  # the decode window starts here: one settled chunk of context
@@ -54,7 +61,10 @@ class TextTracker:
 
     def _decode_incrementally(self) -> str:
         if not self.incremental:
-            return self.decode(self.ids)
+            text = self.decode(self.ids)
+            if not text.endswith("\ufffd"):
+                self._settle(len(text))
+            return text
         window = self.decode(self.ids[self._prefix :])
         if not window.startswith(self._before):  # a decoder that rewrites context: start over
             self._settled, self._prefix, self._read, self._before = "", 0, 0, ""
@@ -64,15 +74,25 @@ class TextTracker:
             self._settled = text
             self._prefix, self._read = self._read, len(self.ids)
             self._before = self.decode(self.ids[self._prefix : self._read])
+            self._settle(len(text))
         return text
 
+    def _settle(self, end: int) -> None:
+        """The tokens not yet settled have their text complete: it ends at `end`."""
+        self._ends += [end] * (len(self.ids) - len(self._ends))
+
     def delta(self, final: bool = False) -> str:
-        """Text not yet handed out that can no longer change."""
+        """Text not yet handed out that can no longer change; `final`: all the rest. A token
+        counts as handed out with the piece that completes its text (or, `final`, the last one)."""
         end = len(self.text) if final else self._settled_length()
+        if final:
+            self.emitted_tokens = len(self.ids)
         if end <= self.emitted:
             return ""
         piece = self.text[self.emitted : end]
         self.emitted = end
+        while self.emitted_tokens < len(self._ends) and self._ends[self.emitted_tokens] <= end:
+            self.emitted_tokens += 1
         return piece
 
     def _settled_length(self) -> int:

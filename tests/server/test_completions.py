@@ -229,9 +229,42 @@ def test_guided_choice_and_prompt_lookup_drafting(client, server_models):
     assert looked_up.choices[0].text == expected[0].text
 
 
-def test_streamed_logprobs_arrive_with_the_last_chunk(client):
-    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=6, seed=4, logprobs=1)
-    whole = client.completions.create(**kwargs).choices[0]
-    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
-    assert all(c.logprobs is None for c in chunks[:-1])
-    assert chunks[-1].logprobs.token_logprobs == whole.logprobs.token_logprobs
+# Seed 1 draws "... b the..." (chat: "... s the...") and "...ROMEOre...": each stop string
+# is held back (its first tokens could start it) before it completes, and partial UTF-8
+# characters abound.
+STREAM_STOP = dict(prompt=PROMPT, max_tokens=30, seed=1, n=2, stop=["b the", "s the", "ROMEOre"])
+
+
+def test_streamed_logprobs_come_with_their_tokens(client, server_models):
+    kwargs = dict(model="tiny", logprobs=2, **STREAM_STOP)
+    whole = client.completions.create(extra_body={"return_token_ids": True}, **kwargs).choices
+    streamed = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        [choice] = chunk.choices
+        streamed[choice.index].append(choice)
+    model = server_models["tiny"]
+    for want, chunks in zip(whole, streamed.values()):
+        assert want.finish_reason == "stop"
+        got = {key: [x for c in chunks for x in getattr(c.logprobs, key)]
+               for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert got == want.logprobs.model_dump()
+        assert sum(bool(c.logprobs.tokens) for c in chunks) > 1  # not all in the last chunk
+        text, sent = "", 0
+        for c in chunks[:-1]:  # a chunk's tokens have all their text out by its end
+            text, sent = text + c.text, sent + len(c.logprobs.tokens)
+            assert text.startswith(model.decode(want.token_ids[:sent]))
+
+
+def test_streamed_chat_logprobs_come_with_their_tokens(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2,
+                  **{k: v for k, v in STREAM_STOP.items() if k != "prompt"})
+    whole = client.chat.completions.create(**kwargs).choices
+    streamed = {0: [], 1: []}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        [choice] = chunk.choices
+        streamed[choice.index].append(choice)
+    for want, chunks in zip(whole, streamed.values()):
+        assert want.finish_reason == "stop"
+        got = [t.model_dump() for c in chunks if c.logprobs is not None for t in c.logprobs.content]
+        assert got == [t.model_dump() for t in want.logprobs.content]
+        assert sum(bool(c.logprobs and c.logprobs.content) for c in chunks) > 1

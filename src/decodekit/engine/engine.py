@@ -41,8 +41,8 @@ from decodekit.request import (
     drop_finished_rows,
     emit,
     make_requests,
+    next_delta,
     sample_rows,
-    to_completion,
 )
 
 
@@ -254,8 +254,7 @@ class Engine:
             rows = [row for row in entry.request.rows if row.finish_reason is None]
             for row in rows:
                 row.finish_reason = "cancelled"
-            finals = [Delta(entry.request.index, row.sample, row.text.delta(final=True),
-                            to_completion(row)) for row in rows]  # fmt: skip
+            finals = [next_delta(row) for row in rows]
             entry.handle._push(finals, finished=True)
 
     def _run(self, step: Step) -> None:

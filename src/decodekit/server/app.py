@@ -41,6 +41,7 @@ except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
 from decodekit.completion import Completion, Usage
+from decodekit.request import Delta
 from decodekit.server import protocol, responses
 from decodekit.server.backend import Backend, Job, QueueFull
 from decodekit.server.guard import Guard, host_policy
@@ -247,12 +248,22 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
             queue.put_nowait((i, error))
         queue.put_nowait((i, None))
 
-    def chunk(index: int, text: str, completion: Completion | None = None, role: bool = False) -> str:
+    sent: dict[int, list[int]] = {}  # choice -> its tokens so far (they place text offsets)
+
+    def chunk(index: int, text: str, completion: Completion | None = None, role: bool = False,
+              logprobs=None) -> str:
         if plan.chat:
             delta = protocol.ChatDelta(role="assistant", content="") if role else \
                 protocol.ChatDelta(content=text)
-            return sse(responses.chat_chunk(plan, model, rid, created, index, delta, completion))
-        return sse(responses.completion_chunk(plan, model, rid, created, index, text, completion))
+            return sse(responses.chat_chunk(plan, rid, created, index, delta, completion, logprobs))
+        return sse(responses.completion_chunk(plan, rid, created, index, text, completion, logprobs))
+
+    def delta_chunk(i: int, delta: Delta) -> str:
+        index = i * plan.n + delta.sample_index
+        before = sent.setdefault(index, [])
+        logprobs = responses.delta_logprobs(plan, model, i, delta, before)
+        before += delta.token_ids
+        return chunk(index, delta.text, delta.completion, logprobs=logprobs)
 
     tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
     drawn: list[list[Completion]] = [[] for _ in jobs]
@@ -282,7 +293,7 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
                     if item.completion is not None:
                         drawn[i].append(item.completion)
                         backend.counters["generated_tokens"] += len(item.completion.token_ids)
-                    out.append(chunk(i * plan.n + item.sample_index, item.text, item.completion))
+                    out.append(delta_chunk(i, item))
             if out:
                 yield "".join(out)
         if plan.include_usage:

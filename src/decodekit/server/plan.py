@@ -328,7 +328,8 @@ def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Ba
 
     def finished(completions):
         for i, completion in enumerate(completions):
-            yield Delta(0, i, completion.text, completion)
+            yield Delta(0, i, completion.text, completion, list(completion.token_ids),
+                        list(completion.logprobs), completion.top_logprobs)
 
     if plan.decoder == "beam":
         from decodekit.decode.beam import beam_search

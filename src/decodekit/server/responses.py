@@ -4,7 +4,8 @@ Log-probabilities are the raw model's (`Completion.logprobs`: temperature 1, no
 adapters), as vLLM reports them by default; they cover every generated token, the EOS or
 stop token included (its text is empty), so their count equals `completion_tokens`.
 `text_offset` is each token's character offset in the choice's text (which starts with
-the prompt when `echo` is set).
+the prompt when `echo` is set). A stream sends each token's log-probs in the chunk that
+carries its text (request.py's `Delta`), so its chunks' log-probs add up to the body's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.models.base import LanguageModel, logprobs
+from decodekit.request import Delta
 from decodekit.server import protocol as p
 from decodekit.server.plan import Plan, Selection
 
@@ -39,9 +41,9 @@ def usage(plan: Plan, drawn: Sequence[Sequence[Completion]]) -> p.Usage:
 # ---------------------------------------------------------------------------------- logprobs
 
 
-def text_offsets(model: LanguageModel, ids: Sequence[int], start: int) -> list[int]:
-    """Character offset of each token: the length of the text decoded before it."""
-    return [start + len(model.decode(ids[:i])) for i in range(len(ids))]
+def text_offsets(model: LanguageModel, ids: Sequence[int], start: int, first: int = 0) -> list[int]:
+    """Character offset of each token from `first` on: the length of the text decoded before it."""
+    return [start + len(model.decode(ids[:i])) for i in range(first, len(ids))]
 
 
 def top_dict(model: LanguageModel, top: dict[int, float] | None) -> dict[str, float] | None:
@@ -75,18 +77,25 @@ def completion_logprobs(
         prompt_ids, prompt_lps, prompt_tops = prompt
         offsets = text_offsets(model, prompt_ids, 0) + offsets
         ids, lps, tops = prompt_ids + ids, prompt_lps + lps, prompt_tops + tops
+    return legacy_logprobs(model, ids, lps, tops, k, offsets)
+
+
+def legacy_logprobs(model: LanguageModel, ids: Sequence[int], lps: Sequence[float | None],
+                    tops: Sequence[dict | None] | None, k: int, offsets: list[int]) -> p.CompletionLogprobs:
+    tops = tops or [None] * len(ids)
     return p.CompletionLogprobs(
         tokens=[model.token_text(t) for t in ids],
-        token_logprobs=lps,
+        token_logprobs=list(lps),
         top_logprobs=[top_dict(model, top) for top in tops] if k else None,
         text_offset=offsets,
     )
 
 
-def chat_logprobs(model: LanguageModel, completion: Completion, k: int) -> p.ChatLogprobs:
-    tops = completion.top_logprobs or [{}] * len(completion.token_ids)
+def chat_logprobs(model: LanguageModel, ids: Sequence[int], lps: Sequence[float],
+                  tops: Sequence[dict[int, float]] | None, k: int) -> p.ChatLogprobs:
+    tops = tops or [{}] * len(ids)
     content = []
-    for token, lp, top in zip(completion.token_ids, completion.logprobs, tops):
+    for token, lp, top in zip(ids, lps, tops):
         text = model.token_text(token)
         alternatives = [p.TopLogprob(token=model.token_text(t), logprob=v,
                                      bytes=list(model.token_text(t).encode()))
@@ -132,7 +141,8 @@ def chat_body(plan: Plan, model: LanguageModel, rid: str, chosen, drawn) -> dict
         p.ChatChoice(
             index=i, message=p.ChatMessageOut(content=c.text), finish_reason=finish_reason(c),
             stop_reason=c.stop_reason,
-            logprobs=chat_logprobs(model, c, plan.logprobs) if plan.logprobs is not None else None,
+            logprobs=chat_logprobs(model, c.token_ids, c.logprobs, c.top_logprobs, plan.logprobs)
+            if plan.logprobs is not None else None,
             token_ids=list(c.token_ids) if plan.return_token_ids else None, score=c.score,
         )
         for i, c in enumerate(chosen[0])
@@ -141,11 +151,21 @@ def chat_body(plan: Plan, model: LanguageModel, rid: str, chosen, drawn) -> dict
     return body.model_dump()
 
 
-def completion_chunk(plan: Plan, model: LanguageModel, rid: str, created: int, index: int, text: str,
-                     completion: Completion | None = None) -> str:
-    logprobs = None
-    if completion is not None and plan.logprobs is not None:
-        logprobs = completion_logprobs(model, completion, plan.logprobs, 0)
+def delta_logprobs(plan: Plan, model: LanguageModel, prompt_index: int, delta: Delta, before: list[int]):
+    """The log-probs of a streamed delta's tokens (None if not asked for); `before`: the tokens
+    of its choice sent before them, which place their `text_offset`."""
+    if plan.logprobs is None:
+        return None
+    if plan.chat:
+        return chat_logprobs(model, delta.token_ids, delta.logprobs, delta.top_logprobs, plan.logprobs)
+    start = len(plan.prompt_texts[prompt_index]) if plan.echo else 0
+    offsets = text_offsets(model, before + delta.token_ids, start, len(before))
+    return legacy_logprobs(model, delta.token_ids, delta.logprobs, delta.top_logprobs, plan.logprobs, offsets)
+
+
+def completion_chunk(plan: Plan, rid: str, created: int, index: int, text: str,
+                     completion: Completion | None = None, logprobs: p.CompletionLogprobs | None = None
+                     ) -> str:
     choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=finish_reason(completion) if completion else None,
                                 stop_reason=completion.stop_reason if completion else None)
@@ -153,11 +173,8 @@ def completion_chunk(plan: Plan, model: LanguageModel, rid: str, created: int, i
                                 choices=[choice]).model_dump_json()
 
 
-def chat_chunk(plan: Plan, model: LanguageModel, rid: str, created: int, index: int, delta: p.ChatDelta,
-               completion: Completion | None = None) -> str:
-    logprobs = None
-    if completion is not None and plan.logprobs is not None:
-        logprobs = chat_logprobs(model, completion, plan.logprobs)
+def chat_chunk(plan: Plan, rid: str, created: int, index: int, delta: p.ChatDelta,
+               completion: Completion | None = None, logprobs: p.ChatLogprobs | None = None) -> str:
     choice = p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                finish_reason=finish_reason(completion) if completion else None)
     return p.ChatChunk(id=rid, created=created, model=plan.model,
