@@ -60,6 +60,26 @@ def test_stream_concatenates_to_generate_text(tiny_lm):
     assert len(pieces) > 1
 
 
+@pytest.mark.parametrize("heal", [False, True])  # healing decodes whole, not incrementally
+def test_stream_events_carry_the_tokens_of_their_text(tiny_lm, heal):
+    from decodekit.decode.sample import stream_events
+
+    params = dk.SamplingParams(max_new_tokens=30, seed=5, stop=("e s",), logprobs=2, n=2)
+    deltas = list(stream_events(tiny_lm, ["ROMEO:"], params, heal=heal))
+    for sample in range(2):
+        mine = [d for d in deltas if d.sample_index == sample]
+        [c] = [d.completion for d in mine if d.completion is not None]
+        assert [t for d in mine for t in d.token_ids] == c.token_ids
+        assert [x for d in mine for x in d.logprobs] == c.logprobs
+        assert [x for d in mine for x in d.top_logprobs] == c.top_logprobs
+        text, sent = "", 0
+        for d in mine[:-1]:  # a delta's tokens have all their text out by its end
+            text, sent = text + d.text, sent + len(d.token_ids)
+            # (healed ids re-spell the prompt's last token, which is not in the text)
+            assert heal or text.startswith(tiny_lm.decode(c.token_ids[:sent]))
+        assert sum(bool(d.token_ids) for d in mine) > 1
+
+
 def test_stop_string_split_across_tokens(tiny_lm):
     base = dk.SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     [full] = dk.generate(tiny_lm, "JULIET:", base)

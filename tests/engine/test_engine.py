@@ -177,6 +177,10 @@ def test_background_thread_streams_to_iterators_and_asyncio(sharp_lm):
         ends = {d.sample_index: d.completion for d in deltas if d.completion is not None}
         assert [ends[0].token_ids, ends[1].token_ids] == alone(sharp_lm, PROMPTS[0], params)
         assert "".join(d.text for d in deltas if d.sample_index == 0) == ends[0].text
+        for sample, end in ends.items():  # each token comes once, with its text
+            mine = [d for d in deltas if d.sample_index == sample]
+            assert [t for d in mine for t in d.token_ids] == end.token_ids
+            assert [x for d in mine for x in d.logprobs] == end.logprobs
 
         async def consume():
             handle = eng.submit(PROMPTS[1], GREEDY)
