@@ -255,6 +255,20 @@ def test_streamed_logprobs_come_with_their_tokens(client, server_models):
             assert text.startswith(model.decode(want.token_ids[:sent]))
 
 
+def test_streamed_echo_logprobs_come_with_the_prompt(client):
+    kwargs = dict(model="tiny", logprobs=1, echo=True, **STREAM_STOP)
+    whole = client.completions.create(**kwargs).choices
+    streamed = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        [choice] = chunk.choices
+        streamed[choice.index].append(choice)
+    for want, chunks in zip(whole, streamed.values()):
+        assert chunks[0].text == PROMPT and "".join(chunks[0].logprobs.tokens) == PROMPT
+        got = {key: [x for c in chunks for x in getattr(c.logprobs, key)]
+               for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert got == want.logprobs.model_dump()
+
+
 def test_streamed_chat_logprobs_come_with_their_tokens(client):
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2,
                   **{k: v for k, v in STREAM_STOP.items() if k != "prompt"})

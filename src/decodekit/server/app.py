@@ -271,9 +271,16 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
     deadline = loop.time() + backend.config.request_timeout
     try:
         for i in range(len(jobs)):
+            echoed = None  # the echoed prompt's log-probs come with its text, as in the body
+            if plan.echo and plan.logprobs is not None:
+                ids = plan.prompts[i]
+                lps, tops = await backend.run_blocking(responses.prompt_logprobs, model, ids, plan.logprobs)
+                echoed = responses.legacy_logprobs(model, ids, lps, tops, plan.logprobs,
+                                                   responses.text_offsets(model, ids, 0))
             for s in range(plan.n):
                 if plan.chat or plan.echo:
-                    yield chunk(i * plan.n + s, plan.prompt_texts[i] if plan.echo else "", role=plan.chat)
+                    yield chunk(i * plan.n + s, plan.prompt_texts[i] if plan.echo else "", role=plan.chat,
+                                logprobs=echoed)
         remaining = len(jobs)
         while remaining:
             items = [await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0))]
