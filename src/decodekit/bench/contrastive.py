@@ -18,16 +18,14 @@ import time
 import torch
 
 from decodekit.bench.decode import machine
+from decodekit.compress.evaluate import HELD_OUT
 from decodekit.models.base import LanguageModel, score_batch
-from decodekit.models.registry import ASSETS
 from decodekit.runtime import progress as progress_bar
-
-TEST_TEXT = ASSETS / "data" / "shakespeare_test.txt"
 
 
 def held_out_prompts(count: int, text: str | None = None) -> list[str]:
     """The first two lines of `count` speeches spread evenly over the held-out text."""
-    text = TEST_TEXT.read_text() if text is None else text
+    text = HELD_OUT["test"].read_text() if text is None else text
     speeches = [s for s in text.split("\n\n") if s.count("\n") >= 2 and s.split("\n")[0].endswith(":")]
     step = max(1, len(speeches) // count)
     return ["\n".join(s.split("\n")[:2]) + "\n" for s in speeches[::step][:count]]

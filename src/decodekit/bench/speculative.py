@@ -22,22 +22,19 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from decodekit.bench.decode import machine
+from decodekit.compress.evaluate import HELD_OUT
 from decodekit.decode.speculative import block_verify, expected_accepted, speculative_generate
 from decodekit.params import SamplingParams
 from decodekit.runtime import progress as progress_bar
 
-TEST_TEXT = Path(__file__).parents[1] / "models" / "assets" / "data" / "shakespeare_test.txt"
-VAL_TEXT = TEST_TEXT.with_name("shakespeare_val.txt")
-
 
 def heldout_prompts(model, count: int, max_tokens: int = 48) -> list[str]:
     """`count` speeches spread evenly over the test text, each cut to about `max_tokens` tokens."""
-    speeches = [s.strip() for s in TEST_TEXT.read_text().split("\n\n") if len(s.strip()) > 200]
+    speeches = [s.strip() for s in HELD_OUT["test"].read_text().split("\n\n") if len(s.strip()) > 200]
     chosen = [speeches[i * len(speeches) // count] for i in range(count)]
     return [model.decode(model.encode(s)[:max_tokens]) for s in chosen]
 
@@ -45,7 +42,7 @@ def heldout_prompts(model, count: int, max_tokens: int = 48) -> list[str]:
 def copy_prompts(model, count: int, passage_tokens: int = 160) -> list[str]:
     """A passage, a blank line, and the passage's first line again: the likely continuation
     repeats the passage, which prompt lookup can draft."""
-    speeches = [s.strip() for s in TEST_TEXT.read_text().split("\n\n") if len(s.strip()) > 600]
+    speeches = [s.strip() for s in HELD_OUT["test"].read_text().split("\n\n") if len(s.strip()) > 600]
     prompts = []
     for i in range(count):
         passage = model.decode(model.encode(speeches[(2 * i + 1) * len(speeches) // (2 * count)])
@@ -214,7 +211,7 @@ def kgram_drafter(target, order: int = 4):
     """A token-level Kneser-Ney k-gram over the validation text (not the benchmark's test text)."""
     from decodekit.models.ngram import NGramConfig, train_ngram
 
-    texts = [t for t in VAL_TEXT.read_text().split("\n\n") if t.strip()]
+    texts = [t for t in HELD_OUT["val"].read_text().split("\n\n") if t.strip()]
     return train_ngram(texts, NGramConfig(order), level="token", tokenizer=target.tokenizer,
                        name=f"val-{order}gram")
 

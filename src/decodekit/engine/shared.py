@@ -11,8 +11,7 @@ earlier text reuses its KV instead of prefilling it again.
 The registry is the model's own attribute `_decodekit_engine`, (engine, weights stamp),
 set only here, under one lock: the engine references its model, so a module-level dict
 would keep every model alive; an attribute makes a cycle the garbage collector frees with
-the model. The engine
-is rebuilt when it no longer matches the model: the model's `batch_invariant` flag (read
+the model. The engine is rebuilt when it no longer matches the model: the model's `batch_invariant` flag (read
 when an engine is built), or its weights (a compressed-in-place or reloaded model must not
 read KV its old weights computed: `weights_stamp`).
 
