@@ -163,3 +163,97 @@ def test_beam_search_equals_transformers(shakespeare_hf, alpha, early_stopping):
                              early_stopping=early_stopping)[0]
         assert [c.token_ids for c in out] == [ids for ids, _ in expected], prompt
         assert [c.score for c in out] == pytest.approx([s for _, s in expected], abs=1e-4), prompt
+
+
+# ---------------------------------------------------------------- beam search on the engine
+
+
+@pytest.fixture(scope="module")
+def toy_native(toy_lm):
+    """toy_lm's weights run by NativeLM, so beam search takes the paged engine."""
+    from decodekit.models.native import NativeLM
+
+    hf = toy_lm.model
+    model = NativeLM.from_state_dict(hf.config.to_dict(), dict(hf.state_dict()), name="toy-native",
+                                     eos_token_ids=(0,))
+    assert model.supports_paged_kv
+    return model
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 2.0])
+def test_wide_beam_on_the_engine_equals_exhaustive_search(toy_native, alpha):
+    prompt = [3, 1]
+    best = exhaustive(toy_native, prompt, 3, alpha)
+    out = dk.beam_search(toy_native, [prompt], dk.SamplingParams(max_new_tokens=3, n=4),
+                         num_beams=40, length_penalty=alpha, early_stopping=False)[0]
+    assert [c.token_ids for c in out] == [seq for _, seq in best[:4]]
+    for c, (score, _) in zip(out, best[:4]):
+        assert c.score == pytest.approx(score, abs=1e-4)
+
+
+def _plain(model, prompt, params, num_beams, alpha, early_stopping):
+    from decodekit.decode.beam import BeamSearch, _beam_plain
+
+    ids = model.encode(prompt)
+    search = BeamSearch(model, ids, params, num_beams, alpha, early_stopping, None, model.decode)
+    return _beam_plain(model, search)
+
+
+@pytest.mark.parametrize("num_beams,alpha,early_stopping", [(1, 1.0, True), (3, 0.0, False),
+                                                            (4, 1.0, True), (5, 2.0, False)])
+def test_beam_on_the_engine_equals_the_search_over_a_dense_cache(tiny_lm, num_beams, alpha,
+                                                                 early_stopping):
+    params = dk.SamplingParams(max_new_tokens=24, n=min(3, num_beams), no_repeat_ngram_size=3)
+    prompts = ["ROMEO:", "the sun", "O, what a"]
+    engine = dk.beam_search(tiny_lm, prompts, params, num_beams=num_beams, length_penalty=alpha,
+                            early_stopping=early_stopping)
+    for prompt, got in zip(prompts, engine):
+        want = _plain(tiny_lm, prompt, params, num_beams, alpha, early_stopping)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.score for c in got] == pytest.approx([c.score for c in want], abs=1e-4)
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+
+
+def test_concurrent_beam_searches_share_the_engine_steps(tiny_lm):
+    """Eight searches submitted together run in one forward per step (not eight), beside a
+    sampling request, and each equals its search alone; their blocks all return."""
+    from decodekit.decode.beam import BeamProgram, BeamSearch
+    from decodekit.engine import Engine, EngineConfig
+
+    params = dk.SamplingParams(max_new_tokens=16, n=2, ignore_eos=True)
+    prompts = [f"{word} and" for word in ("love", "death", "king", "queen", "night", "day", "war", "peace")]
+    alone = [_plain(tiny_lm, p, params, 4, 1.0, True) for p in prompts]
+    engine = Engine(tiny_lm, EngineConfig(num_blocks=512))
+    handles = [engine.add_program(BeamProgram(tiny_lm, BeamSearch(
+        tiny_lm, tiny_lm.encode(p), params, 4, 1.0, True, None, tiny_lm.decode), i))
+        for i, p in enumerate(prompts)]
+    sampling = engine.submit("ROMEO:", dk.SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert engine.steps <= 17  # one forward per step for everything: 1 prefill + 16 tokens
+    for handle, want in zip(handles, alone):
+        got = handle.result()
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    [greedy] = dk.generate(tiny_lm, "ROMEO:", dk.SamplingParams(max_new_tokens=16, temperature=0,
+                                                                ignore_eos=True))
+    assert sampling.result()[0].token_ids == greedy.token_ids
+    assert engine.pool.num_used == 0 and not engine.programs
+    assert len(engine.running_kv) == 0
+
+
+def test_a_cancelled_beam_search_frees_its_blocks(tiny_lm):
+    from decodekit.decode.beam import BeamProgram, BeamSearch
+    from decodekit.engine import Engine, EngineConfig
+
+    params = dk.SamplingParams(max_new_tokens=40, ignore_eos=True)
+    engine = Engine(tiny_lm, EngineConfig(num_blocks=64))
+    search = BeamSearch(tiny_lm, tiny_lm.encode("ROMEO:"), params, 4, 1.0, True, None, tiny_lm.decode)
+    handle = engine.add_program(BeamProgram(tiny_lm, search))
+    for _ in range(5):
+        engine.step()
+    assert engine.pool.num_used > 0
+    handle.cancel()
+    engine.step()
+    [best] = handle.result()
+    assert best.finish_reason == "cancelled" and 5 <= len(best.token_ids) < 40
+    assert engine.pool.num_used == 0 and len(engine.running_kv) == 0

@@ -31,9 +31,10 @@ import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.decode.constrained import Constraint, token_mask
+from decodekit.engine.program import Feed, Forward, Program
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
-from decodekit.request import Prompt, encode_prompt
+from decodekit.request import Delta, Prompt, encode_prompt
 from decodekit.sampling import SamplerState, build_chain
 
 
@@ -76,37 +77,59 @@ def beam_search(
         raise ValueError("beam search stops on EOS and stop_token_ids; stop strings are not supported")
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
-    results = []
+    searches = []
     for prompt in prompt_list:
         mask, ids, decode = token_mask(model, encode_prompt(model, prompt), 1, constraint, heal,
                                        params.ignore_eos)
-        results.append(_beam_one(model, ids, params, num_beams, length_penalty, early_stopping,
-                                 mask, decode))
+        searches.append(BeamSearch(model, ids, params, num_beams, length_penalty, early_stopping,
+                                   mask, decode))
+    if model.supports_paged_kv:  # every prompt's search batched on the model's engine
+        from decodekit.engine.shared import run_requests
+
+        programs = [BeamProgram(model, search, i) for i, search in enumerate(searches)]
+        results: list[list] = [[None] * params.n for _ in programs]
+        for delta in run_requests(model, programs):
+            results[delta.prompt_index][delta.sample_index] = delta.completion
+    else:
+        results = [_beam_plain(model, search) for search in searches]
     return results[0] if single else results
 
 
-def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask, decode):
-    params = params.replace(temperature=1.0)
-    params.check_vocab(model.vocab_size)
-    chain = build_chain(params, model.tokenizer)
-    state = SamplerState(params, prompt_ids, 1, model.vocab_size, model.eos_token_ids, model.tokenizer)
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(model.eos_token_ids))
-    max_steps = min(params.max_new_tokens, model.max_context - len(prompt_ids))
-    logits, cache = prefill(model, [prompt_ids])  # [1, V]
-    beams = [Hypothesis([])]
-    finished: list[Hypothesis] = []
-    for step in range(max_steps):
+class BeamSearch:
+    """The search itself, whatever computes the logits: `advance(logits)` takes the live
+    beams' next-token logits [K, V] and returns, for each next beam, the index of the beam
+    it extends (its token in `tokens`), or None when the search is over (`completions`)."""
+
+    def __init__(self, model, prompt_ids, params, num_beams, alpha, early_stopping, mask, decode):
+        params = params.replace(temperature=1.0)
+        params.check_vocab(model.vocab_size)
+        self.prompt_ids, self.params, self.num_beams = prompt_ids, params, num_beams
+        self.alpha, self.early_stopping, self.mask, self.decode = alpha, early_stopping, mask, decode
+        self.chain = build_chain(params, model.tokenizer)
+        self.state = SamplerState(params, prompt_ids, 1, model.vocab_size, model.eos_token_ids,
+                                  model.tokenizer)  # fmt: skip
+        eos = set() if params.ignore_eos else set(model.eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids) | eos
+        self.max_steps = min(params.max_new_tokens, model.max_context - len(prompt_ids))
+        self.beams = [Hypothesis([])]
+        self.finished: list[Hypothesis] = []
+        self.tokens: list[int] = []  # each live beam's last token
+        self.steps = 0
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        params, num_beams, mask, beams = self.params, self.num_beams, self.mask, self.beams
         allowed = logits if mask is None else mask.apply(logits)  # the mask comes first
-        processed = chain(allowed, state)  # [K, V]
+        processed = self.chain(allowed, self.state)  # [K, V]
         scores = torch.log_softmax(processed, dim=-1)
         raw = torch.log_softmax(logits, dim=-1)
         totals = torch.tensor([b.total for b in beams])[:, None] + scores  # [K, V]
         # 2K candidates (one more K per extra stop token, as Hugging Face keeps) leave at least
         # K that do not stop, to refill the live beams.
-        width = max(2, 1 + len(stop_ids)) * num_beams
+        width = max(2, 1 + len(self.stop_ids)) * num_beams
         best = totals.flatten().topk(min(width, int(torch.isfinite(totals).sum())))
         vocab = totals.shape[1]
-        last = step + 1 == max_steps  # every candidate stops: out of length
+        self.steps += 1
+        last = self.steps == self.max_steps  # every candidate stops: out of length
         parents, tokens, next_beams = [], [], []
         for rank, flat in enumerate(best.indices.tolist()):
             parent, token = divmod(flat, vocab)
@@ -116,8 +139,8 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask,
                 beam.logprobs + [float(raw[parent, token])],
                 beam.scores + [float(scores[parent, token])],
             )
-            ends = token in stop_ids and len(grown.tokens) > params.min_new_tokens or (
-                mask is not None and token not in stop_ids and mask.completes(parent, token)
+            ends = token in self.stop_ids and len(grown.tokens) > params.min_new_tokens or (
+                mask is not None and token not in self.stop_ids and mask.completes(parent, token)
             )
             if ends or last:
                 # A hypothesis finishes only from the top num_beams candidates (Hugging Face's
@@ -126,28 +149,91 @@ def _beam_one(model, prompt_ids, params, num_beams, alpha, early_stopping, mask,
                 if rank < num_beams:
                     if ends:
                         grown.finish_reason = "stop"  # EOS, a stop token, or a complete constraint
-                        grown.stop_reason = token if token in stop_ids else None
-                    finished = _keep_best(finished + [grown], num_beams, alpha)
-            elif token not in stop_ids:
+                        grown.stop_reason = token if token in self.stop_ids else None
+                    self.finished = _keep_best(self.finished + [grown], num_beams, self.alpha)
+            elif token not in self.stop_ids:
                 parents.append(parent)
                 tokens.append(token)
                 next_beams.append(grown)
             if len(next_beams) == num_beams or (last and rank + 1 == num_beams):
                 break
-        beams = next_beams
-        if not beams or _done(finished, beams, num_beams, alpha, early_stopping, step + 1, max_steps):
-            beams = []  # out of length, or stopped early: live beams cannot beat the finished ones
-            break
-        cache.select(parents)
-        state.select_rows(parents)
+        self.beams = next_beams
+        if not next_beams or _done(self.finished, next_beams, num_beams, self.alpha,
+                                   self.early_stopping, self.steps, self.max_steps):  # fmt: skip
+            self.beams = []  # out of length, or stopped early: live beams cannot beat the finished ones
+            return None
+        self.state.select_rows(parents)
         chosen = torch.tensor(tokens)
-        state.accept(chosen, processed[parents])
+        self.state.accept(chosen, processed[parents])
         if mask is not None:
             mask.select_rows(parents)
             mask.accept(chosen)
-        logits = model.forward(chosen[:, None], cache)[:, -1, :]  # [K, V]
-    finished = _keep_best(finished + beams, num_beams, alpha)
-    return [_completion(decode, h, prompt_ids, alpha) for h in finished[: params.n]]
+        self.tokens = tokens
+        return parents
+
+    def completions(self) -> list[Completion]:
+        """The n best hypotheses, best first."""
+        best = _keep_best(self.finished + self.beams, self.num_beams, self.alpha)
+        return [_completion(self.decode, h, self.prompt_ids, self.alpha) for h in best[: self.params.n]]
+
+
+def _beam_plain(model: LanguageModel, search: BeamSearch) -> list[Completion]:
+    """The search over a model's own cache (models without paged KV)."""
+    logits, cache = prefill(model, [search.prompt_ids])  # [1, V]
+    while (parents := search.advance(logits)) is not None:
+        cache.select(parents)
+        logits = model.forward(torch.tensor(search.tokens)[:, None], cache)[:, -1, :]  # [K, V]
+    return search.completions()
+
+
+class BeamProgram(Program):
+    """The search on the paged engine (engine/program.py): each beam is a sequence with a
+    RunningKV lane; a step feeds every live beam its last token, together with whatever
+    else the engine runs; a beam extended by two candidates forks (full blocks shared,
+    the dense row copied), a beam extended by none is closed."""
+
+    def __init__(self, model: LanguageModel, search: BeamSearch, prompt_index: int = 0):
+        self.model, self.search = model, search
+        self.prompt_index, self.num_samples = prompt_index, search.params.n
+        self.seqs: list = []
+
+    def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
+        prompt = len(self.search.prompt_ids)
+        longest = prompt + self.search.max_steps
+        per_beam = -(-longest // block_size) - prompt // block_size + 1  # + a copy-on-write
+        # parents and their forks live together for a moment: up to 2K tables
+        return [(self.model, prompt // block_size + 2 * self.search.num_beams * per_beam)]
+
+    def step(self, kv):
+        if not self.seqs:
+            self.seqs = [kv.open(self.model, self.search.prompt_ids)]
+        [logits] = yield [Forward(self.model, [Feed(seq, lane=True) for seq in self.seqs])]
+        parents = self.search.advance(torch.cat(logits))  # [K, V]
+        if parents is None:
+            self.finished = True
+            return self._deltas()
+        taken: set[int] = set()
+        grown = []
+        for parent in parents:  # forks first: every parent is intact until all are taken
+            grown.append(kv.fork(self.seqs[parent]) if parent in taken else self.seqs[parent])
+            taken.add(parent)
+        for i, seq in enumerate(self.seqs):
+            if i not in taken:
+                kv.close(seq)
+        for seq, token in zip(grown, self.search.tokens, strict=True):
+            seq.tokens.append(token)
+        self.seqs = grown
+        return []
+
+    def cancel(self) -> list[Delta]:
+        """The best hypotheses so far, with finish_reason "cancelled"."""
+        for beam in self.search.beams:
+            beam.finish_reason = "cancelled"
+        return self._deltas()
+
+    def _deltas(self) -> list[Delta]:
+        return [Delta(self.prompt_index, i, c.text, c, list(c.token_ids), list(c.logprobs))
+                for i, c in enumerate(self.search.completions())]  # fmt: skip
 
 
 def _keep_best(hypotheses: list[Hypothesis], num_beams: int, alpha: float) -> list[Hypothesis]:

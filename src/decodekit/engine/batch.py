@@ -199,6 +199,7 @@ def build_batch(
     items: list[tuple[BlockTable, list[int], list[int]]],
     running: RunningKV | None = None,
     windows: tuple[int | None, ...] = (),
+    every: list[bool] | None = None,
 ):
     """tokens [T], positions [T], the PagedBatch and kept indices [K] of a step.
 
@@ -206,7 +207,8 @@ def build_batch(
     tokens (at least `table.length` of them) and the pool slots of its new positions. With
     `running`, the first len(running) items are its rows 0..B-1 in order (one new token
     each, `running.grow` already called). Each item's last new token's logits are kept,
-    in the order of `items`. windows: the model's `config.layer_windows`.
+    in the order of `items`, or all of its new tokens' where `every[i]` (a program's
+    verification: program.py). windows: the model's `config.layer_windows`.
     """
     tokens: list[int] = []
     positions: list[int] = []
@@ -220,7 +222,10 @@ def build_batch(
         tokens += seq_tokens[length - count : length]
         positions += range(length - count, length)
         all_slots += slots
-        keep.append(start + count - 1)
+        if every is not None and every[index]:
+            keep += range(start, start + count)
+        else:
+            keep.append(start + count - 1)
         if index < decoding:
             assert count == 1 and running.total_length(index) == length
         else:

@@ -18,10 +18,12 @@ NativeLM) on the model's persistent engine (shared.py: `engine_for`, `run_reques
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,8 +32,9 @@ from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockPool
 from decodekit.engine.prefix_cache import PrefixCache
+from decodekit.engine.program import Feed, Forward, Member, Program, ProgramKV
 from decodekit.engine.rows import RunningKV
-from decodekit.engine.scheduler import EngineRequest, Scheduler, Step, blocks_alone
+from decodekit.engine.scheduler import EngineRequest, Scheduler, Step, Work, blocks_alone
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.request import (
@@ -150,23 +153,17 @@ class Engine:
         self.model = model
         self.config = config = config or EngineConfig()
         c = model.config
-        item = torch.empty((), dtype=model.dtype).element_size()
-        bytes_per_block = 2 * c.num_layers * config.block_size * c.num_kv_heads * c.head_dim * item
-        self.pool = BlockPool(
-            c.num_layers,
-            config.num_blocks_for(bytes_per_block),
-            config.block_size,
-            c.num_kv_heads,
-            c.head_dim,
-            model.dtype,
-            PrefixCache() if config.prefix_caching else None,
-        )
+        self.pool = _new_pool(model, config)
         # The model's batch-invariant mode as it is now holds for this engine's life.
         self.batch_invariant = model.batch_invariant
         self.windows = c.layer_windows
         share = not (self.batch_invariant or c.layer_windows)
         self.running_kv = RunningKV(self.pool, share_prefixes=share)
         self.scheduler = Scheduler(BlockManager(self.pool), self.running_kv, config)
+        # The KV of each model programs run (program.py): this engine's own, then members.
+        self.members: dict[int, Member] = {id(model): Member(model, self.pool, self.running_kv)}
+        self.programs: list[ProgramEntry] = []  # admitted, oldest first
+        self._waiting_programs: deque[ProgramEntry] = deque()
         self._lock = threading.Condition()
         self._incoming: deque[EngineRequest] = deque()
         self._cancelled: list[EngineRequest] = []
@@ -216,7 +213,40 @@ class Engine:
             self._lock.notify_all()
         return entry.handle
 
-    def _cancel(self, entry: EngineRequest) -> None:
+    def add_program(self, program: Program, request_id: str | None = None) -> RequestHandle:
+        """Queue a program (beam search, speculative or contrastive decoding: program.py)."""
+        for model, needed in program.needs(self.config.block_size):
+            total = self.member(model).pool.num_blocks
+            if needed > total:
+                raise ValueError(
+                    f"the request needs up to {needed} KV blocks of {model.name}, more than "
+                    f"the engine's {total}"
+                )
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        entry = ProgramEntry(program, ProgramKV(self.model, self.member))
+        entry.handle = RequestHandle(request_id, program.num_samples, lambda: self._cancel(entry))
+        with self._lock:
+            queued = len(self._incoming) + len(self.scheduler.waiting) + len(self._waiting_programs)
+            if queued >= self.config.max_waiting:
+                raise EngineFull(f"{queued} requests are waiting (max_waiting={self.config.max_waiting})")
+            self._incoming.append(entry)
+            self._lock.notify_all()
+        return entry.handle
+
+    def member(self, model: LanguageModel) -> Member:
+        """The KV of `model` on this engine: its own pool for another model (a draft, an
+        amateur), built on first use with this engine's block size and memory bound."""
+        member = self.members.get(id(model))
+        if member is None:
+            if not model.supports_paged_kv:
+                raise TypeError(f"a program's models must support paged KV, got {type(model).__name__}")
+            if getattr(model, "dtype", None) is None or not hasattr(model, "config"):
+                raise TypeError(f"{model.name} has no paged-KV configuration")
+            member = Member(model, _new_pool(model, self.config))
+            self.members[id(model)] = member
+        return member
+
+    def _cancel(self, entry) -> None:
         with self._lock:
             if not entry.cancelled and not entry.handle.done:
                 entry.cancelled = True
@@ -224,20 +254,31 @@ class Engine:
                 self._lock.notify_all()
 
     def has_work(self) -> bool:
-        return bool(self._incoming or self._cancelled or self.scheduler.has_work())
+        return bool(self._incoming or self._cancelled or self.scheduler.has_work()
+                    or self.programs or self._waiting_programs)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> None:
-        """One iteration: admit, prefill, decode one token for every running sequence."""
+        """One iteration: admit, prefill, decode one token for every running sequence, and
+        one step of every running program (program.py)."""
         with self._step_lock, torch.inference_mode():
             self._take_incoming()
-            if not self.scheduler.has_work():
+            self._admit_programs()
+            if not self.scheduler.has_work() and not self.programs:
                 return
-            step = self.scheduler.schedule()
+            self._hold_for_programs()
+            step = self.scheduler.schedule() if self.scheduler.has_work() else Step([], [], [], [])
             self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
-            if step.work:
-                self._run(step)
+            parked = self._program_rounds()
+            feeds = [(entry, i, feed) for entry in parked for i, fw in enumerate(entry.forwards)
+                     if fw.model is self.model for feed in fw.feeds]  # fmt: skip
+            if step.work or feeds:
+                outputs = self._run(step, [feed for _, _, feed in feeds])
+                for (entry, i, _), logits in zip(feeds, outputs, strict=True):
+                    entry.results[i].append(logits)
+            for entry in parked:
+                self._resume(entry)
 
     def take_incoming(self) -> None:
         """Queue the submitted requests and drop the cancelled ones (freeing their blocks)."""
@@ -248,8 +289,13 @@ class Engine:
         with self._lock:
             incoming, self._incoming = self._incoming, deque()
             cancelled, self._cancelled = self._cancelled, []
-        self.scheduler.waiting.extend(incoming)
+        for entry in incoming:
+            waiting = self._waiting_programs if isinstance(entry, ProgramEntry) else self.scheduler.waiting
+            waiting.append(entry)
         for entry in cancelled:
+            if isinstance(entry, ProgramEntry):
+                self._end_program(entry, entry.program.cancel())
+                continue
             self.scheduler.remove(entry)
             rows = [row for row in entry.request.rows if row.finish_reason is None]
             for row in rows:
@@ -257,25 +303,150 @@ class Engine:
             finals = [next_delta(row) for row in rows]
             entry.handle._push(finals, finished=True)
 
-    def _run(self, step: Step) -> None:
+    # ------------------------------------------------------------------ programs
+
+    def _admit_programs(self) -> None:
+        """Admit waiting programs, oldest first, while their worst case fits."""
+        while self._waiting_programs:
+            entry = self._waiting_programs[0]
+            self._hold_for_programs()
+            needs = entry.program.needs(self.config.block_size)
+            if any(needed > self.member(model).pool.num_available for model, needed in needs):
+                return
+            self._waiting_programs.popleft()
+            entry.needs = [(self.member(model), needed) for model, needed in needs]
+            self.programs.append(entry)
+
+    def _hold_for_programs(self) -> None:
+        """Hold, in each pool, the blocks admitted programs may still allocate."""
+        held = dict.fromkeys(self.members, 0)
+        for entry in self.programs:
+            for member, needed in entry.needs:
+                held[id(member.model)] += max(0, needed - entry.kv.blocks_used(member))
+        for key, member in self.members.items():
+            member.pool.held = held[key]
+
+    def _program_rounds(self) -> list[ProgramEntry]:
+        """Start every program's step and run the forwards they need on other models (drafts,
+        amateurs), batched per model, until each waits on this engine's model or has ended
+        its step. Returns those that wait."""
+        active = []
+        for entry in list(self.programs):
+            entry.generator = entry.program.step(entry.kv)
+            if self._advance(entry, None):
+                active.append(entry)
+        while True:
+            todo: dict[int, list[tuple[ProgramEntry, int, Forward]]] = {}
+            for entry in active:
+                for i, fw in enumerate(entry.forwards):
+                    if fw.model is not self.model and not entry.results[i]:
+                        todo.setdefault(id(fw.model), []).append((entry, i, fw))
+            if not todo:
+                return active
+            for jobs in todo.values():
+                member = self.member(jobs[0][2].model)
+                feeds = [feed for _, _, fw in jobs for feed in fw.feeds]
+                outputs = iter(self._member_forward(member, feeds))
+                for entry, i, fw in jobs:
+                    entry.results[i] = [next(outputs) for _ in fw.feeds]
+            waiting = []
+            for entry in active:
+                if any(fw.model is self.model for fw in entry.forwards):
+                    waiting.append(entry)  # its member forwards are done; it waits for ours
+                elif self._advance(entry, entry.results):
+                    waiting.append(entry)
+            active = waiting
+
+    def _advance(self, entry: ProgramEntry, results) -> bool:
+        """Send a program its forwards' logits; True if it asks for more in this step."""
+        try:
+            forwards = entry.generator.send(results)
+        except StopIteration as stop:
+            self._deliver(entry, stop.value or [])
+            return False
+        except Exception as error:  # noqa: BLE001 -- ends this program, not the engine
+            self._end_program(entry, [], error)
+            return False
+        for fw in forwards:
+            for feed in fw.feeds:
+                if feed.seq.pending < 1:
+                    self._end_program(entry, [], ValueError("a feed must have a token to compute"))
+                    return False
+        entry.forwards = forwards
+        entry.results = [[] for _ in forwards]
+        return True
+
+    def _resume(self, entry: ProgramEntry) -> None:
+        """After the step's forward: the program ends its step with the logits it waited for."""
+        if self._advance(entry, entry.results):
+            error = RuntimeError("a program's step must end after its forward on the engine's model")
+            self._end_program(entry, [], error)
+
+    def _deliver(self, entry: ProgramEntry, deltas) -> None:
+        if entry.program.finished:
+            self._end_program(entry, deltas)
+        else:
+            entry.handle._push(deltas)
+
+    def _end_program(self, entry: ProgramEntry, deltas, error: BaseException | None = None) -> None:
+        entry.kv.close_all()
+        if entry in self.programs:
+            self.programs.remove(entry)
+        elif entry in self._waiting_programs:
+            self._waiting_programs.remove(entry)
+        entry.handle._push(deltas, finished=True, error=error)
+
+    def _member_forward(self, member: Member, feeds: list[Feed]) -> list[torch.Tensor]:
+        """One forward of another model over programs' feeds (their blocks, no lanes)."""
+        works = [Work(f.seq, f.seq.pending, member.manager.reserve(f.seq.table, f.seq.pending), f.every)
+                 for f in feeds]  # fmt: skip
+        model = member.model
+        items = [(w.seq.table, w.seq.tokens, w.slots) for w in works]
+        batch = build_batch(member.pool, items, None, model.config.layer_windows,
+                            [w.every for w in works])  # fmt: skip
+        logits = paged_forward(model, *batch, model.batch_invariant)
+        for w in works:
+            member.manager.register(w.seq.table, w.seq.tokens, w.seq.table.length)
+        return _split(logits, works)
+
+    # ------------------------------------------------------------------ the forward
+
+    def _run(self, step: Step, feeds: list[Feed]) -> list[torch.Tensor]:
+        """The step's forward: the scheduled sampling work and the programs' feeds on this
+        engine's model. Samples the sampling rows; returns each feed's logits."""
+        manager = self.scheduler.manager
+        programs = [Work(f.seq, f.seq.pending, manager.reserve(f.seq.table, f.seq.pending), f.every)
+                    for f in feeds]  # fmt: skip
+        works = step.work + programs
         # The decoding sequences first, in the order of their RunningKV rows (batch.py).
-        decoding = sorted((w for w in step.work if w.seq.lane is not None),
-                          key=lambda w: w.seq.lane)  # fmt: skip
-        assert len(decoding) == len(self.running_kv)
-        ordered = decoding + [w for w in step.work if w.seq.lane is None]
-        position = {id(work): i for i, work in enumerate(ordered)}
+        decoding = sorted((w for w in works if w.seq.lane is not None), key=lambda w: w.seq.lane)
+        assert len(decoding) == len(self.running_kv), "every sequence with a lane decodes each step"
+        assert all(w.count == 1 for w in decoding)
+        ordered = decoding + [w for w in works if w.seq.lane is None]
         if decoding:
             self.running_kv.grow(1)
         items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
-        batch = build_batch(self.pool, items, self.running_kv, self.windows)
+        batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
         logits = self._forward(self.model, *batch, self.batch_invariant)
-        manager = self.scheduler.manager
-        for work in step.work:
+        sizes = [w.count if w.every else 1 for w in ordered]
+        ends = dict(zip(map(id, ordered), itertools.accumulate(sizes), strict=True))
+        by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True))
+        for work in works:
             manager.register(work.seq.table, work.seq.tokens, work.seq.table.length)
         self.scheduler.start_decoding(step)
-        rows = [position[id(step.work[i])] for i in step.logit_rows]
-        sample_rows(logits[rows], step.rows)  # [R, V]: one token per row
+        for feed in feeds:
+            seq = feed.seq
+            if feed.lane and seq.lane is None:
+                seq.lane = self.running_kv.add(seq, seq.table.blocks, seq.table.length)
         self.steps += 1
+        if step.rows:
+            self._sample(step, logits[[ends[id(step.work[i])] - 1 for i in step.logit_rows]])
+        return [by_work[id(work)] for work in programs]
+
+    def _sample(self, step: Step, logits: torch.Tensor) -> None:
+        """Sample one token for every row of the step, hand out the deltas, retire the ended."""
+        manager = self.scheduler.manager
+        sample_rows(logits, step.rows)  # [R, V]: one token per row
         self.generated_tokens += len(step.rows)
         entries = {id(row.request): row.request for row in step.rows}
         by_request = {id(e.request): e for e in self.scheduler.running if id(e.request) in entries}
@@ -336,12 +507,17 @@ class Engine:
     def fail_all(self, error: BaseException) -> None:
         """End every queued and running request with `error` (after a step raised)."""
         entries = list(self.scheduler.running) + list(self.scheduler.waiting)
+        programs = list(self.programs) + list(self._waiting_programs)
         with self._lock:
-            entries += list(self._incoming)
+            incoming = list(self._incoming)
             self._incoming.clear()
+        entries += [e for e in incoming if not isinstance(e, ProgramEntry)]
+        programs += [e for e in incoming if isinstance(e, ProgramEntry)]
         for entry in entries:
             self.scheduler.remove(entry)
             entry.handle._push([], finished=True, error=error)
+        for entry in programs:
+            self._end_program(entry, [], error)
 
     def stats(self) -> dict:
         pool, scheduler = self.pool, self.scheduler
@@ -354,7 +530,8 @@ class Engine:
             "used_blocks": pool.num_used,
             "free_blocks": pool.num_free,
             "cached_blocks": cached,
-            "idle_cached_blocks": pool.num_available - pool.num_free,
+            "idle_cached_blocks": pool.cache.num_idle if pool.cache is not None else 0,
+            "running_programs": len(self.programs),
             "peak_used_blocks": self.peak_blocks_used,
             "block_bytes": pool.bytes_per_block,
             "running_rows_bytes": self.running_kv.nbytes,
@@ -364,6 +541,42 @@ class Engine:
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
         }
+
+
+@dataclass(eq=False)
+class ProgramEntry:
+    """A queued or running program, its KV handle and its step in progress."""
+
+    program: Program
+    kv: ProgramKV
+    handle: RequestHandle | None = None
+    needs: list = field(default_factory=list)  # (Member, blocks) once admitted
+    cancelled: bool = False
+    generator: object = None
+    forwards: list[Forward] = field(default_factory=list)
+    results: list[list[torch.Tensor]] = field(default_factory=list)
+
+
+def _split(logits: torch.Tensor, works: list[Work]) -> list[torch.Tensor]:
+    """The kept logits [K, V] of a forward, per work: [count, V] if `every`, else [1, V]."""
+    sizes = [w.count if w.every else 1 for w in works]
+    return list(logits.split(sizes))
+
+
+def _new_pool(model, config: EngineConfig) -> BlockPool:
+    """A block pool for `model`'s KV within `config`'s bound."""
+    c = model.config
+    item = torch.empty((), dtype=model.dtype).element_size()
+    bytes_per_block = 2 * c.num_layers * config.block_size * c.num_kv_heads * c.head_dim * item
+    return BlockPool(
+        c.num_layers,
+        config.num_blocks_for(bytes_per_block),
+        config.block_size,
+        c.num_kv_heads,
+        c.head_dim,
+        model.dtype,
+        PrefixCache() if config.prefix_caching else None,
+    )
 
 
 def _emit_rows(rows, context: int):

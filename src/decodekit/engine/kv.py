@@ -59,6 +59,9 @@ class BlockPool:
         self.fresh = 0  # blocks 0..fresh-1 have been handed out at least once
         self.cache = prefix_cache
         self.num_used = 0
+        # Blocks promised to admitted programs and not yet allocated (engine/program.py):
+        # not available to the scheduler's admissions and preemptions.
+        self.held = 0
 
     @property
     def num_blocks(self) -> int:
@@ -71,8 +74,10 @@ class BlockPool:
 
     @property
     def num_available(self) -> int:
-        """Blocks `allocate` can hand out: free ones and idle cached ones."""
-        return self.num_free + (self.cache.num_idle if self.cache is not None else 0)
+        """Blocks `allocate` can hand out, free ones and idle cached ones, less those held
+        for programs."""
+        idle = self.cache.num_idle if self.cache is not None else 0
+        return self.num_free + idle - self.held
 
     @property
     def bytes_per_block(self) -> int:

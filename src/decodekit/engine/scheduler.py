@@ -49,9 +49,10 @@ class EngineRequest:
 class Work:
     """A sequence's part of the step: `count` new tokens written at `slots`."""
 
-    seq: Sequence
+    seq: Sequence  # or a program's `Seq` (program.py)
     count: int
     slots: list[int]
+    every: bool = False  # keep the logits of every new token (a program's verification)
 
 
 @dataclass

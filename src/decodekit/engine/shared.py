@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine, EngineFull, RequestHandle
+from decodekit.engine.program import Program
 from decodekit.engine.scheduler import blocks_alone
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta, Request
@@ -79,14 +80,15 @@ def forget_engine(model: LanguageModel, engine: Engine | None = None) -> None:
             del model.__dict__[_ATTRIBUTE]
 
 
-def run_requests(model: LanguageModel, requests: list[Request]) -> Iterator[Delta]:
-    """Run `requests` on the model's persistent engine, yielding their deltas as they come.
+def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Iterator[Delta]:
+    """Run `requests` (sampling requests or programs: program.py) on the model's persistent
+    engine, yielding their deltas as they come.
 
-    A request larger than the engine's whole pool runs on a private engine sized for it.
+    Requests larger than the engine's whole pool run on a private engine sized for them.
     Closing the iterator early cancels the requests it has not finished.
     """
     engine = engine_for(model)
-    if any(blocks_alone(r, engine.config.block_size) > engine.pool.num_blocks for r in requests):
+    if any(_blocks(model, r, engine.config.block_size) > engine.pool.num_blocks for r in requests):
         engine = _private_engine(model, requests)
     pending = deque(requests)
     handles: list[RequestHandle] = []
@@ -94,7 +96,9 @@ def run_requests(model: LanguageModel, requests: list[Request]) -> Iterator[Delt
         while True:
             while pending:  # as many as the queue takes (max_waiting)
                 try:
-                    handles.append(engine.add(pending[0]))
+                    item = pending[0]
+                    add = engine.add_program if isinstance(item, Program) else engine.add
+                    handles.append(add(item))
                 except EngineFull:
                     break
                 pending.popleft()
@@ -124,10 +128,17 @@ def _step(model: LanguageModel, engine: Engine) -> None:
         raise
 
 
-def _private_engine(model: LanguageModel, requests: list[Request]) -> Engine:
+def _blocks(model: LanguageModel, request: Request | Program, block_size: int) -> int:
+    """Blocks of `model` a request needs at most with nothing else running."""
+    if isinstance(request, Program):
+        return sum(n for m, n in request.needs(block_size) if m is model)
+    return blocks_alone(request, block_size)
+
+
+def _private_engine(model: LanguageModel, requests: list[Request | Program]) -> Engine:
     """An engine sized for exactly these requests (the pre-persistent path)."""
     size = EngineConfig.block_size
-    blocks = sum(blocks_alone(r, size) for r in requests)
-    rows = sum(len(r.rows) for r in requests)
+    blocks = sum(_blocks(model, r, size) for r in requests)
+    rows = sum(len(r.rows) if isinstance(r, Request) else r.num_samples for r in requests)
     return Engine(model, EngineConfig(num_blocks=blocks, max_running=max(rows, 1),
                                       max_waiting=len(requests)))  # fmt: skip

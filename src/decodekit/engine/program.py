@@ -1,0 +1,165 @@
+"""Programs: decoding strategies that choose their own tokens, run on the engine.
+
+A sampling request (request.py) gets one token per row per step from its chain and
+selector. Beam search, speculative and contrastive decoding decide otherwise: beams are
+selected and forked, draft tokens are verified and the rejected ones cropped, an expert's
+logits are combined with an amateur's. Each is a `Program`, whose `step(kv)` is a
+generator: at every engine step it yields the forwards it needs and receives their logits,
+
+    def step(self, kv):
+        [draft] = yield [Forward(self.draft, feeds)]      # a member model: batched with the
+        ...                                               # other programs' feeds to it
+        [target] = yield [Forward(kv.model, feeds)]       # the engine's model: joins the
+        ...                                               # step's one forward
+        return deltas                                     # and the step ends
+
+The engine (engine.py) drives every running program in lockstep: the member forwards of
+all programs run batched, one forward per model per round, until each program waits on
+the engine's model (or ended its step); then their feeds join the step's single forward,
+beside the sampling rows. Sixteen concurrent beam searches cost one forward per step,
+not sixteen, and speculative requests draft together and verify together.
+
+KV: a program's sequences (`Seq`) live in the engine's block pool (its model's) or in a
+member pool (one per other model, same block size, built on first use), with the table
+operations of kv.py through `ProgramKV`: `open` (a table that starts from the prefix
+cache), `fork` (full blocks shared, copy-on-write), `crop`, `close` (the KV stays in the
+prefix cache). A `Feed` computes every token of its sequence not yet in its table and
+returns the logits of the last one, or of every one (`every`: verification). A sequence
+of the engine's model that feeds exactly one token at every step may take a `RunningKV`
+lane (`Feed(lane=True)`), so it decodes over dense rows like a sampling row.
+
+Memory: a program declares its worst case per model (`needs`); it is admitted when that
+fits, and the part of it not yet allocated is held from the scheduler (`BlockPool.held`),
+so a program never runs out of blocks and is never preempted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from decodekit.engine.kv import BlockManager, BlockPool, BlockTable
+from decodekit.engine.rows import RunningKV
+from decodekit.models.base import LanguageModel
+from decodekit.request import Delta
+
+
+@dataclass(eq=False)
+class Seq:
+    """A program's sequence: its tokens (computed or about to be), its KV table and pool."""
+
+    tokens: list[int]
+    table: BlockTable
+    member: Member
+    lane: int | None = None  # its RunningKV row (the engine's model only)
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet computed: the next feed's count."""
+        return len(self.tokens) - self.table.length
+
+
+@dataclass(eq=False)
+class Feed:
+    seq: Seq
+    every: bool = False  # logits of every new position, else of the last one
+    lane: bool = False  # take a RunningKV lane after this forward (one token a step from now on)
+
+
+@dataclass
+class Forward:
+    model: LanguageModel
+    feeds: list[Feed]
+
+
+# What a program's step yields (the forwards it needs now) and is sent back (per forward,
+# per feed, logits [k, V] float32 with k = the feed's count if `every`, else 1).
+StepGenerator = Generator[list[Forward], list[list[torch.Tensor]], list[Delta]]
+
+
+class Member:
+    """One model's KV on an engine: its pool and table operations (and, for the engine's
+    own model, its RunningKV)."""
+
+    def __init__(self, model: LanguageModel, pool: BlockPool, running_kv: RunningKV | None = None):
+        self.model = model
+        self.pool = pool
+        self.manager = BlockManager(pool)
+        self.running_kv = running_kv
+
+
+class Program(ABC):
+    """A request decided by its own strategy. Subclasses set `prompt_index`, `num_samples`."""
+
+    prompt_index: int = 0
+    num_samples: int = 1
+
+    @abstractmethod
+    def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
+        """The most KV blocks it can hold at once, per model."""
+
+    @abstractmethod
+    def step(self, kv: ProgramKV) -> StepGenerator:
+        """One engine step (module docstring). Set `finished` when its last delta is out."""
+
+    finished: bool = False
+
+    def cancel(self) -> list[Delta]:
+        """Final deltas of the samples not yet delivered, when it is cancelled mid-way."""
+        return []
+
+
+@dataclass(eq=False)
+class ProgramKV:
+    """A program's handle on the engine's KV (module docstring); tracks its sequences."""
+
+    model: LanguageModel  # the engine's model
+    members: object  # callable: model -> Member (the engine's `member`)
+    seqs: list[Seq] = field(default_factory=list)
+
+    def open(self, model: LanguageModel, tokens: list[int]) -> Seq:
+        """A sequence of `tokens`, its table starting with their cached prefix."""
+        member = self.members(model)
+        seq = Seq(list(tokens), member.manager.new_table(tokens), member)
+        self.seqs.append(seq)
+        return seq
+
+    def fork(self, seq: Seq) -> Seq:
+        """A copy of `seq` (tokens, KV and lane) that can grow apart from it."""
+        member = seq.member
+        assert seq.pending == 0, "fork a sequence once its tokens are computed"
+        child = Seq(list(seq.tokens), member.manager.fork(seq.table), member)
+        if seq.lane is not None:
+            child.lane = member.running_kv.copy(child, seq.lane)
+        self.seqs.append(child)
+        return child
+
+    def crop(self, seq: Seq, length: int) -> None:
+        """Keep the first `length` tokens (and their KV)."""
+        assert seq.lane is None, "a sequence with a lane cannot crop"
+        seq.member.manager.crop(seq.table, min(length, seq.table.length))
+        del seq.tokens[length:]
+
+    def close(self, seq: Seq) -> None:
+        """Free the sequence; its computed KV stays findable in the prefix cache."""
+        member = seq.member
+        computed = seq.tokens[: seq.table.length]
+        member.manager.register(seq.table, computed, seq.table.length)
+        member.manager.register_last(seq.table, computed)
+        member.manager.free(seq.table)
+        if seq.lane is not None:
+            moved = member.running_kv.remove(seq.lane)
+            if moved is not None:
+                moved.lane = seq.lane
+            seq.lane = None
+        self.seqs.remove(seq)
+
+    def close_all(self) -> None:
+        for seq in list(self.seqs):
+            self.close(seq)
+
+    def blocks_used(self, member: Member) -> int:
+        return len({b for seq in self.seqs if seq.member is member for b in seq.table.blocks})
