@@ -85,3 +85,32 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
     assert stats["free_blocks"] + stats["idle_cached_blocks"] == stats["total_blocks"]
     assert backend.counters["cancelled"] - cancelled == 20
     assert stats["generated_tokens"] - generated < 20 * 400  # cut short, not run to the end
+
+
+def test_concurrent_beam_searches_join_the_engine_batch(server, server_models):
+    """Beam-search requests run on the model's engine (no worker thread): 8 at once share its
+    forwards, and each equals the library's beam search."""
+    import decodekit as dk
+
+    thread, backend = server
+    engine = backend.engines["tiny"]
+    before = engine.stats()["steps"]
+    prompts = PROMPTS + ["O Romeo", "Good night", "Parting is"]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        answers = await asyncio.gather(*(client.completions.create(
+            model="tiny", prompt=p, max_tokens=12, n=2, extra_body={"use_beam_search": True, "num_beams": 4,
+                                                                     "ignore_eos": True})
+            for p in prompts))
+        await client.close()
+        return answers
+
+    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    steps = engine.stats()["steps"] - before
+    assert steps <= 3 * 12  # 13 measured; alone, the 8 searches would take 8 x 12 forwards
+    assert backend.stats()["worker_jobs"] == 0
+    params = dk.SamplingParams(max_new_tokens=12, n=2, ignore_eos=True)
+    for prompt, answer in zip(prompts, answers):
+        expected = dk.beam_search(server_models["tiny"], prompt, params, num_beams=4)
+        assert [c.text for c in answer.choices] == [c.text for c in expected]

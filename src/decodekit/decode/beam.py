@@ -67,22 +67,11 @@ def beam_search(
 ) -> list[Completion] | list[list[Completion]]:
     """The `params.n` best hypotheses (n <= num_beams) per prompt, best first, with `score` set."""
     params = params or SamplingParams()
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
-    if params.n > num_beams:
-        raise ValueError(f"n must be <= num_beams ({num_beams}), got {params.n}")
-    if not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    if params.stop:
-        raise ValueError("beam search stops on EOS and stop_token_ids; stop strings are not supported")
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
-    searches = []
-    for prompt in prompt_list:
-        mask, ids, decode = token_mask(model, encode_prompt(model, prompt), 1, constraint, heal,
-                                       params.ignore_eos)
-        searches.append(BeamSearch(model, ids, params, num_beams, length_penalty, early_stopping,
-                                   mask, decode))
+    searches = beam_searches(model, prompt_list, params, num_beams=num_beams,
+                             length_penalty=length_penalty, early_stopping=early_stopping,
+                             constraint=constraint, heal=heal)  # fmt: skip
     if model.supports_paged_kv:  # every prompt's search batched on the model's engine
         from decodekit.engine.shared import run_requests
 
@@ -93,6 +82,36 @@ def beam_search(
     else:
         results = [_beam_plain(model, search) for search in searches]
     return results[0] if single else results
+
+
+def beam_searches(
+    model: LanguageModel,
+    prompts: Sequence[Prompt],
+    params: SamplingParams,
+    *,
+    num_beams: int = 4,
+    length_penalty: float = 1.0,
+    early_stopping: bool = True,
+    constraint: Constraint | None = None,
+    heal: bool | int = False,
+) -> list[BeamSearch]:
+    """One search per prompt, every argument checked (the server wraps each in a `BeamProgram`
+    for its model's engine)."""
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if params.n > num_beams:
+        raise ValueError(f"n must be <= num_beams ({num_beams}), got {params.n}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if params.stop:
+        raise ValueError("beam search stops on EOS and stop_token_ids; stop strings are not supported")
+    searches = []
+    for prompt in prompts:
+        mask, ids, decode = token_mask(model, encode_prompt(model, prompt), 1, constraint, heal,
+                                       params.ignore_eos)
+        searches.append(BeamSearch(model, ids, params, num_beams, length_penalty, early_stopping,
+                                   mask, decode))
+    return searches
 
 
 class BeamSearch:

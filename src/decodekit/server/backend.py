@@ -177,6 +177,16 @@ class Backend:
         except EngineFull as error:
             raise QueueFull(str(error)) from None
 
+    def submit_program(self, name: str, program) -> Job:
+        """A program (beam search, ...: engine/program.py) on the model's engine, batched with
+        every other request there."""
+        from decodekit.engine.engine import EngineFull
+
+        try:
+            return self.engines[name].add_program(program, f"req-{next(self._ids)}")
+        except EngineFull as error:
+            raise QueueFull(str(error)) from None
+
     def submit_thread(self, run: Callable[[], Iterator[Delta]]) -> Job:
         """Any other generation: `run` in the worker thread (one job at a time)."""
         with self._lock:

@@ -308,10 +308,30 @@ def launch(plan: Plan, index: int, backend: Backend) -> Job:
             model = ContrastiveLM(model, backend.models[plan.amateur], **knobs)
         elif plan.decoder == "sample":
             return backend.sample(plan.model, prompt, params, plan.constraint)
+        program = engine_program(plan, model, prompt, backend)
+        if program is not None:
+            return backend.submit_program(plan.model, program)
         run = decoder_run(plan, model, prompt, backend)
     except (ValueError, TypeError) as error:
         raise api_error(error, "amateur_model" if plan.amateur is not None else None) from None
     return backend.submit_thread(run)
+
+
+def engine_program(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
+    """The program (engine/program.py) that runs this prompt on the model's engine, joining
+    its running batch, or None where the model has no engine (it runs in the worker thread)."""
+    if plan.model not in backend.engines or plan.decoder != "beam" or plan.amateur is not None:
+        return None
+    from decodekit.decode.beam import BeamProgram, beam_searches
+
+    o = plan.options
+    if plan.params.stop:
+        raise APIError(400, "beam search stops on EOS and stop_token_ids; stop strings are not "
+                       "supported", "stop")
+    [search] = beam_searches(model, [prompt], plan.params, num_beams=o["num_beams"],
+                             length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
+                             constraint=plan.constraint)  # fmt: skip
+    return BeamProgram(model, search)
 
 
 def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
