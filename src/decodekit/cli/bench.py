@@ -6,7 +6,7 @@ import json
 
 from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, show_progress
 
-BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine")
+BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam")
 
 
 def add_bench(sub) -> None:
@@ -16,7 +16,8 @@ def add_bench(sub) -> None:
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
-    p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
+    p.add_argument("--concurrency", default="1,8,32,64",
+                   help="bench server: client counts; bench beam: one count (default 16)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     add_dtype(p)
@@ -65,6 +66,16 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
+    elif args.which == "beam":
+        from decodekit.bench.beam import bench_beam
+        from decodekit.optional import require
+
+        for module in ("fastapi", "uvicorn", "httpx"):
+            require(module, "server", "bench beam")
+        clients = 16 if args.concurrency == "1,8,32,64" else int(args.concurrency)
+        new_tokens = 32 if args.new_tokens == 256 else args.new_tokens
+        result = bench_beam(args.model, clients, new_tokens=new_tokens, repeats=args.repeats,
+                            progress=progress)
     elif args.which == "engine":
         from decodekit.bench.engine import bench_engine
 

@@ -45,10 +45,7 @@ class Hypothesis:
     scores: list[float] = field(default_factory=list)  # processed log-probs (what beam sums)
     finish_reason: str = "length"
     stop_reason: int | None = None  # the EOS or stop token that ended it
-
-    @property
-    def total(self) -> float:
-        return float(sum(self.scores))
+    total: float = 0.0  # sum(scores), added up as they come
 
     def normalised(self, alpha: float) -> float:
         return self.total / (max(len(self.tokens), 1) ** alpha)
@@ -146,6 +143,8 @@ class BeamSearch:
         # K that do not stop, to refill the live beams.
         width = max(2, 1 + len(self.stop_ids)) * num_beams
         best = totals.flatten().topk(min(width, int(torch.isfinite(totals).sum())))
+        raw_values = raw.flatten()[best.indices].tolist()
+        score_values = scores.flatten()[best.indices].tolist()
         vocab = totals.shape[1]
         self.steps += 1
         last = self.steps == self.max_steps  # every candidate stops: out of length
@@ -153,11 +152,9 @@ class BeamSearch:
         for rank, flat in enumerate(best.indices.tolist()):
             parent, token = divmod(flat, vocab)
             beam = beams[parent]
-            grown = Hypothesis(
-                beam.tokens + [token],
-                beam.logprobs + [float(raw[parent, token])],
-                beam.scores + [float(scores[parent, token])],
-            )
+            score = score_values[rank]
+            grown = Hypothesis(beam.tokens + [token], beam.logprobs + [raw_values[rank]],
+                               beam.scores + [score], total=beam.total + score)  # fmt: skip
             ends = token in self.stop_ids and len(grown.tokens) > params.min_new_tokens or (
                 mask is not None and token not in self.stop_ids and mask.completes(parent, token)
             )
