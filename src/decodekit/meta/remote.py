@@ -4,10 +4,27 @@
     result = best_of_n(generator, "ROMEO:", 8, scorer)            # any meta-generator, unchanged
 
 Each prompt of a `generate` call is one `/v1/completions` request asking for its n samples
-(`n`), sent by a pool of `max_concurrency` threads. SamplingParams travel as OpenAI fields
-(max_tokens, temperature, top_p, stop, seed, penalties, logit_bias, logprobs) plus, for a
-value that differs from its default, decodekit's own field name (top_k, min_p, ...: README
-"Server"; vLLM accepts the common ones). Failures: 429 and 5xx answers and connection
+(`n`), sent by a pool of `max_concurrency` threads (`chat=True`: `/v1/chat/completions`,
+the prompt as one user message). SamplingParams travel as OpenAI fields (max_tokens,
+temperature, top_p, stop, seed, penalties, logit_bias, logprobs) plus the server's own
+names for the rest, as its profile (meta/profiles.py: vllm, sglang, llamacpp, openai,
+decodekit; given as `profile=` or detected once from `/v1/models` and the `Server` header)
+says; every field the server knows is sent, at its neutral value when the caller left it
+at its default, so the server's own defaults never change the distribution.
+
+Exact or refused (`verify=True`): a field the server has no name for raises ValueError
+before anything is sent; a filter or penalty the caller sets is probed once per endpoint
+(meta/probes.py: a known-effect request) and refused if it has no effect there; `score()`
+first checks that the endpoint's echoed log-probabilities equal those it generates for a
+short greedy continuation (within 1e-3) and otherwise refuses, naming the endpoint.
+Probes are not counted in `budget`.
+
+A pool: `RemoteGenerator([url1, url2, ...])` sends each request to the endpoint with the
+fewest requests in flight, and a request that fails there (5xx, 429, timeout, no
+connection) to another one. Every sample is its own request seeded
+`derive_seed(seed, "sample", i)`, so seeded results do not depend on which endpoint drew
+which sample: a pool of any size, one endpoint included (`[url]`), gives the same samples
+and the same budget. Failures: 429 and 5xx answers and connection
 errors are retried `retries` times with exponential backoff (`backoff` * 2^attempt
 seconds), waiting what a Retry-After header asks instead when it is given; other 4xx
 answers raise `RemoteRequestError` (a ValueError) at once.
