@@ -45,8 +45,8 @@ def start(model: str, port: int, core: int | None = None, timeout: float = 120.0
 
 def quantiles(values: list[float]) -> dict:
     ms = np.array(values) * 1e3
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
-            "count": len(values)}
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 2),
+            "p99_ms": round(float(np.percentile(ms, 99)), 2), "count": len(values)}
 
 
 async def health_while(url: str, busy) -> dict:
@@ -62,13 +62,14 @@ async def health_while(url: str, busy) -> dict:
             times.append(time.perf_counter() - start)
             await asyncio.sleep(0.01)
         result = await task
-    return {**quantiles(times), **result}
+    return {**quantiles(times), **(result or {})}
 
 
 async def huge_prompt(url: str, megabytes: int) -> dict:
     import httpx
 
-    body = b'{"model": "%s", "max_tokens": 1, "prompt": "' % SERVED.encode() + b"a" * (megabytes << 20) + b'"}'
+    head = b'{"model": "%s", "max_tokens": 1, "prompt": "' % SERVED.encode()
+    body = head + b"a" * (megabytes << 20) + b'"}'
     async with httpx.AsyncClient(timeout=60) as client:
         start = time.perf_counter()
         response = await client.post(url + "/v1/completions", content=body,
@@ -102,7 +103,7 @@ def pool_run(urls: list[str], problems: int, samples: int) -> tuple[list[str], f
         return answers, time.perf_counter() - start
 
 
-def bench_hardening(model: str = "shakespeare", new_tokens: int = 64, problems: int = 8) -> dict:
+def bench_hardening(model: str = "shakespeare", new_tokens: int = 64, problems: int = 4) -> dict:
     from decodekit.bench.decode import machine
 
     port = free_port()

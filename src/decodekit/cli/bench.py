@@ -17,8 +17,9 @@ def add_bench(sub) -> None:
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
-    p.add_argument("--hardening", action="store_true", help="bench server: /health under a huge prompt and "
-                   "64 streams, a 100 MB body's 413, best-of-16 on a pool of two servers (bench/hardening.py)")
+    p.add_argument("--hardening", action="store_true", help="bench server: /health under a huge prompt "
+                   "and 64 streams, a 100 MB body's 413, best-of-16 on a pool of two servers "
+                   "(bench/hardening.py)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     add_dtype(p)
