@@ -18,6 +18,9 @@ def add_bench(sub) -> None:
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrency", default="1,8,32,64",
                    help="bench server: client counts; bench beam: one count (default 16)")
+    p.add_argument("--hardening", action="store_true", help="bench server: /health under a huge prompt "
+                   "and 64 streams, a 100 MB body's 413, best-of-16 on a pool of two servers "
+                   "(bench/hardening.py)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     add_dtype(p)
@@ -54,6 +57,10 @@ def run_bench(args) -> None:
         if not args.json:
             print(markdown_table(result))
             return
+    elif args.which == "server" and args.hardening:
+        from decodekit.bench.hardening import bench_hardening
+
+        result = bench_hardening(args.model, min(args.new_tokens, 64))
     elif args.which == "server":
         from decodekit.bench.server import bench_server, table
         from decodekit.optional import require

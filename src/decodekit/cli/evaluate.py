@@ -36,8 +36,9 @@ def add_eval(sub) -> None:
     add_dtype(p)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--plot", default=None, help="write accuracy against tokens to FILE.png")
-    p.add_argument("--endpoint", default=None, help="generate on an OpenAI-compatible server (URL) "
-                   "serving --model (meta/remote.py)")
+    p.add_argument("--endpoint", action="append", default=None, metavar="URL",
+                   help="generate on an OpenAI-compatible server serving --model (meta/remote.py); "
+                   "repeat it to spread the samples over a pool of servers")
     p.set_defaults(run=run_eval)
 
 
@@ -72,7 +73,8 @@ def run_eval_arith(args) -> None:
 
         require("httpx", "server", "--endpoint")
 
-        generator = RemoteGenerator(args.endpoint, args.model)
+        urls = args.endpoint[0] if len(args.endpoint) == 1 else args.endpoint
+        generator = RemoteGenerator(urls, args.model)
     report = evaluate_arith(config, generator=generator, progress=show_progress(args))
     if args.plot:
         plot(report, args.plot)

@@ -12,6 +12,7 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-tokens", type=int, default=2048, help="bound on a request's max_tokens")
+    p.add_argument("--max-n", type=int, default=64, help="bound on a request's n, best_of and num_beams")
     p.add_argument("--max-queued", type=int, default=256, help="queued requests per model before 503")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before 504")
     p.add_argument("--reward-model", action="append", default=[], help="scorer requests may name")
@@ -40,7 +41,7 @@ def run_serve(args) -> None:
     if not 0 < args.max_body_mb < 2**30:
         raise ValueError(f"--max-body-mb must be a number of megabytes > 0, got {args.max_body_mb}")
     hosts = tuple(name.strip() for names in args.allowed_hosts for name in names.split(",") if name.strip())
-    config = ServerConfig(max_tokens=args.max_tokens, max_queued=args.max_queued,
+    config = ServerConfig(max_tokens=args.max_tokens, max_n=args.max_n, max_queued=args.max_queued,
                           request_timeout=args.timeout, reward_models=tuple(args.reward_model),
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,

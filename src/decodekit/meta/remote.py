@@ -4,10 +4,27 @@
     result = best_of_n(generator, "ROMEO:", 8, scorer)            # any meta-generator, unchanged
 
 Each prompt of a `generate` call is one `/v1/completions` request asking for its n samples
-(`n`), sent by a pool of `max_concurrency` threads. SamplingParams travel as OpenAI fields
-(max_tokens, temperature, top_p, stop, seed, penalties, logit_bias, logprobs) plus, for a
-value that differs from its default, decodekit's own field name (top_k, min_p, ...: README
-"Server"; vLLM accepts the common ones). Failures: 429 and 5xx answers and connection
+(`n`), sent by a pool of `max_concurrency` threads (`chat=True`: `/v1/chat/completions`,
+the prompt as one user message). SamplingParams travel as OpenAI fields (max_tokens,
+temperature, top_p, stop, seed, penalties, logit_bias, logprobs) plus the server's own
+names for the rest, as its profile (meta/profiles.py: vllm, sglang, llamacpp, openai,
+decodekit; given as `profile=` or detected once from `/v1/models` and the `Server` header)
+says; every field the server knows is sent, at its neutral value when the caller left it
+at its default, so the server's own defaults never change the distribution.
+
+Exact or refused (`verify=True`): a field the server has no name for raises ValueError
+before anything is sent; a filter or penalty the caller sets is probed once per endpoint
+(meta/probes.py: a known-effect request) and refused if it has no effect there; `score()`
+first checks that the endpoint's echoed log-probabilities equal those it generates for a
+short greedy continuation (within 1e-3) and otherwise refuses, naming the endpoint.
+Probes are not counted in `budget`.
+
+A pool: `RemoteGenerator([url1, url2, ...])` sends each request to the endpoint with the
+fewest requests in flight, and a request that fails there (5xx, 429, timeout, no
+connection) to another one. Every sample is its own request seeded
+`derive_seed(seed, "sample", i)`, so seeded results do not depend on which endpoint drew
+which sample: a pool of any size, one endpoint included (`[url]`), gives the same samples
+and the same budget. Failures: 429 and 5xx answers and connection
 errors are retried `retries` times with exponential backoff (`backoff` * 2^attempt
 seconds), waiting what a Retry-After header asks instead when it is given; other 4xx
 answers raise `RemoteRequestError` (a ValueError) at once.
@@ -40,18 +57,16 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import dataclass, field
 
 from decodekit.completion import Completion, Usage
+from decodekit.meta import probes
 from decodekit.meta.budget import Budget
-from decodekit.meta.generator import account_request, per_prompt_counts
+from decodekit.meta.generator import account_request, derive_seed, per_prompt_counts
+from decodekit.meta.profiles import PROFILES, Profile, detect_profile, profile_named, requested_fields
 from decodekit.params import SamplingParams
 from decodekit.request import per_prompt_params
 
-# SamplingParams fields sent as OpenAI fields (the rest go by their own name when not default).
-STANDARD = {"max_new_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-            "frequency_penalty", "logit_bias", "n", "logprobs"}
-RENAMED = {"min_new_tokens": "min_tokens"}  # vLLM's name
 MAX_SEED = 2**63 - 1
 MAX_WAIT = 60.0  # longest single wait between retries, whatever Retry-After says
 
@@ -72,10 +87,16 @@ class RemoteRequestError(ValueError):
         self.status, self.param = status, param
 
 
-def request_body(model: str, prompt: str, k: int, params: SamplingParams, logprobs: bool) -> dict:
-    """The /v1/completions body of one prompt, k samples."""
-    body: dict = {"model": model, "prompt": prompt, "n": k, "max_tokens": params.max_new_tokens,
-                  "temperature": params.temperature}
+def request_body(model: str, prompt: str, k: int, params: SamplingParams, logprobs: bool,
+                 profile: Profile = PROFILES["decodekit"], chat: bool = False) -> dict:
+    """The /v1/completions (or chat) body of one prompt, k samples, in `profile`'s names: every
+    field the server knows is sent, at its neutral value when the caller left it at its default."""
+    body: dict = {"model": model, "n": k, "max_tokens": params.max_new_tokens,
+                  "temperature": params.temperature, **profile.neutral}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     if params.top_p != 1.0:
         body["top_p"] = params.top_p
     if params.stop:
@@ -88,12 +109,16 @@ def request_body(model: str, prompt: str, k: int, params: SamplingParams, logpro
     if params.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if params.logprobs or logprobs:
-        body["logprobs"] = params.logprobs or 0
-    defaults = SamplingParams()
-    for f in fields(SamplingParams):
-        value = getattr(params, f.name)
-        if f.name not in STANDARD and value != getattr(defaults, f.name):
-            body[RENAMED.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
+        if chat:
+            body.update(logprobs=True, top_logprobs=params.logprobs or 0)
+        else:
+            body["logprobs"] = params.logprobs or 0
+    for name, value in requested_fields(params).items():
+        wire = profile.wire_name(name)
+        if wire is None:
+            raise ValueError(f"{name} is not a field the {profile.name!r} server knows: it would be dropped "
+                             f"and the samples drawn without it")
+        body[wire] = value
     return body
 
 
@@ -106,6 +131,11 @@ def completions_of(response: dict, prompt_tokens: int | None = None) -> list[Com
     out = []
     for i, choice in enumerate(choices):
         logprobs = choice.get("logprobs") or {}
+        tops = logprobs.get("top_logprobs") or None
+        if "content" in logprobs:  # a chat choice: one entry per token
+            entries = logprobs.get("content") or []
+            logprobs = {"token_logprobs": [e.get("logprob") for e in entries]}
+            tops = [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries] or None
         token_logprobs = [lp for lp in logprobs.get("token_logprobs") or [] if lp is not None]
         ids = list(choice.get("token_ids") or [])
         counted = len(ids) or len(token_logprobs)
@@ -114,12 +144,12 @@ def completions_of(response: dict, prompt_tokens: int | None = None) -> list[Com
         reason = choice.get("finish_reason") or "stop"
         out.append(Completion(
             token_ids=ids,
-            text=choice.get("text") or "",
+            text=choice.get("text") or (choice.get("message") or {}).get("content") or "",
             logprobs=token_logprobs,
             processed_logprobs=[],
             finish_reason="length" if reason == "length" else "stop",
             usage=Usage(prompt, counted),
-            top_logprobs=logprobs.get("top_logprobs") or None,
+            top_logprobs=tops,
             stop_reason=choice.get("stop_reason"),
         ))
     return out
@@ -130,12 +160,24 @@ def refuses_n(error: RemoteRequestError) -> bool:
     return error.param == "n" or re.search(r"(?<![\w.])n(?![\w.])|\bbest_of\b", str(error)) is not None
 
 
+@dataclass
+class Endpoint:
+    """One server of a RemoteGenerator and what it has learnt about it."""
+
+    url: str  # ends in /v1
+    profile: Profile | None = None
+    outstanding: int = 0  # requests in flight (the pool sends to the endpoint with fewest)
+    honoured: dict[str, bool] = field(default_factory=dict)  # field -> probe's verdict
+    scoring: tuple[float, float] | None | bool = False  # False: unchecked; None: agrees
+    n_supported: bool = True
+
+
 class RemoteGenerator:
-    """A Generator over an OpenAI-compatible endpoint (see the module doc)."""
+    """A Generator over one OpenAI-compatible endpoint or a pool of them (see the module doc)."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         model: str,
         api_key: str | None = None,
         max_concurrency: int = 8,
@@ -146,6 +188,9 @@ class RemoteGenerator:
         budget: Budget | None = None,
         request_logprobs: bool = True,
         return_token_ids: bool = False,
+        profile: str | None = None,
+        chat: bool = False,
+        verify: bool = True,
         transport=None,
     ):
         import httpx
@@ -153,51 +198,136 @@ class RemoteGenerator:
         for name, value, lowest in (("max_concurrency", max_concurrency, 1), ("retries", retries, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
                 raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
-        base = base_url.rstrip("/")
-        self.base_url = base if base.endswith("/v1") else base + "/v1"
-        self.model = model
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url must be a URL or a non-empty list of URLs, got []")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"base_url must be an http(s) URL, got {url!r}")
+        fixed = profile_named(profile) if profile is not None else None
+        bases = [url.rstrip("/") for url in urls]
+        self.endpoints = [Endpoint(base if base.endswith("/v1") else base + "/v1", fixed) for base in bases]
+        self.base_url = self.endpoints[0].url
+        self.spread = not isinstance(base_url, str)  # a pool: one request per sample, seeds derived
+        self.model, self.chat, self.verify = model, chat, verify
         key = api_key or os.environ.get("DECODEKIT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # Idle connections are dropped after 2 s, before a server's usual 5 s keep-alive timeout
         # can close one just as it is reused (a failed POST; retried, but wasted).
-        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
+        connections = max_concurrency * len(urls)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
                               keepalive_expiry=2.0)
         self.client = httpx.Client(headers=headers, timeout=timeout, limits=limits, transport=transport)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="decodekit-remote")
         self.retries, self.backoff = retries, backoff
         self.budget = budget if budget is not None else Budget()
         self.request_logprobs, self.return_token_ids = request_logprobs, return_token_ids
-        self.n_supported = True  # set False once the endpoint refuses n > 1
         self._lock = threading.Lock()
+        self._learn = threading.Lock()  # one probe at a time
+
+    @property
+    def n_supported(self) -> bool:
+        return all(endpoint.n_supported for endpoint in self.endpoints)
 
     # ------------------------------------------------------------------ HTTP
 
-    def post(self, path: str, body: dict) -> dict:
-        """POST with retries on 429, 5xx and connection errors; 4xx raise RemoteRequestError."""
-        import httpx
-
-        url = self.base_url + path
+    def post(self, path: str, body, endpoint: Endpoint | None = None) -> dict:
+        """POST `body` (a dict, or endpoint -> dict) to `endpoint`, or to the pool's endpoint with
+        the fewest requests in flight, moving to another one when it fails. 429, 5xx, timeouts
+        and connection errors are retried (`retries` times in all); other 4xx raise
+        RemoteRequestError."""
+        failed: set[int] = set()
         error: Exception | None = None
         for attempt in range(self.retries + 1):
-            response = None
+            chosen = endpoint or self._acquire(failed)
             try:
-                response = self.client.post(url, json=body)
-            except httpx.TransportError as failure:
-                error = RemoteError(f"{url}: {type(failure).__name__}: {failure}")
-            else:
-                if response.status_code == 200:
-                    return response.json()
-                message, param = error_detail(response)
-                text = f"{url} answered {response.status_code}: {message}"
-                if response.status_code != 429 and response.status_code < 500:
-                    raise RemoteRequestError(text, response.status_code, param)
-                error = RemoteError(text, response.status_code, param)
-            if attempt < self.retries:
+                response, error = self._send(chosen, path, body(chosen) if callable(body) else body)
+            finally:
+                if endpoint is None:
+                    with self._lock:
+                        chosen.outstanding -= 1
+            if error is None:
+                return response
+            failed.add(id(chosen))
+            another = endpoint is None and len(failed) < len(self.endpoints)
+            if attempt < self.retries and not another:
+                failed.clear()  # every endpoint failed once: wait, then try them again
                 time.sleep(retry_wait(response, attempt, self.backoff))
         assert error is not None
         raise error
+
+    def _acquire(self, failed: set[int]) -> Endpoint:
+        with self._lock:
+            chosen = min((e for e in self.endpoints if id(e) not in failed), key=lambda e: e.outstanding)
+            chosen.outstanding += 1
+        return chosen
+
+    def _send(self, endpoint: Endpoint, path: str, body: dict):
+        """(JSON answer, None) or (the response or None, the RemoteError to retry)."""
+        import httpx
+
+        url = endpoint.url + path
+        try:
+            response = self.client.post(url, json=body)
+        except httpx.TransportError as failure:  # timeouts included
+            return None, RemoteError(f"{url}: {type(failure).__name__}: {failure}")
+        if response.status_code == 200:
+            return response.json(), None
+        message, param = error_detail(response)
+        text = f"{url} answered {response.status_code}: {message}"
+        if response.status_code != 429 and response.status_code < 500:
+            raise RemoteRequestError(text, response.status_code, param)
+        return response, RemoteError(text, response.status_code, param)
+
+    # ------------------------------------------------------------------ what an endpoint does
+
+    def profile_of(self, endpoint: Endpoint) -> Profile:
+        """The endpoint's profile: given, or detected from /v1/models and its Server header."""
+        if endpoint.profile is None:
+            import httpx
+
+            try:
+                response = self.client.get(endpoint.url + "/models")
+                name = detect_profile(response.json() if response.status_code == 200 else {},
+                                      response.headers.get("server"))
+            except (httpx.HTTPError, ValueError):
+                name = None
+            if name is None:
+                raise ValueError(f"cannot tell which server {endpoint.url} is (neither /v1/models' owned_by "
+                                 f"nor its Server header names one): pass profile= one of {sorted(PROFILES)}")
+            endpoint.profile = PROFILES[name]
+        return endpoint.profile
+
+    def _probe_send(self, endpoint: Endpoint):
+        profile = self.profile_of(endpoint)
+        return lambda body: self.post("/completions", {"model": self.model, "n": 1, **profile.neutral,
+                                                       **body}, endpoint)
+
+    def check_fields(self, endpoint: Endpoint, params: SamplingParams) -> None:
+        """Refuse (ValueError) a field the endpoint's server would drop: unknown to its profile,
+        or (a filter or a penalty) shown by a probe to have no effect there."""
+        profile = self.profile_of(endpoint)
+        wanted = requested_fields(params)
+        for name in ("top_p", "presence_penalty", "frequency_penalty"):
+            if getattr(params, name) != getattr(SamplingParams(), name):
+                wanted[name] = getattr(params, name)
+        for name in wanted:
+            wire = profile.wire_name(name)
+            if wire is None:
+                raise ValueError(f"{endpoint.url} ({profile.name}) has no field {name}: it would be dropped "
+                                 "and the samples drawn without it")
+            if not self.verify or name not in probes.STRONGEST or profile.name == "openai":
+                continue
+            with self._learn:
+                if name not in endpoint.honoured:
+                    try:
+                        endpoint.honoured[name] = probes.honours(self._probe_send(endpoint), name, wire)
+                    except probes.Inconclusive as why:
+                        raise ValueError(f"cannot check that {endpoint.url} applies {name} ({why}); pass "
+                                         "verify=False to send it unchecked") from None
+            if not endpoint.honoured[name]:
+                raise ValueError(f"{endpoint.url} ignores {name} ({wire} at its strongest had no effect on "
+                                 "a probe): refusing rather than sampling without it")
 
     # ------------------------------------------------------------------ Generator
 
@@ -210,20 +340,26 @@ class RemoteGenerator:
         prompts = list(prompts)
         counts = per_prompt_counts(n, len(prompts))
         params_list = per_prompt_params(params, len(prompts))
-        futures = [self.pool.submit(self._samples, prompt, k, p)
-                   for prompt, k, p in zip(prompts, counts, params_list)]
+        if self.spread:  # each sample its own request, seeded by its index: placement-free
+            jobs = [[self.pool.submit(self._request, prompt, 1, sample_params(p, j))
+                     for j in range(k)] for prompt, k, p in zip(prompts, counts, params_list)]
+            requests = [[job.result() for job in row] for row in jobs]
+        else:
+            futures = [self.pool.submit(self._samples, prompt, k, p)
+                       for prompt, k, p in zip(prompts, counts, params_list)]
+            requests = [future.result() for future in futures]  # each request's completions
         results = []
-        for future in futures:
-            requests = future.result()  # each request's completions, in order
-            for completions in requests:
+        for per_prompt in requests:
+            for completions in per_prompt:
                 account_request(self.budget, completions)
-            results.append([c for completions in requests for c in completions])
+            results.append([c for completions in per_prompt for c in completions])
         return results
 
     def _samples(self, prompt: str, k: int, params: SamplingParams) -> list[list[Completion]]:
         """k samples of one prompt: one request, or up to k (the sequential fallback)."""
         requests: list[list[Completion]] = []
-        if k == 1 or self.n_supported:
+        endpoint = self.endpoints[0]
+        if k == 1 or endpoint.n_supported:
             try:
                 completions = self._request(prompt, k, params)
                 for completion in completions[1:]:  # the server shared the prompt's prefill
@@ -234,8 +370,7 @@ class RemoteGenerator:
                     raise
             if requests and len(requests[0]) == k:
                 return requests
-            with self._lock:
-                self.n_supported = False
+            endpoint.n_supported = False
         # Sample i (beyond those returned) is its own request, seeded seed + i.
         for i in range(sum(len(r) for r in requests), k):
             seed = None if params.seed is None else (params.seed + i) % MAX_SEED
@@ -243,22 +378,51 @@ class RemoteGenerator:
         return requests
 
     def _request(self, prompt: str, k: int, params: SamplingParams) -> list[Completion]:
-        body = request_body(self.model, prompt, k, params, self.request_logprobs)
-        if self.return_token_ids:
-            body["return_token_ids"] = True
-        return completions_of(self.post("/completions", body))
+        def body(endpoint: Endpoint) -> dict:
+            self.check_fields(endpoint, params)
+            profile = self.profile_of(endpoint)
+            body = request_body(self.model, prompt, k, params, self.request_logprobs, profile, self.chat)
+            if self.return_token_ids:
+                body["return_token_ids"] = True
+            return body
+
+        return completions_of(self.post("/chat/completions" if self.chat else "/completions", body))
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """log p(continuation | prompt) of each, from the endpoint's echoed prompt log-probs."""
+        if self.chat:
+            raise ValueError("a chat endpoint cannot score: it has no echo of the prompt's log-probabilities")
         return list(self.pool.map(lambda text: self._score_one(prompt, text), list(continuations)))
+
+    def check_scoring(self, endpoint: Endpoint, prompt: str) -> None:
+        """On first use: echoed log-probs must equal generated ones (probes.score_agrees)."""
+        with self._learn:
+            if endpoint.scoring is False:
+                try:
+                    endpoint.scoring = probes.score_agrees(self._probe_send(endpoint), prompt)
+                except probes.Inconclusive as why:
+                    raise ValueError(f"cannot check {endpoint.url}'s scoring ({why}); pass verify=False "
+                                     "to score unchecked") from None
+        if endpoint.scoring is not None:
+            generated, echoed = endpoint.scoring
+            raise ValueError(f"endpoint does not support scoring: {endpoint.url} echoes log-probabilities "
+                             f"that disagree with those it generates ({echoed:.6g} vs {generated:.6g} for "
+                             "the same text); refusing to return wrong scores")
 
     def _score_one(self, prompt: str, text: str) -> float:
         if not text:
             return 0.0
+        with self._lock:
+            endpoint = min(self.endpoints, key=lambda e: e.outstanding)
+        if self.verify:
+            self.check_scoring(endpoint, prompt)
+        return self._echo(endpoint, prompt, text)
+
+    def _echo(self, endpoint: Endpoint, prompt: str, text: str) -> float:
         body = {"model": self.model, "prompt": prompt + text, "max_tokens": 1, "echo": True,
-                "logprobs": 0, "temperature": 0.0}
+                "logprobs": 0, "temperature": 0.0, **self.profile_of(endpoint).neutral}
         try:
-            response = self.post("/completions", body)
+            response = self.post("/completions", body, endpoint)
         except RemoteRequestError as error:
             raise ValueError(f"endpoint does not support scoring: {error}") from None
         usage = response.get("usage") or {}
@@ -275,6 +439,11 @@ class RemoteGenerator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s params in a pool: its own seed, whichever endpoint draws it."""
+    return params.replace(seed=derive_seed(params.seed, "sample", index))
 
 
 def continuation_logprob(response: dict, prompt: str) -> float:

@@ -37,6 +37,7 @@ try:
     from starlette.requests import ClientDisconnect
 
     from decodekit.server.metrics import CountStatus, Metrics, TokenClock
+    from decodekit.server.openapi import openapi_document
 except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
@@ -60,9 +61,12 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
         backend.stop()
 
     app = FastAPI(title="decodekit", lifespan=lifespan)
+    # the bodies the routes parse themselves, declared
+    app.openapi = lambda: openapi_document(app, backend.models, backend.config)
     app.state.backend = backend
     config = backend.config
     app.add_middleware(Guard, api_key=config.api_key, hosts=host_policy(host, config.allowed_hosts),
+                       bodies=("/v1/completions", "/v1/chat/completions"),
                        origins=config.cors_origins, max_body_bytes=config.max_body_bytes)
     if config.cors_origins:  # outside the guard: answers preflights, adds CORS headers to every answer
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],

@@ -10,7 +10,7 @@ In order, for every HTTP request:
    cross-origin "simple" POST.
 3. Every route but `/health` needs `Authorization: Bearer KEY` when an API key is set:
    401, the key compared in constant time (`hmac.compare_digest`).
-4. A POST's body must be JSON (`Content-Type: application/json`): 415, and at most
+4. A POST's body (to a route that takes one) must be JSON (`Content-Type: application/json`): 415, and at most
    `max_body_bytes`: 413 from `Content-Length` before anything is read, and for a body
    without one (chunked), as soon as the bytes received pass the bound.
 
@@ -74,8 +74,9 @@ class Guard:
     """The checks above around an ASGI `app`."""
 
     def __init__(self, app, api_key: str | None, hosts: frozenset[str] | None, origins: tuple[str, ...],
-                 max_body_bytes: int):
+                 max_body_bytes: int, bodies: tuple[str, ...]):
         self.app = app
+        self.bodies = bodies  # the routes that take a body (elsewhere a POST is the router's 405)
         self.api_key = api_key.encode() if api_key else None
         self.hosts, self.origins, self.max_body_bytes = hosts, origins, max_body_bytes
 
@@ -86,7 +87,7 @@ class Guard:
         error = self.check(scope, headers)
         if error is not None:
             return await refuse(send, error)
-        if scope["method"] == "POST":
+        if scope["method"] == "POST" and scope["path"] in self.bodies:
             receive = self.capped(receive)
         return await self.app(scope, receive, send)
 
@@ -103,7 +104,7 @@ class Guard:
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key):
                 return APIError(401, "a valid API key is required: Authorization: Bearer KEY", None,
                                 "invalid_api_key")
-        if scope["method"] == "POST":
+        if scope["method"] == "POST" and scope["path"] in self.bodies:
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
                 return APIError(415, f"the body must be JSON (Content-Type: application/json), got "

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Build the external engines the `peer` tests run against, into .peers/ (ignored by git):
+#   .peers/venv                 llama-cpp-python[server], compiled from source for this CPU
+#                               (CMAKE_ARGS=-DGGML_NATIVE=ON; about 25 minutes on 2 cores)
+#   .peers/shakespeare-f32.gguf the embedded `shakespeare` model converted by llama.cpp's own
+#                               convert_hf_to_gguf.py (vendored in the llama-cpp-python sdist)
+# Usage: bash scripts/peers.sh [PYTHON]
+#   PYTHON: a Python with decodekit's dependencies (torch, transformers) for the converter;
+#           default .venv/bin/python (scripts/setup.sh makes it).
+# Then: pytest -m peer (tests/server/test_peers.py) finds .peers/ by itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${1:-.venv/bin/python}
+version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+peers=.peers
+src=$peers/src/llama_cpp_python-$version
+step() { printf '==> %s\n' "$*"; }
+
+mkdir -p "$peers/src"
+if [ ! -d "$src" ]; then
+  step "downloading the llama-cpp-python $version source"
+  "$python" -m pip download --no-deps --no-binary :all: -d "$peers/src" "llama-cpp-python==$version"
+  tar -xzf "$peers/src/llama_cpp_python-$version.tar.gz" -C "$peers/src"
+fi
+
+if [ ! -x "$peers/venv/bin/python" ]; then
+  step "creating $peers/venv"
+  python3 -m venv "$peers/venv"
+fi
+if ! "$peers/venv/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
+  step "building llama-cpp-python[server] from source with $jobs jobs (about 25 minutes on 2 cores)"
+  CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+    "$peers/venv/bin/python" -m pip install --no-binary llama-cpp-python "$src[server]"
+fi
+
+# The converter runs on decodekit's Python (torch, transformers) with two more libraries of
+# its own in $peers/convert-lib: llama.cpp's gguf-py and sentencepiece (the Llama converter
+# tries a sentencepiece vocabulary first and needs the module to find there is none).
+llama=$src/vendor/llama.cpp
+if [ ! -d "$peers/convert-lib/sentencepiece" ]; then
+  step "installing the converter's libraries into $peers/convert-lib"
+  "$python" -m pip install --no-deps --target "$peers/convert-lib" sentencepiece "$llama/gguf-py"
+fi
+step "converting the embedded shakespeare model to $peers/shakespeare-f32.gguf"
+model=$(PYTHONPATH=src "$python" -c "from decodekit.models.registry import resolve; print(resolve('shakespeare')[1])")
+PYTHONPATH="$peers/convert-lib:$llama" "$python" - "$model" "$peers/shakespeare-f32.gguf" <<'PY'
+# convert_hf_to_gguf.py recognises a BPE pre-tokeniser by the hash of its tokens on a fixed
+# text and refuses unknown ones. decodekit's tokenisers are byte-level BPE with GPT-2's split
+# regex (tokenizer.json: ByteLevel, use_regex true), so an unrecognised hash is registered as
+# GPT-2's when, and only when, the tokenizer.json says exactly that.
+import json
+import sys
+from pathlib import Path
+
+import convert_hf_to_gguf
+from conversion.base import TextModel
+
+model_dir = Path(sys.argv[1])
+pre = json.loads((model_dir / "tokenizer.json").read_text())["pre_tokenizer"]
+recognise = TextModel.get_vocab_base_pre
+
+
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return recognise(self, tokenizer)
+    except NotImplementedError:
+        if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+            return "gpt-2"
+        raise
+
+
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", sys.argv[2], "--outtype", "f32"]
+convert_hf_to_gguf.main()
+PY
+step "done: $peers/venv/bin/python -m llama_cpp.server --model $peers/shakespeare-f32.gguf"

@@ -1,0 +1,135 @@
+"""`decodekit bench server --hardening`: the server's responsiveness, refusals and a pool.
+
+- health: /health latency (p50/p99 of sequential GETs) while a client sends a 10 MB prompt
+  (refused: the body limit) and while 64 streams run;
+- big body: the time from sending a 100 MB body's headers to its 413;
+- pool: best-of-16 on `arith` (its problems, 16 seeded samples each, meta/parallel.py's
+  best_of_n with the length scorer) through RemoteGenerator over one `decodekit serve` and
+  over two, each server pinned to its own core with `taskset` and one torch thread: the
+  answers must be equal (per-sample seeds), and the ratio of samples per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from decodekit.bench.server import free_port, http_request, request_body
+
+SERVED = "bench"
+
+
+def start(model: str, port: int, core: int | None = None, timeout: float = 120.0) -> subprocess.Popen:
+    import httpx
+
+    command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", f"{SERVED}={model}", "--port",
+               str(port), "--threads", "1"]
+    if core is not None and shutil.which("taskset"):
+        command = ["taskset", "-c", str(core), *command]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.terminate()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s")
+
+
+def quantiles(values: list[float]) -> dict:
+    ms = np.array(values) * 1e3
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 2),
+            "p99_ms": round(float(np.percentile(ms, 99)), 2), "count": len(values)}
+
+
+async def health_while(url: str, busy) -> dict:
+    """/health latencies while the coroutine `busy` runs."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        task = asyncio.ensure_future(busy)
+        times = []
+        while not task.done() or len(times) < 20:
+            start = time.perf_counter()
+            assert (await client.get(url + "/health")).status_code == 200
+            times.append(time.perf_counter() - start)
+            await asyncio.sleep(0.01)
+        result = await task
+    return {**quantiles(times), **(result or {})}
+
+
+async def huge_prompt(url: str, megabytes: int) -> dict:
+    import httpx
+
+    head = b'{"model": "%s", "max_tokens": 1, "prompt": "' % SERVED.encode()
+    body = head + b"a" * (megabytes << 20) + b'"}'
+    async with httpx.AsyncClient(timeout=60) as client:
+        start = time.perf_counter()
+        response = await client.post(url + "/v1/completions", content=body,
+                                     headers={"Content-Type": "application/json"})
+        return {"status": response.status_code, "answer_ms": round((time.perf_counter() - start) * 1e3, 2)}
+
+
+async def streams(url: str, count: int, new_tokens: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=count)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        records = await asyncio.gather(*(http_request(client, url, request_body(SERVED, i, new_tokens))
+                                         for i in range(count)), return_exceptions=True)
+    return {"streams": count, "errors": sum(isinstance(r, BaseException) for r in records)}
+
+
+def pool_run(urls: list[str], problems: int, samples: int) -> tuple[list[str], float]:
+    from decodekit.meta.parallel import best_of_n
+    from decodekit.meta.remote import RemoteGenerator
+    from decodekit.meta.tasks.arith import format_prompt, generate_problems
+    from decodekit.params import SamplingParams
+
+    prompts = [format_prompt(p) for p in generate_problems(problems, seed=3)]
+    with RemoteGenerator(urls, SERVED, max_concurrency=8 * len(urls)) as generator:
+        generator.generate(prompts[:1], 2, SamplingParams(max_new_tokens=8, seed=0))  # warm-up
+        start = time.perf_counter()
+        answers = [best_of_n(generator, prompt, samples, lambda text: -len(text),
+                             SamplingParams(max_new_tokens=48, seed=i, temperature=0.8)).text
+                   for i, prompt in enumerate(prompts)]
+        return answers, time.perf_counter() - start
+
+
+def bench_hardening(model: str = "shakespeare", new_tokens: int = 64, problems: int = 4) -> dict:
+    from decodekit.bench.decode import machine
+
+    port = free_port()
+    server = start(model, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = {
+            "idle": asyncio.run(health_while(url, asyncio.sleep(0))),
+            "10MB_prompt": asyncio.run(health_while(url, huge_prompt(url, 10))),
+            "64_streams": asyncio.run(health_while(url, streams(url, 64, new_tokens))),
+        }
+        big = asyncio.run(huge_prompt(url, 100))
+    finally:
+        server.terminate()
+        server.wait(30)
+    ports = [free_port(), free_port()]
+    servers = [start("arith", p, core) for p, core in zip(ports, (0, 1))]
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        one, one_s = pool_run(urls[:1], problems, 16)
+        two, two_s = pool_run(urls, problems, 16)
+    finally:
+        for process in servers:
+            process.terminate()
+            process.wait(30)
+    return {"machine": machine(), "model": model, "health": health, "100MB_body": big,
+            "pool": {"problems": problems, "samples": 16, "one_server_s": round(one_s, 3),
+                     "two_servers_s": round(two_s, 3), "speedup": round(one_s / two_s, 3),
+                     "same_answers": one == two, "pinned": bool(shutil.which("taskset"))}}
