@@ -81,4 +81,4 @@ def test_serve_command_line():
     assert (args.model, args.port, args.host, args.max_queued, args.timeout) == \
         (["a", "b=dir"], 9001, "127.0.0.1", 7, 2.5)
     eval_args = build_parser().parse_args(["eval", "arith", "--endpoint", "http://127.0.0.1:9/v1"])
-    assert eval_args.endpoint == "http://127.0.0.1:9/v1"
+    assert eval_args.endpoint == ["http://127.0.0.1:9/v1"]

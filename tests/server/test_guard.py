@@ -135,6 +135,7 @@ def test_a_huge_prompt_does_not_stall_health(server):
     body = {"model": "tiny", "prompt": "ROMEO: " * 300_000, "max_tokens": 1}
     sender = threading.Thread(target=lambda: answer.append(httpx.post(thread.url + "/v1/completions",
                                                                       json=body, timeout=120)))
+    began = time.perf_counter()
     sender.start()
     latencies = []
     while sender.is_alive():
@@ -143,8 +144,11 @@ def test_a_huge_prompt_does_not_stall_health(server):
         latencies.append(time.perf_counter() - start)
         time.sleep(0.02)
     sender.join()
+    took = time.perf_counter() - began
     assert answer[0].status_code == 400 and answer[0].json()["error"]["code"] == "context_length_exceeded"
-    assert max(latencies) < 0.6, sorted(latencies)[-5:]  # on the loop: 1.4 s (2 cores)
+    # Tokenised on the event loop, one /health call would wait about the whole request (1.4 s on
+    # 2 idle cores); relative to the request's time, so a loaded machine does not fail it.
+    assert len(latencies) >= 3 and max(latencies) < 0.5 * took, (took, sorted(latencies)[-5:])
 
 
 def test_serve_access_flags():
