@@ -83,11 +83,17 @@ class ValueTilt:
     def tilt(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
         """Tilted logits [R, V] of logits [R, V] after the tokens `prefixes[r]` of each row."""
         logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-        k = logp.shape[-1] if self.top_k is None else min(self.top_k, logp.shape[-1])
-        top_logp, ids = logp.topk(k, dim=-1)  # [R, k]
+        rows, vocab = logp.shape
+        every = self.top_k is None or self.top_k >= vocab  # every token a candidate: no sort
+        if every:
+            top_logp, ids = logp, torch.arange(vocab, device=logp.device).expand(rows, -1)
+        else:
+            top_logp, ids = logp.topk(self.top_k, dim=-1)  # [R, k]
         if self.lam > 0:
             v = self.value.child_values(prefixes, ids.cpu())  # [R, k]
             top_logp = top_logp + self.lam * v.to(top_logp.device, top_logp.dtype)
+        if every:
+            return top_logp
         return torch.full_like(logp, float("-inf")).scatter(-1, ids, top_logp)
 
 
