@@ -136,6 +136,8 @@ def make_requests(
     """One request per prompt; `masks` gives each its token mask (a constraint, healing);
     `adapter` (logits, SamplerState) -> logits runs first in every request's chain."""
     params_list = per_prompt_params(params, len(prompts))
+    if adapter is not None and not callable(adapter):
+        raise TypeError(f"adapter must be a callable (logits, SamplerState) -> logits, got {adapter!r:.80}")
     requests = []
     for index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
         p.check_vocab(model.vocab_size)
