@@ -5,8 +5,9 @@
     emit(rows, context) -> Delta, ...                        (text deltas with their tokens'
                                                               logprobs, completions at the end)
 
-A `Request` is one prompt with its `SamplingParams`, adapter chain, sampler state (its
-own random generator: one uniform per row per step) and optional token mask; its `Row`s
+A `Request` is one prompt with its `SamplingParams`, adapter chain (with the caller's own
+adapter first, if any), sampler state (its own random generator: one uniform per row per
+step; every row's generated tokens) and optional token mask; its `Row`s
 are its n samples. The paged engine (engine/) and the plain loop (decode/sample.py) run
 the same objects, so a request's tokens, logprobs and finish reasons are decided here,
 once, whichever of them computes its logits. This module sits below both: it imports
@@ -25,6 +26,7 @@ from decodekit.completion import Completion, Usage
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
+from decodekit.sampling.chain import Chain
 from decodekit.text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -129,9 +131,13 @@ def make_requests(
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None,
     masks: MaskBuilder | None = None,
+    adapter: Chain | None = None,
 ) -> list[Request]:
-    """One request per prompt; `masks` gives each its token mask (a constraint, healing)."""
+    """One request per prompt; `masks` gives each its token mask (a constraint, healing);
+    `adapter` (logits, SamplerState) -> logits runs first in every request's chain."""
     params_list = per_prompt_params(params, len(prompts))
+    if adapter is not None and not callable(adapter):
+        raise TypeError(f"adapter must be a callable (logits, SamplerState) -> logits, got {adapter!r:.80}")
     requests = []
     for index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
         p.check_vocab(model.vocab_size)
@@ -140,7 +146,7 @@ def make_requests(
         if masks is not None:
             mask, ids, decode = masks(model, ids, p)
         state = SamplerState(p, ids, p.n, model.vocab_size, model.eos_token_ids, model.tokenizer)
-        request = Request(index, ids, p, state, build_chain(p, model.tokenizer), mask=mask)
+        request = Request(index, ids, p, state, build_chain(p, model.tokenizer, adapter), mask=mask)
         plain = decode == model.decode  # healing decodes through prompt context: not incremental
         request.rows = [Row(request, s, TextTracker(decode, p.stop, plain)) for s in range(p.n)]
         requests.append(request)

@@ -122,6 +122,22 @@ def test_bad_token_ids_are_rejected(tiny_lm):
         dk.generate(tiny_lm, "a", dk.SamplingParams(logit_bias={10**6: 1.0}))
 
 
+def test_a_callers_adapter_runs_first_in_the_chain(tiny_lm):
+    """`adapter=` changes the logits before the params' adapters: a greedy request takes
+    the token the adapter boosts, every step, and its processed logprobs say so."""
+
+    def boost(logits, state):  # [R, V]; the state holds each row's tokens so far
+        assert [len(g) for g in state.generated] == [len(state.generated[0])] * len(logits)
+        return logits.clone().index_fill_(-1, torch.tensor([7]), 1e4)
+
+    greedy = dk.SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    [c] = dk.generate(tiny_lm, "the", greedy, adapter=boost)
+    assert c.token_ids == [7, 7, 7] and c.processed_logprobs == pytest.approx([0.0] * 3, abs=1e-6)
+    assert dk.generate(tiny_lm, "the", greedy)[0].token_ids != [7, 7, 7]
+    with pytest.raises(TypeError, match="^adapter must be a callable"):
+        dk.generate(tiny_lm, "the", greedy, adapter="tilt")
+
+
 def test_incremental_detokenising_equals_decoding_everything(tiny_lm):
     import random
 

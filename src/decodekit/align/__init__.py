@@ -4,10 +4,13 @@
     bon_kl([0.5, 0.5], [0, 1], n=4)        # exact KL(pi_4 || p) = log 2 - h(2^-4)
 
 Controlled decoding (Mudgal et al. 2024): a prefix value V trained by CD-FUDGE or CD-Q
-(`align.value`), token-wise and blockwise decoding with it (`align.controlled`); the
-reward–KL frontier on the Shakespeare model is `align.frontier` (`decodekit eval alignment`).
+(`align.value`); token-wise decoding with it is a sampling adapter for `generate`
+(`ValueTilt`, `align.controlled`), blockwise decoding a Generator (`BlockwiseCD`,
+`align.blockwise`); the reward–KL frontier on the Shakespeare model is `align.frontier`
+(`decodekit eval alignment`).
 """
 
+from decodekit.align.blockwise import BlockwiseCD
 from decodekit.align.bon import (
     blockwise_kl_bound,
     bon_kl,
@@ -22,12 +25,12 @@ from decodekit.align.bon import (
     bon_win_rate_mc,
 )
 from decodekit.align.controlled import (
-    blockwise_cd,
+    ValueTilt,
     keyword_reward,
+    kl_terms,
     newline_length_reward,
     orm_reward,
     sample_base,
-    tokenwise_cd,
 )
 from decodekit.align.preference import (
     bt_probability,
@@ -42,9 +45,10 @@ from decodekit.align.tilt import beta_for_kl, mismatched_tilt, tilt, tilt_kl_max
 from decodekit.align.value import PrefixValue, train_cdq, train_fudge
 
 __all__ = [
+    "BlockwiseCD",
     "PrefixValue",
+    "ValueTilt",
     "beta_for_kl",
-    "blockwise_cd",
     "blockwise_kl_bound",
     "bon_kl",
     "bon_kl_bound",
@@ -64,13 +68,13 @@ __all__ = [
     "elo_update",
     "fit_bradley_terry",
     "keyword_reward",
+    "kl_terms",
     "mismatched_tilt",
     "newline_length_reward",
     "orm_reward",
     "sample_base",
     "tilt",
     "tilt_kl_max",
-    "tokenwise_cd",
     "train_cdq",
     "train_fudge",
 ]

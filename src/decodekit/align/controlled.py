@@ -1,17 +1,24 @@
-"""Controlled decoding (Mudgal et al. 2024; seed 000, "controlled decoding").
+"""Token-wise controlled decoding (Mudgal et al. 2024; seed 000, "controlled decoding")
+on the normal decoding path, and what the reward–KL frontier needs around it.
 
 Given a prefix value V (align/value.py), steer the base policy p at inference time:
-- token-wise (`tokenwise_cd`): z ~ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p.
-  Each step is the KL-regularised optimum of that step (a tilt with beta = 1/lam);
-  KL(pi || p) of the sequence is measured by Monte Carlo of the log-ratios log pi/p.
-- blockwise (`blockwise_cd`): draw K continuations of M tokens from p, keep the one with
-  the highest V, repeat until `max_tokens`. KL <= (L/M)(log K - (K-1)/K)
-  (`align.bon.blockwise_kl_bound`).
+z ~ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p. `ValueTilt(value, lam, top_k)`
+is a sampling adapter (logits, SamplerState) -> logits that returns log p + lam V over the
+top-k (-inf elsewhere). It reads each row's generated tokens from the request's
+`SamplerState`, as the penalties do, so it holds no per-row state and runs wherever a
+request runs:
 
-Completions have a fixed length `max_tokens` (EOS is an ordinary token here; rewards read
-the decoded text). `sample_base` draws plain samples of p with the same loop and stores
-what CD-Q training needs. Offline rewards: `keyword_reward`, `newline_length_reward`,
-`orm_reward` (the arithmetic ORM).
+    generate(model, prompts, SamplingParams(n=64, seed=0), adapter=ValueTilt(value, 2.0))
+
+on the paged engine or the plain loop, with the params' n, seed, max_new_tokens, stop strings
+and EOS, and `Completion`s with their usage. It runs first in the request's chain, so the
+params' adapters sample the tilted policy pi: temperature T samples pi^(1/T), temperature 0
+is greedy controlled decoding. Each step is the KL-regularised optimum of that step (a tilt
+with beta = 1/lam); KL(pi || p) of a sequence is estimated by `kl_terms`.
+
+Blockwise controlled decoding (best-of-K blocks over a Generator) is align/blockwise.py.
+`sample_base` draws plain samples of p through `generate` and adds what CD-Q training needs.
+Offline rewards: `keyword_reward`, `newline_length_reward`, `orm_reward` (the arithmetic ORM).
 """
 
 from __future__ import annotations
@@ -19,126 +26,121 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from decodekit.align.value import BaseSamples, PrefixValue
-from decodekit.models.base import LanguageModel, prefill
-from decodekit.sampling import draw
+from decodekit.align.value import BaseSamples
+from decodekit.completion import Completion
+from decodekit.decode.sample import generate
+from decodekit.models.base import LanguageModel, next_token_logprobs
+from decodekit.params import SamplingParams
+from decodekit.request import Prompt, encode_prompt
+from decodekit.sampling import SamplerState
 from decodekit.validate import check_n, check_range
 
 __all__ = [
-    "Controlled",
-    "blockwise_cd",
+    "ChildValues",
+    "ValueTilt",
     "keyword_reward",
+    "kl_terms",
     "newline_length_reward",
     "orm_reward",
     "sample_base",
     "score",
-    "tokenwise_cd",
 ]
 
 KEYWORDS = ("love", "lord", "king", "good", "sweet", "heaven", "god", "queen", "heart", "death")
 
 
-@dataclass
-class Controlled:
-    """Completions tokens [N, L]; for token-wise CD the Monte Carlo KL terms per sample:
-    log_ratio [N] = sum_t log pi(z_t)/p(z_t) and step_kl [N] = sum_t KL(pi_t || p_t)."""
+class ChildValues(Protocol):
+    """V(prefix + z) for each row's tokens and candidate ids [B, k] -> [B, k] (PrefixValue)."""
 
-    tokens: torch.Tensor
-    log_ratio: torch.Tensor | None = None
-    step_kl: torch.Tensor | None = None
+    def child_values(self, prefixes: Sequence[Sequence[int]], ids: torch.Tensor) -> torch.Tensor: ...
 
 
-def _start(model: LanguageModel, prompt: Sequence[int], rows: int):
-    logits, cache = prefill(model, [list(prompt)])  # [1, V]
-    return logits.expand(rows, -1), cache.fork([0] * rows)
+@dataclass(frozen=True, eq=False)
+class ValueTilt:
+    """The token-wise controlled-decoding adapter: log p + lam V(prefix + z) over the top-k of
+    p (top_k None: the whole vocabulary; then lam = 0 leaves p unchanged)."""
+
+    value: ChildValues
+    lam: float
+    top_k: int | None = None
+
+    def __post_init__(self):
+        if not callable(getattr(self.value, "child_values", None)):
+            raise TypeError("value must have child_values(prefixes, ids) (a PrefixValue), "
+                            f"got {self.value!r:.80}")
+        check_range("lam", self.lam, 0.0)
+        if self.top_k is not None:
+            check_n(self.top_k, "top_k")
+
+    def __call__(self, logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+        return self.tilt(logits, state.generated)
+
+    @torch.no_grad()
+    def tilt(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Tilted logits [R, V] of logits [R, V] after the tokens `prefixes[r]` of each row."""
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+        rows, vocab = logp.shape
+        every = self.top_k is None or self.top_k >= vocab  # every token a candidate: no sort
+        if every:
+            top_logp, ids = logp, torch.arange(vocab, device=logp.device).expand(rows, -1)
+        else:
+            top_logp, ids = logp.topk(self.top_k, dim=-1)  # [R, k]
+        if self.lam > 0:
+            v = self.value.child_values(prefixes, ids.cpu())  # [R, k]
+            top_logp = top_logp + self.lam * v.to(top_logp.device, top_logp.dtype)
+        if every:
+            return top_logp
+        return torch.full_like(logp, float("-inf")).scatter(-1, ids, top_logp)
 
 
-def sample_base(model: LanguageModel, prompt: Sequence[int], n: int, max_tokens: int,
-                top_k: int = 64, generator: torch.Generator | None = None) -> BaseSamples:
-    """n plain samples of p (temperature 1) with the top-k of p at every position.
-    Rewards are left at zero: fill them with `score`."""
-    check_n(n)
-    check_n(max_tokens, "max_tokens")
+def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt,
+             completions: Sequence[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Monte Carlo terms of KL(pi || p) for completions of `prompt` drawn with `tilt`:
+    log_ratio [N] = sum_t log pi(z_t)/p(z_t), read from each completion's processed and raw
+    logprobs (pi: the distribution each token was drawn from), and step_kl [N] = sum_t
+    KL(pi_t || p_t) along its path, pi_t the tilt of p_t, recomputed in one forward over the
+    paths (so the decode loop keeps no alignment bookkeeping). Both have mean KL(pi || p)
+    when the params leave the tilt unchanged (temperature 1, no other adapter)."""
+    log_ratio = torch.tensor([sum(c.processed_logprobs) - sum(c.logprobs) for c in completions])
+    prompt_ids = encode_prompt(model, prompt)
+    rows = [list(c.token_ids) for c in completions]
+    step_kl = torch.zeros(len(rows))
+    if not any(rows):
+        return log_ratio, step_kl
+    paths = next_token_logprobs(model, [prompt_ids + row for row in rows], [len(prompt_ids)] * len(rows))
+    for i, (row, logp) in enumerate(zip(rows, paths)):  # logp [L, V]; one path at a time bounds memory
+        log_pi = torch.log_softmax(tilt.tilt(logp, [row[:t] for t in range(len(row))]), dim=-1)
+        terms = torch.where(log_pi.isfinite(), log_pi.exp() * (log_pi - logp), 0.0)
+        step_kl[i] = terms.sum()
+    return log_ratio, step_kl
+
+
+def sample_base(model: LanguageModel, prompt: Prompt, params: SamplingParams,
+                top_k: int = 64) -> BaseSamples:
+    """params.n samples of p through `generate`, with the top-k of p before every position
+    (what CD-Q trains on; from one forward over the paths). A value trains on samples of one
+    length: use ignore_eos and no stop strings. Rewards are left at zero: fill them with
+    `score`."""
     top_k = min(check_n(top_k, "top_k"), model.vocab_size)
-    logits, cache = _start(model, prompt, n)
-    tokens, child_ids, child_logp = [], [], []
-    for step in range(max_tokens):
-        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [N, k]
-        child_ids.append(ids)
+    completions = generate(model, [prompt], params)[0]
+    lengths = sorted({len(c.token_ids) for c in completions})
+    if len(lengths) > 1:
+        raise ValueError(f"base samples must have one length to train a value on, got lengths {lengths}; "
+                         "sample with ignore_eos=True and no stop strings")
+    tokens = torch.tensor([c.token_ids for c in completions], dtype=torch.long)  # [N, L]
+    prompt_ids = encode_prompt(model, prompt)
+    child_logp, child_ids = [], []
+    for chunk in tokens.split(64):  # bounds the [rows, T, V] log-probabilities held at once
+        paths = next_token_logprobs(model, torch.cat([torch.tensor(prompt_ids).expand(len(chunk), -1),
+                                                      chunk], dim=1), [len(prompt_ids)] * len(chunk))
+        values, ids = torch.stack(paths).topk(top_k, dim=-1)  # [n, L, k]
         child_logp.append(values)
-        probs = torch.softmax(logits.float(), dim=-1)  # [N, V], as in blockwise_cd
-        z = draw(probs, generator)  # [N]
-        tokens.append(z)
-        if step + 1 < max_tokens:
-            logits = model.forward(z[:, None], cache)[:, -1, :]
-    return BaseSamples(torch.stack(tokens, 1), torch.zeros(n), torch.stack(child_ids, 1),
-                       torch.stack(child_logp, 1))
-
-
-def tokenwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int], n: int,
-                 max_tokens: int, lam: float, top_k: int | None = 32,
-                 generator: torch.Generator | None = None) -> Controlled:
-    """n completions with z ∝ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p
-    (top_k None: the whole vocabulary; then lam = 0 is plain sampling from p)."""
-    check_range("lam", lam, 0.0)
-    check_n(n)
-    check_n(max_tokens, "max_tokens")
-    k = model.vocab_size if top_k is None else min(check_n(top_k, "top_k"), model.vocab_size)
-    logits, cache = _start(model, prompt, n)
-    bag = torch.zeros(n, value.bag.embedding_dim)  # [N, D]
-    log_ratio, step_kl, tokens = torch.zeros(n), torch.zeros(n), []
-    for step in range(max_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-        top_logp, ids = logp.topk(k, dim=-1)  # [N, k]
-        with torch.no_grad():
-            v = value.child_values(bag, torch.full((n,), float(step)), ids) if lam > 0 else 0.0
-        log_pi = torch.log_softmax(top_logp + lam * v, dim=-1)  # [N, k]
-        pick = draw(log_pi.exp(), generator)[:, None]  # [N, 1]
-        z = ids.gather(1, pick)[:, 0]  # [N]
-        log_ratio += (log_pi.gather(1, pick) - top_logp.gather(1, pick))[:, 0]
-        step_kl += (log_pi.exp() * (log_pi - top_logp)).sum(-1)
-        tokens.append(z)
-        with torch.no_grad():
-            bag = bag + value.bag(z)
-        if step + 1 < max_tokens:
-            logits = model.forward(z[:, None], cache)[:, -1, :]
-    return Controlled(torch.stack(tokens, 1), log_ratio, step_kl)
-
-
-def blockwise_cd(model: LanguageModel, value: PrefixValue, prompt: Sequence[int], n: int,
-                 max_tokens: int, k: int, m: int,
-                 generator: torch.Generator | None = None) -> Controlled:
-    """n completions built block by block: K samples of M tokens from p, the best by V kept."""
-    check_n(k, "k")
-    check_n(m, "m")
-    check_n(n)
-    check_n(max_tokens, "max_tokens")
-    logits, cache = _start(model, prompt, n)
-    done = torch.zeros(n, 0, dtype=torch.long)  # [N, t]
-    while done.shape[1] < max_tokens:
-        rows = [i for i in range(n) for _ in range(k)]  # K candidates per sample
-        block_cache = cache.fork(rows)
-        block_logits = logits[rows]  # [N*K, V]
-        width = min(m, max_tokens - done.shape[1])
-        block = []
-        for j in range(width):
-            probs = torch.softmax(block_logits.float(), dim=-1)  # [N*K, V]
-            z = draw(probs, generator)  # [N*K]
-            block.append(z)
-            if done.shape[1] + j + 1 < max_tokens:
-                block_logits = model.forward(z[:, None], block_cache)[:, -1, :]
-        cand = torch.cat([done[rows], torch.stack(block, 1)], dim=1)  # [N*K, t+M]
-        with torch.no_grad():
-            v = value(cand)[:, -1].view(n, k)  # [N, K]
-        best = [i * k + int(b) for i, b in enumerate(v.argmax(dim=1).tolist())]
-        done = cand[best]
-        if done.shape[1] < max_tokens:
-            block_cache.select(best)
-            cache, logits = block_cache, block_logits[best]
-    return Controlled(done)
+        child_ids.append(ids)
+    return BaseSamples(tokens, torch.zeros(len(tokens)), torch.cat(child_ids), torch.cat(child_logp))
 
 
 def keyword_reward(words: Sequence[str] = KEYWORDS) -> Callable[[str], float]:
@@ -167,6 +169,8 @@ def orm_reward(question: str, orm: Callable[[str, str], float] | None = None
     return lambda text: float(orm(question, text))
 
 
-def score(model: LanguageModel, tokens: torch.Tensor, reward: Callable[[str], float]) -> torch.Tensor:
-    """Rewards [N] of completions tokens [N, L], each decoded to text."""
-    return torch.tensor([reward(model.decode(row)) for row in tokens.tolist()])
+def score(model: LanguageModel, tokens: torch.Tensor | Sequence[Sequence[int]],
+          reward: Callable[[str], float]) -> torch.Tensor:
+    """Rewards [N] of completions' tokens (a tensor [N, L] or lists), each decoded to text."""
+    rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+    return torch.tensor([reward(model.decode(row)) for row in rows], dtype=torch.float32)

@@ -1,13 +1,17 @@
 """The reward–KL frontier on the embedded Shakespeare model (`decodekit eval alignment`).
 
-Reward: the keyword count of a 32-token completion (align/controlled.py `keyword_reward`).
+Reward: the keyword count of a 32-token completion (align/controlled.py `keyword_reward`);
+completions have a fixed length (`ignore_eos`: the values train on [N, L] tokens, and EOS is
+an ordinary token here) at temperature 1, every method drawn through `generate`.
 Every method is a point (KL(pi || p) in nats, E_pi[reward]):
 - best-of-n and soft best-of-n: exact plug-in values over the empirical distribution of the
   base samples (align/bon.py, align/soft_bon.py), with the bound log n - (n-1)/n beside them;
 - the optimal tilt pi ∝ p exp(r/beta): self-normalised importance weights over base samples;
-- token-wise CD (several lam) with a CD-Q and a CD-FUDGE value: reward of its samples, KL by
-  Monte Carlo of the log-ratios sum_t log pi(z_t)/p(z_t) (and the sum of exact per-step KLs);
-- blockwise CD (several K, M): reward of its samples, KL bound (L/M)(log K - (K-1)/K).
+- token-wise CD (several lam) with a CD-Q and a CD-FUDGE value (`generate` with the
+  `ValueTilt` adapter): reward of its samples, KL by Monte Carlo of the log-ratios
+  sum_t log pi(z_t)/p(z_t) (and the sum of exact per-step KLs);
+- blockwise CD (several K, M; `BlockwiseCD` over a `LocalGenerator`): reward of its samples,
+  KL bound (L/M)(log K - (K-1)/K), and what it spent (its budget).
 Seed 000 claims best-of-n lies close to the optimal frontier and that blockwise CD reaches
 best-of-K's reward with a much smaller K (K = 6 against 50 in Mudgal et al. 2024).
 """
@@ -22,18 +26,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from decodekit.align.blockwise import BlockwiseCD
 from decodekit.align.bon import blockwise_kl_bound, bon_kl_bound, bon_kl_mc, bon_pmf
-from decodekit.align.controlled import (
-    blockwise_cd,
-    keyword_reward,
-    sample_base,
-    score,
-    tokenwise_cd,
-)
+from decodekit.align.controlled import ValueTilt, keyword_reward, kl_terms, sample_base, score
 from decodekit.align.soft_bon import soft_bon_pmf
 from decodekit.align.tilt import tilt
 from decodekit.align.value import PrefixValue, train_cdq, train_fudge
+from decodekit.decode.sample import generate
+from decodekit.meta.generator import LocalGenerator, derive_seed
 from decodekit.optional import require
+from decodekit.params import SamplingParams
 from decodekit.runtime import progress as progress_bar
 
 __all__ = ["FrontierConfig", "alignment_frontier", "plot_frontier", "table"]
@@ -96,14 +98,15 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
     from decodekit.models.registry import load_model
 
     start = time.perf_counter()
-    torch.manual_seed(config.seed)
-    gen = torch.Generator().manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # the values' initial weights
     model = load_model(config.model)
     prompt = model.encode(config.prompt)
     reward = keyword_reward()
     length = config.max_tokens
+    params = SamplingParams(max_new_tokens=length, ignore_eos=True)
 
-    base = sample_base(model, prompt, config.base_samples, length, config.train_top_k, gen)
+    base = sample_base(model, prompt, params.replace(n=config.base_samples, seed=config.seed),
+                       config.train_top_k)
     base.rewards = score(model, base.tokens, reward)
     r = base.rewards.numpy().astype(np.float64)
     uniform = np.full(r.size, 1.0 / r.size)
@@ -129,19 +132,24 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
         say(f"{name}: trained, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     for name, value in values.items():
         for lam in config.lams:
-            out = tokenwise_cd(model, value, prompt, config.samples, length, lam, config.top_k, gen)
-            rewards = score(model, out.tokens, reward)
-            kl = float(out.log_ratio.mean())
-            se = float(out.log_ratio.std() / math.sqrt(out.log_ratio.numel()))
+            steer = ValueTilt(value, lam, config.top_k)
+            run = params.replace(n=config.samples, seed=derive_seed(config.seed, "token-wise", name, lam))
+            [out] = generate(model, [prompt], run, adapter=steer)
+            rewards = score(model, [c.token_ids for c in out], reward)
+            log_ratio, step_kl = kl_terms(model, steer, prompt, out)
+            kl = float(log_ratio.mean())
+            se = float(log_ratio.std() / math.sqrt(log_ratio.numel()))
             points.append(_sampled(f"token-wise CD ({name})", f"lam={lam:g}", kl, rewards, kl_se=se,
-                                   kl_steps=float(out.step_kl.mean())))
+                                   kl_steps=float(step_kl.mean())))
             say(f"token-wise {name} lam={lam:g}: reward {float(rewards.mean()):.3f}, KL {kl:.3f}")
     for k, m in config.blocks:
-        out = blockwise_cd(model, values["CD-Q"], prompt, config.samples, length, k, m, gen)
-        rewards = score(model, out.tokens, reward)
+        cd = BlockwiseCD(LocalGenerator(model), values["CD-Q"].prefix_values, k, m)
+        run = params.replace(seed=derive_seed(config.seed, "blockwise", k, m))
+        [out] = cd.generate([prompt], config.samples, run)
+        rewards = score(model, [c.token_ids for c in out], reward)
         bound = blockwise_kl_bound(math.ceil(length / m), k)
         points.append(_sampled("blockwise CD (CD-Q)", f"K={k} M={m}", bound, rewards,
-                               kl_is_bound=True))
+                               kl_is_bound=True, budget=cd.budget.report()))
         say(f"blockwise K={k} M={m}: reward {float(rewards.mean()):.3f}, KL <= {bound:.3f}")
     return {"config": asdict(config), "points": points, "seconds": time.perf_counter() - start}
 

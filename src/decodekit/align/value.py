@@ -5,7 +5,9 @@ V(prefix) estimates the expected reward of completing `prefix` with the base pol
 completion's token embeddings), the embedding of the last token and the position, through
 a two-layer MLP. Adding one token z only adds its embedding, so V(prefix + z) for all
 top-k candidates z is one batched MLP call (`child_values`), which is what token-wise
-controlled decoding needs at every step.
+controlled decoding needs at every step (align/controlled.py `ValueTilt`); `prefix_values`
+scores whole prefixes, what blockwise controlled decoding needs (align/blockwise.py).
+Both take each row's tokens as a list (rows may differ in length).
 
 Training, on samples of the base policy (`BaseSamples`):
 - CD-FUDGE (`train_fudge`): regress V(x_<t) onto the sample's final reward r(x) for every t.
@@ -19,10 +21,12 @@ Training, on samples of the base policy (`BaseSamples`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["BaseSamples", "PrefixValue", "cdq_fixed_point", "cdq_targets", "train_cdq", "train_fudge"]
 
@@ -74,10 +78,29 @@ class PrefixValue(nn.Module):
         """V of every prefix of tokens [N, L] (the empty one included) -> [N, L+1]."""
         return self._head(*self.prefix_states(tokens))
 
-    def child_values(self, bag: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _child_head(self, bag: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """V(prefix + z) for prefixes given by bag [..., D] and length t [...], ids [..., k]."""
         child_bag = bag[..., None, :] + self.bag(ids)  # [..., k, D]
         return self._head(child_bag, ids, (t + 1)[..., None].expand(ids.shape).to(bag.dtype))
+
+    def _bags(self, prefixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bag sums [B, D] and lengths [B] of token lists of any lengths."""
+        lengths = torch.tensor([len(p) for p in prefixes], dtype=torch.long)
+        flat = torch.tensor([z for p in prefixes for z in p], dtype=torch.long)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+        bag = F.embedding_bag(flat, self.bag.weight, offsets, mode="sum")  # an empty prefix: 0
+        return bag, lengths.to(bag.dtype)
+
+    def child_values(self, prefixes: Sequence[Sequence[int]], ids: torch.Tensor) -> torch.Tensor:
+        """V(prefix + z) of each row's tokens `prefixes[r]` and candidates ids [B, k]: [B, k]."""
+        bag, t = self._bags(prefixes)
+        return self._child_head(bag, t, ids)
+
+    def prefix_values(self, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+        """V of each whole prefix (token lists of any lengths): [B]."""
+        bag, t = self._bags(prefixes)
+        last = torch.tensor([p[-1] if len(p) else self.start for p in prefixes], dtype=torch.long)
+        return self._head(bag, last, t)
 
 
 def cdq_targets(value: PrefixValue, samples: BaseSamples) -> torch.Tensor:
@@ -87,7 +110,7 @@ def cdq_targets(value: PrefixValue, samples: BaseSamples) -> torch.Tensor:
     with torch.no_grad():
         bag, _, t = value.prefix_states(samples.tokens)
         probs = torch.softmax(samples.child_logp, dim=-1)  # [N, L, k], renormalised top-k
-        child_v = value.child_values(bag[:, :-1], t[:, :-1], samples.child_ids)  # [N, L, k]
+        child_v = value._child_head(bag[:, :-1], t[:, :-1], samples.child_ids)  # [N, L, k]
         inner = (probs * child_v).sum(dim=-1)  # [N, L]
         return torch.cat([inner, samples.rewards[:, None].to(inner.dtype)], dim=1)
 

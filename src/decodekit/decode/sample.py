@@ -14,7 +14,9 @@ batch (their cache rows are dropped) so later steps cost only the live rows.
 
 A request may carry a token mask (`constraint=`: constrained.py; `heal=`: healing.py),
 applied before its adapter chain and advanced with the chosen tokens; a row whose
-constraint is complete finishes with finish_reason "stop".
+constraint is complete finishes with finish_reason "stop". `adapter=` puts a caller's
+own sampling adapter (logits, SamplerState) -> logits first in every request's chain:
+token-wise controlled decoding is `adapter=ValueTilt(value, lam)` (align/controlled.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from decodekit.request import (
     per_prompt_params,
     sample_rows,
 )
+from decodekit.sampling.chain import Chain
 
 
 def _steps(model: LanguageModel, requests: list[Request]) -> Iterator[list[Row]]:
@@ -65,9 +68,10 @@ def stream_events(
     *,
     constraint: Constraint | None = None,
     heal: bool | int = False,
+    adapter: Chain | None = None,
 ) -> Iterator[Delta]:
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
-    requests = make_requests(model, prompts, params, mask_builder(constraint, heal))
+    requests = make_requests(model, prompts, params, mask_builder(constraint, heal), adapter)
     if model.supports_paged_kv:  # the paged engine; the plain loop (`_steps`) otherwise
         from decodekit.engine.shared import run_requests
 
@@ -84,12 +88,15 @@ def generate(
     *,
     constraint: Constraint | None = None,
     heal: bool | int = False,
+    adapter: Chain | None = None,
 ) -> list[list[Completion]] | list[Completion]:
     """n completions per prompt. A single prompt (a string) returns its list of n completions.
 
     constraint: a JsonSchema, Regex, Grammar or Choices every completion must match
     (constrained.py); heal: back the prompt up over its last token (or `heal` tokens) and
-    let the model re-choose it (healing.py).
+    let the model re-choose it (healing.py); adapter: a sampling adapter (logits [R, V],
+    SamplerState) -> logits run before the params' own (after the constraint's mask), such
+    as controlled decoding's value tilt (align/controlled.py `ValueTilt`).
     """
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
@@ -97,7 +104,8 @@ def generate(
         raise ValueError("prompts must contain at least one prompt")
     counts = [p.n for p in per_prompt_params(params, len(prompt_list))]
     results: list[list] = [[None] * n for n in counts]
-    for delta in stream_events(model, prompt_list, params, constraint=constraint, heal=heal):
+    events = stream_events(model, prompt_list, params, constraint=constraint, heal=heal, adapter=adapter)
+    for delta in events:
         if delta.completion is not None:
             results[delta.prompt_index][delta.sample_index] = delta.completion
     return results[0] if single else results  # type: ignore[return-value]
@@ -110,11 +118,12 @@ def stream(
     *,
     constraint: Constraint | None = None,
     heal: bool | int = False,
+    adapter: Chain | None = None,
 ) -> Iterator[str]:
     """Text deltas of one sample; their concatenation equals `generate(...)[0].text`."""
     params = params or SamplingParams()
     if params.n != 1:
         raise ValueError(f"stream() yields one sample, so n must be 1, got {params.n}")
-    for delta in stream_events(model, [prompt], params, constraint=constraint, heal=heal):
+    for delta in stream_events(model, [prompt], params, constraint=constraint, heal=heal, adapter=adapter):
         if delta.text:
             yield delta.text

@@ -133,10 +133,10 @@ def logprobs(model: LanguageModel, tokens: torch.Tensor, mask: torch.Tensor | No
     return torch.log_softmax(model.forward(tokens, model.new_cache(len(tokens)), mask).float(), dim=-1)
 
 
-def score_batch(
+def next_token_logprobs(
     model: LanguageModel, rows: Sequence[Sequence[int]] | torch.Tensor, starts: Sequence[int]
 ) -> list[torch.Tensor]:
-    """log p(row[t] | row[:t]) for t in [start, len(row)) of each row, [len(row) - start]
+    """log p(. | row[:t]) for t in [start, len(row)) of each row, [len(row) - start, V]
     float32, in one forward: rows of different lengths are left-padded."""
     if len(starts) != len(rows):
         raise ValueError(f"need one start per row: {len(rows)} rows, got {len(starts)} starts")
@@ -150,12 +150,21 @@ def score_batch(
         mask = None if bool(mask.all()) else mask
     width = tokens.shape[1]
     logp = logprobs(model, tokens, mask)  # [B, T, V]
-    scores = []
-    for b, (row, start) in enumerate(zip(rows, starts)):
-        first = width - len(row) + start  # the first scored token's column
-        # the logits at column t predict the token at t + 1
-        scores.append(logp[b, first - 1 : width - 1].gather(-1, tokens[b, first:, None])[:, 0])
-    return scores
+    # the logits at column t predict the token at t + 1
+    return [logp[b, width - len(row) + start - 1 : width - 1]
+            for b, (row, start) in enumerate(zip(rows, starts))]
+
+
+def score_batch(
+    model: LanguageModel, rows: Sequence[Sequence[int]] | torch.Tensor, starts: Sequence[int]
+) -> list[torch.Tensor]:
+    """log p(row[t] | row[:t]) for t in [start, len(row)) of each row, [len(row) - start]
+    float32, in one forward: rows of different lengths are left-padded."""
+    dists = next_token_logprobs(model, rows, starts)
+    return [
+        logp.gather(-1, torch.as_tensor(row[start:], dtype=torch.long)[:, None])[:, 0]
+        for logp, row, start in zip(dists, rows, starts)
+    ]
 
 
 def score_tokens(model: LanguageModel, ids: Sequence[int], start: int) -> torch.Tensor:

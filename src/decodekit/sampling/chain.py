@@ -2,7 +2,9 @@
 
 `build_chain(params, tokenizer)` is built once per request and returns one adapter,
 `(logits [R, V], state) -> logits [R, V]`, that applies the active adapters of
-`processors` in `params.order`; adapters at their off values are left out. The
+`processors` in `params.order`; adapters at their off values are left out. A caller's
+own adapter (`first`: controlled decoding's value tilt, align/controlled.py) runs before
+them, so it changes the policy that the params then sample from. The
 per-request state (histories, the mirostat target, the request's random generator)
 lives in `SamplerState`, and the decode loop calls, per step:
 
@@ -92,8 +94,10 @@ class SamplerState:
             self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long)].clone()
 
 
-def build_chain(params: SamplingParams, tokenizer: Any = None) -> Chain:
-    """The request's adapters, in `params.order`, as one function (logits, state) -> logits."""
+def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | None = None) -> Chain:
+    """The request's adapters, in `params.order`, as one function (logits, state) -> logits;
+    `first`, a stateless adapter of the caller's (it reads the rows' tokens from the state),
+    runs before them."""
     p, keep = params, params.min_tokens_to_keep
     bad = bad_word_sequences(p.bad_words, tokenizer)
     breakers = dry_breakers(p.dry_sequence_breakers, tokenizer if p.dry_multiplier else None)
@@ -148,6 +152,8 @@ def build_chain(params: SamplingParams, tokenizer: Any = None) -> Chain:
         "mirostat": _on(p.mirostat_tau is not None, lambda x, s: P.mirostat(x, s.mu, keep)),
     }
     active = [adapters[name] for name in p.order if adapters[name] is not None]
+    if first is not None:
+        active.insert(0, first)
 
     def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
         for adapter in active:
