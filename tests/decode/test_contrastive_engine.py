@@ -15,6 +15,7 @@ import decodekit as dk
 from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
 from decodekit.decode.sample import _steps, stream_events
 from decodekit.engine import Engine, EngineConfig
+from decodekit.engine.shared import engine_for
 from decodekit.models.native import NativeLM
 from decodekit.request import emit, make_requests, to_completion
 
@@ -79,7 +80,8 @@ def test_engine_equals_the_plain_loop(expert, amateur, params):
     for g, w in zip(got, want, strict=True):
         assert outputs(g) == outputs(w)
     assert texts == want_texts  # the same deltas, as they came
-    engine = expert._decodekit_engine[0]
+    engine = engine_for(expert)  # the expert's persistent engine ran them
+    assert engine.steps > 0
     assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
 
 
