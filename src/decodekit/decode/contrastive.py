@@ -31,6 +31,15 @@ forward per model and the prefix is never recomputed. The exception is a finite 
 window: the amateur is then re-run from scratch on each position's last W tokens (so a
 step costs W amateur tokens; at a fresh position 0..W-1, as if the window were the whole
 context), which is what "the amateur sees only the last W tokens" means.
+
+Where to run (`ContrastiveLM.engine_programs`, the hook of models/base.py): when both
+models support paged KV and the amateur sees the whole context, `generate`, `stream` and
+`stream_events` run each request as a `ContrastiveProgram` on the expert's persistent
+engine (engine/program.py): the amateur's forwards of every contrastive request in flight
+run as one batch, then their expert rows join the engine's one forward of the step, beside
+any other requests on the expert. Otherwise (a windowed amateur, a model without paged KV)
+the plain loop (decode/sample.py) runs `ContrastiveLM.forward` over its `PairCache`. Both
+paths sample the same requests (request.py) from the same scores, token for token.
 """
 
 from __future__ import annotations
@@ -40,7 +49,10 @@ from collections.abc import Sequence
 
 import torch
 
+from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
+from decodekit.engine.scheduler import blocks_alone
 from decodekit.models.base import Cache, LanguageModel, left_pad
+from decodekit.request import Delta, Request, Row, drop_finished_rows, emit, next_delta, sample_rows
 
 NEG_INF = float("-inf")
 # Lowest amateur log-probability used: an amateur that gives a head token probability 0
@@ -159,8 +171,9 @@ class ContrastiveLM(LanguageModel):
         windowed = amateur_window is not None
         self.max_context = expert.max_context if windowed else min(expert.max_context, amateur.max_context)
 
-    # Two models per step: the plain loop runs it (supports_paged_kv stays False). Its cache
-    # forks and crops when the expert's and the amateur's do (a WindowCache always does).
+    # Two models per step: no paged KV of its own (supports_paged_kv stays False); it runs on
+    # the expert's engine through `engine_programs`, or in the plain loop, whose cache forks
+    # and crops when the expert's and the amateur's do (a WindowCache always does).
     @property
     def supports_fork(self) -> bool:
         return self.expert.supports_fork and (self.amateur_window is not None or self.amateur.supports_fork)
@@ -182,9 +195,21 @@ class ContrastiveLM(LanguageModel):
             amateur_logits = self.amateur.forward(tokens, cache.amateur, mask)  # [B, T, V]
         else:
             amateur_logits = self._windowed_amateur(tokens, cache.amateur, mask)
+        return self.scores(expert_logits, amateur_logits)
+
+    def scores(self, expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torch.Tensor:
+        """This pair's CD scores [..., V] (its alpha, amateur temperature and weight)."""
         return contrastive_scores(
             expert_logits, amateur_logits, self.alpha, self.amateur_temperature, self.amateur_weight
         )
+
+    def engine_programs(self, requests: list[Request]) -> tuple[LanguageModel, list[Program]] | None:
+        """The requests as programs on the expert's engine, when both models support paged KV
+        and the amateur sees the whole context; None (the plain loop) otherwise."""
+        paged = self.expert.supports_paged_kv and self.amateur.supports_paged_kv
+        if not paged or self.amateur_window is not None:
+            return None
+        return self.expert, [ContrastiveProgram(self, request) for request in requests]
 
     def _windowed_amateur(
         self, tokens: torch.Tensor, cache: WindowCache, mask: torch.Tensor | None
@@ -224,6 +249,72 @@ class ContrastiveLM(LanguageModel):
 
     def token_text(self, token_id: int) -> str:
         return self.expert.token_text(token_id)
+
+
+class ContrastiveProgram(Program):
+    """One sampling request (request.py) on the expert's engine, its logits the CD scores.
+
+    Each live row is a pair of sequences: the expert's, decoding over a RunningKV lane, and
+    the amateur's, in the amateur's pool on the engine (a member). Every step feeds both the
+    row's last token: the amateur forward runs batched with every other program's, then the
+    expert's joins the step's one forward (engine/program.py). The prompt runs once; its n
+    samples fork both sequences after it, as the plain loop forks its cache. The request's
+    chain, seeds, stop strings and logprobs act exactly as in `generate` (`sample_rows`,
+    `emit`); a finished row's sequences are closed at once.
+    """
+
+    def __init__(self, model: ContrastiveLM, request: Request):
+        self.model, self.request = model, request
+        self.prompt_index, self.num_samples = request.index, len(request.rows)
+        self.rows: list[Row] = []  # the live rows, in the request's state order
+        self.seqs: list[tuple[Seq, Seq]] = []  # (expert, amateur) per live row; the prompt's first
+
+    def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
+        # as a sampling request, plus one block per sample for a copy-on-write of a cached
+        # last block (kv.py `reserve`)
+        blocks = blocks_alone(self.request, block_size) + len(self.request.rows)
+        return [(self.model.expert, blocks), (self.model.amateur, blocks)]
+
+    def step(self, kv: ProgramKV):
+        model, request = self.model, self.request
+        first = not self.rows
+        if first:  # the prompt, once for all n samples
+            pair = (kv.open(model.expert, request.prompt_ids), kv.open(model.amateur, request.prompt_ids))
+            request.cached_prompt_tokens = pair[0].table.length
+            self.rows, self.seqs = list(request.rows), [pair]
+        experts, amateurs = zip(*self.seqs, strict=True)
+        amateur, expert = yield [Forward(model.amateur, [Feed(seq) for seq in amateurs]),
+                                 Forward(model.expert, [Feed(seq, lane=True) for seq in experts])]
+        scores = model.scores(torch.cat(expert), torch.cat(amateur))  # [R or 1, V]
+        parents = [0] * len(self.rows) if first else list(range(len(self.rows)))
+        rows = self.rows
+        sample_rows(scores[parents], rows)
+        deltas = list(emit(rows, model.max_context))
+        drop_finished_rows(rows)
+        live = [(row, parent) for row, parent in zip(rows, parents, strict=True) if row.finish_reason is None]
+        taken: set[int] = set()
+        pairs = []
+        for _, parent in live:  # forks first: every parent is intact until all are taken
+            pair = self.seqs[parent]
+            pairs.append((kv.fork(pair[0]), kv.fork(pair[1])) if parent in taken else pair)
+            taken.add(parent)
+        for i, pair in enumerate(self.seqs):
+            if i not in taken:
+                kv.close(pair[0])
+                kv.close(pair[1])
+        for (row, _), pair in zip(live, pairs, strict=True):
+            for seq in pair:
+                seq.tokens.append(row.token_ids[-1])
+        self.rows, self.seqs = [row for row, _ in live], pairs
+        self.finished = not self.rows
+        return deltas
+
+    def cancel(self) -> list[Delta]:
+        """The unfinished samples so far, with finish_reason "cancelled"."""
+        rows = [row for row in self.rows or self.request.rows if row.finish_reason is None]
+        for row in rows:
+            row.finish_reason = "cancelled"
+        return [next_delta(row) for row in rows]
 
 
 def check_same_vocabulary(expert: LanguageModel, amateur: LanguageModel) -> None:

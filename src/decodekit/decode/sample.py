@@ -3,7 +3,9 @@
     generate(model, prompts, params) -> list[list[Completion]]   (one list of n per prompt)
 
 The loop (`_steps`) runs models without paged KV (`LanguageModel.supports_paged_kv`);
-the others run on the paged engine (engine/). Both run the same requests (request.py).
+the others run on the paged engine (engine/), and so do models that run on another's
+engine as programs (`LanguageModel.engine_programs`: a ContrastiveLM of paged-KV models).
+All run the same requests (request.py).
 The loop prefills each prompt once, forks its KV cache into the
 request's n rows, then decodes one token per step for every live row. Each
 request keeps its own adapter chain and random generator (one uniform per row per
@@ -72,10 +74,13 @@ def stream_events(
 ) -> Iterator[Delta]:
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
     requests = make_requests(model, prompts, params, mask_builder(constraint, heal), adapter)
-    if model.supports_paged_kv:  # the paged engine; the plain loop (`_steps`) otherwise
+    # The model's paged engine, or another model's engine running the requests as programs
+    # (a ContrastiveLM's expert: models/base.py `engine_programs`); the plain loop otherwise.
+    on_engine = (model, requests) if model.supports_paged_kv else model.engine_programs(requests)
+    if on_engine is not None:
         from decodekit.engine.shared import run_requests
 
-        yield from run_requests(model, requests)
+        yield from run_requests(*on_engine)
         return
     for rows in _steps(model, requests):
         yield from emit(rows, model.max_context)

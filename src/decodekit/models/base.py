@@ -20,6 +20,12 @@ code that picks an execution path reads them, never the model's class:
 - `supports_fork`      its cache forks and selects rows (n samples, beam search);
 - `supports_crop`      its cache crops (speculative decoding's rollback).
 Every model here forks, selects and crops its cache, so the last two default to True.
+
+A model that combines others (decode/contrastive.py's `ContrastiveLM`: an expert and an
+amateur) may run on one of their engines instead of the plain loop, through one optional
+hook, read by decode/sample.py beside `supports_paged_kv`:
+- `engine_programs(requests)`  (the model whose engine runs them, the requests as programs
+                       (engine/program.py)), or None (the default): the plain loop.
 """
 
 from __future__ import annotations
@@ -75,6 +81,11 @@ class LanguageModel(ABC):
         self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [B, T, V] float32 for tokens [B, T] (long); `mask` [B, T] bool marks real tokens."""
+
+    def engine_programs(self, requests: list) -> tuple[LanguageModel, list] | None:
+        """How a model without paged KV of its own runs `requests` (request.py) on another
+        model's engine: (that model, one program per request), or None: the plain loop."""
+        return None
 
     def num_parameters(self) -> int:
         return 0
