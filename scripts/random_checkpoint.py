@@ -2,8 +2,8 @@
 
 Defaults: Qwen2.5-0.5B's layers (hidden 896, intermediate 4864, 14 heads / 2 KV heads of 64,
 tied embeddings, q/k/v biases), 16 of its 24 layers and a 2,048-token vocabulary (the shipped
-tokenizer's size), so the layers, not the embedding, carry the weights: 229M parameters,
-0.9 GB in float32. No tokenizer: benchmarks feed it random token ids.
+tokenizer's size), so the layers, not the embedding, carry the weights: 240M parameters,
+0.96 GB in float32. No tokenizer: benchmarks feed it random token ids.
 
     python scripts/random_checkpoint.py --out /tmp/qwen2.5-0.5b-16l
     decodekit bench latency --model /tmp/qwen2.5-0.5b-16l --repeats 2
