@@ -29,6 +29,14 @@ def test_formula_by_hand_counts_kv_heads_not_query_heads(tiny_llama_dir):
     assert kv_cache_bytes(1, 1, 1, 1, 1, 2) == 4  # one key and one value of 2 bytes
 
 
+def test_formula_is_the_dense_cache_bytes(tiny_llama_dir, tiny_lm):
+    cache = tiny_lm.new_cache(3)
+    cache.reserve(50)  # capacity exactly 50 positions
+    assert cache.capacity == 50
+    plan = plan_memory(str(tiny_llama_dir), context=50, batch_size=3)
+    assert cache.keys.nbytes + cache.values.nbytes == plan["kv_bytes"]
+
+
 def test_embedded_model_and_fit(tiny_llama_dir):
     plan = plan_memory("shakespeare", context=512, batch_size=8)
     assert plan["weight_bytes"] == embedded_models()["shakespeare"]["parameters"] * 4
