@@ -15,7 +15,8 @@ def add_bench(sub) -> None:
     p.add_argument("which", choices=BENCHES)
     p.add_argument("--model", default="shakespeare")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
-    p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
+    p.add_argument("--draft", default="shakespeare-draft",
+                   help="bench speculative: the draft model; bench presets: the second scorer")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
     p.add_argument("--new-tokens", type=int, default=256)
