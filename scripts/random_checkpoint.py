@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="new directory for config.json + model.safetensors")
     parser.add_argument("--layers", type=int, default=16)
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out} exists and is not empty")
