@@ -75,3 +75,17 @@ def test_cli_prints_the_plan_and_one_line_errors(capsys):
     assert main(["plan", "shakespeare", "--context", "9999"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("decodekit plan: error: context must be <= 512") and err.count("\n") == 1
+
+
+def test_compressed_weights_count_as_stored(tiny_llama_dir, tmp_path):
+    from decodekit.compress.apply import model_nbytes
+    from decodekit.compress.recipe import CompressConfig, compress_to_dir
+    from decodekit.models.registry import load_model
+
+    compress_to_dir(tiny_llama_dir, CompressConfig("rtn", bits=8), tmp_path / "int8")
+    plan = plan_memory(str(tmp_path / "int8"), context=50, batch_size=3)
+    assert plan["weight_bytes"] == model_nbytes(load_model(tmp_path / "int8").net)  # codes + scales
+    assert plan["weight_bytes"] < plan_memory(str(tiny_llama_dir), context=50)["weight_bytes"]
+    assert plan["kv_bytes"] == 38_400 and plan["parameters"] is None  # the cache stays float32
+    with pytest.raises(ValueError, match="runs in float32 only, got dtype 'bfloat16'"):
+        plan_memory(str(tmp_path / "int8"), context=8, dtype="bfloat16")

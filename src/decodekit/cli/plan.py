@@ -30,7 +30,8 @@ def run_plan(args) -> None:
         return
     fits = {True: "yes", False: "NO", None: "unknown"}[plan["fits"]]
     available = "unknown" if plan["available_bytes"] is None else gib(plan["available_bytes"])
-    print(f"model      {plan['model']}: {plan['parameters']:,} parameters, {plan['num_layers']} layers, "
+    size = "compressed" if plan["parameters"] is None else f"{plan['parameters']:,} parameters"
+    print(f"model      {plan['model']}: {size}, {plan['num_layers']} layers, "
           f"{plan['num_heads']} heads / {plan['num_kv_heads']} KV heads of {plan['head_dim']}")
     print(f"weights    {gib(plan['weight_bytes'])} ({plan['dtype']})")
     print(f"KV cache   {gib(plan['kv_bytes'])} = {plan['kv_formula']} ({plan['kv_dtype']})")

@@ -134,7 +134,10 @@ def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: 
     available, source = available_memory()
     total = weight_bytes + kv_bytes
     return {
-        "model": name, "parameters": sum(count for _, count in tensors), "dtype": weights_dtype,
+        # a compressed directory's stored elements (int4 codes two to a byte, scales) are no
+        # parameter count
+        "model": name, "parameters": None if kind == "compressed" else sum(count for _, count in tensors),
+        "dtype": weights_dtype,
         "weight_bytes": weight_bytes, "kv_dtype": kv_dtype, "context": context, "batch_size": batch_size,
         **shape,
         "kv_formula": f"{batch_size} x {context} x 2 x {shape['num_layers']} layers x "
