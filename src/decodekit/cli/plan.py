@@ -33,7 +33,8 @@ def run_plan(args) -> None:
     size = "compressed" if plan["parameters"] is None else f"{plan['parameters']:,} parameters"
     print(f"model      {plan['model']}: {size}, {plan['num_layers']} layers, "
           f"{plan['num_heads']} heads / {plan['num_kv_heads']} KV heads of {plan['head_dim']}")
-    print(f"weights    {gib(plan['weight_bytes'])} ({plan['dtype']})")
+    stored = "integer codes and scales, as stored" if plan["parameters"] is None else plan["dtype"]
+    print(f"weights    {gib(plan['weight_bytes'])} ({stored})")
     print(f"KV cache   {gib(plan['kv_bytes'])} = {plan['kv_formula']} ({plan['kv_dtype']})")
     print(f"total      {gib(plan['total_bytes'])}")
     print(f"available  {available} ({plan['available_source']})")
