@@ -42,6 +42,19 @@ TRUNCATION_ADAPTERS = (
 DEFAULT_ORDER = PENALTY_ADAPTERS + ("temperature",) + TRUNCATION_ADAPTERS
 ADAPTER_NAMES = frozenset(DEFAULT_ORDER)
 
+# Use-case presets: (temperature, top_p). Seed 003 (CS 288, "Sequence Modeling: Generation",
+# slide "Inference with Modern LLMs"), whose table cites "ruv, 2023, ChatGPT API
+# recommendations"; the seed's row names are in the comments. What they do to the shipped
+# model's text: BENCHMARKS.md, "Seeds' remaining claims (issue 17)".
+PRESETS: dict[str, tuple[float, float]] = {
+    "code-generation": (0.2, 0.1),  # Code Generation
+    "creative-writing": (0.7, 0.8),  # Creative Writing
+    "chatbot": (0.5, 0.5),  # Chatbot Responses
+    "code-comments": (0.3, 0.2),  # Code Comment Generation
+    "data-analysis": (0.2, 0.1),  # Data Analysis Scripting
+    "exploratory-code": (0.6, 0.7),  # Exploratory Code Writing
+}
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -180,5 +193,18 @@ class SamplingParams:
         return replace(self, **changes)
 
     @classmethod
+    def preset(cls, name: str, **overrides: Any) -> SamplingParams:
+        """The use case `name`'s temperature and top_p (PRESETS, seed 003); `overrides` win."""
+        temperature, top_p = preset_values(name)
+        return cls(**{"temperature": temperature, "top_p": top_p, **overrides})
+
+    @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def preset_values(name: str) -> tuple[float, float]:
+    """(temperature, top_p) of the preset `name`; ValueError naming the allowed names."""
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {name!r}")
+    return PRESETS[name]

@@ -146,6 +146,20 @@ def test_penalties_bias_and_extensions_reach_the_sampler(client, server_models):
     assert plain.text != expected.text  # the fields changed the draw
 
 
+def test_preset_equals_the_library_preset_and_the_body_overrides_it(client, server_models):
+    model = server_models["tiny"]
+    texts = []
+    for extra in ({}, {"temperature": 1.5}):
+        params = SamplingParams.preset("creative-writing", max_new_tokens=12, seed=3, **extra)
+        [expected] = dk.generate(model, PROMPT, params)
+        response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, seed=3,
+                                              extra_body={"preset": "creative-writing"}, **extra)
+        texts.append(response.choices[0].text)
+        assert texts[-1] == expected.text
+    [plain] = local(server_models, max_new_tokens=12, seed=3)
+    assert len({plain.text, *texts}) == 3  # the preset, and the body's temperature, changed the draw
+
+
 def test_json_schema_output_validates(client, server_models):
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")

@@ -59,6 +59,8 @@ BAD = [
     (COMPLETIONS, body(suffix="x"), 400, "suffix"),
     (COMPLETIONS, body(top_k=-5), 400, "top_k"),
     (COMPLETIONS, body(min_p="much"), 400, "min_p"),
+    (COMPLETIONS, body(preset="poetry"), 400, "preset"),
+    (COMPLETIONS, body(preset=3), 400, "preset"),
     (COMPLETIONS, body(response_format={"type": "xml"}), 400, "response_format"),
     (COMPLETIONS, body(response_format={"type": "json_schema",
                                         "json_schema": {"schema": {"type": "nonsense"}}}), 400,

@@ -16,6 +16,7 @@ from decodekit.cli.compress import add_compress
 from decodekit.cli.evaluate import add_align, add_eval
 from decodekit.cli.generate import add_generate
 from decodekit.cli.models import add_models
+from decodekit.cli.plan import add_plan
 from decodekit.cli.serve import add_serve
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -45,6 +46,7 @@ def build_parser() -> Parser:
     add_eval(sub)
     add_compress(sub)
     add_serve(sub)
+    add_plan(sub)
     return parser
 
 

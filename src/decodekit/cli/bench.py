@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, show_progress
+from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
-BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam")
+BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
+           "latency", "presets")
 
 
 def add_bench(sub) -> None:
@@ -14,7 +15,8 @@ def add_bench(sub) -> None:
     p.add_argument("which", choices=BENCHES)
     p.add_argument("--model", default="shakespeare")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
-    p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
+    p.add_argument("--draft", default="shakespeare-draft",
+                   help="bench speculative: the draft model; bench presets: the second scorer")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrency", default="1,8,32,64",
                    help="bench server: client counts; bench beam: one count (default 16)")
@@ -23,6 +25,11 @@ def add_bench(sub) -> None:
                    "(bench/hardening.py)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    latency = p.add_argument_group("bench latency (seed 000's latency table)")
+    latency.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    latency.add_argument("--tokens", default="1,2,4,8,16", help="comma-separated new tokens per row")
+    latency.add_argument("--context", type=int, default=256, help="positions in the KV cache")
+    latency.add_argument("--plot", default=None, metavar="FILE", help="a heat map (needs matplotlib)")
     add_dtype(p)
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print JSON only")
@@ -30,6 +37,9 @@ def add_bench(sub) -> None:
 
 
 def run_bench(args) -> None:
+    if args.which in ("latency", "presets"):
+        run_seed_bench(args)
+        return
     if args.dtype != "auto" and args.which not in ("decode", "engine"):
         raise UsageError(f"--dtype applies to bench decode and bench engine, not bench {args.which}")
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
@@ -93,3 +103,36 @@ def run_bench(args) -> None:
 
         result = bench_decode(args.model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype)
     print(json.dumps(result, indent=None if args.json else 2))
+
+
+def run_seed_bench(args) -> None:
+    """bench latency and bench presets (issue 17): a table, or JSON with --json."""
+    if args.which == "presets":
+        if args.dtype != "auto" or args.plot:
+            raise UsageError("bench presets takes no --dtype or --plot")
+        from decodekit.bench.presets import bench_presets, table
+
+        set_threads(args)
+        result = bench_presets(args.model, args.draft, progress=show_progress(args))
+    else:
+        check_plot(args.plot)
+        from decodekit.bench.latency import bench_latency, plot, table
+
+        set_threads(args)
+        result = bench_latency(args.model, int_list("--batch-sizes", args.batch_sizes),
+                               int_list("--tokens", args.tokens), args.context, args.repeats, args.dtype,
+                               progress=show_progress(args))
+        if args.plot:
+            plot(result, args.plot)
+    print(json.dumps(result) if args.json else table(result))
+
+
+def int_list(flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers, or a UsageError naming the flag."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} must be comma-separated positive integers, got {text!r}")
+    return values

@@ -7,7 +7,7 @@ import json
 import sys
 
 from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, unescape, warn
-from decodekit.params import SamplingParams
+from decodekit.params import PRESETS, SamplingParams, preset_values
 
 # SamplingParams fields exposed as flags: name -> type of one value.
 SAMPLING_FLAGS: dict[str, type] = {
@@ -46,6 +46,9 @@ def add_generate(sub) -> None:
     p.add_argument("--model", default="shakespeare", help="embedded model name or local directory")
     p.add_argument("--strategy", default="sample", help="|".join(STRATEGIES))
     p.add_argument("--n", type=int, default=1, help="samples (or beams returned) per prompt")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help=f"use case's temperature and top-p (seed 003): {', '.join(PRESETS)}; "
+                   "--temperature and --top-p override it")
     for name, kind in SAMPLING_FLAGS.items():
         if name != "seed":
             p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
@@ -133,7 +136,10 @@ def constraint_from(args):
 
 
 def sampling_params(args) -> SamplingParams:
-    values = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    values = {}
+    if args.preset is not None:
+        values["temperature"], values["top_p"] = preset_values(args.preset)
+    values.update({name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None})
     if args.stop:
         values["stop"] = tuple(unescape("--stop", stop) for stop in args.stop)
     if args.order:
@@ -142,6 +148,8 @@ def sampling_params(args) -> SamplingParams:
     if args.strategy not in STRATEGIES:
         raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
     if args.strategy in ("greedy", "contrastive"):
+        if args.preset is not None:
+            raise UsageError(f"--strategy {args.strategy} takes no --preset (its temperature is 0)")
         if values.get("temperature", 0.0) != 0.0:
             raise UsageError(f"--strategy {args.strategy} takes no --temperature (it is 0)")
         values["temperature"] = 0.0

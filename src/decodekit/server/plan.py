@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decodekit.models.base import LanguageModel
-from decodekit.params import SamplingParams
+from decodekit.params import SamplingParams, preset_values
 from decodekit.server.backend import Backend, Job
 from decodekit.server.protocol import APIError, ChatMessage, ChatRequest, GenerationRequest
 
@@ -162,7 +162,8 @@ def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logpr
             raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         bias[int(key)] = value
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    values = dict(max_new_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,
+    temperature, top_p = preset_of(req)
+    values = dict(max_new_tokens=max(max_tokens, 1), temperature=temperature, top_p=top_p,
                   n=samples, stop=tuple(stop), seed=req.seed, presence_penalty=req.presence_penalty,
                   frequency_penalty=req.frequency_penalty, logit_bias=bias,
                   logprobs=logprobs or None)
@@ -174,6 +175,19 @@ def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logpr
         return SamplingParams(**values)
     except (ValueError, TypeError) as error:
         raise api_error(error) from None
+
+
+def preset_of(req: GenerationRequest) -> tuple[float, float]:
+    """temperature and top_p: the body's where it gives them, else its preset's (or the defaults)."""
+    temperature, top_p = req.temperature, req.top_p
+    if req.preset is not None:
+        try:
+            temperature, top_p = preset_values(req.preset)
+        except ValueError as error:
+            raise APIError(400, str(error), "preset", "invalid_value") from None
+    given = req.model_fields_set
+    return (req.temperature if "temperature" in given else temperature,
+            req.top_p if "top_p" in given else top_p)
 
 
 def selection_of(req: GenerationRequest, n: int, backend: Backend) -> Selection | None:

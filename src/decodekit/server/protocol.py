@@ -96,6 +96,8 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    # a use case's temperature and top_p (params.PRESETS, seed 003); the body's own win
+    preset: str | None = None
     # structured output under vLLM's names (decode/constrained.py)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

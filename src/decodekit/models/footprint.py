@@ -1,0 +1,147 @@
+"""How much memory a model and its KV cache need, from config.json and the safetensors headers.
+
+Seed 001 ("KV cache" memory): batch · n_ctx · 2 · n_layer · n_heads · head_dim · n_bytes.
+With grouped-query attention only the key/value heads are cached, so n_heads there is
+`num_key_value_heads` (Llama 2 70B, Mistral, Qwen: several query heads share one); the seed's
+formula with the query heads overstates such a cache by num_heads / num_kv_heads. The cache
+keeps every position, sliding-window layers included (models/kv.py): the formula is the
+dense cache's bytes at a capacity of n_ctx (it doubles its capacity when full, so a cache
+grown token by token holds up to 2x), and the paged engine rounds each sequence up to whole
+blocks. An int8
+cache counts one byte per value: its scales (per head and position) are left out.
+
+Weights are counted from the checkpoint's safetensors headers without reading the tensors:
+parameters x the bytes of the dtype they load in (a compressed directory's integer codes
+and scales as stored, which is how they stay in memory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from decodekit.validate import check_int
+
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# safetensors dtype codes -> bytes per element
+STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1}
+
+
+def kv_cache_bytes(batch_size: int, context: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                   bytes_per_value: int) -> int:
+    """batch · n_ctx · 2 (keys and values) · n_layer · n_kv_heads · head_dim · n_bytes (seed 001)."""
+    return batch_size * context * 2 * num_layers * num_kv_heads * head_dim * bytes_per_value
+
+
+def attention_shape(config: dict[str, Any]) -> dict[str, int]:
+    """Layers, KV heads, head size and context of a config.json (NativeLM's reading where it
+    supports the architecture: RoPE scaling stretches the context)."""
+    from decodekit.models.native import NativeConfig, NativeLM
+
+    if NativeLM.supports(config):
+        c = NativeConfig.from_dict(config)
+        return {"num_layers": c.num_layers, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim, "max_context": c.context_length}
+    try:
+        heads = int(config["num_attention_heads"])
+        return {"num_layers": int(config["num_hidden_layers"]), "num_heads": heads,
+                "num_kv_heads": int(config.get("num_key_value_heads") or heads),
+                "head_dim": int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+                "max_context": int(config.get("max_position_embeddings") or 0)}
+    except KeyError as missing:
+        raise ValueError(f"config.json has no {missing.args[0]!r}: not a transformer decoder "
+                         "whose KV cache this can size") from None
+
+
+def stored_tensors(path: Path) -> list[tuple[str, int]]:
+    """(safetensors dtype, element count) of every tensor of the directory's weights, headers only."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [f for f in (path / "model.safetensors", path / "model.compressed.safetensors") if f.exists()]
+    if not files:
+        raise FileNotFoundError(f"no model.safetensors (or its index) in {path}")
+    tensors = []
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                piece = f.get_slice(key)
+                count = 1
+                for size in piece.get_shape():
+                    count *= size
+                tensors.append((piece.get_dtype(), count))
+    return tensors
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes, source) of the memory available to a new allocation: psutil's, else
+    /proc/meminfo's MemAvailable, else (None, why)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().available), "psutil.virtual_memory().available"
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "/proc/meminfo MemAvailable"
+    except OSError:
+        pass
+    return None, "unknown: no psutil and no /proc/meminfo MemAvailable on this system"
+
+
+def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: str = "auto",
+                dtype: str = "auto") -> dict[str, Any]:
+    """Weight and KV-cache bytes of serving `batch_size` sequences of `context` positions, and
+    whether they fit in the memory available now. kv_dtype "auto": the weights' dtype."""
+    from decodekit.models.checkpoint import read_config
+    from decodekit.models.registry import resolve, resolve_dtype
+
+    check_int("context", context, 1)
+    check_int("batch_size", batch_size, 1)
+    if kv_dtype != "auto" and kv_dtype not in KV_BYTES:
+        allowed = ", ".join(map(repr, ("auto", *KV_BYTES)))
+        raise ValueError(f"kv_dtype must be one of {allowed}, got {kv_dtype!r}")
+    name, path, kind = resolve(name_or_path)
+    if kind not in ("hf", "compressed"):
+        raise ValueError(f"model {name!r} ({kind}) has no KV cache to size: give a transformer "
+                         "checkpoint")
+    config = read_config(path)
+    shape = attention_shape(config)
+    if shape["max_context"] and context > shape["max_context"]:
+        raise ValueError(f"context must be <= {shape['max_context']} (the context of model {name!r}), "
+                         f"got {context}")
+    tensors = stored_tensors(path)
+    if kind == "compressed":
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"compressed model {name!r} runs in float32 only, got dtype {dtype!r}")
+        weights_dtype = "float32"
+        weight_bytes = sum(count * STORED_BYTES[code] for code, count in tensors)
+    else:
+        weights_dtype = str(resolve_dtype(dtype, config)).removeprefix("torch.")
+        weight_bytes = sum(count for _, count in tensors) * DTYPE_BYTES[weights_dtype]
+    kv_dtype = weights_dtype if kv_dtype == "auto" else kv_dtype
+    kv_bytes = kv_cache_bytes(batch_size, context, shape["num_layers"], shape["num_kv_heads"],
+                              shape["head_dim"], KV_BYTES[kv_dtype])
+    available, source = available_memory()
+    total = weight_bytes + kv_bytes
+    return {
+        # a compressed directory's stored elements (int4 codes two to a byte, scales) are no
+        # parameter count
+        "model": name, "parameters": None if kind == "compressed" else sum(count for _, count in tensors),
+        "dtype": weights_dtype,
+        "weight_bytes": weight_bytes, "kv_dtype": kv_dtype, "context": context, "batch_size": batch_size,
+        **shape,
+        "kv_formula": f"{batch_size} x {context} x 2 x {shape['num_layers']} layers x "
+                      f"{shape['num_kv_heads']} KV heads x {shape['head_dim']} x {KV_BYTES[kv_dtype]} bytes",
+        "kv_bytes": kv_bytes, "total_bytes": total, "available_bytes": available,
+        "available_source": source, "fits": None if available is None else total <= available,
+    }
