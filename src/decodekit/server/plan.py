@@ -333,8 +333,22 @@ def launch(plan: Plan, index: int, backend: Backend) -> Job:
 
 def engine_program(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
     """The program (engine/program.py) that runs this prompt on the model's engine, joining
-    its running batch, or None where the model has no engine (it runs in the worker thread)."""
-    if plan.model not in backend.engines or plan.decoder != "beam" or plan.amateur is not None:
+    its running batch, or None where it cannot (it runs in the worker thread): a model
+    without paged KV, a contrastive amateur with a window, beam search over a ContrastiveLM."""
+    if plan.model not in backend.engines:
+        return None
+    if plan.amateur is not None:  # `model` is the ContrastiveLM: its expert's engine runs it
+        if plan.decoder != "sample":
+            return None
+        from decodekit.decode.constrained import mask_builder
+        from decodekit.request import make_requests
+
+        [request] = make_requests(model, [prompt], plan.params, mask_builder(plan.constraint))
+        on_engine = model.engine_programs([request])
+        if on_engine is None or on_engine[0] is not backend.models[plan.model]:
+            return None
+        return on_engine[1][0]
+    if plan.decoder != "beam":
         return None
     from decodekit.decode.beam import BeamProgram, beam_searches
 
