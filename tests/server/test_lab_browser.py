@@ -103,3 +103,16 @@ def test_votes_view_shows_each_rule_pick(page, shots):
         page.click("#view-votes button.export")
     assert download.value.suggested_filename == "decodekit-lab-votes.json"
     page.screenshot(path=shots / "lab-votes.png", full_page=True)
+
+
+def test_views_are_reachable_by_keyboard(page):
+    page.focus("#tab-sampler")
+    page.keyboard.press("ArrowRight")  # the tab list: arrows move between views
+    assert page.evaluate("document.activeElement.id") == "tab-beam"
+    assert page.is_visible("#view-beam") and page.is_hidden("#view-sampler")
+    page.keyboard.press("Tab")  # into the view's first control, which has a label
+    label = page.evaluate("document.activeElement.closest('label').textContent")
+    assert label.startswith("Model")
+    page.focus("#tab-beam")
+    page.keyboard.press("ArrowLeft")
+    assert page.is_visible("#view-sampler")

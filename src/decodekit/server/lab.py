@@ -197,7 +197,7 @@ def lab_router(backend) -> APIRouter:
         fields = {name: {f: getattr(defaults, f) for f in fs} for name, fs in ADAPTER_FIELDS.items()}
         return {"models": models.names(), "served": list(backend.models), "adapters": list(DEFAULT_ORDER),
                 "fields": fields,
-                "presets": {}, "tree_methods": list(METHODS), "max_n": max_n,
+                "tree_methods": list(METHODS), "max_n": max_n,
                 "max_new_tokens": MAX_NEW_TOKENS}
 
     @router.post("/lab/api/sampler")
