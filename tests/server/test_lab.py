@@ -77,6 +77,22 @@ def test_sampler_steps_by_sampling_and_by_picking(lab):
     assert error["param"] == "choose" and str(removed) in error["message"]
 
 
+def test_sampler_replays_the_generated_tokens_for_history_adapters(lab_models):
+    from decodekit.params import SamplingParams
+    from decodekit.server.lab_views import stage_logits
+
+    model = lab_models["tiny"]
+    prompt = model.encode("hello")
+    outside = next(t for t in range(model.vocab_size) if t not in prompt)
+    params = SamplingParams(repetition_penalty=3.0)
+    for generated, penalised in (([], False), ([outside], True)):
+        stages, _ = stage_logits(model, prompt, generated, params)
+        assert [name for name, _ in stages] == ["raw", "repetition_penalty"]
+        raw, after = float(stages[0][1][0, outside]), float(stages[1][1][0, outside])
+        expected = (raw / 3 if raw > 0 else raw * 3) if penalised else raw  # CTRL's penalty
+        assert after == pytest.approx(expected, rel=1e-6)
+
+
 def test_beam_tree_holds_the_search_and_its_answer(lab, lab_models):
     from decodekit import SamplingParams, beam_search
 
