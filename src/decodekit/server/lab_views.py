@@ -35,7 +35,7 @@ from decodekit.meta.tree import TreeConfig, tree_search
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.request import encode_prompt
-from decodekit.sampling import SamplerState, select_tokens
+from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import chain_stages
 
 VERIFIERS = {"token": token_verify, "block": block_verify}
@@ -235,13 +235,7 @@ def speculative_view(target: LanguageModel, draft: object, prompt: str, params: 
     vocab = target.vocab_size
     seed = params.seed if params.seed is not None else 0
     params = params.replace(seed=seed)
-    stages = chain_stages(params, target.tokenizer)
-
-    def chain(x, s):
-        for _, adapter in stages:
-            x = adapter(x, s)
-        return x
-
+    chain = build_chain(params, target.tokenizer)
     state = SamplerState(params, prompt_ids, 1, vocab, target.eos_token_ids, target.tokenizer)
     runner = IncrementalModel(target)
     generated: list[int] = []
