@@ -25,4 +25,18 @@ pip install "torch==2.13.0"
 step "installing decodekit (editable) with extras [$extras]; this takes a minute or two"
 pip install -e ".[$extras]"
 .venv/bin/python -c "import decodekit, torch, transformers"
+if [[ ",$extras," == *",dev,"* ]]; then
+  # Optional: the lab's browser tests (tests/server/test_lab_browser.py) drive Debian's
+  # chromium through playwright; without either they skip. Nothing here can fail the setup.
+  step "optional: playwright and chromium for the lab's browser tests (they skip without them)"
+  pip install playwright || echo "    playwright not installed: the browser tests will skip"
+  as_root=""
+  [ "$(id -u)" = 0 ] || { command -v sudo >/dev/null && sudo -n true 2>/dev/null && as_root="sudo -n"; }
+  if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$as_root" ]; }; then
+    { timeout 300 $as_root apt-get install -y -q chromium >/dev/null 2>&1 ||
+      { timeout 120 $as_root apt-get update -q >/dev/null 2>&1 &&
+        timeout 300 $as_root apt-get install -y -q chromium >/dev/null 2>&1; }; } ||
+      echo "    chromium not installed: the browser tests will skip"
+  fi
+fi
 step "done: .venv/bin/decodekit --help lists the commands"

@@ -257,3 +257,23 @@ def test_a_cancelled_beam_search_frees_its_blocks(tiny_lm):
     [best] = handle.result()
     assert best.finish_reason == "cancelled" and 5 <= len(best.token_ids) < 40
     assert engine.pool.num_used == 0 and len(engine.running_kv) == 0
+
+
+def test_trace_records_each_step_and_changes_nothing(tiny_lm):
+    from decodekit.decode.beam import BeamSearch, _beam_plain
+
+    params = dk.SamplingParams(max_new_tokens=8, n=2)
+    ids = tiny_lm.encode("ROMEO:")
+    search = BeamSearch(tiny_lm, ids, params, 3, 1.0, True, None, tiny_lm.decode)
+    search.trace = []
+    traced = _beam_plain(tiny_lm, search)
+    plain = _plain(tiny_lm, "ROMEO:", params, 3, 1.0, True)
+    assert [c.token_ids for c in traced] == [c.token_ids for c in plain]
+    assert len(search.trace) == search.steps
+    live = 1  # beams before the first step: the prompt
+    for candidates in search.trace:
+        assert all(0 <= parent < live for parent, *_ in candidates)
+        totals = [total for *_, total, _ in candidates]
+        assert totals == sorted(totals, reverse=True)  # ranked best first
+        live = sum(fate == "live" for *_, fate in candidates)
+        assert live <= 3 and {fate for *_, fate in candidates} <= {"live", "finished", "dropped", "pruned"}

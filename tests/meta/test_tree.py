@@ -53,6 +53,23 @@ def test_search_is_reproducible_with_a_seed(toy_model):
     assert run() == run()
 
 
+@pytest.mark.parametrize("method", ["beam", "dvts", "rebase"])
+def test_trace_records_every_child_and_changes_nothing(toy_model, method):
+    def run(trace):
+        return tree_search(LocalGenerator(toy_model), TOY_PROMPT, toy_oracle, 6, method, STEP.replace(seed=5),
+                           TreeConfig(width=2), trace=trace)
+
+    trace: list = []
+    plain, traced = run(None), run(trace)
+    assert [c.text for c in traced.candidates] == [c.text for c in plain.candidates]
+    assert traced.text == plain.text and traced.budget["generated_tokens"] == plain.budget["generated_tokens"]
+    children = [child for _, child in trace]
+    assert len(children) == traced.budget["generated_tokens"] // 2  # each child: a character + "\n"/EOS
+    for parent, child in trace:
+        assert child.steps[:-1] == parent.steps  # a child extends its parent by one step
+    assert any(c.completion is traced.chosen.completion for c in children)
+
+
 def test_allocate_children_follows_softmax_proportions():
     # softmax(log w / 1) = w / sum(w): shares 1 : 2 : 5 of 8 are exact integers
     assert allocate_children(8, [math.log(1), math.log(2), math.log(5)], tau=1.0) == [1, 2, 5]

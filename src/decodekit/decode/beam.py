@@ -131,6 +131,9 @@ class BeamSearch:
         self.finished: list[Hypothesis] = []
         self.tokens: list[int] = []  # each live beam's last token
         self.steps = 0
+        # Set to a list to record each step's ranked candidates (the lab draws the tree):
+        # (parent beam, token, processed log-prob, total, fate: live/finished/dropped/pruned).
+        self.trace: list[list[tuple]] | None = None
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         params, num_beams, mask, beams = self.params, self.num_beams, self.mask, self.beams
@@ -148,7 +151,7 @@ class BeamSearch:
         vocab = totals.shape[1]
         self.steps += 1
         last = self.steps == self.max_steps  # every candidate stops: out of length
-        parents, tokens, next_beams = [], [], []
+        parents, tokens, next_beams, fates = [], [], [], []
         for rank, flat in enumerate(best.indices.tolist()):
             parent, token = divmod(flat, vocab)
             beam = beams[parent]
@@ -167,12 +170,21 @@ class BeamSearch:
                         grown.finish_reason = "stop"  # EOS, a stop token, or a complete constraint
                         grown.stop_reason = token if token in self.stop_ids else None
                     self.finished = _keep_best(self.finished + [grown], num_beams, self.alpha)
+                fates.append("finished" if rank < num_beams else "dropped")
             elif token not in self.stop_ids:
                 parents.append(parent)
                 tokens.append(token)
                 next_beams.append(grown)
+                fates.append("live")
+            else:
+                fates.append("dropped")
             if len(next_beams) == num_beams or (last and rank + 1 == num_beams):
                 break
+        if self.trace is not None:
+            fates += ["pruned"] * (len(score_values) - len(fates))
+            ranked = [divmod(flat, vocab) for flat in best.indices.tolist()]
+            self.trace.append([(parent, token, score, beams[parent].total + score, fate)
+                               for (parent, token), score, fate in zip(ranked, score_values, fates)])
         self.beams = next_beams
         if not next_beams or _done(self.finished, next_beams, num_beams, self.alpha,
                                    self.early_stopping, self.steps, self.max_steps):  # fmt: skip

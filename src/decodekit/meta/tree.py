@@ -121,6 +121,7 @@ class _Search:
         self.failed: list[Candidate] = []
         self.expansions = 0
         self.stopped = False
+        self.trace: list[tuple[Node, Node]] | None = None  # (parent, child) pairs, when recording
 
     def value(self, node: Node) -> float:
         return node.value(self.config.aggregate)
@@ -157,7 +158,10 @@ class _Search:
             reason = "depth"
         else:
             reason = ""
-        return Node((*node.steps, step), node.scores, reason, completion)
+        made = Node((*node.steps, step), node.scores, reason, completion)
+        if self.trace is not None:
+            self.trace.append((node, made))
+        return made
 
     def scorer_item(self, node: Node) -> tuple:
         """What a process scorer reads: question, steps, prefix text, parent's step scores."""
@@ -340,6 +344,7 @@ def tree_search(
     prm_kind: str | None = None,
     on_error: str = "raise",
     budget: Budget | None = None,
+    trace: list | None = None,
 ) -> MetaResult:
     """Search for a solution of `prompt` with N = n samples per depth (see the module doc).
 
@@ -348,11 +353,13 @@ def tree_search(
     (max_new_tokens bounds a step); extract: answer of a solution text (needed for
     final="vote"/"weighted_vote"). Candidates are the finished leaves (or, if none
     finished, the last frontier) followed by children whose scoring failed
-    (on_error="record")."""
+    (on_error="record"). trace: a list that receives every (parent, child) `Node` as the
+    child is made (the lab draws the tree from it; the search is the same without it)."""
     config = config or TreeConfig()
     budget = budget if budget is not None else Budget()
     searches = _searches([prompt], params or SamplingParams(), config, extract, is_final, on_error,
                          [budget], method, n)
+    searches[0].trace = trace
     return _drive(generator, searches, method, n, prm, prm_kind)[0]
 
 

@@ -98,6 +98,20 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     """The request's adapters, in `params.order`, as one function (logits, state) -> logits;
     `first`, a stateless adapter of the caller's (it reads the rows' tokens from the state),
     runs before them."""
+    active = [adapter for _, adapter in chain_stages(params, tokenizer)]
+    if first is not None:
+        active.insert(0, first)
+
+    def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
+        for adapter in active:
+            logits = adapter(logits, state)
+        return logits if active else logits.clone()
+
+    return chain
+
+
+def chain_stages(params: SamplingParams, tokenizer: Any = None) -> list[tuple[str, Chain]]:
+    """The active adapters of `build_chain`, in order, by name (the lab shows each stage)."""
     p, keep = params, params.min_tokens_to_keep
     bad = bad_word_sequences(p.bad_words, tokenizer)
     breakers = dry_breakers(p.dry_sequence_breakers, tokenizer if p.dry_multiplier else None)
@@ -151,16 +165,7 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
         ),
         "mirostat": _on(p.mirostat_tau is not None, lambda x, s: P.mirostat(x, s.mu, keep)),
     }
-    active = [adapters[name] for name in p.order if adapters[name] is not None]
-    if first is not None:
-        active.insert(0, first)
-
-    def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
-        for adapter in active:
-            logits = adapter(logits, state)
-        return logits if active else logits.clone()
-
-    return chain
+    return [(name, adapters[name]) for name in p.order if adapters[name] is not None]
 
 
 def bad_word_sequences(

@@ -5,6 +5,7 @@
     GET  /v1/models              the served models
     POST /v1/completions         prompt -> text (stream: server-sent events, then [DONE])
     POST /v1/chat/completions    messages -> assistant message
+    GET  /lab                    decodekit lab: the algorithms at work, step by step (lab.py)
 
 A request is parsed (protocol.py), planned (plan.py: every bad value is a 400 naming its
 field), started on the backend (backend.py: the engine, or the worker thread), then
@@ -46,6 +47,8 @@ from decodekit.request import Delta
 from decodekit.server import protocol, responses
 from decodekit.server.backend import Backend, Job, QueueFull
 from decodekit.server.guard import Guard, host_policy
+from decodekit.server.lab import BODIES as LAB_BODIES
+from decodekit.server.lab import lab_router
 from decodekit.server.plan import Plan, api_error, launch, plan_request
 from decodekit.server.protocol import APIError, ChatRequest, CompletionRequest, error_body
 
@@ -66,7 +69,7 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     app.state.backend = backend
     config = backend.config
     app.add_middleware(Guard, api_key=config.api_key, hosts=host_policy(host, config.allowed_hosts),
-                       bodies=("/v1/completions", "/v1/chat/completions"),
+                       bodies=("/v1/completions", "/v1/chat/completions", *LAB_BODIES),
                        origins=config.cors_origins, max_body_bytes=config.max_body_bytes)
     if config.cors_origins:  # outside the guard: answers preflights, adds CORS headers to every answer
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
@@ -116,6 +119,7 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     async def chat(request: Request):
         return await answer(request, ChatRequest, backend)
 
+    app.include_router(lab_router(backend))  # GET /lab: the lab page and its JSON routes (lab.py)
     return app
 
 

@@ -8,8 +8,9 @@ In order, for every HTTP request:
 2. A browser's `Origin` must be the server itself (its `Host`: the /docs page) or one of
    `cors_origins` (none by default): 403, so a page cannot drive a local server with a
    cross-origin "simple" POST.
-3. Every route but `/health` needs `Authorization: Bearer KEY` when an API key is set:
-   401, the key compared in constant time (`hmac.compare_digest`).
+3. Every route but `/health` and the lab's page (`/lab`, `/lab/static/...`) needs
+   `Authorization: Bearer KEY` when an API key is set: 401, the key compared in constant
+   time (`hmac.compare_digest`).
 4. A POST's body (to a route that takes one) must be JSON (`Content-Type: application/json`): 415, and at most
    `max_body_bytes`: 413 from `Content-Length` before anything is read, and for a body
    without one (chunked), as soon as the bytes received pass the bound.
@@ -26,7 +27,8 @@ import json
 from decodekit.server.protocol import APIError, error_body
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-OPEN = ("/health",)  # routes that need no API key
+OPEN = ("/health", "/lab")  # routes that need no API key: /lab is the lab's page, not its data
+OPEN_PREFIXES = ("/lab/static/",)  # the page's script and style sheet
 
 
 def is_loopback(host: str) -> bool:
@@ -99,7 +101,8 @@ class Guard:
         if origin is not None and origin not in self.origins and not same_origin(origin, host):
             return APIError(403, f"Origin {origin!r} is not allowed (--cors-origin)", None,
                             "origin_not_allowed")
-        if self.api_key is not None and scope["path"] not in OPEN:
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN and not path.startswith(OPEN_PREFIXES):
             scheme, _, key = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key):
                 return APIError(401, "a valid API key is required: Authorization: Bearer KEY", None,
