@@ -212,6 +212,9 @@ def test_the_page_is_public_and_its_data_needs_the_key(lab_models):
         info = client.get("/lab/api/info", headers={"Authorization": "Bearer sesame"}).json()
         assert info["served"] == ["tiny"] and "arith" in info["models"]
         assert info["adapters"][0] == "logit_bias" and "top_k" in info["fields"]
+        from decodekit.params import PRESETS
+
+        assert {k: (v["temperature"], v["top_p"]) for k, v in info["presets"].items()} == PRESETS
 
 
 def test_the_page_needs_no_network():

@@ -65,6 +65,9 @@ def test_sampler_view_shows_what_top_k_removes(page, shots):
                            "document.querySelector('#sampler-generated').textContent.length > 1")
     assert page.locator("#error").is_hidden()
     page.screenshot(path=shots / "lab-sampler.png", full_page=True)
+    page.select_option("#preset", "creative-writing")  # seed 003's row: T 0.7, top-p 0.8
+    assert page.input_value("#chain li[data-adapter=temperature] input") == "0.7"
+    assert page.input_value("#chain li[data-adapter=top_p] input") == "0.8"
 
 
 def test_beam_and_tree_views_draw_trees(page, shots):

@@ -29,7 +29,7 @@ from fastapi.responses import FileResponse
 
 from decodekit.meta.tree import METHODS, TreeConfig
 from decodekit.models.base import LanguageModel
-from decodekit.params import DEFAULT_ORDER, SamplingParams
+from decodekit.params import DEFAULT_ORDER, PRESETS, SamplingParams
 from decodekit.server import lab_views as views
 from decodekit.server.plan import api_error
 from decodekit.server.protocol import APIError
@@ -197,6 +197,7 @@ def lab_router(backend) -> APIRouter:
         fields = {name: {f: getattr(defaults, f) for f in fs} for name, fs in ADAPTER_FIELDS.items()}
         return {"models": models.names(), "served": list(backend.models), "adapters": list(DEFAULT_ORDER),
                 "fields": fields,
+                "presets": {name: {"temperature": t, "top_p": p} for name, (t, p) in PRESETS.items()},
                 "tree_methods": list(METHODS), "max_n": max_n,
                 "max_new_tokens": MAX_NEW_TOKENS}
 

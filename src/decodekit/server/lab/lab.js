@@ -219,6 +219,16 @@ function renderSampler(data, out) {
 function setupSampler() {
   const chain = $("#chain");
   for (const name of state.info.adapters) chain.append(chainRow(name));
+  const preset = $("#preset");
+  for (const name of Object.keys(state.info.presets)) preset.append(el("option", { value: name, text: name }));
+  preset.addEventListener("change", () => {  // a use case's temperature and top_p (SamplingParams.preset)
+    const values = state.info.presets[preset.value];
+    if (!values) return;
+    for (const [field, value] of Object.entries(values)) {
+      const input = document.querySelector(`#chain input[data-field="${field}"]`);
+      if (input) input.value = value;
+    }
+  });
   $("#sampler-form").addEventListener("submit", (event) => { event.preventDefault(); sampler(); });
   $("#sampler-sample").addEventListener("click", () => sampler("sample"));
   $("#sampler-reset").addEventListener("click", () => { state.generated = []; sampler(); });
