@@ -558,8 +558,8 @@ class SpeculativeProgram(Program):
         pending = [seq for seq in bases if seq.pending]
         if pending:
             yield [Forward(seq.member.model, [Feed(seq)]) for seq in pending]
-        for i, r in enumerate(self.rows):
-            seqs = [base if i == 0 else kv.fork(base) for base in bases]
+        forks = [[base] + [kv.fork(base) for _ in self.rows[1:]] for base in bases]
+        for r, seqs in zip(self.rows, zip(*forks, strict=True), strict=True):
             r.target, r.draft = seqs[0], seqs[1] if len(seqs) > 1 else None
             for seq in seqs:
                 seq.tokens.append(self.request.prompt_ids[-1])
