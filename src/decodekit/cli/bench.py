@@ -16,6 +16,8 @@ def add_bench(sub) -> None:
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
+    p.add_argument("--concurrent", type=int, default=None, metavar="N",
+                   help="bench speculative: N concurrent requests on the engine against N plain ones")
     p.add_argument("--concurrency", default="1,8,32,64", help="bench server: client counts")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -45,6 +47,13 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
+    elif args.which == "speculative" and args.concurrent is not None:
+        from decodekit.bench.speculative import bench_concurrent
+
+        if args.concurrent < 1:
+            raise UsageError(f"--concurrent must be >= 1, got {args.concurrent}")
+        result = bench_concurrent(args.model, args.draft, args.concurrent, args.new_tokens,
+                                  repeats=args.repeats, threads=threads)
     elif args.which == "speculative":
         from decodekit.bench.speculative import bench_speculative, markdown_table
 

@@ -11,7 +11,10 @@ the block pool and computes each sequence's attention:
   longest, a mask hides the rest of shorter rows); the samples of one prompt also attend
   to its shared prefix, once for all of them, merged by log-sum-exp (cascade attention);
 - each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
-  its blocks gathered from the pool, its cached prefix included.
+  its blocks gathered from the pool, its cached prefix included; the short ones among them
+  (a program's verification or draft feeds: a few new tokens after a long cached prefix)
+  attend together, padded, in one call (`SpanGroup`), since sixteen calls of five queries
+  cost more in overhead than in arithmetic.
 
 A sliding-window layer (`windows`) masks the positions that fell out of each query's
 window. In the batch-invariant mode (`paged_forward(..., batch_invariant=True)`) every
@@ -44,6 +47,23 @@ class PrefillSpan:
     length: int  # positions stored after this step (cached prefix + new tokens)
 
 
+# Spans of at most this many new tokens attend together (`SpanGroup`); longer ones (prompts)
+# alone, where padding to the longest would waste more than a call costs.
+SHORT_SPAN = 8
+
+
+@dataclass
+class SpanGroup:
+    """Short spans attended in one padded call: B spans of at most T new tokens each."""
+
+    queries: torch.Tensor  # [B * T] each padded query's index in the step's row (padding
+    #                        repeats its span's last query, so no row of the mask is empty)
+    real: torch.Tensor  # [n] which of the B * T padded queries are real
+    positions: torch.Tensor  # [n] their indices in the step's row
+    blocks: torch.Tensor  # [B * nb] the spans' block tables, padded with their first block
+    mask: torch.Tensor  # [B, 1, T, S] bool: the keys each query sees (causal, own span)
+
+
 @dataclass
 class RunningRows:
     """The decoding rows of a step: rows 0..B-1 of `kv`, one new token each."""
@@ -73,6 +93,7 @@ class PagedBatch:
         self.running = running
         self.prefills = prefills
         self.windows = windows  # each layer's sliding window; () when none slides
+        self.group, self.alone = group_short_spans(prefills, pool.block_size, windows)
 
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
         """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused.
@@ -92,7 +113,11 @@ class PagedBatch:
             out[:decoding] = self._decode(
                 layer, q[0, :decoding], k[0, :decoding], v[0, :decoding], window, per_query
             )
-        for span in self.prefills:
+        alone = self.prefills
+        if self.group is not None and not per_query:
+            out[self.group.positions] = _attend_together(q[0], keys, values, self.group)
+            alone = self.alone
+        for span in alone:
             out[span.start : span.end] = _prefill(
                 q[0, span.start : span.end], keys, values, span, window, per_query
             )
@@ -149,6 +174,48 @@ def _with_prefix(q, out, lse, prefix: SharedPrefix, layer: int) -> torch.Tensor:
     own_weight = (lse - top).exp()[..., None]
     shared_weight = (shared_lse - top).exp()[..., None]
     return (out * own_weight + shared * shared_weight) / (own_weight + shared_weight)
+
+
+def group_short_spans(
+    spans: list[PrefillSpan], block_size: int, windows: tuple[int | None, ...]
+) -> tuple[SpanGroup | None, list[PrefillSpan]]:
+    """The spans of at most SHORT_SPAN new tokens as one `SpanGroup` (None if fewer than two,
+    or if a layer slides), and the others."""
+    short = [span for span in spans if span.end - span.start <= SHORT_SPAN]
+    if len(short) < 2 or any(w is not None for w in windows):
+        return None, spans
+    count = max(span.end - span.start for span in short)  # T
+    width = max(span.length for span in short)  # S
+    num_blocks = -(-width // block_size)
+    queries, real, positions, blocks, last_seen = [], [], [], [], []
+    for b, span in enumerate(short):
+        new = span.end - span.start
+        for t in range(count):
+            queries.append(span.start + min(t, new - 1))
+            if t < new:
+                real.append(b * count + t)
+                positions.append(span.start + t)
+            last_seen.append(span.length - new + min(t, new - 1))  # the query's own position
+        table = span.blocks.tolist()
+        blocks += table + table[:1] * (num_blocks - len(table))
+    seen = torch.tensor(last_seen).view(len(short), count, 1)
+    mask = (torch.arange(width)[None, None, :] <= seen)[:, None]  # [B, 1, T, S]
+    group = SpanGroup(torch.tensor(queries), torch.tensor(real), torch.tensor(positions),
+                      torch.tensor(blocks), mask)  # fmt: skip
+    grouped = set(map(id, short))
+    return group, [span for span in spans if id(span) not in grouped]
+
+
+def _attend_together(q: torch.Tensor, keys, values, group: SpanGroup) -> torch.Tensor:
+    """q [T_all, H, D] of the step -> [n, H, D] for the group's real queries."""
+    batch, _, count, width = group.mask.shape
+    heads, dim = q.shape[1:]
+    kv_heads = keys.shape[0]
+    k = keys.index_select(1, group.blocks).view(kv_heads, batch, -1, dim)[:, :, :width]
+    v = values.index_select(1, group.blocks).view(kv_heads, batch, -1, dim)[:, :, :width]
+    padded = q[group.queries].view(batch, count, heads, dim).transpose(1, 2)  # [B, H, T, D]
+    out = dense_attend(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False)
+    return out.transpose(1, 2).reshape(batch * count, heads, dim)[group.real]
 
 
 def _prefill(
