@@ -613,3 +613,22 @@ def test_speculative_programs_refuse_what_they_cannot_run(paged_pair):
         speculative_programs(table_lm(0), table_lm(1), [[1]])
     with pytest.raises(ValueError, match="num_draft_tokens"):
         speculative_programs(target, drafter, ["ROMEO:"], num_draft_tokens=0)
+
+
+def test_cancelled_program_ends_its_samples_and_frees_their_blocks(paged_pair):
+    from decodekit.engine.engine import Engine
+
+    target, drafter = paged_pair
+    params = dk.SamplingParams(n=2, max_new_tokens=40, ignore_eos=True, temperature=0)
+    [program] = speculative_programs(target, drafter, ["ROMEO:"], params, 2)
+    engine = Engine(target)
+    handle = engine.add_program(program)
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.num_used > 0 and engine.member(drafter).pool.num_used > 0
+    handle.cancel()
+    engine.step()
+    completions = handle.result(timeout=5)
+    assert [c.finish_reason for c in completions] == ["cancelled"] * 2
+    assert 0 < len(completions[0].token_ids) < 40
+    assert engine.pool.num_used == 0 and engine.member(drafter).pool.num_used == 0
