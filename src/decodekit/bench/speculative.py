@@ -355,6 +355,7 @@ def bench_concurrent(
     `bench_speculative` measures it. Greedy speculative output must equal plain greedy
     output token for token, which is checked."""
     import decodekit as dk
+    from decodekit.engine.shared import engine_for
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -384,18 +385,33 @@ def bench_concurrent(
 
         everything = [list(range(concurrent))]
         runs: dict[str, list[Timing]] = {}
+        engine, steps = engine_for(target), {}
+
+        def counted(key, fn):  # the engine steps a run took (the same in every repeat)
+            def go():
+                before = engine.steps
+                fn()
+                steps[key] = engine.steps - before
+
+            return go
+
         for _ in range(repeats):  # interleaved, so load from other processes hits all alike
-            runs.setdefault("plain", []).append(timed(plain_run(everything)))
+            runs.setdefault("plain", []).append(timed(counted("plain", plain_run(everything))))
             for key, (g, adaptive) in configs.items():
-                runs.setdefault(key, []).append(timed(spec_run(everything, g, adaptive, key)))
+                runs.setdefault(key, []).append(timed(counted(key, spec_run(everything, g, adaptive, key))))
             runs.setdefault("single_plain", []).append(timed(plain_run(singles)))
             runs.setdefault("single_spec", []).append(timed(spec_run(singles, gamma, False, "single")))
         best = {key: Timing(min(t.wall for t in ts), min(t.cpu for t in ts)) for key, ts in runs.items()}
         total = concurrent * new_tokens
+
+        def per_step(key):
+            cpu_ms = round(1000 * best[key].cpu / steps[key], 2)
+            return {"engine_steps": steps[key], "cpu_ms_per_step": cpu_ms}
+
         out: dict = {"target": target_name, "draft": draft_name, "concurrent": concurrent,
                      "new_tokens": new_tokens, "temperature": 0, "verify": "block",
                      "machine": machine(), "load_average": os.getloadavg()[0],
-                     "plain": tokens_per_second(total, best["plain"])}  # fmt: skip
+                     "plain": {**tokens_per_second(total, best["plain"]), **per_step("plain")}}  # fmt: skip
         for key in configs:
             stats = results[key]
             out[key] = {**tokens_per_second(total, best[key]),
@@ -403,7 +419,8 @@ def bench_concurrent(
                         "speedup_cpu": round(best["plain"].cpu / best[key].cpu, 3),
                         "acceptance_rate": round(stats.acceptance_rate, 3),
                         "block_efficiency": round(stats.block_efficiency, 3),
-                        "draft_share": round(stats.draft_seconds / stats.wall_seconds, 3)}  # fmt: skip
+                        "draft_share": round(stats.draft_seconds / stats.wall_seconds, 3),
+                        **per_step(key)}  # fmt: skip
         single_total = single_prompts * new_tokens
         plain, spec = best["single_plain"], best["single_spec"]
         out["single"] = {"prompts": single_prompts, "gamma": gamma,

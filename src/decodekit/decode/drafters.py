@@ -114,8 +114,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if list(a[:n]) == list(b[:n]):
         return n
-    same = torch.as_tensor(list(a[:n])) == torch.as_tensor(list(b[:n]))
-    return int(same.long().cumprod(0).sum())
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 class ModelDrafter:

@@ -184,24 +184,21 @@ def group_short_spans(
     short = [span for span in spans if span.end - span.start <= SHORT_SPAN]
     if len(short) < 2 or any(w is not None for w in windows):
         return None, spans
-    count = max(span.end - span.start for span in short)  # T
-    width = max(span.length for span in short)  # S
+    starts = torch.tensor([span.start for span in short])  # [B]
+    new = torch.tensor([span.end - span.start for span in short])
+    lengths = torch.tensor([span.length for span in short])
+    count, width = int(new.max()), int(lengths.max())  # T, S
+    offset = torch.minimum(torch.arange(count)[None, :], new[:, None] - 1)  # [B, T]
+    queries = (starts[:, None] + offset).flatten()
+    real = (torch.arange(count)[None, :] < new[:, None]).flatten().nonzero()[:, 0]
+    seen = (lengths - new)[:, None] + offset  # [B, T] each query's own position
+    mask = (torch.arange(width)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
     num_blocks = -(-width // block_size)
-    queries, real, positions, blocks, last_seen = [], [], [], [], []
-    for b, span in enumerate(short):
-        new = span.end - span.start
-        for t in range(count):
-            queries.append(span.start + min(t, new - 1))
-            if t < new:
-                real.append(b * count + t)
-                positions.append(span.start + t)
-            last_seen.append(span.length - new + min(t, new - 1))  # the query's own position
+    blocks = []
+    for span in short:
         table = span.blocks.tolist()
         blocks += table + table[:1] * (num_blocks - len(table))
-    seen = torch.tensor(last_seen).view(len(short), count, 1)
-    mask = (torch.arange(width)[None, None, :] <= seen)[:, None]  # [B, 1, T, S]
-    group = SpanGroup(torch.tensor(queries), torch.tensor(real), torch.tensor(positions),
-                      torch.tensor(blocks), mask)  # fmt: skip
+    group = SpanGroup(queries, real, queries[real], torch.tensor(blocks), mask)
     grouped = set(map(id, short))
     return group, [span for span in spans if id(span) not in grouped]
 
