@@ -142,6 +142,13 @@ class ModelDrafter:
         return Draft(sequence[len(context) :], torch.stack(probs), model_calls=num_tokens)
 
 
+def sample_drafter(drafter: Drafter) -> Drafter:
+    """A drafter for one of several samples that take turns: a model drafter gets its own
+    cache row, so the samples do not crop each other's; prompt lookup and user drafters
+    (no cache) are shared."""
+    return ModelDrafter(drafter.model) if isinstance(drafter, ModelDrafter) else drafter
+
+
 class PromptLookupDrafter:
     """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
     (n from `max_ngram` down to `min_ngram`) and propose the tokens that followed it, each

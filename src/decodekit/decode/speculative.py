@@ -21,13 +21,11 @@ accepted x_1..x_i, and the drafter draws through a scratch copy in the same way
 On a target with paged KV (NativeLM) every request is a `SpeculativeProgram` on the
 target's persistent engine: each engine step is one round for every live sample of every
 speculative request, the γ draft positions as γ batched forwards of the draft model (its
-own block pool on the engine) and the verification as the samples' feeds in the step's one
+own block pool on the engine), the verification as the samples' feeds in the step's one
 target forward; rejected tokens are cropped from both block tables. Other targets run the
-samples one after another, the target and the drafter each keeping one cache row that is
-cropped back to the prefix it shares with the next sequence (rejected drafts, or the next
-sample of the same prompt). Both run the same round (`settle_block`), and sample i of a
-request draws from its own generator seeded `seed + i` (`row_state`), so its tokens are
-those of a one-sample request with that seed, batched or alone.
+samples one after another, target and drafter each keeping one cache row cropped back to
+the prefix it shares with the next sequence. Both run the same round (`settle_block`), and
+sample i draws from its own generator seeded `seed + i` (`row_state`), batched or alone.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from decodekit.decode.drafters import (
     common_prefix,
     empty_draft,
     make_drafter,
+    sample_drafter,
     scratch_state,
 )
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
@@ -386,9 +385,8 @@ def speculative_generate(
     or any object with `propose` (drafters.Drafter). verify: "block", "token", or a rule
     `(p, q, draft, generator) -> (τ, y)`. Completions are shaped as `generate` returns them
     (a single string prompt gives its list of n); `result.stats` holds the counters.
-    A target with paged KV runs every prompt's samples batched on its engine
-    (`SpeculativeProgram`); another runs them one after another over its own cache.
-    Sample i of a request draws from its own generator, seeded `seed + i` (`row_state`).
+    A paged-KV target runs every sample batched on its engine (`SpeculativeProgram`),
+    another one after another over its own cache; sample i draws as seed + i (`row_state`).
     """
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
@@ -471,7 +469,7 @@ class SpecRow:
     budget: int = 0
     sampler: DraftSampler | None = None
     tokens: list[int] = field(default_factory=list)  # this block's draft
-    probs: list[torch.Tensor] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # their q [V] each
     model_calls: int = 0  # the Python drafter's, for this block
 
     @property
@@ -492,16 +490,18 @@ class SpeculativeProgram(Program):
     token, on both models) and forked into the n samples.
     """
 
-    def __init__(self, target: LanguageModel, drafter: Drafter, request: Request,
-                 config: SpeculativeConfig, stats: SpeculativeStats | None = None):  # fmt: skip
+    def __init__(self, target: LanguageModel, drafter: Drafter, request: Request, config: SpeculativeConfig):
         self.target, self.request, self.config = target, request, config
-        self.stats = stats or SpeculativeStats()
+        self.stats = SpeculativeStats()
         self.prompt_index, self.num_samples = request.index, len(request.rows)
-        paged = isinstance(drafter, ModelDrafter) and drafter.model is not target and (
-            drafter.model.supports_paged_kv)
-        self.draft_model = drafter.model if paged else None
+        # A draft model on the engine: with paged KV, not the target (its forwards are the
+        # step's), and long enough for the prompt (else every draft is empty).
+        model = getattr(drafter, "model", None)
+        paged = isinstance(drafter, ModelDrafter) and model is not target and model.supports_paged_kv and (
+            len(request.prompt_ids) <= model.max_context)
+        self.draft_model = model if paged else None
         self.rows = [SpecRow(row, row_state(request, row.sample, target), config.num_draft_tokens,
-                             None if paged else own_drafter(drafter)) for row in request.rows]  # fmt: skip
+                             None if paged else sample_drafter(drafter)) for row in request.rows]  # fmt: skip
         self.started = False
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
@@ -528,10 +528,9 @@ class SpeculativeProgram(Program):
         yield from self._draft(live)
         middle = time.perf_counter()
         self.stats.draft_seconds += middle - start
-        feeds = []
         for r in live:
             r.target.tokens += r.tokens
-            feeds.append(Feed(r.target, every=True))
+        feeds = [Feed(r.target, every=True) for r in live]
         [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
         self.stats.target_seconds += time.perf_counter() - middle
         for r, raw in zip(live, logits, strict=True):
@@ -598,9 +597,3 @@ def follow(kv: ProgramKV, seq: Seq, context: list[int]) -> None:
     keep = min(common_prefix(computed, context), len(context) - 1)
     kv.crop(seq, keep)
     seq.tokens += context[keep:]
-
-
-def own_drafter(drafter: Drafter) -> Drafter:
-    """A sample's drafter: a model drafter gets its own cache row (samples interleave on the
-    engine); prompt lookup and user drafters are shared."""
-    return ModelDrafter(drafter.model) if isinstance(drafter, ModelDrafter) else drafter
