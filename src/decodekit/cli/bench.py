@@ -30,6 +30,8 @@ def add_bench(sub) -> None:
 def run_bench(args) -> None:
     if args.dtype != "auto" and args.which not in ("decode", "engine"):
         raise UsageError(f"--dtype applies to bench decode and bench engine, not bench {args.which}")
+    if args.concurrent is not None and args.which != "speculative":
+        raise UsageError(f"--concurrent applies to bench speculative, not bench {args.which}")
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
     progress = show_progress(args)
     if args.which == "constrained":
