@@ -233,9 +233,10 @@ def _prefill(
         return out
     slides = window is not None and span.length > window
     mask = None
-    if start or slides:
+    if (start and num_new > 1) or slides:  # one query after its prefix sees every key: no mask
         mask = causal_mask(start, num_new, window if slides else None)[None, None]  # [1, 1, T, S]
-    out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=mask is None)
+    causal = mask is None and start == 0
+    out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal)
     return out[0].transpose(0, 1)  # [T, H, D]
 
 
