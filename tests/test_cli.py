@@ -258,6 +258,9 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
      "--dtype applies to bench decode and bench engine, not bench constrained"),
     (["generate", "x", "--model", "shakespeare-5gram", "--dtype", "bfloat16"],
      "ngram model 'shakespeare-5gram' runs in float32 only"),
+    (["bench", "decode", "--concurrent", "16"],
+     "--concurrent applies to bench speculative, not bench decode"),
+    (["bench", "speculative", "--concurrent", "0"], "--concurrent must be >= 1, got 0"),
 ])  # fmt: skip
 def test_a_bad_dtype_is_one_line_naming_what_is_allowed(capsys, args, message):
     assert main(args) == 2

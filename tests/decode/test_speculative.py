@@ -22,6 +22,7 @@ from decodekit.decode.speculative import (
     expected_accepted,
     residual,
     speculative_generate,
+    speculative_programs,
     tau_distribution,
     token_verify,
 )
@@ -516,3 +517,118 @@ def test_bad_arguments():
         speculative_generate(target, 3.5, [[1]])
     with pytest.raises(ValueError, match="no default draft"):
         speculative_generate(target, "auto", [[1]])
+
+
+# -- batched on the engine (issue 14) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paged_pair(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama and a perturbed copy as its draft, both NativeLM (paged KV) in the
+    batch-invariant mode, so a row's logits, and so its draws, do not depend on its batch."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from decodekit.models.native import NativeLM
+
+    path = tmp_path_factory.mktemp("tiny-draft")
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(0.3 * weight.std() * torch.randn(weight.shape, generator=generator))
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_llama_dir / name).exists():
+            shutil.copy(tiny_llama_dir / name, path / name)
+    target = NativeLM.from_pretrained(tiny_llama_dir, batch_invariant=True)
+    draft = NativeLM.from_pretrained(path, name="tiny-paged-draft", batch_invariant=True)
+    return target, draft
+
+
+PROMPTS = ["ROMEO: But soft", "JULIET: O Romeo", "the sun. the sun.", "Deny thy father"]
+
+
+def outcome(completion):
+    return completion.token_ids, completion.logprobs, completion.finish_reason
+
+
+@pytest.mark.parametrize("draft, verify, adaptive", [("model", "block", False),
+                                                      ("model", "token", True),
+                                                      ("prompt-lookup", "block", False)])
+def test_batched_rows_equal_single_row_runs(paged_pair, draft, verify, adaptive):
+    # 4 prompts x n = 2 samples: 8 rows in one batch; sample i of a request seeded s draws
+    # what a one-sample request seeded s + i draws alone.
+    from decodekit.engine.shared import engine_for
+
+    target, drafter = paged_pair
+    drafter = drafter if draft == "model" else draft
+    params = dk.SamplingParams(n=2, max_new_tokens=14, temperature=1.0, seed=7)
+    engine = engine_for(target)
+    steps = engine.steps
+    batched = speculative_generate(target, drafter, PROMPTS, params, 3, verify, adaptive)
+    batched_steps = engine.steps - steps
+    singles, single_steps = [], 0
+    for prompt in PROMPTS:
+        for sample in range(2):
+            steps = engine.steps
+            one = speculative_generate(target, drafter, prompt, params.replace(n=1, seed=7 + sample),
+                                       3, verify, adaptive)  # fmt: skip
+            single_steps += engine.steps - steps
+            singles.append((one.completions[0], one.stats))
+    rows = [c for completions in batched.completions for c in completions]
+    assert [outcome(c) for c in rows] == [outcome(c) for c, _ in singles]
+    assert len({tuple(c.token_ids) for c in rows}) > 1
+    for key in ("drafted_tokens", "accepted_tokens", "emitted_tokens", "target_calls", "draft_calls"):
+        assert getattr(batched.stats, key) == sum(getattr(s, key) for _, s in singles), key
+    assert batched.stats.drafted_tokens > 0
+    assert batched.stats.accepted_tokens > 0 or draft == "prompt-lookup"  # a random model rarely copies
+    # the rows ran together: the batch took as many steps as its longest row, not their sum
+    assert batched_steps * 4 <= single_steps
+
+
+def test_batched_greedy_equals_plain_greedy_and_streams(paged_pair):
+    from decodekit.engine.shared import run_requests
+
+    target, drafter = paged_pair
+    params = dk.SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, stop=["zz"])
+    plain = dk.generate(target, PROMPTS, params)
+    result = speculative_generate(target, drafter, PROMPTS, params, 4)
+    assert [c[0].token_ids for c in result.completions] == [c[0].token_ids for c in plain]
+    assert result.stats.emitted_tokens == sum(len(c[0].token_ids) for c in plain)
+    # the deltas of a program add up to its completion (streaming)
+    programs = speculative_programs(target, drafter, PROMPTS[:2], params, 4)
+    texts, finals = ["", ""], {}
+    for delta in run_requests(target, programs):
+        texts[delta.prompt_index] += delta.text
+        if delta.completion is not None:
+            finals[delta.prompt_index] = delta.completion
+    assert texts == [finals[0].text, finals[1].text] == [c[0].text for c in plain[:2]]
+
+
+def test_speculative_programs_refuse_what_they_cannot_run(paged_pair):
+    target, drafter = paged_pair
+    with pytest.raises(TypeError, match="paged-KV target"):
+        speculative_programs(table_lm(0), table_lm(1), [[1]])
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_programs(target, drafter, ["ROMEO:"], num_draft_tokens=0)
+
+
+def test_cancelled_program_ends_its_samples_and_frees_their_blocks(paged_pair):
+    from decodekit.engine.engine import Engine
+
+    target, drafter = paged_pair
+    params = dk.SamplingParams(n=2, max_new_tokens=40, ignore_eos=True, temperature=0)
+    [program] = speculative_programs(target, drafter, ["ROMEO:"], params, 2)
+    engine = Engine(target)
+    handle = engine.add_program(program)
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.num_used > 0 and engine.member(drafter).pool.num_used > 0
+    handle.cancel()
+    engine.step()
+    completions = handle.result(timeout=5)
+    assert [c.finish_reason for c in completions] == ["cancelled"] * 2
+    assert 0 < len(completions[0].token_ids) < 40
+    assert engine.pool.num_used == 0 and engine.member(drafter).pool.num_used == 0

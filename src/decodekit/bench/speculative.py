@@ -333,3 +333,101 @@ def markdown_table(result: dict) -> str:
                      f"{r['alpha']:.2f} | {r['acceptance_rate']:.2f} | {r['block_efficiency']:.2f} | "
                      f"{r['tok_s']:.0f} | {r['speedup']:.2f}× | {r['speedup_cpu']:.2f}× |")  # fmt: skip
     return "\n".join(lines)
+
+
+# -- concurrent requests on the engine (issue 14) ---------------------------------------------
+
+
+def bench_concurrent(
+    target_name: str = "shakespeare",
+    draft_name: str = "shakespeare-draft",
+    concurrent: int = 16,
+    new_tokens: int = 64,
+    gamma: int = 4,
+    repeats: int = 3,
+    single_prompts: int = 3,
+    threads: int = 1,
+) -> dict:
+    """`concurrent` speculative requests (distinct held-out prompts, T = 0, EOS ignored) batched
+    on the target's persistent engine against the same requests decoded plainly on that
+    engine: tokens/s, wall and CPU, each the best of `repeats` interleaved runs; and the
+    single-request speedup (each of `single_prompts` prompts alone, one after another), as
+    `bench_speculative` measures it. Greedy speculative output must equal plain greedy
+    output token for token, which is checked."""
+    import decodekit as dk
+    from decodekit.engine.shared import engine_for
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        target, draft = dk.load_model(target_name), dk.load_model(draft_name)
+        prompts = heldout_prompts(target, concurrent)
+        params = _params(new_tokens, 0.0)
+        expected = [c[0].token_ids for c in dk.generate(target, prompts, params)]  # and warm-up
+        configs = {f"gamma{gamma}": (gamma, False), f"gamma{gamma}_adaptive": (gamma, True),
+                   "gamma1": (1, False)}  # fmt: skip
+        results: dict = {}
+        singles = [[i] for i in range(single_prompts)]
+
+        def spec_run(batches, gamma, adaptive, key):
+            def go():
+                for batch in batches:  # each batch: the prompts of one call, by index
+                    result = speculative_generate(target, draft, [prompts[i] for i in batch], params,
+                                                  gamma, "block", adaptive)  # fmt: skip
+                    tokens = [c[0].token_ids for c in result.completions]
+                    assert tokens == [expected[i] for i in batch], "speculative greedy != plain greedy"
+                    results[key] = result.stats
+
+            return go
+
+        def plain_run(batches):
+            return lambda: [dk.generate(target, [prompts[i] for i in batch], params) for batch in batches]
+
+        everything = [list(range(concurrent))]
+        runs: dict[str, list[Timing]] = {}
+        engine, steps = engine_for(target), {}
+
+        def counted(key, fn):  # the engine steps a run took (the same in every repeat)
+            def go():
+                before = engine.steps
+                fn()
+                steps[key] = engine.steps - before
+
+            return go
+
+        for _ in range(repeats):  # interleaved, so load from other processes hits all alike
+            runs.setdefault("plain", []).append(timed(counted("plain", plain_run(everything))))
+            for key, (g, adaptive) in configs.items():
+                runs.setdefault(key, []).append(timed(counted(key, spec_run(everything, g, adaptive, key))))
+            runs.setdefault("single_plain", []).append(timed(plain_run(singles)))
+            runs.setdefault("single_spec", []).append(timed(spec_run(singles, gamma, False, "single")))
+        best = {key: Timing(min(t.wall for t in ts), min(t.cpu for t in ts)) for key, ts in runs.items()}
+        total = concurrent * new_tokens
+
+        def per_step(key):
+            cpu_ms = round(1000 * best[key].cpu / steps[key], 2)
+            return {"engine_steps": steps[key], "cpu_ms_per_step": cpu_ms}
+
+        out: dict = {"target": target_name, "draft": draft_name, "concurrent": concurrent,
+                     "new_tokens": new_tokens, "temperature": 0, "verify": "block",
+                     "machine": machine(), "load_average": os.getloadavg()[0],
+                     "plain": {**tokens_per_second(total, best["plain"]), **per_step("plain")}}  # fmt: skip
+        for key in configs:
+            stats = results[key]
+            out[key] = {**tokens_per_second(total, best[key]),
+                        "speedup": round(best["plain"].wall / best[key].wall, 3),
+                        "speedup_cpu": round(best["plain"].cpu / best[key].cpu, 3),
+                        "acceptance_rate": round(stats.acceptance_rate, 3),
+                        "block_efficiency": round(stats.block_efficiency, 3),
+                        "draft_share": round(stats.draft_seconds / stats.wall_seconds, 3),
+                        **per_step(key)}  # fmt: skip
+        single_total = single_prompts * new_tokens
+        plain, spec = best["single_plain"], best["single_spec"]
+        out["single"] = {"prompts": single_prompts, "gamma": gamma,
+                         "plain": tokens_per_second(single_total, plain),
+                         "speculative": tokens_per_second(single_total, spec),
+                         "speedup": round(plain.wall / spec.wall, 3),
+                         "speedup_cpu": round(plain.cpu / spec.cpu, 3)}  # fmt: skip
+        return out
+    finally:
+        torch.set_num_threads(previous)

@@ -18,6 +18,8 @@ def add_bench(sub) -> None:
     p.add_argument("--draft", default="shakespeare-draft",
                    help="bench speculative: the draft model; bench presets: the second scorer")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
+    p.add_argument("--concurrent", type=int, default=None, metavar="N",
+                   help="bench speculative: N concurrent requests on the engine against N plain ones")
     p.add_argument("--concurrency", default="1,8,32,64",
                    help="bench server: client counts; bench beam: one count (default 16)")
     p.add_argument("--hardening", action="store_true", help="bench server: /health under a huge prompt "
@@ -42,6 +44,8 @@ def run_bench(args) -> None:
         return
     if args.dtype != "auto" and args.which not in ("decode", "engine"):
         raise UsageError(f"--dtype applies to bench decode and bench engine, not bench {args.which}")
+    if args.concurrent is not None and args.which != "speculative":
+        raise UsageError(f"--concurrent applies to bench speculative, not bench {args.which}")
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
     progress = show_progress(args)
     if args.which == "constrained":
@@ -59,6 +63,13 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
+    elif args.which == "speculative" and args.concurrent is not None:
+        from decodekit.bench.speculative import bench_concurrent
+
+        if args.concurrent < 1:
+            raise UsageError(f"--concurrent must be >= 1, got {args.concurrent}")
+        result = bench_concurrent(args.model, args.draft, args.concurrent, args.new_tokens,
+                                  repeats=args.repeats, threads=threads)
     elif args.which == "speculative":
         from decodekit.bench.speculative import bench_speculative, markdown_table
 

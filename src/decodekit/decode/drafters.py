@@ -114,8 +114,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if list(a[:n]) == list(b[:n]):
         return n
-    same = torch.as_tensor(list(a[:n])) == torch.as_tensor(list(b[:n]))
-    return int(same.long().cumprod(0).sum())
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 class ModelDrafter:
@@ -141,6 +140,13 @@ class ModelDrafter:
             sequence.append(token)
             probs.append(q)
         return Draft(sequence[len(context) :], torch.stack(probs), model_calls=num_tokens)
+
+
+def sample_drafter(drafter: Drafter) -> Drafter:
+    """A drafter for one of several samples that take turns: a model drafter gets its own
+    cache row, so the samples do not crop each other's; prompt lookup and user drafters
+    (no cache) are shared."""
+    return ModelDrafter(drafter.model) if isinstance(drafter, ModelDrafter) else drafter
 
 
 class PromptLookupDrafter:

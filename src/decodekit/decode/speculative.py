@@ -18,14 +18,19 @@ draft tokens: p_{i+1} is computed with a scratch copy of the sampler state that 
 accepted x_1..x_i, and the drafter draws through a scratch copy in the same way
 (`drafters.DraftSampler`). So every adapter is handled exactly; nothing is refused.
 
-Requests, and the n samples of each, run one after another, each with its own accepted
-length: the target and the drafter each keep one cache row that is cropped back to the
-prefix it shares with the next sequence (rejected drafts, or the next sample of the same
-prompt), so no prefix is recomputed. Batched verification across rows is not implemented.
+On a target with paged KV (NativeLM) every request is a `SpeculativeProgram` on the
+target's persistent engine: each engine step is one round for every live sample of every
+speculative request, the γ draft positions as γ batched forwards of the draft model (its
+own block pool on the engine), the verification as the samples' feeds in the step's one
+target forward; rejected tokens are cropped from both block tables. Other targets run the
+samples one after another, target and drafter each keeping one cache row cropped back to
+the prefix it shares with the next sequence. Both run the same round (`settle_block`), and
+sample i draws from its own generator seeded `seed + i` (`row_state`), batched or alone.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,10 +38,32 @@ from dataclasses import dataclass, field
 import torch
 
 from decodekit.completion import Completion
-from decodekit.decode.drafters import DraftSampler, IncrementalModel, make_drafter, scratch_state
+from decodekit.decode.drafters import (
+    Draft,
+    Drafter,
+    DraftSampler,
+    IncrementalModel,
+    ModelDrafter,
+    common_prefix,
+    empty_draft,
+    make_drafter,
+    sample_drafter,
+    scratch_state,
+)
+from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
-from decodekit.request import Prompt, Row, make_requests, record, to_completion
+from decodekit.request import (
+    Delta,
+    Prompt,
+    Request,
+    Row,
+    emit,
+    make_requests,
+    next_delta,
+    record,
+    to_completion,
+)
 from decodekit.sampling import SamplerState, draw
 
 # (p [γ+1, V], q [γ, V], draft [γ] long, generator) -> (τ accepted draft tokens, extra token y)
@@ -254,53 +281,90 @@ def process_block(chain, state: SamplerState, raw: torch.Tensor, draft: list[int
     return torch.cat(rows)
 
 
+def row_state(request: Request, sample: int, model: LanguageModel) -> SamplerState:
+    """One sample's sampler state, with its own generator seeded `seed + sample` (the request's
+    seed, or its fresh one): sample i of a request draws exactly what a one-sample request
+    with seed `seed + i` draws, whether the rows run one after another or batched."""
+    state = SamplerState(request.params, request.prompt_ids, 1, model.vocab_size,
+                         model.eos_token_ids, model.tokenizer)  # fmt: skip
+    state.generator = torch.Generator().manual_seed(request.state.seed + sample)
+    return state
+
+
+def draft_budget(row: Row, gamma: int, max_context: int) -> int:
+    """How many tokens to draft now: γ, but none past max_new_tokens - 1 (the block's extra
+    token y is always emitted) or the target's context window."""
+    generated = len(row.token_ids)
+    context = len(row.request.prompt_ids) + generated
+    room = min(row.request.params.max_new_tokens - generated - 1, max_context - context)
+    return max(0, min(gamma, room))
+
+
+def settle_block(
+    row: Row,
+    state: SamplerState,
+    raw: torch.Tensor,
+    draft: Draft,
+    config: SpeculativeConfig,
+    stats: SpeculativeStats,
+    max_context: int,
+) -> int:
+    """Verify one block and emit x_1..x_τ, y into the row; returns τ.
+
+    raw: the target's logits [γ+1, V] after the context's last token and each draft token.
+    """
+    params = row.request.params
+    processed = process_block(row.request.chain, state, raw, draft.tokens)  # [γ+1, V]
+    p = torch.softmax(processed.double(), dim=-1)  # [γ+1, V]
+    x = torch.as_tensor(draft.tokens, dtype=torch.long)  # [γ]
+    if params.greedy:
+        tau, y = greedy_verify(processed, x)
+    else:
+        tau, y = config.rule()(p, draft.probs, x, state.generator)
+    emitted = 0
+    for i, token in enumerate(draft.tokens[:tau] + [y]):
+        chosen = torch.tensor([token])
+        state.accept(chosen, processed[i : i + 1])
+        # The emitted token is distributed as p_{i+1}: report that as its processed logprob.
+        record([row], raw[i : i + 1], processed[i : i + 1], chosen)
+        emitted += 1
+        if row.finish_reason is None and len(row.request.prompt_ids) + len(row.token_ids) >= max_context:
+            row.finish_reason = "length"  # the context window is full
+        if row.finish_reason is not None:
+            break
+    examined = min(tau + 1, len(draft.tokens))
+    stats.alpha_sum += float(torch.minimum(p[:examined], draft.probs[:examined]).sum())
+    stats.alpha_count += examined
+    stats.drafted_tokens += len(draft.tokens)
+    stats.accepted_tokens += tau
+    stats.emitted_tokens += emitted
+    stats.target_calls += 1
+    stats.draft_calls += draft.model_calls
+    return tau
+
+
 def speculate_row(
     row: Row,
     state: SamplerState,
     target: IncrementalModel,
-    drafter,
+    drafter: Drafter,
     config: SpeculativeConfig,
     stats: SpeculativeStats,
 ) -> None:
-    """Generate one sample: draft, verify in one target call, emit x_1..x_τ, y; repeat."""
-    request = row.request
-    params, prompt, vocab = request.params, request.prompt_ids, target.model.vocab_size
-    rule, gamma = config.rule(), config.num_draft_tokens
+    """Generate one sample over a model's own cache: draft, verify in one target call, emit
+    x_1..x_τ, y (`settle_block`); repeat."""
+    request, model = row.request, target.model
+    gamma = config.num_draft_tokens
     while row.finish_reason is None:
-        context = prompt + row.token_ids
-        room = min(params.max_new_tokens - len(row.token_ids) - 1, target.model.max_context - len(context))
+        context = request.prompt_ids + row.token_ids
         start = time.perf_counter()
-        draft = drafter.propose(context, max(0, min(gamma, room)), DraftSampler(request.chain, state, vocab))
+        sampler = DraftSampler(request.chain, state, model.vocab_size)
+        draft = drafter.propose(context, draft_budget(row, gamma, model.max_context), sampler)
         middle = time.perf_counter()
         raw = target.next_logits(context + draft.tokens, len(draft.tokens) + 1)  # [γ+1, V]
         stats.draft_seconds += middle - start
         stats.target_seconds += time.perf_counter() - middle
-        processed = process_block(request.chain, state, raw, draft.tokens)  # [γ+1, V]
-        p = torch.softmax(processed.double(), dim=-1)  # [γ+1, V]
-        x = torch.as_tensor(draft.tokens, dtype=torch.long)  # [γ]
-        if params.greedy:
-            tau, y = greedy_verify(processed, x)
-        else:
-            tau, y = rule(p, draft.probs, x, state.generator)
-        emitted = 0
-        for i, token in enumerate(draft.tokens[:tau] + [y]):
-            chosen = torch.tensor([token])
-            state.accept(chosen, processed[i : i + 1])
-            # The emitted token is distributed as p_{i+1}: report that as its processed logprob.
-            record([row], raw[i : i + 1], processed[i : i + 1], chosen)
-            emitted += 1
-            if row.finish_reason is None and len(prompt) + len(row.token_ids) >= target.model.max_context:
-                row.finish_reason = "length"  # the context window is full
-            if row.finish_reason is not None:
-                break
-        examined = min(tau + 1, len(draft.tokens))
-        stats.alpha_sum += float(torch.minimum(p[:examined], draft.probs[:examined]).sum())
-        stats.alpha_count += examined
-        stats.drafted_tokens += len(draft.tokens)
-        stats.accepted_tokens += tau
-        stats.emitted_tokens += emitted
-        stats.target_calls += 1
-        stats.draft_calls += draft.model_calls
+        tau = settle_block(row, state, raw, draft, config, stats, model.max_context)
         gamma = config.next_gamma(gamma, len(draft.tokens), tau)
 
 
@@ -321,26 +385,215 @@ def speculative_generate(
     or any object with `propose` (drafters.Drafter). verify: "block", "token", or a rule
     `(p, q, draft, generator) -> (τ, y)`. Completions are shaped as `generate` returns them
     (a single string prompt gives its list of n); `result.stats` holds the counters.
+    A paged-KV target runs every sample batched on its engine (`SpeculativeProgram`),
+    another one after another over its own cache; sample i draws as seed + i (`row_state`).
     """
-    config = SpeculativeConfig(num_draft_tokens, verify, adaptive, max(max_draft_tokens, num_draft_tokens))
-    drafter = make_drafter(draft, target)
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
     start = time.perf_counter()
-    stats = SpeculativeStats()
-    runner = IncrementalModel(target)
-    results: list[list[Completion]] = []
-    for request in make_requests(target, prompt_list, params):
-        completions = []
-        for row in request.rows:
-            # One single-row state per sample, all drawing from the request's seeded generator.
-            state = SamplerState(request.params, request.prompt_ids, 1, target.vocab_size,
-                                 target.eos_token_ids, target.tokenizer)  # fmt: skip
-            state.generator = request.state.generator
-            speculate_row(row, state, runner, drafter, config, stats)
-            completions.append(to_completion(row))
-        results.append(completions)
+    if target.supports_paged_kv:
+        from decodekit.engine.shared import run_requests
+
+        programs = speculative_programs(target, draft, prompt_list, params, num_draft_tokens, verify,
+                                        adaptive, max_draft_tokens)  # fmt: skip
+        results: list[list] = [[None] * p.num_samples for p in programs]
+        for delta in run_requests(target, programs):
+            if delta.completion is not None:
+                results[delta.prompt_index][delta.sample_index] = delta.completion
+        stats = merged_stats([program.stats for program in programs])
+    else:
+        config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
+        drafter = make_drafter(draft, target)
+        stats = SpeculativeStats()
+        runner = IncrementalModel(target)
+        results = []
+        for request in make_requests(target, prompt_list, params):
+            for row in request.rows:
+                speculate_row(row, row_state(request, row.sample, target), runner, drafter, config, stats)
+            results.append([to_completion(row) for row in request.rows])
     stats.wall_seconds = time.perf_counter() - start
     return SpeculativeResult(results[0] if single else results, stats)
+
+
+def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens) -> SpeculativeConfig:
+    return SpeculativeConfig(num_draft_tokens, verify, adaptive, max(max_draft_tokens, num_draft_tokens))
+
+
+def merged_stats(parts: list[SpeculativeStats]) -> SpeculativeStats:
+    """The counters of programs that ran batched, summed; their seconds are the longest
+    program's (they waited on the same forwards)."""
+    total = SpeculativeStats()
+    for part in parts:
+        for key, value in vars(part).items():
+            merge = max if key.endswith("_seconds") else operator.add
+            setattr(total, key, merge(getattr(total, key), value))
+    return total
+
+
+# -- on the paged engine ------------------------------------------------------------------------
+
+
+def speculative_programs(
+    target: LanguageModel,
+    draft: object,
+    prompts: Sequence[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    num_draft_tokens: int = 4,
+    verify: str | VerifyRule = "block",
+    adaptive: bool = False,
+    max_draft_tokens: int = 16,
+) -> list[SpeculativeProgram]:
+    """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
+    the target's engine (`Engine.add_program`, `engine.shared.run_requests`); each streams
+    its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
+    if not target.supports_paged_kv:
+        raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
+    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
+    drafter = make_drafter(draft, target)
+    requests = make_requests(target, list(prompts), params)
+    return [SpeculativeProgram(target, drafter, request, config) for request in requests]
+
+
+@dataclass(eq=False)
+class SpecRow:
+    """One sample on the engine: its row, sampler state, γ, sequences and the block being built."""
+
+    row: Row
+    state: SamplerState
+    gamma: int
+    drafter: Drafter | None  # a drafter that proposes in Python; None with a paged draft model
+    target: Seq | None = None
+    draft: Seq | None = None
+    budget: int = 0
+    sampler: DraftSampler | None = None
+    tokens: list[int] = field(default_factory=list)  # this block's draft
+    probs: list[torch.Tensor] = field(default_factory=list)  # their q [V] each
+    model_calls: int = 0  # the Python drafter's, for this block
+
+    @property
+    def context(self) -> list[int]:
+        return self.row.request.prompt_ids + self.row.token_ids
+
+
+class SpeculativeProgram(Program):
+    """A request's speculative decoding on the paged engine (engine/program.py).
+
+    Every engine step is one round for each live sample: γ draft forwards (one token per
+    sample each, a yielded forward on the draft model, so the drafts of every speculative
+    program on the engine run together), then one target forward over each sample's context
+    tail and draft with the logits of every position (joining the step's single forward),
+    then `settle_block` per sample, as the plain loop does. Rejected tokens are cropped from
+    both sequences. A drafter without paged KV (prompt lookup, a k-gram, the target itself)
+    proposes in Python, one per sample. The prompt is prefilled once (all but its last
+    token, on both models) and forked into the n samples.
+    """
+
+    def __init__(self, target: LanguageModel, drafter: Drafter, request: Request, config: SpeculativeConfig):
+        self.target, self.request, self.config = target, request, config
+        self.stats = SpeculativeStats()
+        self.prompt_index, self.num_samples = request.index, len(request.rows)
+        # A draft model on the engine: with paged KV, not the target (its forwards are the
+        # step's), and long enough for the prompt (else every draft is empty).
+        model = getattr(drafter, "model", None)
+        paged = isinstance(drafter, ModelDrafter) and model is not target and model.supports_paged_kv and (
+            len(request.prompt_ids) <= model.max_context)
+        self.draft_model = model if paged else None
+        self.rows = [SpecRow(row, row_state(request, row.sample, target), config.num_draft_tokens,
+                             None if paged else sample_drafter(drafter)) for row in request.rows]  # fmt: skip
+        self.started = False
+
+    def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
+        prompt, params = len(self.request.prompt_ids), self.request.params
+        shared = (prompt - 1) // block_size  # the prefilled prompt's full blocks
+        longest = min(prompt + params.max_new_tokens, self.target.max_context)
+        per_row = -(-longest // block_size) - shared + 1  # + a copy-on-write
+        blocks = shared + len(self.rows) * per_row
+        models = [self.target] + ([self.draft_model] if self.draft_model is not None else [])
+        return [(model, blocks) for model in models]
+
+    def step(self, kv: ProgramKV):
+        start = time.perf_counter()
+        if not self.started:
+            self.started = True
+            if (yield from self._prefill(kv)):
+                self.stats.target_seconds += time.perf_counter() - start
+                return []  # the step's target forward prefilled the prompt
+        live = [r for r in self.rows if r.row.finish_reason is None]
+        for r in live:
+            r.budget = draft_budget(r.row, r.gamma, self.target.max_context)
+            r.sampler = DraftSampler(self.request.chain, r.state, self.target.vocab_size)
+            r.tokens, r.probs = [], []
+        yield from self._draft(live)
+        middle = time.perf_counter()
+        self.stats.draft_seconds += middle - start
+        for r in live:
+            r.target.tokens += r.tokens
+        feeds = [Feed(r.target, every=True) for r in live]
+        [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
+        self.stats.target_seconds += time.perf_counter() - middle
+        for r, raw in zip(live, logits, strict=True):
+            probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size).probs
+            draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
+            raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
+            tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)
+            r.gamma = self.config.next_gamma(r.gamma, len(r.tokens), tau)
+            for seq in (r.target, r.draft):
+                if seq is not None:
+                    follow(kv, seq, r.context)  # rejected draft tokens out, y in
+                    if r.row.finish_reason is not None:
+                        kv.close(seq)
+        self.finished = all(r.row.finish_reason is not None for r in self.rows)
+        return list(emit([r.row for r in live], self.target.max_context))
+
+    def _prefill(self, kv: ProgramKV):
+        """Open the prompt (but its last token) on the target and draft model, compute what
+        the prefix cache lacks, and fork it into the samples. Returns whether the target's
+        forward was used."""
+        head = self.request.prompt_ids[:-1]
+        models = [self.target] + ([self.draft_model] if self.draft_model is not None else [])
+        bases = [kv.open(model, head) for model in models]
+        pending = [seq for seq in bases if seq.pending]
+        if pending:
+            yield [Forward(seq.member.model, [Feed(seq)]) for seq in pending]
+        forks = [[base] + [kv.fork(base) for _ in self.rows[1:]] for base in bases]
+        for r, seqs in zip(self.rows, zip(*forks, strict=True), strict=True):
+            r.target, r.draft = seqs[0], seqs[1] if len(seqs) > 1 else None
+            for seq in seqs:
+                seq.tokens.append(self.request.prompt_ids[-1])
+        return bool(pending) and pending[0] is bases[0]
+
+    def _draft(self, live: list[SpecRow]):
+        """This round's draft of every live sample: in Python, or one draft-model forward per
+        position over the samples still drafting."""
+        for r in live:
+            if r.drafter is not None:
+                draft = r.drafter.propose(r.context, r.budget, r.sampler)
+                r.tokens, r.probs, r.model_calls = draft.tokens, list(draft.probs), draft.model_calls
+        # The draft model's context window, as `ModelDrafter.propose` limits it.
+        for r in live:
+            if r.draft is not None:
+                r.budget = min(r.budget, self.draft_model.max_context - len(r.context) + 1)
+        while drafting := [r for r in live if r.draft is not None and len(r.tokens) < r.budget]:
+            [logits] = yield [Forward(self.draft_model, [Feed(r.draft) for r in drafting])]
+            for r, out in zip(drafting, logits, strict=True):
+                token, q = r.sampler.draw(out[-1])
+                r.tokens.append(token)
+                r.probs.append(q)
+                r.draft.tokens.append(token)
+
+    def cancel(self) -> list[Delta]:
+        rows = [r.row for r in self.rows if r.row.finish_reason is None]
+        for row in rows:
+            row.finish_reason = "cancelled"
+        return [next_delta(row) for row in rows]
+
+
+def follow(kv: ProgramKV, seq: Seq, context: list[int]) -> None:
+    """Point `seq` at `context`: keep the KV of the prefix they share (never the last token's,
+    whose logits the next round needs) and make the rest pending."""
+    computed = seq.tokens[: seq.table.length]
+    keep = min(common_prefix(computed, context), len(context) - 1)
+    kv.crop(seq, keep)
+    seq.tokens += context[keep:]

@@ -11,7 +11,10 @@ the block pool and computes each sequence's attention:
   longest, a mask hides the rest of shorter rows); the samples of one prompt also attend
   to its shared prefix, once for all of them, merged by log-sum-exp (cascade attention);
 - each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
-  its blocks gathered from the pool, its cached prefix included.
+  its blocks gathered from the pool, its cached prefix included; the short ones among them
+  (a program's verification or draft feeds: a few new tokens after a long cached prefix)
+  attend together, padded, in one call (`SpanGroup`), since sixteen calls of five queries
+  cost more in overhead than in arithmetic.
 
 A sliding-window layer (`windows`) masks the positions that fell out of each query's
 window. In the batch-invariant mode (`paged_forward(..., batch_invariant=True)`) every
@@ -44,6 +47,23 @@ class PrefillSpan:
     length: int  # positions stored after this step (cached prefix + new tokens)
 
 
+# Spans of at most this many new tokens attend together (`SpanGroup`); longer ones (prompts)
+# alone, where padding to the longest would waste more than a call costs.
+SHORT_SPAN = 8
+
+
+@dataclass
+class SpanGroup:
+    """Short spans attended in one padded call: B spans of at most T new tokens each."""
+
+    queries: torch.Tensor  # [B * T] each padded query's index in the step's row (padding
+    #                        repeats its span's last query, so no row of the mask is empty)
+    real: torch.Tensor  # [n] which of the B * T padded queries are real
+    positions: torch.Tensor  # [n] their indices in the step's row
+    blocks: torch.Tensor  # [B * nb] the spans' block tables, padded with their first block
+    mask: torch.Tensor  # [B, 1, T, S] bool: the keys each query sees (causal, own span)
+
+
 @dataclass
 class RunningRows:
     """The decoding rows of a step: rows 0..B-1 of `kv`, one new token each."""
@@ -73,6 +93,7 @@ class PagedBatch:
         self.running = running
         self.prefills = prefills
         self.windows = windows  # each layer's sliding window; () when none slides
+        self.group, self.alone = group_short_spans(prefills, pool.block_size, windows)
 
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
         """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused.
@@ -92,7 +113,11 @@ class PagedBatch:
             out[:decoding] = self._decode(
                 layer, q[0, :decoding], k[0, :decoding], v[0, :decoding], window, per_query
             )
-        for span in self.prefills:
+        alone = self.prefills
+        if self.group is not None and not per_query:
+            out[self.group.positions] = _attend_together(q[0], keys, values, self.group)
+            alone = self.alone
+        for span in alone:
             out[span.start : span.end] = _prefill(
                 q[0, span.start : span.end], keys, values, span, window, per_query
             )
@@ -151,6 +176,45 @@ def _with_prefix(q, out, lse, prefix: SharedPrefix, layer: int) -> torch.Tensor:
     return (out * own_weight + shared * shared_weight) / (own_weight + shared_weight)
 
 
+def group_short_spans(
+    spans: list[PrefillSpan], block_size: int, windows: tuple[int | None, ...]
+) -> tuple[SpanGroup | None, list[PrefillSpan]]:
+    """The spans of at most SHORT_SPAN new tokens as one `SpanGroup` (None if fewer than two,
+    or if a layer slides), and the others."""
+    short = [span for span in spans if span.end - span.start <= SHORT_SPAN]
+    if len(short) < 2 or any(w is not None for w in windows):
+        return None, spans
+    starts = torch.tensor([span.start for span in short])  # [B]
+    new = torch.tensor([span.end - span.start for span in short])
+    lengths = torch.tensor([span.length for span in short])
+    count, width = int(new.max()), int(lengths.max())  # T, S
+    offset = torch.minimum(torch.arange(count)[None, :], new[:, None] - 1)  # [B, T]
+    queries = (starts[:, None] + offset).flatten()
+    real = (torch.arange(count)[None, :] < new[:, None]).flatten().nonzero()[:, 0]
+    seen = (lengths - new)[:, None] + offset  # [B, T] each query's own position
+    mask = (torch.arange(width)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
+    num_blocks = -(-width // block_size)
+    blocks = []
+    for span in short:
+        table = span.blocks.tolist()
+        blocks += table + table[:1] * (num_blocks - len(table))
+    group = SpanGroup(queries, real, queries[real], torch.tensor(blocks), mask)
+    grouped = set(map(id, short))
+    return group, [span for span in spans if id(span) not in grouped]
+
+
+def _attend_together(q: torch.Tensor, keys, values, group: SpanGroup) -> torch.Tensor:
+    """q [T_all, H, D] of the step -> [n, H, D] for the group's real queries."""
+    batch, _, count, width = group.mask.shape
+    heads, dim = q.shape[1:]
+    kv_heads = keys.shape[0]
+    k = keys.index_select(1, group.blocks).view(kv_heads, batch, -1, dim)[:, :, :width]
+    v = values.index_select(1, group.blocks).view(kv_heads, batch, -1, dim)[:, :, :width]
+    padded = q[group.queries].view(batch, count, heads, dim).transpose(1, 2)  # [B, H, T, D]
+    out = dense_attend(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False)
+    return out.transpose(1, 2).reshape(batch * count, heads, dim)[group.real]
+
+
 def _prefill(
     q: torch.Tensor, keys, values, span: PrefillSpan, window: int | None, per_query: bool
 ) -> torch.Tensor:
@@ -169,9 +233,10 @@ def _prefill(
         return out
     slides = window is not None and span.length > window
     mask = None
-    if start or slides:
+    if (start and num_new > 1) or slides:  # one query after its prefix sees every key: no mask
         mask = causal_mask(start, num_new, window if slides else None)[None, None]  # [1, 1, T, S]
-    out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=mask is None)
+    causal = mask is None and start == 0
+    out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal)
     return out[0].transpose(0, 1)  # [T, H, D]
 
 
