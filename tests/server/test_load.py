@@ -142,3 +142,30 @@ def test_concurrent_contrastive_requests_run_on_the_experts_engine(server, serve
     for prompt, answer in zip(prompts, answers):
         [expected] = dk.generate(cd, prompt, params)
         assert answer.choices[0].text == expected.text
+
+
+def test_concurrent_speculative_requests_verify_in_one_forward(server, server_models):
+    """Speculative requests run on the target's engine as programs: 4 at once draft together
+    on the draft's member pool and verify in the same forwards; each equals the library."""
+    import decodekit as dk
+
+    thread, backend = server
+    engine = backend.engines["tiny"]
+    before = engine.stats()["steps"]
+    prompts = PROMPTS[:4]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        answers = await asyncio.gather(*(client.completions.create(
+            model="tiny", prompt=p, max_tokens=12, temperature=0,
+            extra_body={"draft_model": "tiny-2", "num_draft_tokens": 3, "ignore_eos": True})
+            for p in prompts))
+        await client.close()
+        return answers
+
+    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    assert engine.stats()["steps"] - before <= 3 * 13  # together: alone, 4 x (1 + up to 12) steps
+    params = dk.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    for prompt, answer in zip(prompts, answers):
+        [expected] = dk.generate(server_models["tiny"], prompt, params)
+        assert answer.choices[0].text == expected.text

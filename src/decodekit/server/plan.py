@@ -348,6 +348,13 @@ def engine_program(plan: Plan, model: LanguageModel, prompt: list[int], backend:
         if on_engine is None or on_engine[0] is not backend.models[plan.model]:
             return None
         return on_engine[1][0]
+    if plan.decoder == "speculative":
+        from decodekit.decode.speculative import speculative_programs
+
+        drafter = _drafter(plan, model, backend)
+        [program] = speculative_programs(model, drafter, [prompt], plan.params,
+                                         plan.options["num_draft_tokens"])  # fmt: skip
+        return program
     if plan.decoder != "beam":
         return None
     from decodekit.decode.beam import BeamProgram, beam_searches
@@ -391,9 +398,15 @@ def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Ba
                                             early_stopping=o["early_stopping"], constraint=constraint)[0])
     from decodekit.decode.speculative import speculative_generate
 
+    drafter = _drafter(plan, model, backend)
+    k = plan.options["num_draft_tokens"]
+    return lambda: finished(speculative_generate(model, drafter, [prompt], params, k).completions[0])
+
+
+def _drafter(plan: Plan, model: LanguageModel, backend: Backend):
+    """The request's drafter: "prompt-lookup" or a served model over the model's vocabulary."""
     draft = plan.options["draft"]
     drafter = draft if draft == "prompt-lookup" else backend.models[draft]
     if drafter is not model and not isinstance(drafter, str) and drafter.vocab_size > model.vocab_size:
         raise APIError(400, f"draft_model {draft!r} does not share the model's vocabulary", "draft_model")
-    k = plan.options["num_draft_tokens"]
-    return lambda: finished(speculative_generate(model, drafter, [prompt], params, k).completions[0])
+    return drafter
