@@ -160,6 +160,7 @@ class Engine:
             c.head_dim,
             model.dtype,
             PrefixCache() if config.prefix_caching else None,
+            device=model.device,
         )
         # The model's batch-invariant mode as it is now holds for this engine's life.
         self.batch_invariant = model.batch_invariant

@@ -154,7 +154,8 @@ def score_batch(
     for b, (row, start) in enumerate(zip(rows, starts)):
         first = width - len(row) + start  # the first scored token's column
         # the logits at column t predict the token at t + 1
-        scores.append(logp[b, first - 1 : width - 1].gather(-1, tokens[b, first:, None])[:, 0])
+        index = tokens[b, first:, None].to(logp.device)
+        scores.append(logp[b, first - 1 : width - 1].gather(-1, index)[:, 0])
     return scores
 
 
