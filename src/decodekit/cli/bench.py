@@ -6,13 +6,20 @@ import json
 
 from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, show_progress
 
-BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine")
+BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "dtype")
+SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
+SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("which", choices=BENCHES)
     p.add_argument("--model", default="shakespeare")
+    p.add_argument("--shape", choices=SHAPES, default=None,
+                   help="bench decode/engine/dtype: a random-weight model with these layer shapes "
+                   "(vocabulary cut to the embedded tokenizer's 2,048) instead of --model")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="bench dtype: the dtypes compared")
+    p.add_argument("--batches", default="16,64", help="bench dtype: engine batch sizes")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
@@ -26,8 +33,21 @@ def add_bench(sub) -> None:
 
 
 def run_bench(args) -> None:
-    if args.dtype != "auto" and args.which not in ("decode", "engine"):
-        raise UsageError(f"--dtype applies to bench decode and bench engine, not bench {args.which}")
+    for flag, value, default in (("--dtype", args.dtype, "auto"), ("--device", args.device, "cpu"),
+                                 ("--shape", args.shape, None)):  # fmt: skip
+        if value != default and args.which not in SHAPED:
+            raise UsageError(f"{flag} applies to bench decode, engine and dtype, not bench {args.which}")
+    if args.shape is not None and args.model != "shakespeare":
+        raise UsageError("give --model or --shape, not both")
+    if args.which in SHAPED:
+        from decodekit.bench.decode import model_or_shape
+
+        with model_or_shape(args.model, args.shape) as model:
+            result = _run_shaped(args, model)
+        if args.shape is not None:
+            result["model"] = f"random {args.shape}"
+        print(json.dumps(result, indent=None if args.json else 2))
+        return
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
     progress = show_progress(args)
     if args.which == "constrained":
@@ -65,13 +85,36 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
-    elif args.which == "engine":
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+def _run_shaped(args, model: str) -> dict:
+    """bench decode, engine or dtype of `model` (a name or a checkpoint directory)."""
+    threads = set_threads(args)
+    progress = show_progress(args)
+    if args.which == "engine":
         from decodekit.bench.engine import bench_engine
 
-        result = bench_engine(args.model, args.new_tokens, args.repeats, threads, progress=progress,
-                              dtype=args.dtype)
-    else:
-        from decodekit.bench.decode import bench_decode
+        return bench_engine(model, args.new_tokens, args.repeats, threads, progress=progress,
+                            dtype=args.dtype, device=args.device)  # fmt: skip
+    if args.which == "dtype":
+        from decodekit.bench.dtype import bench_dtype
 
-        result = bench_decode(args.model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype)
-    print(json.dumps(result, indent=None if args.json else 2))
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        batches = tuple(_positive(args.batches, "--batches"))
+        return bench_dtype(model, dtypes, args.new_tokens, batches=batches, repeats=args.repeats,
+                           device=args.device, progress=progress)  # fmt: skip
+    from decodekit.bench.decode import bench_decode
+
+    return bench_decode(model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype,
+                        device=args.device)  # fmt: skip
+
+
+def _positive(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} must be a comma-separated list of integers >= 1, got {text!r}")
+    return values
