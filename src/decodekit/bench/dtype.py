@@ -42,7 +42,10 @@ def bench_dtype(
 ) -> dict:
     """The figures of the module docstring for each of `dtypes` and for transformers float32."""
     import decodekit as dk
+    from decodekit.engine import EngineConfig
     from decodekit.models.base import prefill
+
+    config = EngineConfig(max_running=max(batches, default=1), max_kv_bytes=2**30)  # no preemption
 
     models, hf = {}, None
     for dtype in dtypes:
@@ -84,7 +87,7 @@ def bench_dtype(
             if model is None:
                 seconds = _median(lambda p=prompts: run_hf(hf, p, batch_new_tokens, True, pad=eos), repeats)
             else:
-                seconds = _median(lambda m=model, p=prompts: run_engine(m, p, params), repeats)
+                seconds = _median(lambda m=model, p=prompts, s=params: run_engine(m, p, s, config), repeats)
             row[f"batch{batch}"] = _rates(seconds, batch * batch_new_tokens)
             bar.update()
     bar.close()

@@ -10,11 +10,12 @@ checkpoints on the Hugging Face hub), but its vocabulary is cut to the embedded
 head are therefore smaller than the real ones (Qwen2.5-0.5B's 151,936 x 896 embedding is
 136M parameters; here it is 1.8M), which makes the output head's share of a step smaller.
 
-The weights are Gaussian, scaled so activations keep their size through the layers and
-the logits are spread (standard deviation ~3, not all equal): inputs of every projection
-N(0, 1/fan_in), the residual outputs (o_proj, down_proj) further by 1/sqrt(2 * layers)
-(GPT-2's scaled initialisation), the embedding N(0, 9/hidden) so that the tied output
-head gives logits of standard deviation ~3 from a unit-RMS hidden state.
+The weights are Gaussian, scaled so the logits are spread but not peaked: every projection
+N(0, 1/fan_in), so each sublayer adds a residual of about its input's size, and the
+embedding N(0, 9/hidden), so the tied output head gives logits of standard deviation ~3 from
+a unit-RMS hidden state. The layers' sum then outweighs the input token's own embedding in
+the last hidden state; with GPT-2's 1/sqrt(2 * layers) residual scaling it does not, and the
+tied head puts ~0.99 of the probability on repeating the input token.
 """
 
 from __future__ import annotations
@@ -80,8 +81,6 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     hidden, width = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    layers = config["num_hidden_layers"]
-    residual = 1 / math.sqrt(2 * layers)
 
     def gaussian(out_features: int, in_features: int, scale: float = 1.0) -> torch.Tensor:
         std = scale / math.sqrt(in_features)
@@ -92,7 +91,7 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     if not config["tie_word_embeddings"]:
         state["lm_head.weight"] = gaussian(config["vocab_size"], hidden, 3.0)
     qkv_bias = config["model_type"] == "qwen2"
-    for i in range(layers):
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         state[p + "input_layernorm.weight"] = torch.ones(hidden)
         state[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
@@ -100,10 +99,10 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             state[p + f"self_attn.{part}_proj.weight"] = gaussian(rows * head_dim, hidden)
             if qkv_bias:
                 state[p + f"self_attn.{part}_proj.bias"] = torch.zeros(rows * head_dim)
-        state[p + "self_attn.o_proj.weight"] = gaussian(hidden, heads * head_dim, residual)
+        state[p + "self_attn.o_proj.weight"] = gaussian(hidden, heads * head_dim)
         state[p + "mlp.gate_proj.weight"] = gaussian(width, hidden)
         state[p + "mlp.up_proj.weight"] = gaussian(width, hidden)
-        state[p + "mlp.down_proj.weight"] = gaussian(hidden, width, residual)
+        state[p + "mlp.down_proj.weight"] = gaussian(hidden, width)
     return state
 
 
@@ -113,8 +112,9 @@ def random_model(
     """A NativeLM of shape `name` with random weights and the embedded tokenizer."""
     config = shape_config(name, dtype)
     tokenizer = load_tokenizer(TOKENIZER_DIR)
-    model = NativeLM.from_state_dict(config, random_state_dict(config, seed), resolve_dtype(dtype),
-                                     name=f"random-{name}", tokenizer=tokenizer, eos_token_ids=(0,))  # fmt: skip
+    state = random_state_dict(config, seed)
+    model = NativeLM.from_state_dict(config, state, resolve_dtype(dtype), name=f"random-{name}",
+                                     tokenizer=tokenizer, eos_token_ids=(0,))  # fmt: skip
     return model.to(device)
 
 
@@ -124,12 +124,17 @@ def save_random_checkpoint(
     """Write shape `name` with random weights as a Hugging Face checkpoint directory
     (config.json, model.safetensors, the embedded tokenizer): `load_model(path)` and
     transformers' `from_pretrained(path)` both read it. Returns the directory."""
+    return save_checkpoint(shape_config(name, dtype), path, seed)
+
+
+def save_checkpoint(config: dict, path: str | Path, seed: int = 0) -> Path:
+    """Write random weights of a config.json dict (in its `torch_dtype`) with the embedded
+    tokenizer to directory `path`; `save_random_checkpoint` of a shape's config."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = shape_config(name, dtype)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(config.get("torch_dtype", "float32"))
     state = {k: v.to(torch_dtype) for k, v in random_state_dict(config, seed).items()}
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
