@@ -11,7 +11,14 @@ import decodekit as dk
 from decodekit.models.base import prefill
 from decodekit.models.native import LlamaNet, NativeConfig, NativeLM
 from decodekit.models.registry import ASSETS
-from decodekit.models.shapes import SHAPES, VOCAB_SIZE, random_state_dict, save_checkpoint, shape_config
+from decodekit.models.shapes import (
+    SHAPES,
+    VOCAB_SIZE,
+    random_model,
+    random_state_dict,
+    save_checkpoint,
+    shape_config,
+)
 
 
 def parameters_of(config: dict) -> int:
@@ -75,3 +82,13 @@ def test_random_weights_are_seeded():
     assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
     model = NativeLM.from_state_dict(config, first)
     assert model.vocab_size == VOCAB_SIZE
+
+
+def test_random_model_builds_the_shape_in_the_dtype():
+    model = random_model("smollm2-135m", dtype="bfloat16", layers=2)
+    assert model.num_parameters() == parameters_of(small("smollm2-135m", layers=2))
+    assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    [completion] = dk.generate(model, "ROMEO:", dk.SamplingParams(max_new_tokens=3, temperature=0))
+    assert len(completion.token_ids) == 3
+    with pytest.raises(ValueError, match=r"layers must be in \[1, 30\], got 31"):
+        random_model("smollm2-135m", layers=31)

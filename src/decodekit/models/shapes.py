@@ -107,10 +107,19 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def random_model(
-    name: str, dtype: str | torch.dtype = "float32", device: str = "cpu", seed: int = 0
+    name: str,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+    layers: int | None = None,
 ) -> NativeLM:
-    """A NativeLM of shape `name` with random weights and the embedded tokenizer."""
+    """A NativeLM of shape `name` with random weights and the embedded tokenizer; `layers`:
+    only that many of its layers (the same widths: a step costs that fraction of the whole)."""
     config = shape_config(name, dtype)
+    if layers is not None:
+        if not 1 <= layers <= config["num_hidden_layers"]:
+            raise ValueError(f"layers must be in [1, {config['num_hidden_layers']}], got {layers}")
+        config["num_hidden_layers"] = layers
     tokenizer = load_tokenizer(TOKENIZER_DIR)
     state = random_state_dict(config, seed)
     model = NativeLM.from_state_dict(config, state, resolve_dtype(dtype), name=f"random-{name}",
