@@ -248,6 +248,8 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     assert str(load_models(["shakespeare"], dtype="bfloat16")["shakespeare"].dtype) == "torch.bfloat16"
+    assert main([*args, "--device", "auto"]) == 0 and main([*args, "--device", "cpu"]) == 0
+    assert load_models(["shakespeare"], device="cpu")["shakespeare"].device.type == "cpu"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -255,7 +257,16 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
      "dtype must be one of 'auto', 'float32', 'bfloat16', 'float16' (or the torch dtype), got 'bf16'"),
     (["eval", "arith", "--dtype", "bfloat16"], "--dtype applies to eval perplexity only, not eval arith"),
     (["bench", "constrained", "--dtype", "bfloat16"],
-     "--dtype applies to bench decode and bench engine, not bench constrained"),
+     "--dtype applies to bench decode, engine and dtype, not bench constrained"),
+    (["generate", "x", "--device", "gpu"],
+     "device must be one of 'auto', 'cpu', 'cuda', 'mps' (or 'cuda:N'), got 'gpu'"),
+    (["eval", "arith", "--device", "cpu:0"], "--device applies to eval perplexity only, not eval arith"),
+    (["bench", "server", "--device", "cuda"],
+     "--device applies to bench decode, engine and dtype, not bench server"),
+    (["bench", "speculative", "--shape", "llama-3.2-1b"],
+     "--shape applies to bench decode, engine and dtype, not bench speculative"),
+    (["bench", "decode", "--shape", "llama-3.2-1b", "--model", "arith"], "give --model or --shape, not both"),
+    (["bench", "dtype", "--batches", "0,4"], "--batches must be a comma-separated list of integers >= 1"),
     (["generate", "x", "--model", "shakespeare-5gram", "--dtype", "bfloat16"],
      "ngram model 'shakespeare-5gram' runs in float32 only"),
     (["bench", "decode", "--concurrent", "16"],

@@ -198,7 +198,7 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
     log-softmaxes run once over the whole batch."""
     raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
     processed_lp = torch.log_softmax(processed, dim=-1)
-    index = chosen.long()[:, None]
+    index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
     processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()
     local = 0

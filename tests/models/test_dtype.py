@@ -38,9 +38,22 @@ def test_bfloat16_greedy_generation_runs(shakespeare_f32):
 def test_auto_is_the_checkpoints_dtype():
     assert load_model("shakespeare").net.embed_tokens.weight.dtype == torch.float32
     assert load_model("shakespeare", dtype="float32").dtype == torch.float32
-    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == torch.bfloat16
-    assert resolve_dtype("auto", {"dtype": "float16", "torch_dtype": "float32"}) == torch.float16
+    # On an accelerator "auto" is the stored dtype ("dtype" before the older "torch_dtype").
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, cuda) == torch.bfloat16
+    assert resolve_dtype("auto", {"dtype": "float16", "torch_dtype": "float32"}, cuda) == torch.float16
+    assert resolve_dtype("auto", {}, cuda) == torch.float32
+
+
+def test_auto_on_the_cpu_keeps_bfloat16_where_it_is_native_and_widens_float16():
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    expected = torch.bfloat16 if native else torch.float32
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == expected
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}) == torch.float32
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}) == torch.float32
     assert resolve_dtype("auto", {}) == torch.float32
+    # An explicit choice is never changed.
+    assert resolve_dtype("float16", {"torch_dtype": "float32"}) == torch.float16
 
 
 def test_hf_backend_takes_the_dtype(tiny_llama_dir):

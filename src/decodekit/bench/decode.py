@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import platform
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import date
 
 import torch
@@ -37,31 +40,44 @@ def machine() -> dict:
     }
 
 
-def load_pair(model_name: str, dtype: str = "auto"):
+@contextmanager
+def model_or_shape(model_name: str, shape: str | None = None) -> Iterator[str]:
+    """`model_name`, or with `shape` the directory of a random-weight float32 checkpoint of
+    that shape (models/shapes.py), written to a temporary directory for the run."""
+    if shape is None:
+        yield model_name
+        return
+    from decodekit.models.shapes import save_random_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix=f"decodekit-{shape}-") as folder:
+        yield str(save_random_checkpoint(shape, folder))
+
+
+def load_pair(model_name: str, dtype: str = "auto", device: str = "cpu", hf_dtype: str | None = None):
     """decodekit's `load_model` of `model_name` and the transformers model beside it, both in
-    `dtype`."""
+    `dtype` (transformers' in `hf_dtype` when given) on `device`."""
     import transformers
 
     import decodekit as dk
     from decodekit.models.checkpoint import read_config
-    from decodekit.models.registry import resolve, resolve_dtype
+    from decodekit.models.registry import resolve, resolve_device, resolve_dtype
 
-    model = dk.load_model(model_name, dtype=dtype)
+    model = dk.load_model(model_name, dtype=dtype, device=device)
     path = resolve(model_name)[1]
-    torch_dtype = resolve_dtype(dtype, read_config(path))
+    torch_dtype = resolve_dtype(hf_dtype or dtype, read_config(path), resolve_device(device))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    return model, hf
+    return model, hf.to(resolve_device(device))
 
 
 def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3,
-                 progress: bool = False, dtype: str = "auto") -> dict:
-    """decodekit and Hugging Face tok/s, greedy and sampling, in `dtype`; `progress`: a bar over
-    the 4 timings."""
+                 progress: bool = False, dtype: str = "auto", device: str = "cpu") -> dict:
+    """decodekit and Hugging Face tok/s, greedy and sampling, in `dtype` on `device`;
+    `progress`: a bar over the 4 timings."""
     import decodekit as dk
 
-    model, hf = load_pair(model_name, dtype)
+    model, hf = load_pair(model_name, dtype, device)
     prompt = "ROMEO:"
-    ids = torch.tensor([model.encode(prompt)])
+    ids = torch.tensor([model.encode(prompt)], device=hf.device)
     results = {"model": model_name, "backend": type(model).__name__, "new_tokens": new_tokens,
                "batch": 1, "dtype": str(hf.dtype).removeprefix("torch."), "machine": machine()}
     bar = progress_bar(total=4, desc="bench decode", enabled=progress)

@@ -96,7 +96,7 @@ def run_engine(model, prompts, params, config=None) -> dict:
 def run_hf(hf, prompts, new_tokens: int, sample: bool, num_return_sequences: int = 1, pad=0):
     from decodekit.models.base import left_pad
 
-    tokens, mask = left_pad(prompts, pad)
+    tokens, mask = (t.to(hf.device) for t in left_pad(prompts, pad))
     with torch.inference_mode():
         out = hf.generate(tokens, attention_mask=mask.long(), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=sample, top_k=0, top_p=1.0,
@@ -123,13 +123,14 @@ def bench_engine(
     scenarios: tuple[str, ...] = SCENARIOS,
     progress: bool = False,
     dtype: str = "auto",
+    device: str = "cpu",
 ) -> dict:
     """The chosen scenarios (module docstring), decodekit against transformers, both in
-    `dtype`; `progress`: a bar over the scenarios on stderr."""
+    `dtype` on `device`; `progress`: a bar over the scenarios on stderr."""
     import decodekit as dk
 
     torch.set_num_threads(threads)
-    model, hf = load_pair(model_name, dtype)
+    model, hf = load_pair(model_name, dtype, device)
     eos = model.eos_token_ids[0] if model.eos_token_ids else 0
     params_count = model.num_parameters()
     results: dict = {"model": model_name, "parameters": params_count, "machine": machine(),
@@ -165,7 +166,7 @@ def bench_engine(
         bar.update()
     if "memory" in scenarios:
         bar.set_postfix_str("memory")
-        results["memory"] = {backend: _in_fresh_process(model_name, backend, threads, dtype)
+        results["memory"] = {backend: _in_fresh_process(model_name, backend, threads, dtype, device)
                              for backend in ("decodekit", "hf")}  # fmt: skip
         bar.update()
     bar.close()
@@ -198,24 +199,24 @@ def _concurrent(dk, model, hf, eos, params_count, repeats) -> dict:
     }  # fmt: skip
 
 
-def _in_fresh_process(model_name: str, backend: str, threads: int, dtype: str) -> dict:
+def _in_fresh_process(model_name: str, backend: str, threads: int, dtype: str, device: str) -> dict:
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        return pool.apply(_memory_of_concurrent, (model_name, backend, threads, dtype))
+        return pool.apply(_memory_of_concurrent, (model_name, backend, threads, dtype, device))
 
 
-def _memory_of_concurrent(model_name: str, backend: str, threads: int, dtype: str) -> dict:
+def _memory_of_concurrent(model_name: str, backend: str, threads: int, dtype: str, device: str) -> dict:
     """Peak RSS (MiB) of one run of scenario 3, and what it adds to the loaded model's RSS."""
     import decodekit as dk
 
     torch.set_num_threads(threads)
-    model = dk.load_model(model_name, dtype=dtype)
+    model = dk.load_model(model_name, dtype=dtype, device=device)
     spec = CONCURRENT
     prompts = prompts_from_text(model, spec["requests"], spec["prompt_lengths"])
     eos = model.eos_token_ids[0] if model.eos_token_ids else 0
     if backend == "hf":
         del model
-        hf = load_pair(model_name, dtype)[1]
+        hf = load_pair(model_name, dtype, device)[1]
         before, peak, _ = _peak_rss(lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos))
         extra = {}
     else:

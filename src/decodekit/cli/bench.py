@@ -7,13 +7,20 @@ import json
 from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
-           "latency", "presets")
+           "latency", "presets", "dtype")
+SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
+SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("which", choices=BENCHES)
     p.add_argument("--model", default="shakespeare")
+    p.add_argument("--shape", choices=SHAPES, default=None,
+                   help="bench decode/engine/dtype: a random-weight model with these layer shapes "
+                   "(vocabulary cut to the embedded tokenizer's 2,048) instead of --model")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="bench dtype: the dtypes compared")
+    p.add_argument("--batches", default="16,64", help="bench dtype: engine batch sizes")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft",
                    help="bench speculative: the draft model; bench presets: the second scorer")
@@ -42,10 +49,23 @@ def run_bench(args) -> None:
     if args.which in ("latency", "presets"):
         run_seed_bench(args)
         return
-    if args.dtype != "auto" and args.which not in ("decode", "engine"):
-        raise UsageError(f"--dtype applies to bench decode and bench engine, not bench {args.which}")
+    for flag, value, default in (("--dtype", args.dtype, "auto"), ("--device", args.device, "cpu"),
+                                 ("--shape", args.shape, None)):  # fmt: skip
+        if value != default and args.which not in SHAPED:
+            raise UsageError(f"{flag} applies to bench decode, engine and dtype, not bench {args.which}")
+    if args.shape is not None and args.model != "shakespeare":
+        raise UsageError("give --model or --shape, not both")
     if args.concurrent is not None and args.which != "speculative":
         raise UsageError(f"--concurrent applies to bench speculative, not bench {args.which}")
+    if args.which in SHAPED:
+        from decodekit.bench.decode import model_or_shape
+
+        with model_or_shape(args.model, args.shape) as model:
+            result = _run_shaped(args, model)
+        if args.shape is not None:
+            result["model"] = f"random {args.shape}"
+        print(json.dumps(result, indent=None if args.json else 2))
+        return
     threads = set_threads(args)  # the models load inside the benchmarks; None picks for a small model
     progress = show_progress(args)
     if args.which == "constrained":
@@ -104,20 +124,36 @@ def run_bench(args) -> None:
         new_tokens = 32 if args.new_tokens == 256 else args.new_tokens
         result = bench_beam(args.model, clients, new_tokens=new_tokens, repeats=args.repeats,
                             progress=progress)
-    elif args.which == "engine":
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+def _run_shaped(args, model: str) -> dict:
+    """bench decode, engine or dtype of `model` (a name or a checkpoint directory)."""
+    threads = set_threads(args)
+    progress = show_progress(args)
+    if args.which == "engine":
         from decodekit.bench.engine import bench_engine
 
-        result = bench_engine(args.model, args.new_tokens, args.repeats, threads, progress=progress,
-                              dtype=args.dtype)
-    else:
-        from decodekit.bench.decode import bench_decode
+        return bench_engine(model, args.new_tokens, args.repeats, threads, progress=progress,
+                            dtype=args.dtype, device=args.device)  # fmt: skip
+    if args.which == "dtype":
+        from decodekit.bench.dtype import bench_dtype
 
-        result = bench_decode(args.model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype)
-    print(json.dumps(result, indent=None if args.json else 2))
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        batches = tuple(int_list("--batches", args.batches))
+        return bench_dtype(model, dtypes, args.new_tokens, batches=batches, repeats=args.repeats,
+                           device=args.device, progress=progress)  # fmt: skip
+    from decodekit.bench.decode import bench_decode
+
+    return bench_decode(model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype,
+                        device=args.device)  # fmt: skip
 
 
 def run_seed_bench(args) -> None:
     """bench latency and bench presets (issue 17): a table, or JSON with --json."""
+    if args.shape is not None or args.device != "cpu":
+        raise UsageError(f"--shape and --device apply to bench decode, engine and dtype, "
+                         f"not bench {args.which}")
     if args.which == "presets":
         if args.dtype != "auto" or args.plot:
             raise UsageError("bench presets takes no --dtype or --plot")

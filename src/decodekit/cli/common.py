@@ -39,6 +39,10 @@ def add_dtype(p) -> None:
     p.add_argument("--dtype", default="auto", metavar="DTYPE",
                    help="weights, activations and KV cache: auto (the checkpoint's; float32 for the "
                    "shipped models), float32, bfloat16 or float16; logits stay float32")
+    # Checked by load_model too (models/registry.py resolve_device).
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where the weights, activations, KV cache and logits live: cpu (default), "
+                   "cuda, cuda:N, mps or auto (cuda if available, else cpu)")
 
 
 def set_threads(args, model=None) -> int:

@@ -47,6 +47,8 @@ def run_eval(args) -> None:
         raise UsageError(f"eval {args.task} takes no MODEL argument (use --model), got {args.target!r}")
     if args.dtype != "auto" and args.task != "perplexity":
         raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
+    if args.device != "cpu" and args.task != "perplexity":
+        raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
@@ -96,7 +98,7 @@ def run_eval_perplexity(args) -> None:
 
     name = args.target or (args.model if args.model != "arith" else "shakespeare")
     text_path = Path(args.text) if args.text else HELD_OUT[args.split]
-    model = dk.load_model(name, dtype=args.dtype)
+    model = dk.load_model(name, dtype=args.dtype, device=args.device)
     set_threads(args, model)
     result = text_perplexity(model, text_path.read_text(), args.window, args.stride)
     if args.json:

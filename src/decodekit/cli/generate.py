@@ -108,10 +108,10 @@ def generation_model(args):
     if args.amateur is None and args.strategy != "contrastive" and knobs:
         raise UsageError(f"--{next(iter(knobs)).replace('_', '-')} needs --amateur or "
                          "--strategy contrastive")
-    model = dk.load_model(args.model, dtype=args.dtype)
+    model = dk.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.amateur is None and args.strategy != "contrastive":
         return model
-    amateur = dk.load_model(args.amateur or "shakespeare-draft", dtype=args.dtype)
+    amateur = dk.load_model(args.amateur or "shakespeare-draft", dtype=args.dtype, device=args.device)
     return dk.ContrastiveLM(model, amateur, **knobs)
 
 

@@ -46,6 +46,6 @@ def run_serve(args) -> None:
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
                           cors_origins=tuple(args.cors_origin))
-    models = load_models(args.model or ["shakespeare"], dtype=args.dtype)
+    models = load_models(args.model or ["shakespeare"], dtype=args.dtype, device=args.device)
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
     serve(Backend(models, config), args.host, args.port)

@@ -95,7 +95,10 @@ class IncrementalModel:
         self.calls = 0
 
     def next_logits(self, sequence: Sequence[int], count: int) -> torch.Tensor:
-        """Logits [count, V] float32 predicting sequence[-count + 1:] and the token after it."""
+        """Logits [count, V] float32 on the CPU predicting sequence[-count + 1:] and the token
+        after it. Verification runs on the CPU in float64 with the request's CPU generator:
+        its tensors are [γ + 1, V], small beside a forward, and every acceptance test reads
+        scalars anyway (a device sync per block)."""
         assert 1 <= count <= len(sequence), (count, len(sequence))
         keep = min(common_prefix(self.tokens, sequence), len(sequence) - count)
         if keep == 0:
@@ -103,7 +106,7 @@ class IncrementalModel:
         elif keep < len(self.tokens):
             self.cache.crop(keep)
         new = torch.as_tensor(list(sequence[keep:]), dtype=torch.long)[None]  # [1, T]
-        logits = self.model.forward(new, self.cache)[0, -count:]  # [count, V]
+        logits = self.model.forward(new, self.cache)[0, -count:].cpu()  # [count, V]
         self.tokens = list(sequence)
         self.calls += 1
         return logits

@@ -130,7 +130,7 @@ class PagedBatch:
         kv_heads = k.shape[1]
         row_keys = running.kv.keys[layer]  # [R, H_kv, C, D]
         row_values = running.kv.values[layer]
-        rows = torch.arange(batch)
+        rows = torch.arange(batch, device=q.device)
         row_keys[rows, :, running.columns] = k  # [B, H_kv, D] at each row's new position
         row_values[rows, :, running.columns] = v
         if per_query:
@@ -234,7 +234,7 @@ def _prefill(
     slides = window is not None and span.length > window
     mask = None
     if (start and num_new > 1) or slides:  # one query after its prefix sees every key: no mask
-        mask = causal_mask(start, num_new, window if slides else None)[None, None]  # [1, 1, T, S]
+        mask = causal_mask(start, num_new, window if slides else None, q.device)[None, None]  # [1, 1, T, S]
     causal = mask is None and start == 0
     out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal)
     return out[0].transpose(0, 1)  # [T, H, D]
@@ -275,6 +275,7 @@ def build_batch(
     in the order of `items`, or all of its new tokens' where `every[i]` (a program's
     verification: program.py). windows: the model's `config.layer_windows`.
     """
+    device = pool.keys.device  # every index lives beside the KV it indexes
     tokens: list[int] = []
     positions: list[int] = []
     all_slots: list[int] = []
@@ -294,25 +295,29 @@ def build_batch(
         if index < decoding:
             assert count == 1 and running.total_length(index) == length
         else:
-            blocks = torch.tensor(table.blocks, dtype=torch.long)
+            blocks = torch.tensor(table.blocks, dtype=torch.long, device=device)
             prefills.append(PrefillSpan(start, start + count, blocks, length))
     rows = None
     if decoding:
         rows = _running_rows(running, set(windows) or {None})
-    batch = PagedBatch(pool, torch.tensor(all_slots, dtype=torch.long), rows, prefills, windows)
-    as_long = torch.tensor
+
+    def as_long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows)
     return as_long(tokens), as_long(positions), batch, as_long(keep)
 
 
 def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
-    lengths = torch.tensor(running.lengths)  # [B] each row's own positions
+    device = running.keys.device
+    lengths = torch.tensor(running.lengths, device=device)  # [B] each row's own positions
     width = max(running.lengths)
     groups: dict[int, tuple[SharedPrefix, list[int]]] = {}
     for row, prefix in enumerate(running.prefixes):
         if prefix is not None:
             groups.setdefault(id(prefix), (prefix, []))[1].append(row)
     masks: dict[int | None, torch.Tensor | None] = {}
-    columns = torch.arange(width)[None, :]  # [1, S]
+    columns = torch.arange(width, device=device)[None, :]  # [1, S]
     for window in windows:
         first = lengths - window if window is not None else torch.zeros_like(lengths)
         if int(lengths.min()) == width and int(first.max()) <= 0:
@@ -320,7 +325,7 @@ def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
             continue
         mask = ((columns < lengths[:, None]) & (columns >= first[:, None]))[:, None, None, :]
         if groups:  # the LSE-returning kernel takes an additive mask [B, 1, 1, S]
-            mask = torch.zeros(mask.shape, dtype=running.keys.dtype).masked_fill(~mask, -torch.inf)
+            mask = running.keys.new_zeros(mask.shape).masked_fill(~mask, -torch.inf)
         masks[window] = mask
-    shared = [(prefix, torch.tensor(rows)) for prefix, rows in groups.values()]
+    shared = [(prefix, torch.tensor(rows, device=device)) for prefix, rows in groups.values()]
     return RunningRows(running, lengths - 1, masks, width, shared)

@@ -576,6 +576,7 @@ def _new_pool(model, config: EngineConfig) -> BlockPool:
         c.head_dim,
         model.dtype,
         PrefixCache() if config.prefix_caching else None,
+        device=model.device,
     )
 
 

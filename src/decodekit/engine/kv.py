@@ -47,12 +47,13 @@ class BlockPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         prefix_cache: PrefixCache | None = None,
+        device: str | torch.device = "cpu",
     ):
         # Heads outermost: a gather of blocks (index_select on dim 2) yields, per head, each
         # sequence's [S, D] keys contiguous, the layout SDPA reads fastest.
         shape = (num_layers, num_kv_heads, min(num_blocks, 64), block_size, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)  # [N, H_kv, capacity, block_size, D]
-        self.values = torch.zeros(shape, dtype=dtype)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [N, H_kv, capacity, block_size, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.refs = [0] * num_blocks
         self.free: deque[int] = deque()  # released blocks, reused first (their memory is warm)

@@ -55,13 +55,14 @@ class RunningKV:
     ):
         num_layers, kv_heads, _, _, head_dim = pool.keys.shape
         shape = (num_layers, rows, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=pool.keys.dtype)  # [N, R, H_kv, C, D]
-        self.values = torch.zeros(shape, dtype=pool.keys.dtype)
+        self.keys = pool.keys.new_zeros(shape)  # [N, R, H_kv, C, D]
+        self.values = pool.keys.new_zeros(shape)
         self.pool = pool
         self.owners: list[object] = []  # the sequence in each used row
         self.lengths: list[int] = []  # positions stored in each used row (after its prefix)
         self.prefixes: list[SharedPrefix | None] = []  # the shared prefix each row continues
-        self.share_prefixes = share_prefixes and FLASH_WITH_LSE is not None
+        # The log-sum-exp kernel that merges a shared prefix's attention is the CPU's own.
+        self.share_prefixes = share_prefixes and FLASH_WITH_LSE is not None and pool.keys.is_cpu
 
     def __len__(self) -> int:
         return len(self.owners)
@@ -95,7 +96,7 @@ class RunningKV:
 
     def _gather(self, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, length) of a block table, [N, H_kv, length, D] keys and values."""
-        index = torch.tensor(blocks, dtype=torch.long)
+        index = torch.tensor(blocks, dtype=torch.long, device=self.pool.keys.device)
         out = []
         for pool in (self.pool.keys, self.pool.values):
             gathered = pool.index_select(2, index)  # [N, H_kv, nb, block_size, D]

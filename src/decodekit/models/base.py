@@ -173,7 +173,7 @@ def score_batch(
     float32, in one forward: rows of different lengths are left-padded."""
     dists = next_token_logprobs(model, rows, starts)
     return [
-        logp.gather(-1, torch.as_tensor(row[start:], dtype=torch.long)[:, None])[:, 0]
+        logp.gather(-1, torch.as_tensor(row[start:], dtype=torch.long, device=logp.device)[:, None])[:, 0]
         for logp, row, start in zip(dists, rows, starts)
     ]
 

@@ -17,11 +17,11 @@ from decodekit.models.base import Cache, LanguageModel
 
 
 class HFCache(Cache):
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, device: str | torch.device = "cpu"):
         from transformers import DynamicCache
 
         self.kv = DynamicCache()
-        self.mask = torch.zeros((batch_size, 0), dtype=torch.bool)  # [B, L]
+        self.mask = torch.zeros((batch_size, 0), dtype=torch.bool, device=device)  # [B, L]
 
     @property
     def length(self) -> int:
@@ -35,7 +35,7 @@ class HFCache(Cache):
         return other
 
     def select(self, rows: Sequence[int]) -> None:
-        index = torch.as_tensor(list(rows), dtype=torch.long)
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.mask.device)
         if self.length > 0:
             self.kv.reorder_cache(index)
         self.mask = self.mask[index]
@@ -48,8 +48,8 @@ class HFCache(Cache):
 
 
 class HFModelLM(LanguageModel):
-    """A transformers causal LM on the CPU (float32 unless loaded otherwise), in inference mode;
-    its logits are float32 whatever the weights' dtype."""
+    """A transformers causal LM (float32 on the CPU unless loaded otherwise), in inference
+    mode; its logits are float32 whatever the weights' dtype, on the model's device."""
 
     def __init__(self, model, tokenizer, name: str):
         self.model = model.eval()
@@ -59,25 +59,31 @@ class HFModelLM(LanguageModel):
         self.vocab_size = int(config.vocab_size)
         self.max_context = int(getattr(config, "max_position_embeddings", 2048))
         self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.device = model.device
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, name: str | None = None, dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        name: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ) -> HFModelLM:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model = model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, name or path.name)
 
     def new_cache(self, batch_size: int) -> HFCache:
-        return HFCache(batch_size)
+        return HFCache(batch_size, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: HFCache, mask: torch.Tensor | None = None):
-        if mask is None:
-            mask = torch.ones_like(tokens, dtype=torch.bool)  # [B, T]
+        tokens = tokens.to(self.device)
+        mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.to(self.device)
         full_mask = torch.cat([cache.mask, mask], dim=1)  # [B, L + T]
         # Padding does not advance a row's position: position = real tokens before it.
         positions = full_mask.long().cumsum(dim=1)[:, -tokens.shape[1] :] - 1

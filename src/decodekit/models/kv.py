@@ -34,14 +34,16 @@ class ContiguousKVCache(Cache):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         capacity: int = _MIN_CAPACITY,
+        device: str | torch.device = "cpu",
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         shape = (num_layers, batch_size, num_kv_heads, max(capacity, 1), head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)  # [N, B, H_kv, C, D]
-        self.values = torch.zeros(shape, dtype=dtype)  # [N, B, H_kv, C, D]
-        self.slots = torch.zeros((batch_size, shape[3]), dtype=torch.bool)  # [B, C] real tokens
-        self.next_position = torch.zeros(batch_size, dtype=torch.long)  # [B] real tokens so far
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [N, B, H_kv, C, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [N, B, H_kv, C, D]
+        # [B, C] real tokens, [B] real tokens so far
+        self.slots = torch.zeros((batch_size, shape[3]), dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._length = 0
         # True once any slot below `length` is padding: then rows need their own positions
         # and an explicit attention mask; otherwise the fast shared-position path applies.
@@ -72,7 +74,7 @@ class ContiguousKVCache(Cache):
         capacity = max(length, 2 * self.capacity, _MIN_CAPACITY)
         self.keys = _grow(self.keys, capacity, self._length)
         self.values = _grow(self.values, capacity, self._length)
-        slots = torch.zeros((self.batch_size, capacity), dtype=torch.bool)
+        slots = self.slots.new_zeros((self.batch_size, capacity))
         slots[:, : self._length] = self.mask
         self.slots = slots
 
@@ -159,7 +161,7 @@ class ContiguousKVCache(Cache):
             raise ValueError(
                 f"rows must be a non-empty list of ints in [0, {self.batch_size}), got {rows}"
             )
-        return torch.tensor(rows, dtype=torch.long)
+        return torch.tensor(rows, dtype=torch.long, device=self.keys.device)
 
     def _refresh_padding(self) -> None:
         self.has_padding = self.has_padding and not bool(self.mask.all())
@@ -197,22 +199,24 @@ def attention_mask(
     if not cache.has_padding:
         if not (slides or explicit) and (num_new == 1 or start == 0):
             return None
-        return causal_mask(start, num_new, window)[None, None]  # [1, 1, T, S]
+        return causal_mask(start, num_new, window, cache.keys.device)[None, None]  # [1, 1, T, S]
     keys = cache.mask  # [B, S]
-    visible = keys[:, None, :] & causal_mask(start, num_new)  # [B, T, S]
+    visible = keys[:, None, :] & causal_mask(start, num_new, device=keys.device)  # [B, T, S]
     if slides:
         positions = keys.long().cumsum(dim=1) - 1  # [B, S]
         near = positions[:, None, :] > positions[:, start:, None] - window  # [B, T, S]
         visible &= near
-    visible[:, :, start:] |= torch.eye(num_new, dtype=torch.bool)
+    visible[:, :, start:] |= torch.eye(num_new, dtype=torch.bool, device=keys.device)
     return visible[:, None]  # [B, 1, T, S]
 
 
-def causal_mask(start: int, num_new: int, window: int | None = None) -> torch.Tensor:
+def causal_mask(
+    start: int, num_new: int, window: int | None = None, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """[T, start + T] bool: query t (at position start + t) sees keys 0 .. start + t, or
     with a sliding window only start + t - window + 1 .. start + t (transformers'
     `sliding_window_overlay`: kv_idx > q_idx - window)."""
-    ones = torch.ones((num_new, start + num_new), dtype=torch.bool)
+    ones = torch.ones((num_new, start + num_new), dtype=torch.bool, device=device)
     visible = ones.tril(diagonal=start)
     if window is not None:
         visible &= ~ones.tril(diagonal=start - window)

@@ -196,8 +196,32 @@ def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def one_row_gemv(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` for x holding one row, as a matrix-vector product over the row-major
+    [out, in] weight: x [..., in] -> [..., out].
+
+    The bfloat16/float16 decode path: at one row, `torch.mv` over row-major bfloat16 weights
+    streams them at memory speed, while `F.linear` takes oneDNN's GEMM path, 1.5x slower
+    (measured on this AVX-512-BF16 CPU, one thread: 896 -> 9728, 837 against 1,253 us; float32
+    F.linear is 1,320 us). BENCHMARKS.md, "Real model shapes: dtype, device and speed".
+    """
+    out = torch.mv(layer.weight, x.reshape(-1))  # [out]
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.view(*x.shape[:-1], out.shape[0])
+
+
 def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    return rowwise_linear(layer, x) if rowwise else layer(x)
+    if rowwise:
+        return rowwise_linear(layer, x)
+    weight = getattr(layer, "weight", None)
+    if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
+            and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
+        return one_row_gemv(layer, x)
+    return layer(x)
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # their weights stay row-major (transpose_weight_layout)
 
 
 class RMSNorm(nn.Module):
@@ -340,9 +364,12 @@ def transpose_weight_layout(net: nn.Module) -> None:
     BLAS runs about 1.8x faster than x @ W.t() at batch 1 (a GEMV over the weights; measured
     on the dev machine for this model's shapes, BENCHMARKS.md "Fast engine"). A tied output
     head moves the embedding with it: a lookup then reads a strided row, which is cheap.
+    Float32 weights only: bfloat16 and float16 ones stay row-major, the layout their
+    one-row path (`one_row_gemv`) reads fastest.
     """
     for module in net.modules():
-        if isinstance(module, nn.Linear) and module.weight.is_contiguous():
+        float32 = isinstance(module, nn.Linear) and module.weight.dtype == torch.float32
+        if float32 and module.weight.is_contiguous():
             weight = module.weight
             layout = weight.detach().t().contiguous().t()
             module.weight = nn.Parameter(layout, requires_grad=weight.requires_grad)
@@ -384,7 +411,18 @@ class NativeLM(LanguageModel):
         # Read by each forward and by each Engine when it is built (module docstring).
         self.batch_invariant = batch_invariant
         self.dtype = net.embed_tokens.weight.dtype
-        self.rope = RotaryTables(config.rope, self.dtype)
+        self.device = net.embed_tokens.weight.device
+        self.rope = RotaryTables(config.rope, self.dtype, device=self.device)
+
+    def to(self, device: str | torch.device) -> NativeLM:
+        """Move the weights (and so the activations, KV caches and logits of every later
+        forward) to `device`, in place; returns the model. Strides are kept, so the
+        transposed weight layout (`transpose_weight_layout`) and tied weights survive."""
+        device = torch.device(device)
+        self.net.to(device)
+        self.device = self.net.embed_tokens.weight.device
+        self.rope = RotaryTables(self.config.rope, self.dtype, device=self.device)
+        return self
 
     @staticmethod
     def supports(config: dict[str, Any]) -> bool:
@@ -424,7 +462,10 @@ class NativeLM(LanguageModel):
         dtype: torch.dtype = torch.float32,
         name: str | None = None,
         batch_invariant: bool = False,
+        device: str | torch.device = "cpu",
     ) -> NativeLM:
+        """Read a checkpoint directory into `dtype` weights on `device` (read on the CPU,
+        then moved)."""
         path = Path(path)
         config = read_config(path)
         tokenizer = load_tokenizer(path)
@@ -436,12 +477,13 @@ class NativeLM(LanguageModel):
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(path, config, tokenizer),
             batch_invariant=batch_invariant,
-        )
+        ).to(device)
 
     def new_cache(self, batch_size: int) -> ContiguousKVCache:
         config = self.config
         return ContiguousKVCache(
-            config.num_layers, batch_size, config.num_kv_heads, config.head_dim, self.dtype
+            config.num_layers, batch_size, config.num_kv_heads, config.head_dim, self.dtype,
+            device=self.device,
         )
 
     def num_parameters(self) -> int:
@@ -451,9 +493,13 @@ class NativeLM(LanguageModel):
     def forward(
         self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits [B, T, V] float32 of tokens [B, T]; `mask` [B, T] marks real tokens."""
+        """Logits [B, T, V] float32 of tokens [B, T]; `mask` [B, T] marks real tokens. Inputs
+        on another device (the CPU, where samplers make tokens) are moved to the model's;
+        the logits stay on the model's device."""
         _check_inputs(tokens, cache, mask, self.vocab_size)
         assert isinstance(cache, ContiguousKVCache)
+        tokens = tokens.to(self.device, non_blocking=True)
+        mask = mask if mask is None else mask.to(self.device, non_blocking=True)
         num_new = tokens.shape[1]
         if mask is not None and bool(mask.all()):
             mask = None

@@ -19,14 +19,53 @@ from decodekit.models.base import LanguageModel
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = "shakespeare"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: dict | None = None) -> torch.dtype:
-    """The torch dtype of `dtype`: a name of DTYPES, one of its values, or "auto" (the
-    checkpoint's `dtype`/`torch_dtype` in config.json; float32 where it names none)."""
-    if dtype == "auto":
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """The torch device of `device`: "auto" (CUDA where available, else the CPU), "cpu",
+    "cuda" (or "cuda:N"), "mps", or a torch.device. ValueError for an unknown name or a
+    device this machine does not have."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if not isinstance(device, str | torch.device) or kind not in DEVICES[1:]:
+        names = ", ".join(repr(n) for n in DEVICES)
+        raise ValueError(f"device must be one of {names} (or 'cuda:N'), got {device!r}")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a valid device name: {error}") from None
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
+                 "mps": torch.backends.mps.is_available}  # fmt: skip
+    if not available[kind]():
+        raise ValueError(f"device {device!r} is not available on this machine (available: 'cpu'"
+                         f"{', ' + repr('cuda') if torch.cuda.is_available() else ''})")  # fmt: skip
+    if kind == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return resolved
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, config: dict | None = None, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """The torch dtype of `dtype`: a name of DTYPES, one of its values, or "auto".
+
+    "auto" keeps the checkpoint's `dtype`/`torch_dtype` (config.json; float32 where it names
+    none) where that is fast, by measurement (BENCHMARKS.md, "Real model shapes: dtype,
+    device and speed"): on an accelerator always; on the CPU a bfloat16 checkpoint stays
+    bfloat16 where the CPU computes in bfloat16 natively (AVX-512-BF16/AMX: there bf16
+    decodes 1.5x and prefills 3.7x faster than float32 at Qwen2.5-0.5B's shapes), and float16
+    becomes float32 (float16 decodes at 0.57x float32 on the CPU). "auto" never lowers a
+    float32 checkpoint's precision.
+    """
+    if isinstance(dtype, str) and dtype == "auto":
         stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
-        return DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+        chosen = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+        if torch.device(device).type != "cpu" or chosen == torch.float32:
+            return chosen
+        native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if chosen == torch.bfloat16 and native_bf16 else torch.float32
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
@@ -70,21 +109,30 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
 
 
 def load_model(
-    name_or_path: str | Path = DEFAULT_MODEL, backend: str = "auto", dtype: str | torch.dtype = "auto"
+    name_or_path: str | Path = DEFAULT_MODEL,
+    backend: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
 ) -> LanguageModel:
     """Load an embedded model by name or a local checkpoint directory.
 
     backend: "auto" (our native forward when the architecture is supported, else
-    transformers), "native" or "hf". dtype: of the weights, activations and KV cache
-    ("auto": the checkpoint's, float32 for the shipped models; see `resolve_dtype`); the
-    logits are float32 whatever it is. N-gram and compressed models run in float32 only.
+    transformers), "native" or "hf". dtype: of the weights, activations and KV cache:
+    "float32", "bfloat16", "float16" or "auto" (the checkpoint's where it is fast, float32
+    for the shipped models; the rule is `resolve_dtype`'s); the logits are float32 whatever
+    it is. device: "cpu" (the default), "cuda", "mps" or "auto" (CUDA where available):
+    activations, KV cache and logits live there too. N-gram models run on the CPU in
+    float32; compressed models in float32.
     """
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend must be 'auto', 'native' or 'hf', got {backend!r}")
     resolve_dtype(dtype)  # a bad value fails before anything is read
+    torch_device = resolve_device(device)
     name, path, kind = resolve(name_or_path)
     if kind in ("ngram", "compressed") and resolve_dtype(dtype) != torch.float32:
         raise ValueError(f"{kind} model {name!r} runs in float32 only, got dtype {dtype!r}")
+    if kind == "ngram" and torch_device.type != "cpu":
+        raise ValueError(f"n-gram model {name!r} runs on the CPU only, got device {device!r}")
     if kind == "reward":
         raise ValueError(
             f"{name!r} is a reward model, not a language model: load it with "
@@ -99,18 +147,18 @@ def load_model(
             raise ValueError(f"compressed model {name!r} runs on the native backend only")
         from decodekit.models.compressed import load_compressed_dir
 
-        return load_compressed_dir(path, name=name)
+        return load_compressed_dir(path, name=name).to(torch_device)
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     config = json.loads((path / "config.json").read_text())
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype = resolve_dtype(dtype, config, torch_device)
     if backend in ("auto", "native"):
         try:
             from decodekit.models.native import NativeLM
         except ImportError:
             NativeLM = None
         if NativeLM is not None and NativeLM.supports(config):
-            return NativeLM.from_pretrained(path, dtype=torch_dtype, name=name)
+            return NativeLM.from_pretrained(path, dtype=torch_dtype, name=name, device=torch_device)
         if backend == "native":
             raise ValueError(
                 f"model {name!r} (model_type {config.get('model_type')!r}) is not supported by the "
@@ -118,4 +166,4 @@ def load_model(
             )
     from decodekit.models.hf import HFModelLM
 
-    return HFModelLM.from_pretrained(path, name=name, dtype=torch_dtype)
+    return HFModelLM.from_pretrained(path, name=name, dtype=torch_dtype, device=torch_device)

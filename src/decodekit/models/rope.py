@@ -103,9 +103,12 @@ class RotaryTables:
     into the sin table and applying RoPE is two multiplies, one roll and one add.
     """
 
-    def __init__(self, rope: RopeConfig, dtype: torch.dtype, capacity: int = 256):
+    def __init__(
+        self, rope: RopeConfig, dtype: torch.dtype, capacity: int = 256, device: str | torch.device = "cpu"
+    ):
         self.rope = rope
         self.dtype = dtype
+        self.device = torch.device(device)
         if rope.kind == "dynamic":
             capacity = min(capacity, rope.max_positions)
         self.cos, self.sin = self._build(capacity, 0)
@@ -118,7 +121,9 @@ class RotaryTables:
         half = inv_freq.shape[0]
         sign = torch.cat([-torch.ones(half), torch.ones(half)])  # [D]
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        return angles.cos().to(self.dtype), (angles.sin() * sign).to(self.dtype)
+        # Computed in float32 on the CPU (transformers' numbers), then moved once.
+        cos, sin = angles.cos().to(self.dtype), (angles.sin() * sign).to(self.dtype)
+        return cos.to(self.device), sin.to(self.device)
 
     def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin covering positions [0, num_positions)."""

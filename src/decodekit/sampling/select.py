@@ -39,7 +39,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[r, tokens[r]] for logits [R, V] and tokens [R]: [R] float32."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return log_probs.gather(-1, tokens.long()[:, None])[:, 0]
+    return log_probs.gather(-1, tokens.to(log_probs.device).long()[:, None])[:, 0]
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> list[dict[int, float]]:

@@ -323,9 +323,9 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
             task.cancel()
 
 
-def load_models(specs: list[str], dtype: str = "auto") -> dict:
+def load_models(specs: list[str], dtype: str = "auto", device: str = "cpu") -> dict:
     """Served name -> model, from "NAME" (embedded or a directory) or "ALIAS=PATH" specs, each
-    in `dtype` (`load_model`)."""
+    in `dtype` on `device` (`load_model`)."""
     from decodekit.models.registry import load_model
 
     models = {}
@@ -333,7 +333,7 @@ def load_models(specs: list[str], dtype: str = "auto") -> dict:
         alias, _, path = spec.partition("=")
         if not path or "/" in alias:
             alias, path = "", spec
-        model = load_model(path, dtype=dtype)
+        model = load_model(path, dtype=dtype, device=device)
         name = alias or (spec if "/" not in spec else model.name)
         if name in models:
             raise ValueError(f"model name {name!r} is given twice; use ALIAS=PATH to rename one")

@@ -1,0 +1,101 @@
+"""`decodekit bench dtype`: float32 against bfloat16 (and transformers float32) on one model,
+same weights, same run (issue 15, items 1 and 4).
+
+Per dtype, through `load_model(dtype=...)`: prefill tokens/s of one `prompt_tokens`-token
+prompt, batch-1 greedy decode tokens/s (`new_tokens` after a short prompt, EOS ignored), and
+the engine's concurrent throughput at each batch size of `batches` (that many requests at
+once, prompts of 16 to 128 tokens as `bench engine`'s concurrent scenario, `batch_new_tokens`
+each, temperature 1). Transformers in float32 runs the same three beside them. Times are CPU
+time of this process (`time.process_time`: what a shared machine distorts least with one
+thread) and wall time, medians of `repeats` runs after one warm-up, the backends alternating.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodekit.bench.decode import load_pair, machine
+from decodekit.bench.engine import CONCURRENT, prompts_from_text, run_engine, run_hf, timed_once
+from decodekit.runtime import progress as progress_bar
+
+
+def _median(fn, repeats: int) -> dict:
+    fn()  # warm-up
+    runs = [timed_once(fn) for _ in range(repeats)]
+    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in ("wall_s", "cpu_s")}
+
+
+def _rates(seconds: dict, tokens: int) -> dict:
+    return {"tok_s": round(tokens / seconds["wall_s"], 1), "cpu_tok_s": round(tokens / seconds["cpu_s"], 1)}
+
+
+def bench_dtype(
+    model_name: str,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    new_tokens: int = 64,
+    prompt_tokens: int = 400,
+    batches: tuple[int, ...] = (16, 64),
+    batch_new_tokens: int = 32,
+    repeats: int = 2,
+    device: str = "cpu",
+    progress: bool = False,
+) -> dict:
+    """The figures of the module docstring for each of `dtypes` and for transformers float32."""
+    import decodekit as dk
+    from decodekit.engine import EngineConfig
+    from decodekit.models.base import prefill
+
+    config = EngineConfig(max_running=max(batches, default=1), max_kv_bytes=2**30)  # no preemption
+
+    models, hf = {}, None
+    for dtype in dtypes:
+        models[dtype], hf_model = load_pair(model_name, dtype, device, hf_dtype="float32")
+        hf = hf or hf_model
+    first = next(iter(models.values()))
+    eos = first.eos_token_ids[0] if first.eos_token_ids else 0
+    [long_prompt] = prompts_from_text(first, 1, [prompt_tokens])
+    short_prompt = first.encode("ROMEO:")
+    greedy = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    results: dict = {"model": model_name, "parameters": first.num_parameters(), "device": device,
+                     "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                     "batch_new_tokens": batch_new_tokens, "repeats": repeats,
+                     "machine": machine()}  # fmt: skip
+    bar = progress_bar(total=(2 + len(batches)) * (len(dtypes) + 1), desc="bench dtype", enabled=progress)
+
+    def hf_prefill():
+        with torch.inference_mode():
+            hf(torch.tensor([long_prompt], device=hf.device), use_cache=True)
+
+    rows: dict[str, dict] = {}
+    for name, model in [*models.items(), ("hf_float32", None)]:
+        row = rows[name] = {}
+        if model is None:
+            seconds = _median(hf_prefill, repeats)
+        else:
+            seconds = _median(lambda model=model: prefill(model, [long_prompt]), repeats)
+        row["prefill"] = _rates(seconds, prompt_tokens)
+        bar.update()
+        if model is None:
+            seconds = _median(lambda: run_hf(hf, [short_prompt], new_tokens, False, pad=eos), repeats)
+        else:
+            seconds = _median(lambda model=model: dk.generate(model, [short_prompt], greedy), repeats)
+        row["decode_batch1"] = _rates(seconds, new_tokens)
+        bar.update()
+        for batch in batches:
+            prompts = prompts_from_text(first, batch, CONCURRENT["prompt_lengths"])
+            params = dk.SamplingParams(max_new_tokens=batch_new_tokens, seed=0, ignore_eos=True)
+            if model is None:
+                seconds = _median(lambda p=prompts: run_hf(hf, p, batch_new_tokens, True, pad=eos), repeats)
+            else:
+                seconds = _median(lambda m=model, p=prompts, s=params: run_engine(m, p, s, config), repeats)
+            row[f"batch{batch}"] = _rates(seconds, batch * batch_new_tokens)
+            bar.update()
+    bar.close()
+    results["results"] = rows
+    base = rows.get("float32")
+    if base is not None:
+        results["ratio_to_float32_cpu_time"] = {
+            name: {key: round(row[key]["cpu_tok_s"] / base[key]["cpu_tok_s"], 2) for key in row}
+            for name, row in rows.items() if name != "float32"
+        }  # fmt: skip
+    return results
