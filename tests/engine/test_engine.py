@@ -137,6 +137,32 @@ def test_preemption_under_a_small_memory_bound_is_lossless(sharp_lm):
         assert [c.token_ids for c in handle.result(0)] == alone(sharp_lm, prompt, params)
 
 
+def test_requests_in_lockstep_and_programs_share_a_tight_pool(sharp_lm):
+    """Requests whose sequences all cross a block boundary in the same step (same prompt
+    length) count each other's new blocks (they once each saw the same free block and the
+    pool ran out); beam programs beside them keep their held blocks and are never
+    preempted. Everything finishes as it would alone, and every block returns."""
+    from decodekit.decode.beam import BeamProgram, BeamSearch
+
+    params = dk.SamplingParams(max_new_tokens=24, seed=3, n=2, ignore_eos=True)
+    prompts = [f"ab{c}" for c in "cdefgh"]  # one length: every row needs a block at once
+    beam = dk.SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    def search(i):
+        return BeamSearch(sharp_lm, sharp_lm.encode(f"zz{i}"), beam, 2, 1.0, True, None, sharp_lm.decode)
+
+    eng = engine(sharp_lm, num_blocks=40)
+    programs = [eng.add_program(BeamProgram(sharp_lm, search(i), i)) for i in range(2)]
+    handles = [eng.submit(p, params) for p in prompts]
+    run(eng, *handles, *programs)
+    assert eng.stats()["preemptions"] > 0 and eng.pool.num_used == 0
+    for prompt, handle in zip(prompts, handles):
+        assert [c.token_ids for c in handle.result(0)] == alone(sharp_lm, prompt, params)
+    for i, handle in enumerate(programs):
+        want = dk.beam_search(sharp_lm, f"zz{i}", beam, num_beams=2)
+        assert [c.token_ids for c in handle.result(0)] == [c.token_ids for c in want]
+
+
 def test_cancel_frees_the_blocks_at_the_next_step(sharp_lm):
     eng = engine(sharp_lm, prefix_caching=False)
     handle = eng.submit(PROMPTS[0], dk.SamplingParams(max_new_tokens=20, n=2, seed=0))

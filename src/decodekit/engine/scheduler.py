@@ -95,16 +95,15 @@ class Scheduler:
             self.waiting.remove(entry)
 
     def schedule(self) -> Step:
-        decoding = []
+        step = Step([], [], [], [])
         for entry in list(self.running):
             if entry not in self.running:
                 continue  # preempted while making room for an older request
+            # Reserved at once, so the next request's room counts these blocks as taken; a
+            # request's victims are always younger than it, so no reserved one is preempted.
             if self._make_room(entry, [(seq.table, 1) for seq in entry.seqs]):
-                decoding.append(entry)
-        step = Step([], [], [], [])
-        for entry in decoding:  # reserve only for requests that survived preemption
-            for seq in entry.seqs:
-                self._add(step, seq, 1, [seq.row])
+                for seq in entry.seqs:
+                    self._add(step, seq, 1, [seq.row])
         self._admit(step)
         return step
 
