@@ -168,11 +168,18 @@ def compress_to_dir(
     """Load `model` (embedded name or local directory), compress it, write `out`;
     `progress` shows a bar over the layers on stderr.
 
-    Returns a report: the summary, bytes in memory before and after, bytes on disk.
+    The model loads in its checkpoint's dtype: a bfloat16 checkpoint is read and calibrated
+    in bfloat16 (no float32 copy of the model), while rounding and GPTQ's updates run in
+    float32 on each layer's weight (quantize.py). The directory loads back as float32 codes
+    and scales either way (models/compressed.py).
+
+    Returns a report: the summary, the source dtype, bytes in memory before and after, bytes
+    on disk, and how many quantised layers run on each matmul kernel (models/qlinear.py).
     """
     from decodekit.compress.apply import model_nbytes
     from decodekit.compress.pretrained import is_compressed_dir, save_compressed_dir
     from decodekit.models.compressed import WEIGHTS_FILE
+    from decodekit.models.qlinear import kernel_counts
     from decodekit.models.registry import load_model, resolve
 
     name, source, _ = resolve(model)
@@ -187,7 +194,9 @@ def compress_to_dir(
         "model": name,
         "out": str(out),
         "label": config.label(),
+        "source_dtype": str(lm.dtype).removeprefix("torch."),
         "layers": len(summary.layers),
+        "kernels": kernel_counts(lm.net),
         "summary": summary.to_dict(),
         "memory_bytes_before": before,
         "memory_bytes_after": model_nbytes(lm.net),

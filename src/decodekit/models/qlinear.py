@@ -228,7 +228,7 @@ def int4_kernel_matmul(
 def int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] times per-channel int8 codes [N, K] with bfloat16 scales [N], in bfloat16.
     Returns [..., N] in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # the kernel needs a contiguous last dim
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K], contiguous
     y = torch._weight_int8pack_mm(rows, q, scales)  # [M, N]
     return y.reshape(*x.shape[:-1], q.shape[0]).to(x.dtype)
 
