@@ -109,24 +109,26 @@ def _bf16_reference(x: torch.Tensor, qlinear: QuantizedLinear) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("bits", "group_size", "method"),
-    [(4, 32, "rtn"), (4, 64, "gptq"), (4, 128, "rtn"), (4, 256, "gptq"), (4, None, "gptq"),
+    [(4, 32, "rtn"), (4, 64, "gptq"), (4, None, "rtn-width-688"), (3, None, "rtn-width-40"), (4, 128, "rtn"), (4, 256, "gptq"), (4, None, "gptq"),
      (4, 512, "rtn"), (8, None, "gptq"), (8, None, "rtn")],
 )
 def test_packed_kernel_equals_the_dequantised_matmul(bits, group_size, method):
     # Codes c and scales s must give exactly x (c s)ᵀ: the int4 kernel's grid is (q - 8) s + z,
     # so q = c + 8 and z = 0; a wrong offset or zero moves every output by ~8 s Σx, far
     # outside the bfloat16 rounding of the output allowed here.
+    # Per channel, any width: the kernel's inputs are padded with zero weights to 32k.
+    width = int(method.rpartition("-")[2]) if "width" in method else 512
     g = torch.Generator().manual_seed(bits)
-    weight = torch.randn(48, 512, generator=g)
+    weight = torch.randn(48, width, generator=g)
     spec = QuantSpec(bits, group_size)
     if method == "gptq":
         inputs = torch.randn(256, 512, generator=g)
         codes, scales = gptq_quantize(weight, hessian_from_inputs(inputs), spec)
     else:
         codes, scales = quantize_rtn(weight, spec)
-    qlinear = QuantizedLinear.from_linear(nn.Linear(512, 48, bias=False), spec, codes, scales)
-    assert qlinear.kernel == ("int4pack" if bits == 4 else "int8pack")
-    x = torch.randn(3, 512, generator=g)
+    qlinear = QuantizedLinear.from_linear(nn.Linear(width, 48, bias=False), spec, codes, scales)
+    assert qlinear.kernel == ("int4pack" if bits <= 4 else "int8pack")
+    x = torch.randn(3, width, generator=g)
     with torch.no_grad():
         y = qlinear(x)
     expected = _bf16_reference(x, qlinear)
@@ -136,7 +138,7 @@ def test_packed_kernel_equals_the_dequantised_matmul(bits, group_size, method):
 
 @pytest.mark.parametrize(
     ("in_features", "out_features", "bits", "group_size", "reason"),
-    [(40, 64, 4, None, "no kernel group of 32..256 divides in_features 40"),
+    [(96, 64, 4, 48, "no kernel group of 32..256 divides the group 48"),
      (128, 24, 4, 32, "out_features not a multiple of 16"),
      (96, 64, 4, 16, "group 16 is smaller than the kernel's 32"),
      (128, 64, 8, 32, "int8 with groups"),

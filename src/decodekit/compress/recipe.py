@@ -158,6 +158,27 @@ def compress_lm(
     return summary
 
 
+def quantized_copy(lm: Any, config: CompressConfig, calib_text: str | Sequence[int] | None = None) -> Any:
+    """A compressed copy of the float NativeLM `lm` that shares its float tensors: the
+    embedding, norms and output head are the same tensors, only the compressed layers are
+    new, so the copy costs the bytes of its codes. `lm` is left unchanged. Used as a
+    speculative drafter of its own original (decode/drafters.py, "self-int4")."""
+    import copy
+
+    from decodekit.models.native import NativeLM
+
+    if not isinstance(lm, NativeLM):
+        raise TypeError(f"a quantised copy needs a NativeLM (Llama-family) model, got {type(lm).__name__}")
+    shared = {id(t): t for t in [*lm.net.parameters(), *lm.net.buffers()]}
+    net = copy.deepcopy(lm.net, memo=shared)  # new modules over the same tensors
+    twin = NativeLM(net, lm.config, name=f"{lm.name}-{config.label()}", tokenizer=lm.tokenizer,
+                    eos_token_ids=lm.eos_token_ids)  # fmt: skip
+    summary = compress_lm(twin, config, calib_text)
+    if not summary.layers:
+        raise ValueError(f"model {lm.name!r} has no float Linear layer that {config.label()} applies to")
+    return twin
+
+
 def compress_to_dir(
     model: str | Path,
     config: CompressConfig,

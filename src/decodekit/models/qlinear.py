@@ -21,7 +21,8 @@ Each layer runs its matmuls on one of three paths, its `kernel` (`choose_kernel`
   or 256 inputs; our symmetric codes c in ±qmax (qmax <= 7) are q = c + 8 with z = 0, and a
   larger group (or one scale per channel) repeats its scale over the kernel's groups, so
   the kernel computes exactly x · (c · s)ᵀ, up to bfloat16 rounding. It needs N % 16 == 0
-  and a group size (in_features, per channel) that one of 32..256 divides. Its layout
+  and a group size that one of 32..256 divides; one scale per channel always fits, the
+  inputs padded with zero weights to a multiple of 32 (`int4_kernel_width`). Its layout
   depends on the CPU's vector width (AVX-512 and AVX2 pack differently), so it is never
   saved: checkpoints keep the portable nibbles of `pack_int4`, and both are held.
 - "int8pack" (5..8 bits, one scale per channel, K % 16 == 0): `_weight_int8pack_mm` over
@@ -183,10 +184,19 @@ INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes `_weight_int4pack_mm_
 PACKED_MAX_ROWS = 64
 
 
+def int4_kernel_width(spec: QuantSpec, in_features: int) -> int:
+    """Inputs the int4 kernel sees: per channel, in_features padded with zero weights to a
+    multiple of 32 (the zeros add nothing), so every width gets the kernel; with groups,
+    in_features itself."""
+    if spec.group_size is None:
+        return -(-in_features // INT4_KERNEL_GROUPS[-1]) * INT4_KERNEL_GROUPS[-1]
+    return in_features
+
+
 def int4_kernel_group(spec: QuantSpec, in_features: int) -> int | None:
     """The int4 kernel's group size for this grid: the largest of 256..32 dividing the
-    grid's group (in_features per channel), or None."""
-    group = spec.group_size or in_features
+    grid's group (per channel: the padded width, `int4_kernel_width`), or None."""
+    group = spec.group_size or int4_kernel_width(spec, in_features)
     return next((g for g in INT4_KERNEL_GROUPS if group % g == 0), None)
 
 
@@ -203,15 +213,14 @@ def choose_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
 
 
 def int4_kernel_pack(
-    codes: torch.Tensor, scales: torch.Tensor, group: int
+    codes: torch.Tensor, scales: torch.Tensor, group: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 kernel's weight and scales_and_zeros for codes int8 [N, K] in ±7, scales [N, G]:
-    (packed uint8, bfloat16 [K / group, N, 2]) with q = code + 8 and zero 0 (module docstring)."""
-    n, k = codes.shape
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        (codes.to(torch.int32) + 8).contiguous(), 1
-    )
-    per_group = scales.to(torch.float32).repeat_interleave(k // scales.shape[1] // group, dim=1)
+    """The int4 kernel's weight and scales_and_zeros for codes int8 [N, K] in ±7, scales [N, G],
+    padded with zero codes to `width` inputs (one scale per channel only): (packed uint8,
+    bfloat16 [width / group, N, 2]) with q = code + 8 and zero 0 (module docstring)."""
+    codes = F.pad(codes.to(torch.int32), (0, width - codes.shape[1]))  # [N, width]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((codes + 8).contiguous(), 1)
+    per_group = scales.to(torch.float32).repeat_interleave(width // scales.shape[1] // group, dim=1)
     scales_and_zeros = torch.stack([per_group.T, torch.zeros_like(per_group.T)], dim=-1)
     return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
 
@@ -219,8 +228,11 @@ def int4_kernel_pack(
 def int4_kernel_matmul(
     x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
 ) -> torch.Tensor:
-    """x [..., K] times the int4 kernel's weight [N, K]ᵀ in bfloat16. Returns [..., N] in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    """x [..., K] times the int4 kernel's weight [N, width]ᵀ in bfloat16, x padded with zeros
+    to the weight's width. Returns [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
+    width = packed.shape[1] * 2  # packed: uint8 [N, width / 2]
+    rows = F.pad(rows, (0, width - rows.shape[1])).contiguous()  # [M, width]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
@@ -329,7 +341,8 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
             group = int4_kernel_group(self.spec, self.in_features)
             assert group is not None
-            weight, scales = int4_kernel_pack(self.codes(), self.scales, group)
+            width = int4_kernel_width(self.spec, self.in_features)
+            weight, scales = int4_kernel_pack(self.codes(), self.scales, group, width)
         elif self.kernel == "int8pack":
             scales = self.scales[:, 0].to(torch.bfloat16)
         self.kernel_weight = weight if weight is not None else self.qweight.new_empty(0)
