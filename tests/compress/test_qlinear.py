@@ -109,7 +109,8 @@ def _bf16_reference(x: torch.Tensor, qlinear: QuantizedLinear) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("bits", "group_size", "method"),
-    [(4, 32, "rtn"), (4, 64, "gptq"), (4, None, "rtn-width-688"), (3, None, "rtn-width-40"), (4, 128, "rtn"), (4, 256, "gptq"), (4, None, "gptq"),
+    [(4, 32, "rtn"), (4, 64, "gptq"), (4, None, "rtn-width-688"), (3, None, "rtn-width-40"),
+     (4, 128, "rtn"), (4, 256, "gptq"), (4, None, "gptq"),
      (4, 512, "rtn"), (8, None, "gptq"), (8, None, "rtn")],
 )
 def test_packed_kernel_equals_the_dequantised_matmul(bits, group_size, method):
