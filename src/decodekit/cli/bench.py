@@ -6,13 +6,14 @@ import json
 
 from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, show_progress
 
-BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine")
+BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "packed")
 
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("which", choices=BENCHES)
-    p.add_argument("--model", default="shakespeare")
+    p.add_argument("--model", default="shakespeare",
+                   help="a model name or directory; bench packed also takes qwen2.5-0.5b-16l (random)")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft", help="bench speculative: the draft model")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
@@ -65,6 +66,11 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
+    elif args.which == "packed":
+        from decodekit.bench.packed import bench_packed
+
+        result = bench_packed(args.model, args.new_tokens, args.repeats, threads=threads or 1,
+                              progress=progress)
     elif args.which == "engine":
         from decodekit.bench.engine import bench_engine
 
