@@ -118,7 +118,7 @@ def bench_packed(
 ) -> dict:
     """The rows and the speculative comparison of the module docstring, as a JSON-able dict.
     `perplexity` defaults to on for embedded models and off for random ones; GPTQ calibrates
-    on 128 windows of 512 tokens (BENCHMARKS.md "Compression") for embedded models, 16 of
+    on 128 windows of 512 tokens (BENCHMARKS.md "Compression") for embedded models, 8 of
     256 for random ones (a float32 forward of the 240M model runs ~170 tokens/s)."""
     from dataclasses import replace
 
@@ -131,7 +131,7 @@ def bench_packed(
 
     random = model_name in SHAPES
     perplexity = not random if perplexity is None else perplexity
-    calib_windows = calib_windows or (16 if random else 128)
+    calib_windows = calib_windows or (8 if random else 128)
     calib_length = calib_length or (256 if random else None)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
