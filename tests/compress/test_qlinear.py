@@ -172,3 +172,20 @@ def test_set_kernel_switches_and_names_what_applies():
     assert kernel_counts(model) == {"unpack": 2}
     with pytest.raises(ValueError, match="'auto' or 'unpack' for a whole model, got 'int4pack'"):
         set_kernels(model, "int4pack")
+
+
+def test_loading_a_state_dict_repacks_and_the_layer_pickles():
+    import io
+
+    source = QuantizedLinear.from_linear(_linear(64, 32, True, 6), QuantSpec(4, 32))
+    target = QuantizedLinear(64, 32, bits=4, group_size=32)
+    target.load_state_dict(source.state_dict())  # qweight, scales, bias: not the kernel's copy
+    assert "kernel_weight" not in source.state_dict()
+    assert torch.equal(target.kernel_weight, source.kernel_weight)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    buffer = io.BytesIO()
+    torch.save(target, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(restored(x), source(x)) and torch.equal(target(x), source(x))

@@ -280,7 +280,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("kernel_scales", torch.empty(0, dtype=torch.bfloat16), persistent=False)
         self.kernel = choose_kernel(self.spec, in_features, out_features)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.prepare_kernel())
+        self.register_load_state_dict_post_hook(_prepare_after_load)
 
     @property
     def packed(self) -> bool:
@@ -393,6 +393,12 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.spec.bits}, {group}, bias={self.bias is not None}, kernel={self.kernel}"
         )
+
+
+def _prepare_after_load(module: QuantizedLinear, incompatible_keys: object) -> None:
+    """Rebuild the kernel's operands once `load_state_dict` has filled qweight and scales (a
+    module-level function, so the layer still pickles)."""
+    module.prepare_kernel()
 
 
 def kernel_counts(model: nn.Module) -> dict[str, int]:
