@@ -13,7 +13,8 @@ Shakespeare validation split (`calib_windows` windows of `calib_length` tokens).
 Per row, batch 1, CPU time of this process (`time.process_time`, so other jobs on a shared
 machine do not count), median of `repeats`: greedy decode tokens/s through
 `decodekit.generate` (`new_tokens` tokens after a 3-token prompt, EOS ignored) and prefill
-tokens/s of one `forward` over `prefill_tokens` tokens of held-out text. On the embedded
+tokens/s of one `forward` over `prefill_tokens` tokens of held-out text, the rounds interleaved
+over the rows (`cpu_seconds`). On the embedded
 model also the held-out test perplexity (`text_perplexity`, the BENCHMARKS.md protocol).
 Then speculative decoding at T = 0 (`speculative_generate`, γ = 4) of the float32 model
 with its own int4 copy as the draft ("self-int4": RTN, groups of 32; and the int4 GPTQ row's
@@ -83,26 +84,33 @@ def load(model_name: str, dtype: torch.dtype) -> Any:
     return load_model(model_name, backend="native", dtype=dtype)
 
 
-def cpu_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median CPU seconds of `fn` over `repeats` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
+def cpu_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median CPU seconds of each function over `repeats` rounds after one warm-up each; the
+    rounds interleave the functions, so a change of load on a shared machine hits them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.process_time() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def speeds(model: Any, new_tokens: int, prefill: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Greedy decode and prefill tokens/s of `model` (module docstring)."""
+def speeds(models: dict[str, Any], new_tokens: int, prefill: torch.Tensor, repeats: int) -> dict[str, dict]:
+    """Greedy decode and prefill tokens/s of each model (module docstring), interleaved."""
     import decodekit as dk
 
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    decode_s = cpu_seconds(lambda: dk.generate(model, PROMPT, params), repeats)
-    prefill_s = cpu_seconds(lambda: model.forward(prefill, model.new_cache(1)), repeats)
-    return {"decode_tok_s": round(new_tokens / decode_s, 2),
-            "prefill_tok_s": round(prefill.shape[1] / prefill_s, 1)}  # fmt: skip
+    fns: dict[str, Callable[[], Any]] = {}
+    for name, model in models.items():
+        fns[f"decode {name}"] = lambda m=model: dk.generate(m, PROMPT, params)
+        fns[f"prefill {name}"] = lambda m=model: m.forward(prefill, m.new_cache(1))
+    seconds = cpu_seconds(fns, repeats)
+    return {name: {"decode_tok_s": round(new_tokens / seconds[f"decode {name}"], 2),
+                   "prefill_tok_s": round(prefill.shape[1] / seconds[f"prefill {name}"], 1)}
+            for name in models}  # fmt: skip
 
 
 def bench_packed(
@@ -142,6 +150,7 @@ def bench_packed(
             raise ValueError(f"prefill_tokens must fit the text and the context, got {prefill_tokens}")
         prefill = torch.tensor([ids[:prefill_tokens]])  # [1, T]
         rows: list[dict] = []
+        models: dict[str, Any] = {}
         names = ["float32", "bfloat16", *QUANT_ROWS]
         bar = progress_bar(names, desc="bench packed", enabled=progress)
         for name in bar:
@@ -157,12 +166,14 @@ def bench_packed(
                 model = quantized_copy(base, config)
                 row["compress_s"] = round(time.perf_counter() - start, 1)
                 row["kernels"] = kernel_counts(model.net)
-            row.update(speeds(model, new_tokens, prefill, repeats))
             if perplexity:
                 row["perplexity"] = round(text_perplexity(model).perplexity, 3)
             rows.append(row)
-            if name == "int4 GPTQ":
-                int4_gptq = model
+            models[name] = model
+        for row, measured in zip(rows, speeds(models, new_tokens, prefill, repeats).values(), strict=True):
+            row.update(measured)
+        int4_gptq = models["int4 GPTQ"]
+        del models
         reference = rows[0]
         for row in rows:
             row["decode_vs_f32"] = round(row["decode_tok_s"] / reference["decode_tok_s"], 2)
@@ -170,18 +181,20 @@ def bench_packed(
 
         params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         [plain] = dk.generate(base, PROMPT, params)
-        plain_s = cpu_seconds(lambda: dk.generate(base, PROMPT, params), repeats)
-        speculative = {"plain_f32_tok_s": round(new_tokens / plain_s, 2), "gamma": 4}
         drafters = {"self-int4 (RTN g32)": self_draft(base), "self int4 GPTQ": ModelDrafter(int4_gptq)}
+        fns: dict[str, Callable[[], Any]] = {"plain": lambda: dk.generate(base, PROMPT, params)}
+        speculative: dict[str, Any] = {"gamma": 4}
         for name, drafter in drafters.items():
             result = dk.speculative_generate(base, drafter, PROMPT, params, 4)
             assert result.completions[0].token_ids == plain.token_ids, name  # exact at T = 0
-            seconds = cpu_seconds(lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4),
-                                  repeats)  # fmt: skip
-            speculative[name] = {"tok_s": round(new_tokens / seconds, 2),
-                                 "vs_plain_f32": round(plain_s / seconds, 2),
-                                 "acceptance_rate": round(result.stats.acceptance_rate, 3),
+            fns[name] = lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4)
+            speculative[name] = {"acceptance_rate": round(result.stats.acceptance_rate, 3),
                                  "block_efficiency": round(result.stats.block_efficiency, 2)}  # fmt: skip
+        seconds = cpu_seconds(fns, repeats)
+        speculative["plain_f32_tok_s"] = round(new_tokens / seconds["plain"], 2)
+        for name in drafters:
+            speculative[name]["tok_s"] = round(new_tokens / seconds[name], 2)
+            speculative[name]["vs_plain_f32"] = round(seconds["plain"] / seconds[name], 2)
         report_machine = machine()
     finally:
         torch.set_num_threads(previous)
