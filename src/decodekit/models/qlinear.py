@@ -232,7 +232,9 @@ def int4_kernel_matmul(
     to the weight's width. Returns [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
     width = packed.shape[1] * 2  # packed: uint8 [N, width / 2]
-    rows = F.pad(rows, (0, width - rows.shape[1])).contiguous()  # [M, width]
+    if width > rows.shape[1]:
+        rows = F.pad(rows, (0, width - rows.shape[1]))  # [M, width]
+    rows = rows.contiguous()
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
@@ -280,6 +282,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("kernel_scales", torch.empty(0, dtype=torch.bfloat16), persistent=False)
         self.kernel = choose_kernel(self.spec, in_features, out_features)
+        self.kernel_group = 0  # the int4 kernel's group size, set by `prepare_kernel`
         self.register_load_state_dict_post_hook(_prepare_after_load)
 
     @property
@@ -341,6 +344,7 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
             group = int4_kernel_group(self.spec, self.in_features)
             assert group is not None
+            self.kernel_group = group
             width = int4_kernel_width(self.spec, self.in_features)
             weight, scales = int4_kernel_pack(self.codes(), self.scales, group, width)
         elif self.kernel == "int8pack":
@@ -373,8 +377,7 @@ class QuantizedLinear(nn.Module):
             return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
         if self.kernel == "int8pack":
             return int8_kernel_matmul(x, self.qweight, self.kernel_scales)
-        group = int4_kernel_group(self.spec, self.in_features)
-        return int4_kernel_matmul(x, self.kernel_weight, group, self.kernel_scales)
+        return int4_kernel_matmul(x, self.kernel_weight, self.kernel_group, self.kernel_scales)
 
     def unpacked_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring)."""
