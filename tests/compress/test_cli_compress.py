@@ -114,3 +114,10 @@ def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys):
     completion = cli_json(capsys, "generate", "ROMEO:", "--model", str(tmp_path / "q"),
                           "--max-new-tokens", "4", "--strategy", "greedy")  # fmt: skip
     assert completion["usage"]["completion_tokens"] >= 1
+
+
+def test_compress_text_report_names_the_kernels(tiny_llama_dir, tmp_path, capsys):
+    assert main(["compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "4", "--group", "32",
+                 "--out", str(tmp_path / "q")]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "matmul kernels of the quantised layers: 8 int4pack"
