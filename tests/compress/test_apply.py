@@ -92,10 +92,13 @@ def test_rtn_int8_model_runs_close_to_float32_and_shrinks():
     out = logits(model, tokens)
     # Measured relative error is 0.9 % at int8 (13 % at int4).
     assert (out - reference).norm() < 0.03 * reference.norm()
-    # 14 layers of 4-byte weights became 1-byte codes plus one float scale per row.
-    linear_weights = sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
-    scales = sum(m.scales.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
-    assert before - model_nbytes(model) == 3 * linear_weights - 4 * scales
+    # 14 layers of 4-byte weights became 1-byte codes plus one float scale per row, and the
+    # int8 kernel's copy of each scale in bfloat16.
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.kernel for m in quantized} == {"int8pack"}
+    linear_weights = sum(m.qweight.numel() for m in quantized)
+    scales = sum(m.scales.numel() for m in quantized)
+    assert before - model_nbytes(model) == 3 * linear_weights - 4 * scales - 2 * scales
 
 
 @pytest.mark.parametrize("group_size", [None, 32])

@@ -21,6 +21,7 @@ def test_compress_then_generate_from_the_directory(tiny_llama_dir, tmp_path, cap
     report = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "8",
                       "--out", str(out))  # fmt: skip
     assert report["label"] == "rtn-8b" and report["layers"] == 8
+    assert report["kernels"] == {"int8pack": 8} and report["source_dtype"] == "float32"
     assert report["memory_bytes_after"] < report["memory_bytes_before"]
     assert report["disk_bytes"] == (out / "model.compressed.safetensors").stat().st_size
     # The directory is a model for every command that takes one.
@@ -37,6 +38,7 @@ def test_gptq_and_sparsegpt_with_a_calibration_file(tiny_llama_dir, tmp_path, ca
                     "--calib", "3", "--calib-len", "24", "--calib-file", str(calib),
                     "--out", str(tmp_path / "g"))  # fmt: skip
     assert gptq["summary"]["bits"] == 4 and gptq["summary"]["calib_batches"] == 3
+    assert gptq["kernels"] == {"unpack": 8}  # groups of 16: smaller than the int4 kernel's 32
     sparse = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "sparsegpt",
                       "--sparsity", "0.25", "--calib", "2", "--calib-len", "24",
                       "--calib-file", str(calib), "--out", str(tmp_path / "s"))  # fmt: skip
@@ -80,3 +82,42 @@ def test_bad_eval_values_exit_2_with_one_line(tiny_llama_dir, capsys):
     assert "stride must be in [1, window - 1] = [1, 63], got 200" in err and err.count("\n") == 1
     assert main(["eval", "arith", "shakespeare"]) == 2
     assert "eval arith takes no MODEL argument" in capsys.readouterr().err
+
+
+def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    import shutil
+
+    import safetensors.torch
+    import torch
+
+    from decodekit.models.qlinear import QuantSpec, quantize_rtn
+
+    source = tmp_path / "bf16"
+    shutil.copytree(tiny_llama_dir, source)
+    weights = safetensors.torch.load_file(source / "model.safetensors")
+    safetensors.torch.save_file({k: v.bfloat16() for k, v in weights.items()},
+                                source / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    report = cli_json(capsys, "compress", str(source), "--method", "rtn", "--bits", "4", "--group", "32",
+                      "--out", str(tmp_path / "q"))  # fmt: skip
+    assert report["source_dtype"] == "bfloat16" and report["layers"] == 8
+    # Memory before: the bfloat16 model, 2 bytes per parameter.
+    assert report["memory_bytes_before"] == 2 * sum(v.numel() for v in weights.values())
+    loaded = load_model(tmp_path / "q")
+    assert loaded.dtype == torch.float32
+    # The codes are round-to-nearest of the bfloat16 weights, computed in float32.
+    up = weights["model.layers.1.mlp.down_proj.weight"].bfloat16().float()
+    codes, scales = quantize_rtn(up, QuantSpec(4, 32))
+    layer = loaded.net.layers[1].mlp.down_proj
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.scales, scales)
+    completion = cli_json(capsys, "generate", "ROMEO:", "--model", str(tmp_path / "q"),
+                          "--max-new-tokens", "4", "--strategy", "greedy")  # fmt: skip
+    assert completion["usage"]["completion_tokens"] >= 1
+
+
+def test_compress_text_report_names_the_kernels(tiny_llama_dir, tmp_path, capsys):
+    assert main(["compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "4", "--group", "32",
+                 "--out", str(tmp_path / "q")]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "matmul kernels of the quantised layers: 8 int4pack"

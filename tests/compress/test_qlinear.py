@@ -2,7 +2,17 @@ import pytest
 import torch
 from torch import nn
 
-from decodekit.compress import QuantizedLinear, QuantSpec, pack_int4, quantize_rtn, unpack_int4
+from decodekit.compress import (
+    QuantizedLinear,
+    QuantSpec,
+    dequantize,
+    gptq_quantize,
+    hessian_from_inputs,
+    pack_int4,
+    quantize_rtn,
+    unpack_int4,
+)
+from decodekit.models.qlinear import kernel_counts, set_kernels
 
 
 def test_int4_pack_round_trip_covers_every_code_and_odd_width():
@@ -22,22 +32,33 @@ def _linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Li
 
 
 @pytest.mark.parametrize(
-    ("bits", "group_size", "bias"),
-    [(8, None, True), (8, 32, False), (4, None, False), (4, 32, True), (3, 16, True), (6, None, True)],
+    ("bits", "group_size", "bias", "kernel"),
+    [(8, None, True, "int8pack"), (8, 32, False, "unpack"), (4, None, False, "int4pack"),
+     (4, 32, True, "int4pack"), (3, 16, True, "unpack"), (3, 64, False, "int4pack"),
+     (6, None, True, "int8pack")],
 )
-@pytest.mark.parametrize("rows", [1, 40])  # fewer / more rows than a group: both group paths
-def test_output_equals_linear_with_dequantised_weight(bits, group_size, bias, rows):
+@pytest.mark.parametrize("rows", [1, 40, 80])  # fewer / more rows than a group; past PACKED_MAX_ROWS
+def test_output_equals_linear_with_dequantised_weight(bits, group_size, bias, kernel, rows):
     linear = _linear(128, 64, bias, seed=bits)
     qlinear = QuantizedLinear.from_linear(linear, QuantSpec(bits, group_size))
     assert qlinear.qweight.dtype == (torch.uint8 if bits <= 4 else torch.int8)
+    assert qlinear.kernel == kernel
+    x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(0))  # [B, T, K]
+    with torch.no_grad():
+        packed = qlinear(x)
+        qlinear.set_kernel("unpack")  # the fallback, in float32: equal to float up to rounding
+        unpacked = qlinear(x)
     reference = nn.Linear(128, 64, bias=bias)
     with torch.no_grad():
         reference.weight.copy_(qlinear.dequantized_weight())
         if bias:
             reference.bias.copy_(linear.bias)
-    x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(0))  # [B, T, K]
     with torch.no_grad():
-        assert torch.allclose(qlinear(x), reference(x), atol=1e-5, rtol=1e-5)
+        expected = reference(x)
+    assert torch.allclose(unpacked, expected, atol=1e-5, rtol=1e-5)
+    # The packed kernels run in bfloat16 (8 significant bits): outputs of size ~1 within 2 %.
+    assert packed.dtype == torch.float32
+    assert torch.allclose(packed, expected, atol=0.02, rtol=0.02)
 
 
 @pytest.mark.parametrize(("bits", "code_bytes"), [(8, 64 * 128), (5, 64 * 128), (4, 64 * 64)])
@@ -77,3 +98,94 @@ def test_codes_out_of_range_are_rejected():
         qlinear.set_codes(torch.full((2, 8), 8, dtype=torch.int8), torch.ones(2, 1))
     with pytest.raises(ValueError, match="do not fit a 2x8 layer"):
         qlinear.set_codes(torch.zeros(2, 9, dtype=torch.int8), torch.ones(2, 1))
+
+
+def _bf16_reference(x: torch.Tensor, qlinear: QuantizedLinear) -> torch.Tensor:
+    """x Ŵᵀ in float64 with x and the scales rounded to bfloat16, as the packed kernels see them."""
+    scales = qlinear.scales.to(torch.bfloat16).double()
+    weight = dequantize(qlinear.codes(), scales).double()
+    return x.to(torch.bfloat16).double() @ weight.T
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "method"),
+    [(4, 32, "rtn"), (4, 64, "gptq"), (4, None, "rtn-width-688"), (3, None, "rtn-width-40"),
+     (4, 128, "rtn"), (4, 256, "gptq"), (4, None, "gptq"),
+     (4, 512, "rtn"), (8, None, "gptq"), (8, None, "rtn")],
+)
+def test_packed_kernel_equals_the_dequantised_matmul(bits, group_size, method):
+    # Codes c and scales s must give exactly x (c s)ᵀ: the int4 kernel's grid is (q - 8) s + z,
+    # so q = c + 8 and z = 0; a wrong offset or zero moves every output by ~8 s Σx, far
+    # outside the bfloat16 rounding of the output allowed here.
+    # Per channel, any width: the kernel's inputs are padded with zero weights to 32k.
+    width = int(method.rpartition("-")[2]) if "width" in method else 512
+    g = torch.Generator().manual_seed(bits)
+    weight = torch.randn(48, width, generator=g)
+    spec = QuantSpec(bits, group_size)
+    if method == "gptq":
+        inputs = torch.randn(256, 512, generator=g)
+        codes, scales = gptq_quantize(weight, hessian_from_inputs(inputs), spec)
+    else:
+        codes, scales = quantize_rtn(weight, spec)
+    qlinear = QuantizedLinear.from_linear(nn.Linear(width, 48, bias=False), spec, codes, scales)
+    assert qlinear.kernel == ("int4pack" if bits <= 4 else "int8pack")
+    x = torch.randn(3, width, generator=g)
+    with torch.no_grad():
+        y = qlinear(x)
+    expected = _bf16_reference(x, qlinear)
+    scale = (x.abs().double() @ qlinear.dequantized_weight().abs().double().T)  # Σ|x||w| [3, 48]
+    assert float(((y.double() - expected).abs() / scale).max()) < 2**-7
+
+
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bits", "group_size", "reason"),
+    [(96, 64, 4, 48, "no kernel group of 32..256 divides the group 48"),
+     (128, 24, 4, 32, "out_features not a multiple of 16"),
+     (96, 64, 4, 16, "group 16 is smaller than the kernel's 32"),
+     (128, 64, 8, 32, "int8 with groups"),
+     (40, 64, 8, None, "int8 with in_features not a multiple of 16")],
+)
+def test_fallback_where_no_kernel_applies(in_features, out_features, bits, group_size, reason):
+    linear = _linear(in_features, out_features, True, 3)
+    qlinear = QuantizedLinear.from_linear(linear, QuantSpec(bits, group_size))
+    assert qlinear.kernel == "unpack", reason
+    assert qlinear.kernel_weight.numel() == 0 and qlinear.kernel_scales.numel() == 0
+    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(qlinear(x), x @ qlinear.dequantized_weight().T + linear.bias, atol=1e-5)
+    with pytest.raises(ValueError, match=r"kernel must be 'auto', 'unpack' or 'unpack'.*got 'int4pack'"):
+        qlinear.set_kernel("int4pack")
+
+
+def test_set_kernel_switches_and_names_what_applies():
+    qlinear = QuantizedLinear.from_linear(_linear(64, 32, False, 4), QuantSpec(4, 32))
+    assert qlinear.kernel == "int4pack" and qlinear.kernel_weight.numel() > 0
+    with pytest.raises(ValueError, match=r"'auto', 'unpack' or 'int4pack'.*got 'int8pack'"):
+        qlinear.set_kernel("int8pack")
+    qlinear.set_kernel("unpack")
+    assert qlinear.kernel == "unpack" and qlinear.kernel_weight.numel() == 0
+    qlinear.set_kernel("auto")
+    assert qlinear.kernel == "int4pack" and qlinear.kernel_weight.numel() > 0
+    model = nn.Sequential(qlinear, QuantizedLinear.from_linear(_linear(32, 16, False, 5), QuantSpec(8)))
+    assert kernel_counts(model) == {"int4pack": 1, "int8pack": 1}
+    set_kernels(model, "unpack")
+    assert kernel_counts(model) == {"unpack": 2}
+    with pytest.raises(ValueError, match="'auto' or 'unpack' for a whole model, got 'int4pack'"):
+        set_kernels(model, "int4pack")
+
+
+def test_loading_a_state_dict_repacks_and_the_layer_pickles():
+    import io
+
+    source = QuantizedLinear.from_linear(_linear(64, 32, True, 6), QuantSpec(4, 32))
+    target = QuantizedLinear(64, 32, bits=4, group_size=32)
+    target.load_state_dict(source.state_dict())  # qweight, scales, bias: not the kernel's copy
+    assert "kernel_weight" not in source.state_dict()
+    assert torch.equal(target.kernel_weight, source.kernel_weight)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    buffer = io.BytesIO()
+    torch.save(target, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(restored(x), source(x)) and torch.equal(target(x), source(x))

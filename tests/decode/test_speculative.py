@@ -404,6 +404,33 @@ def test_embedded_pair_greedy_equals_target_greedy():
         assert result.completions[0].token_ids == plain.token_ids
 
 
+def test_self_int4_draft_keeps_greedy_output(tiny_lm):
+    # The target's own int4 copy (packed int4 kernel, bfloat16 activations) as the draft:
+    # greedy output is the target's token for token, and the target stays float.
+    from decodekit.decode.drafters import self_draft
+    from decodekit.models.qlinear import kernel_counts
+
+    params = dk.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    [plain] = dk.generate(tiny_lm, "ROMEO:", params)
+    result = speculative_generate(tiny_lm, "self-int4", "ROMEO:", params, 4)
+    assert result.completions[0].token_ids == plain.token_ids
+    assert result.stats.accepted_tokens > 0
+    assert kernel_counts(tiny_lm.net) == {}  # the target was not touched
+    drafter = self_draft(tiny_lm)
+    assert kernel_counts(drafter.model.net) == {"int4pack": 8}
+    assert drafter.model.net.embed_tokens.weight is tiny_lm.net.embed_tokens.weight  # shared
+    # Sampling through the self-draft (exact for any draft: the tests above): seeded runs repeat.
+    sampled = dk.SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=3)
+    a = speculative_generate(tiny_lm, drafter, "ROMEO:", sampled, 3).completions[0]
+    b = speculative_generate(tiny_lm, "self-int4", "ROMEO:", sampled, 3).completions[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+
+
+def test_self_draft_needs_a_native_model(toy_lm):
+    with pytest.raises(ValueError, match="a self-draft needs a NativeLM target, got"):
+        speculative_generate(toy_lm, "self-int4", [[1, 2]], dk.SamplingParams(max_new_tokens=2))
+
+
 # -- drafters, caches, statistics ------------------------------------------------------------
 
 

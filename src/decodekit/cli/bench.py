@@ -7,7 +7,7 @@ import json
 from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
-           "latency", "presets", "dtype")
+           "latency", "presets", "dtype", "packed")
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 
@@ -15,7 +15,8 @@ SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  #
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("which", choices=BENCHES)
-    p.add_argument("--model", default="shakespeare")
+    p.add_argument("--model", default="shakespeare",
+                   help="a model name or directory; bench packed also takes qwen2.5-0.5b-16l (random)")
     p.add_argument("--shape", choices=SHAPES, default=None,
                    help="bench decode/engine/dtype: a random-weight model with these layer shapes "
                    "(vocabulary cut to the embedded tokenizer's 2,048) instead of --model")
@@ -124,6 +125,11 @@ def run_bench(args) -> None:
         new_tokens = 32 if args.new_tokens == 256 else args.new_tokens
         result = bench_beam(args.model, clients, new_tokens=new_tokens, repeats=args.repeats,
                             progress=progress)
+    elif args.which == "packed":
+        from decodekit.bench.packed import bench_packed
+
+        result = bench_packed(args.model, args.new_tokens, args.repeats, threads=threads or 1,
+                              progress=progress)
     print(json.dumps(result, indent=None if args.json else 2))
 
 

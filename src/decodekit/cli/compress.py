@@ -42,3 +42,6 @@ def run_compress(args) -> None:
     print(f"{report['model']} -> {report['out']} ({report['label']}, {report['layers']} layers): "
           f"{report['memory_bytes_before'] / mb:.2f} MB -> {report['memory_bytes_after'] / mb:.2f} MB "
           f"in memory, {report['disk_bytes'] / mb:.2f} MB on disk")
+    if report.get("kernels"):
+        kernels = ", ".join(f"{count} {name}" for name, count in report["kernels"].items())
+        print(f"matmul kernels of the quantised layers: {kernels}")

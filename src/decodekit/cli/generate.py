@@ -71,7 +71,8 @@ def add_generate(sub) -> None:
 def add_speculative_flags(p) -> None:
     spec = p.add_argument_group("speculative decoding (decode/speculative.py)")
     spec.add_argument("--speculative", nargs="?", const="auto", default=None, metavar="DRAFT",
-                      help="draft with DRAFT: a model name or directory, or 'prompt-lookup'; "
+                      help="draft with DRAFT: a model name or directory, 'prompt-lookup', or 'self-int4' "
+                      "(the target's own int4 copy); "
                       "alone (after the prompt): the target's '-draft' model")
     spec.add_argument("--gamma", type=int, default=4, help="draft tokens per target call")
     spec.add_argument("--verify", choices=["block", "token"], default="block")

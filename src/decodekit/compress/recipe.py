@@ -158,6 +158,27 @@ def compress_lm(
     return summary
 
 
+def quantized_copy(lm: Any, config: CompressConfig, calib_text: str | Sequence[int] | None = None) -> Any:
+    """A compressed copy of the float NativeLM `lm` that shares its float tensors: the
+    embedding, norms and output head are the same tensors, only the compressed layers are
+    new, so the copy costs the bytes of its codes. `lm` is left unchanged. Used as a
+    speculative drafter of its own original (decode/drafters.py, "self-int4")."""
+    import copy
+
+    from decodekit.models.native import NativeLM
+
+    if not isinstance(lm, NativeLM):
+        raise TypeError(f"a quantised copy needs a NativeLM (Llama-family) model, got {type(lm).__name__}")
+    shared = {id(t): t for t in [*lm.net.parameters(), *lm.net.buffers()]}
+    net = copy.deepcopy(lm.net, memo=shared)  # new modules over the same tensors
+    twin = NativeLM(net, lm.config, name=f"{lm.name}-{config.label()}", tokenizer=lm.tokenizer,
+                    eos_token_ids=lm.eos_token_ids)  # fmt: skip
+    summary = compress_lm(twin, config, calib_text)
+    if not summary.layers:
+        raise ValueError(f"model {lm.name!r} has no float Linear layer that {config.label()} applies to")
+    return twin
+
+
 def compress_to_dir(
     model: str | Path,
     config: CompressConfig,
@@ -168,11 +189,18 @@ def compress_to_dir(
     """Load `model` (embedded name or local directory), compress it, write `out`;
     `progress` shows a bar over the layers on stderr.
 
-    Returns a report: the summary, bytes in memory before and after, bytes on disk.
+    The model loads in its checkpoint's dtype: a bfloat16 checkpoint is read and calibrated
+    in bfloat16 (no float32 copy of the model), while rounding and GPTQ's updates run in
+    float32 on each layer's weight (quantize.py). The directory loads back as float32 codes
+    and scales either way (models/compressed.py).
+
+    Returns a report: the summary, the source dtype, bytes in memory before and after, bytes
+    on disk, and how many quantised layers run on each matmul kernel (models/qlinear.py).
     """
     from decodekit.compress.apply import model_nbytes
     from decodekit.compress.pretrained import is_compressed_dir, save_compressed_dir
     from decodekit.models.compressed import WEIGHTS_FILE
+    from decodekit.models.qlinear import kernel_counts
     from decodekit.models.registry import load_model, resolve
 
     name, source, _ = resolve(model)
@@ -187,7 +215,9 @@ def compress_to_dir(
         "model": name,
         "out": str(out),
         "label": config.label(),
+        "source_dtype": str(lm.dtype).removeprefix("torch."),
         "layers": len(summary.layers),
+        "kernels": kernel_counts(lm.net),
         "summary": summary.to_dict(),
         "memory_bytes_before": before,
         "memory_bytes_after": model_nbytes(lm.net),

@@ -8,6 +8,13 @@ they were drawn from (REFERENCES.md, "Speculative decoding"):
 - `ModelDrafter`: any `LanguageModel` over the target's vocabulary (a smaller model of
   the same family, or a k-gram `NGramLM`). Its tokens are drawn through the request's
   own adapter chain (`DraftSampler`), so q is the processed draft distribution.
+- Quantised self-draft ("self-int4"): a `ModelDrafter` over the target's own int4 copy
+  (`self_draft`; issue 15, item 5). A memory-bound target verifies γ + 1 tokens for about
+  the cost of one, and the int4 copy runs its matmuls through the packed int4 kernel
+  (models/qlinear.py), about 4x faster than float32 at real shapes; its distribution stays
+  close to the target's, so acceptance is high. Round-to-nearest in groups of 32 needs no
+  calibration data and is built in a moment; pass any `CompressConfig` (GPTQ) to
+  `self_draft` for another copy.
 - `PromptLookupDrafter`: the tokens that followed the most recent earlier occurrence of
   the context's final n-gram (HF prompt lookup, vLLM and llama.cpp n-gram drafting),
   with a one-hot q. Costs no model call.
@@ -25,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from decodekit.compress.recipe import CompressConfig, quantized_copy
 from decodekit.models.base import LanguageModel
 from decodekit.sampling import SamplerState, select_tokens
 from decodekit.sampling.chain import Chain
@@ -202,12 +210,28 @@ def check_vocabulary(draft: LanguageModel, target: LanguageModel) -> None:
         )
 
 
+SELF_DRAFT = CompressConfig("rtn", bits=4, group_size=32)
+
+
+def self_draft(target: LanguageModel, config: CompressConfig = SELF_DRAFT) -> ModelDrafter:
+    """A drafter over the target's own quantised copy (module docstring); the target must be
+    a float NativeLM, whose float tensors the copy shares."""
+    from decodekit.models.native import NativeLM
+
+    if not isinstance(target, NativeLM):
+        raise ValueError(f"a self-draft needs a NativeLM target, got {type(target).__name__}")
+    return ModelDrafter(quantized_copy(target, config))
+
+
 def make_drafter(draft: object, target: LanguageModel) -> Drafter:
-    """A drafter from a `Drafter`, a `LanguageModel`, "prompt-lookup", "auto" (the embedded
-    `<target>-draft` model) or an embedded model name / checkpoint directory."""
+    """A drafter from a `Drafter`, a `LanguageModel`, "prompt-lookup", "self-int4" (the
+    target's own int4 copy, `self_draft`), "auto" (the embedded `<target>-draft` model) or an
+    embedded model name / checkpoint directory."""
     if isinstance(draft, str):
         if draft == "prompt-lookup":
             return PromptLookupDrafter()
+        if draft == "self-int4":
+            return self_draft(target)
         from decodekit.models.registry import embedded_models, load_model
 
         if draft == "auto":
@@ -224,6 +248,6 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
     if callable(getattr(draft, "propose", None)):
         return draft  # type: ignore[return-value]
     raise TypeError(
-        "draft must be a LanguageModel, a Drafter, 'prompt-lookup', 'auto' or a model name, "
+        "draft must be a LanguageModel, a Drafter, 'prompt-lookup', 'self-int4', 'auto' or a model name, "
         f"got {type(draft).__name__}"
     )

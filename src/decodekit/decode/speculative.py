@@ -381,7 +381,8 @@ def speculative_generate(
     """Sample from `target` exactly as `generate` would, drafting with `draft`.
 
     draft: a LanguageModel over the target's vocabulary (e.g. `load_model("shakespeare-draft")`
-    or an `NGramLM`), "prompt-lookup", "auto" (the embedded `<target>-draft`), a model name,
+    or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
+    "auto" (the embedded `<target>-draft`), a model name,
     or any object with `propose` (drafters.Drafter). verify: "block", "token", or a rule
     `(p, q, draft, generator) -> (τ, y)`. Completions are shaped as `generate` returns them
     (a single string prompt gives its list of n); `result.stats` holds the counters.

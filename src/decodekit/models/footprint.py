@@ -12,7 +12,9 @@ cache counts one byte per value: its scales (per head and position) are left out
 
 Weights are counted from the checkpoint's safetensors headers without reading the tensors:
 parameters x the bytes of the dtype they load in (a compressed directory's integer codes
-and scales as stored, which is how they stay in memory).
+and scales as stored). A compressed model that runs on PyTorch's packed CPU kernels
+(models/qlinear.py) holds their copies on top, which this count leaves out: int8 layers
+2 bytes a row (bf16 scales), int4 layers about 0.5 bytes a weight (the kernel's layout).
 """
 
 from __future__ import annotations

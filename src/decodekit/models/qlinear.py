@@ -11,18 +11,35 @@ zero (seed 000's worked example: 0.5 -> 1; `torch.round` rounds half to even).
 
 Codes are kept as int8 [N, K] for 5..8 bits and packed two per byte, uint8 [N, ceil(K/2)],
 for 2..4 bits, with float32 scales [N, G] (one per output channel, or per group of K/G
-input features). The forward pass never builds more than one layer's float weight, and
-picks one of these (each a named function below):
+input features); that is what checkpoints store.
 
-- per channel: y = (x Qᵀ) · s, scaling the N outputs instead of the N·K weights;
-- per channel, packed int4: the same, as two matmuls over the two halves of the input
-  (`int4_halves_matmul`), so the nibbles are never interleaved back into one matrix;
-- per group, fewer rows than the group size (decoding): y = Σ_g (x_g Q_gᵀ) · s_g as one
-  batched matmul (`grouped_matmul`), again scaling outputs rather than weights;
-- per group otherwise (prefill): dequantise Ŵ = Q · s and run one matmul;
-- bfloat16 input, per channel, int8 codes, K % 16 == 0: `torch._weight_int8pack_mm`, the CPU
-  int8-weight kernel. It has a fast path only for bf16 activations; with float32 ones
-  it was several times slower than dequantising (PyTorch 2.13 CPU), so it is not used.
+Each layer runs its matmuls on one of three paths, its `kernel` (`choose_kernel`; issue 15):
+
+- "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
+  weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).
+  Its grid is w = (q - 8) · s + z with q in 0..15 and one (s, z) per group of 32, 64, 128
+  or 256 inputs; our symmetric codes c in ±qmax (qmax <= 7) are q = c + 8 with z = 0, and a
+  larger group (or one scale per channel) repeats its scale over the kernel's groups, so
+  the kernel computes exactly x · (c · s)ᵀ, up to bfloat16 rounding. It needs N % 16 == 0
+  and a group size that one of 32..256 divides; one scale per channel always fits, the
+  inputs padded with zero weights to a multiple of 32 (`int4_kernel_width`). Its layout
+  depends on the CPU's vector width (AVX-512 and AVX2 pack differently), so it is never
+  saved: checkpoints keep the portable nibbles of `pack_int4`, and both are held.
+- "int8pack" (5..8 bits, one scale per channel, K % 16 == 0): `_weight_int8pack_mm` over
+  the stored int8 codes, scales in bfloat16.
+- "unpack": the fallback where no packed kernel applies (other shapes, groups at 5..8
+  bits, the ops missing, or inputs on another device). It converts codes to float in the
+  input's dtype on every call: per channel y = (x Qᵀ) · s (for int4, as two matmuls over
+  the halves of the input, `int4_halves_matmul`); per group with fewer rows than the group
+  size y = Σ_g (x_g Q_gᵀ) · s_g (`grouped_matmul`); otherwise Ŵ = Q · s and one matmul.
+
+Both packed kernels are fast only with bfloat16 activations (with float32 ones they were
+5-30x slower than a float32 matmul, PyTorch 2.13 CPU), so the packed paths cast the input
+to bfloat16 and the output back: a float32 model stays float32 around its linear layers.
+They are GEMV kernels: their cost grows with every row, so above `PACKED_MAX_ROWS` rows
+(a prefill) the layer dequantises its weight to bfloat16 once and runs one bfloat16 GEMM,
+which on the dev CPU beat both the kernels and a float32 GEMM at 400 rows
+(BENCHMARKS.md, "Real model shapes: packed low-precision kernels").
 """
 
 from __future__ import annotations
@@ -95,11 +112,14 @@ def quantize_with_scales(weight: torch.Tensor, scales: torch.Tensor, qmax: int) 
     return q.reshape(n, k).to(torch.int8)
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Float32 weight [N, K] from codes [N, K] and scales [N, G] (group = K / G)."""
+def dequantize(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Weight [N, K] in `dtype` from codes [N, K] and scales [N, G] (group = K / G), computed
+    in that dtype (codes up to ±127 are exact in bfloat16)."""
     n, k = q.shape
     groups = scales.shape[1]
-    w = q.to(torch.float32).reshape(n, groups, k // groups) * scales.to(torch.float32).unsqueeze(-1)
+    w = q.to(dtype).reshape(n, groups, k // groups) * scales.to(dtype).unsqueeze(-1)
     return w.reshape(n, k)
 
 
@@ -157,30 +177,82 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -
     return y.sum(0).reshape(*lead, n)
 
 
+KERNELS = ("int4pack", "int8pack", "unpack")
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes `_weight_int4pack_mm_for_cpu` takes
+# Above this many rows a packed layer dequantises to bfloat16 and runs one GEMM instead
+# (module docstring): measured crossovers on the dev CPU were ~65 rows for int8, ~110 for int4.
+PACKED_MAX_ROWS = 64
+
+
+def int4_kernel_width(spec: QuantSpec, in_features: int) -> int:
+    """Inputs the int4 kernel sees: per channel, in_features padded with zero weights to a
+    multiple of 32 (the zeros add nothing), so every width gets the kernel; with groups,
+    in_features itself."""
+    if spec.group_size is None:
+        return -(-in_features // INT4_KERNEL_GROUPS[-1]) * INT4_KERNEL_GROUPS[-1]
+    return in_features
+
+
+def int4_kernel_group(spec: QuantSpec, in_features: int) -> int | None:
+    """The int4 kernel's group size for this grid: the largest of 256..32 dividing the
+    grid's group (per channel: the padded width, `int4_kernel_width`), or None."""
+    group = spec.group_size or int4_kernel_width(spec, in_features)
+    return next((g for g in INT4_KERNEL_GROUPS if group % g == 0), None)
+
+
+def choose_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
+    """The matmul path of a layer (module docstring): "int4pack", "int8pack" or "unpack"."""
+    aten = torch.ops.aten
+    if spec.bits <= 4:
+        fits = out_features % 16 == 0 and int4_kernel_group(spec, in_features) is not None
+        has_op = hasattr(aten, "_weight_int4pack_mm_for_cpu")
+        return "int4pack" if fits and has_op else "unpack"
+    # Other K made `_weight_int8pack_mm` segfault on PyTorch 2.13 CPU (K = 8, 24, 37, 40, 200).
+    fits = spec.group_size is None and in_features % 16 == 0
+    return "int8pack" if fits and hasattr(aten, "_weight_int8pack_mm") else "unpack"
+
+
+def int4_kernel_pack(
+    codes: torch.Tensor, scales: torch.Tensor, group: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's weight and scales_and_zeros for codes int8 [N, K] in ±7, scales [N, G],
+    padded with zero codes to `width` inputs (one scale per channel only): (packed uint8,
+    bfloat16 [width / group, N, 2]) with q = code + 8 and zero 0 (module docstring)."""
+    codes = F.pad(codes.to(torch.int32), (0, width - codes.shape[1]))  # [N, width]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((codes + 8).contiguous(), 1)
+    per_group = scales.to(torch.float32).repeat_interleave(width // scales.shape[1] // group, dim=1)
+    scales_and_zeros = torch.stack([per_group.T, torch.zeros_like(per_group.T)], dim=-1)
+    return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
+
+
+def int4_kernel_matmul(
+    x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """x [..., K] times the int4 kernel's weight [N, width]ᵀ in bfloat16, x padded with zeros
+    to the weight's width. Returns [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
+    width = packed.shape[1] * 2  # packed: uint8 [N, width / 2]
+    if width > rows.shape[1]:
+        rows = F.pad(rows, (0, width - rows.shape[1]))  # [M, width]
+    rows = rows.contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
 def int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 times per-channel int8 weight [N, K] with scales [N] via the CPU kernel."""
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel needs a contiguous last dim
-    y = torch._weight_int8pack_mm(rows, q, scales.to(x.dtype))  # [M, N]
-    return y.reshape(*lead, q.shape[0])
-
-
-def int8_kernel_fits(x: torch.Tensor, in_features: int) -> bool:
-    """Whether `int8_kernel_matmul` applies: bf16 input on CPU and K a multiple of 16.
-
-    With other K, `torch._weight_int8pack_mm` segfaults on PyTorch 2.13 CPU (measured with
-    K = 8, 24, 37, 40, 200), so it is only called on shapes where it is known to work.
-    """
-    return (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and in_features % 16 == 0
-        and hasattr(torch, "_weight_int8pack_mm")
-    )
+    """x [..., K] times per-channel int8 codes [N, K] with bfloat16 scales [N], in bfloat16.
+    Returns [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K], contiguous
+    y = torch._weight_int8pack_mm(rows, q, scales)  # [M, N]
+    return y.reshape(*x.shape[:-1], q.shape[0]).to(x.dtype)
 
 
 class QuantizedLinear(nn.Module):
-    """y = x Ŵᵀ + b with Ŵ = codes · scales kept as integers (see module docstring)."""
+    """y = x Ŵᵀ + b with Ŵ = codes · scales kept as integers (see module docstring).
+
+    `kernel` names the matmul path ("int4pack", "int8pack" or "unpack"); `set_kernel`
+    changes it ("unpack" always applies; a packed one only where `choose_kernel` picks it).
+    """
 
     def __init__(
         self,
@@ -205,9 +277,17 @@ class QuantizedLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        # The packed kernel's operands, derived from qweight and scales and never saved
+        # (module docstring); empty until `prepare_kernel` fills them.
+        self.register_buffer("kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_buffer("kernel_scales", torch.empty(0, dtype=torch.bfloat16), persistent=False)
+        self.kernel = choose_kernel(self.spec, in_features, out_features)
+        self.kernel_group = 0  # the int4 kernel's group size, set by `prepare_kernel`
+        self.register_load_state_dict_post_hook(_prepare_after_load)
 
     @property
     def packed(self) -> bool:
+        """Whether the stored codes are two per byte (2..4 bits)."""
         return self.spec.bits <= 4
 
     @classmethod
@@ -242,6 +322,35 @@ class QuantizedLinear(nn.Module):
         codes = codes.to(torch.int8)
         self.qweight.copy_(pack_int4(codes) if self.packed else codes)
         self.scales.copy_(scales.to(torch.float32))
+        self.prepare_kernel()
+
+    def set_kernel(self, kernel: str) -> None:
+        """Run matmuls on `kernel`: "unpack", "auto" (`choose_kernel`'s), or the packed one
+        `choose_kernel` picks for this layer."""
+        best = choose_kernel(self.spec, self.in_features, self.out_features)
+        kernel = best if kernel == "auto" else kernel
+        if kernel not in ("unpack", best):
+            raise ValueError(
+                f"kernel must be 'auto', 'unpack' or {best!r} for this layer "
+                f"({self.spec.bits} bits, {self.out_features}x{self.in_features}, "
+                f"group {self.spec.group_size}), got {kernel!r}"
+            )
+        self.kernel = kernel
+        self.prepare_kernel()
+
+    def prepare_kernel(self) -> None:
+        """(Re)build the packed kernel's operands from qweight and scales (or free them)."""
+        weight = scales = None
+        if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
+            group = int4_kernel_group(self.spec, self.in_features)
+            assert group is not None
+            self.kernel_group = group
+            width = int4_kernel_width(self.spec, self.in_features)
+            weight, scales = int4_kernel_pack(self.codes(), self.scales, group, width)
+        elif self.kernel == "int8pack":
+            scales = self.scales[:, 0].to(torch.bfloat16)
+        self.kernel_weight = weight if weight is not None else self.qweight.new_empty(0)
+        self.kernel_scales = scales if scales is not None else self.scales.new_empty(0).bfloat16()
 
     def codes(self) -> torch.Tensor:
         """Integer codes int8 [N, K]."""
@@ -252,25 +361,63 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.codes(), self.scales).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scales = self.scales.to(x.dtype)  # [N, G]
-        if self.spec.group_size is None:
-            if self.packed:
-                y = int4_halves_matmul(x, self.qweight, self.in_features) * scales[:, 0]
-            elif int8_kernel_fits(x, self.in_features):
-                y = int8_kernel_matmul(x, self.qweight, scales[:, 0])
-            else:
-                y = F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
-        elif x.numel() // self.in_features < self.spec.group_size:
-            y = grouped_matmul(x, self.codes(), scales)
+        if self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
+            y = self.packed_matmul(x)
         else:
-            y = F.linear(x, self.dequantized_weight(x.dtype))
+            y = self.unpacked_matmul(x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] Ŵᵀ in bfloat16 through the packed kernel, or one bfloat16 GEMM over the
+        dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
+        if x.numel() // self.in_features > PACKED_MAX_ROWS:
+            weight = dequantize(self.codes(), self.scales, torch.bfloat16)  # [N, K]
+            return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
+        if self.kernel == "int8pack":
+            return int8_kernel_matmul(x, self.qweight, self.kernel_scales)
+        return int4_kernel_matmul(x, self.kernel_weight, self.kernel_group, self.kernel_scales)
+
+    def unpacked_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring)."""
+        scales = self.scales.to(x.dtype)  # [N, G]
+        if self.spec.group_size is None:
+            if self.packed:
+                return int4_halves_matmul(x, self.qweight, self.in_features) * scales[:, 0]
+            return F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
+        if x.numel() // self.in_features < self.spec.group_size:
+            return grouped_matmul(x, self.codes(), scales)
+        return F.linear(x, self.dequantized_weight(x.dtype))
 
     def extra_repr(self) -> str:
         group = "channel" if self.spec.group_size is None else f"group={self.spec.group_size}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bits={self.spec.bits}, {group}, bias={self.bias is not None}"
+            f"bits={self.spec.bits}, {group}, bias={self.bias is not None}, kernel={self.kernel}"
         )
+
+
+def _prepare_after_load(module: QuantizedLinear, incompatible_keys: object) -> None:
+    """Rebuild the kernel's operands once `load_state_dict` has filled qweight and scales (a
+    module-level function, so the layer still pickles)."""
+    module.prepare_kernel()
+
+
+def kernel_counts(model: nn.Module) -> dict[str, int]:
+    """How many `QuantizedLinear` layers of `model` run on each kernel (only those in use)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            counts[module.kernel] = counts.get(module.kernel, 0) + 1
+    return counts
+
+
+def set_kernels(model: nn.Module, kernel: str) -> None:
+    """`set_kernel(kernel)` on every `QuantizedLinear` of `model`; "auto" or "unpack" apply
+    to every layer."""
+    if kernel not in ("auto", "unpack"):
+        raise ValueError(f"kernel must be 'auto' or 'unpack' for a whole model, got {kernel!r}")
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.set_kernel(kernel)
