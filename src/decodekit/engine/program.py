@@ -151,10 +151,7 @@ class ProgramKV:
         member.manager.register_last(seq.table, computed)
         member.manager.free(seq.table)
         if seq.lane is not None:
-            moved = member.running_kv.remove(seq.lane)
-            if moved is not None:
-                moved.lane = seq.lane
-            seq.lane = None
+            member.running_kv.leave(seq)
         self.seqs.remove(seq)
 
     def close_all(self) -> None:

@@ -128,6 +128,14 @@ class RunningKV:
         self.prefixes.pop()
         return moved
 
+    def leave(self, owner) -> None:
+        """`owner` (a sequence with a `lane`) gives up its row; the row's new owner, the last
+        row's, gets the lane number."""
+        moved = self.remove(owner.lane)
+        if moved is not None:
+            moved.lane = owner.lane
+        owner.lane = None
+
     def grow(self, extra: int = 1) -> None:
         """Every row gains `extra` positions (this step's tokens); makes room for them."""
         self.lengths = [n + extra for n in self.lengths]

@@ -166,10 +166,7 @@ class Scheduler:
         """Free a sequence's blocks and its RunningKV row."""
         self.manager.free(seq.table)
         if seq.lane is not None:
-            moved = self.running_kv.remove(seq.lane)
-            if moved is not None:
-                moved.lane = seq.lane
-            seq.lane = None
+            self.running_kv.leave(seq)
 
     def _preempt(self, entry: EngineRequest) -> None:
         for seq in entry.seqs:
