@@ -37,20 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodekit.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> int8 codes [..., D] and float32 scales [...]: x ~ codes * scale, scale =
-    max |x| / 127 over the D values (symmetric absmax), so |x - x'| <= scale / 2."""
-    scale = x.abs().amax(dim=-1).float() / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector stays zero
-    codes = (x.float() / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-    return codes, scale
-
-
-def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., D], scale [...] -> [..., D] in `dtype`."""
-    return (codes.float() * scale[..., None]).to(dtype)
+from decodekit.models.kv import dequantize_int8, quantize_int8
 
 
 def block_bytes(

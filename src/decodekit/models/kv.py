@@ -6,6 +6,11 @@ when full (amortised O(1) appends, as a Python list does). `mask [B, capacity]` 
 real tokens; left padding keeps its slot but is never attended to and never counts
 towards a row's position (ARCHITECTURE.md, LanguageModel contract).
 
+`CompressedKVCache` is an evaluation cache for seed 001's KV-cache compression: its keys
+and values round-trip through a storage dtype (bfloat16, or int8 with `quantize_int8`, as
+the engine's block pool stores them) and, with a token budget, a query sees only the first
+`sinks` positions and the most recent ones (StreamingLLM's cache, `streaming_mask`).
+
 This is the simple engine-less cache; the paged engine (issue 4, item 2) replaces it
 behind the same `Cache` operations, and `attend` is the one function it swaps.
 `attend_alone` is the batch-invariant mode's attention, shared with the engine.
@@ -165,6 +170,79 @@ class ContiguousKVCache(Cache):
 
     def _refresh_padding(self) -> None:
         self.has_padding = self.has_padding and not bool(self.mask.all())
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 codes [..., D] and float32 scales [...]: x ~ codes * scale, scale =
+    max |x| / 127 over the D values (symmetric absmax), so |x - x'| <= scale / 2."""
+    scale = x.abs().amax(dim=-1).float() / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector stays zero
+    codes = (x.float() / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., D], scale [...] -> [..., D] in `dtype`."""
+    return (codes.float() * scale[..., None]).to(dtype)
+
+
+def round_trip(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache storing it in `kv_dtype` gives it back, in x's dtype."""
+    if kv_dtype == x.dtype:
+        return x
+    if kv_dtype == torch.int8:
+        return dequantize_int8(*quantize_int8(x), x.dtype)
+    return x.to(kv_dtype).to(x.dtype)
+
+
+def streaming_mask(
+    start: int, num_new: int, sinks: int, recent: int, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """[T, start + T] bool: the keys a query at position start + t keeps in StreamingLLM's cache
+    (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"): the first
+    `sinks` positions and the `recent` most recent ones, itself included. Evicting the rest
+    for good is this mask, since a key that leaves the recent window never comes back; keys
+    keep their original positions (rotated once, as stored)."""
+    visible = causal_mask(start, num_new, recent, device)
+    visible[:, :sinks] |= causal_mask(start, num_new, device=device)[:, :sinks]
+    return visible
+
+
+class CompressedKVCache(ContiguousKVCache):
+    """A `ContiguousKVCache` that stores keys and values as `kv_dtype` would (`round_trip`)
+    and, with `budget` set, keeps `sinks` + (budget - sinks) recent positions per query."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kv_dtype: torch.dtype | None = None,
+        budget: int | None = None,
+        sinks: int = 4,
+    ):
+        if budget is not None and not 1 <= sinks + 1 <= budget:
+            raise ValueError(f"budget must be at least sinks + 1 = {sinks + 1}, got {budget}")
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, dtype, device=device)
+        self.kv_dtype = kv_dtype or dtype
+        self.budget = budget
+        self.sinks = sinks
+
+    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+        k, v = round_trip(k, self.kv_dtype), round_trip(v, self.kv_dtype)
+        if self.budget is not None and self.length > self.budget:
+            if self.has_padding:
+                raise ValueError("a token budget needs rows without padding")
+            num_new = q.shape[1]
+            kept = streaming_mask(self.length - num_new, num_new, self.sinks,
+                                  self.budget - self.sinks, q.device)[None, None]  # fmt: skip
+            mask, causal = (kept if mask is None else mask & kept), False
+        return super().attend(layer, q, k, v, mask, causal, per_query)
 
 
 def _grow(tensor: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
