@@ -84,13 +84,15 @@ def bench_kv(model_name: str, requests: int = 32, new_tokens: int = 64, repeats:
     spec = {**CONCURRENT, "requests": requests, "new_tokens": new_tokens}
     prompts = prompts_from_text(model, requests, spec["prompt_lengths"])
     params = dk.SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
-    configs = {name: EngineConfig(max_running=requests, max_kv_bytes=2**30, kv_dtype=name) for name in KV_DTYPES}
+    configs = {name: EngineConfig(max_running=requests, max_kv_bytes=2**30, kv_dtype=name)
+               for name in KV_DTYPES}  # fmt: skip
     stats = {name: run_engine(model, prompts, params, config) for name, config in configs.items()}  # warm-up
     bar.update(1)
     times: dict[str, list[float]] = {name: [] for name in KV_DTYPES}
     for _ in range(repeats):
         for name, config in configs.items():
-            times[name].append(timed_once(lambda config=config: run_engine(model, prompts, params, config))["cpu_s"])
+            seconds = timed_once(lambda config=config: run_engine(model, prompts, params, config))
+            times[name].append(seconds["cpu_s"])
         bar.update(1)
     bar.close()
     generated = requests * new_tokens
@@ -118,7 +120,8 @@ def bench_kv(model_name: str, requests: int = 32, new_tokens: int = 64, repeats:
 
 
 def table(result: dict) -> str:
-    lines = [f"KV-cache compression, {result['model']} (window {result['window']}, stride {result['stride']})",
+    lines = [f"KV-cache compression, {result['model']} "
+             f"(window {result['window']}, stride {result['stride']})",
              "kv dtype   perplexity  formula B/token  pool B/token  x smaller  engine tok/s (CPU)  vs f32"]
     for name, row in result["kv_dtypes"].items():
         lines.append(f"{name:<10} {row['perplexity']:>10.3f}  {row['formula_bytes_per_token']:>15}  "
