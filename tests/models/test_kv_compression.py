@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decodekit.bench.kv import CompressedCacheLM
-from decodekit.models.kv import CompressedKVCache, streaming_mask
+from decodekit.models.kv import CompressedKVCache, attend, causal_mask, heavy_hitter_attention, streaming_mask
 from decodekit.models.native import NativeLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -75,3 +75,35 @@ def test_int8_cache_scores_close_to_float32(tiny):
     wrapped = CompressedCacheLM(tiny, kv_dtype=torch.int8)
     expected = _logits(tiny, tokens, None, kv_dtype=torch.int8)
     assert torch.equal(wrapped.forward(tokens, wrapped.new_cache(1)), expected)
+
+
+def test_heavy_hitters_without_heavy_budget_is_the_recent_window():
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 12, 8, generator=generator)
+    k, v = torch.randn(2, 2, 2, 12, 8, generator=generator)
+    window = attend(q, k, v, causal_mask(0, 12, window=5)[None, None], causal=False)
+    assert torch.allclose(heavy_hitter_attention(q, k, v, budget=5, recent=5), window, atol=1e-5)
+    full = attend(q, k, v, None, causal=True)
+    assert torch.allclose(heavy_hitter_attention(q, k, v, budget=12, recent=6), full, atol=1e-5)
+    dropped = heavy_hitter_attention(q, k, v, budget=6, recent=3)
+    assert torch.allclose(dropped[:, :, :6], full[:, :, :6], atol=1e-5)  # within the budget
+    assert not torch.allclose(dropped, full, atol=1e-3)
+    assert not torch.allclose(dropped, heavy_hitter_attention(q, k, v, budget=6, recent=6), atol=1e-3)
+
+
+def test_h2o_cache_at_whole_budget_is_the_full_cache(tiny):
+    tokens = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    c = tiny.config
+    full = tiny.forward(tokens, tiny.new_cache(2))
+
+    def h2o(budget):
+        cache = CompressedKVCache(c.num_layers, 2, c.num_kv_heads, c.head_dim, budget=budget, policy="h2o")
+        return tiny.forward(tokens, cache)
+
+    assert torch.equal(h2o(16), full)  # never over budget: the plain path
+    over = h2o(15)  # over budget at the last query only
+    assert torch.allclose(over[:, :15], full[:, :15], atol=1e-4)
+    assert not torch.allclose(over[:, 15], full[:, 15], atol=1e-4)
+    assert not torch.allclose(h2o(6), full, atol=1e-3)
+    with pytest.raises(ValueError, match="policy must be one of streaming, h2o, got 'lru'"):
+        CompressedKVCache(1, 1, 1, 8, policy="lru")
