@@ -4,8 +4,9 @@ item 4; seed 001: token dropping, a quantised cache and the memory formula).
 - Perplexity on the held-out text (`text_perplexity`, its windows of the model's context,
   stride half of it) with the cache stored in float32, bfloat16 and int8 (one float32 scale
   per layer, head and position), every position kept; and with StreamingLLM's token dropping
-  (4 attention sinks + the most recent positions, and recent positions only) at 25 %, 50 %
-  and 100 % of the window kept. Both through `CompressedKVCache` (models/kv.py), which stores
+  (4 attention sinks + the most recent positions, and recent positions only) and H2O's
+  heavy hitters (half the budget, the other half recent) at 25 %, 50 % and 100 % of the
+  window kept. Both through `CompressedKVCache` (models/kv.py), which stores
   the values exactly as the engine's block pool does.
 - Memory: KV bytes per token from seed 001's formula (`kv_cache_bytes`) and as the engine's
   pool measures one block (`stats()["block_bytes"]`, int8's scales included), and the dense
@@ -32,8 +33,9 @@ class CompressedCacheLM:
     """`model` scoring through fresh `CompressedKVCache`s: what `text_perplexity` needs of it."""
 
     def __init__(self, model, kv_dtype: torch.dtype | None = None, budget: int | None = None,
-                 sinks: int = SINKS):
-        self.model, self.kv_dtype, self.budget, self.sinks = model, kv_dtype, budget, sinks
+                 sinks: int = SINKS, policy: str = "streaming"):
+        self.model, self.kv_dtype = model, kv_dtype
+        self.budget, self.sinks, self.policy = budget, sinks, policy
         self.max_context = model.max_context
 
     def encode(self, text: str) -> list[int]:
@@ -44,7 +46,7 @@ class CompressedCacheLM:
 
         c = self.model.config
         return CompressedKVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.model.dtype,
-                                 self.model.device, self.kv_dtype, self.budget, self.sinks)
+                                 self.model.device, self.kv_dtype, self.budget, self.sinks, self.policy)
 
     def forward(self, tokens, cache, mask=None):
         return self.model.forward(tokens, cache, mask)
@@ -61,7 +63,7 @@ def bench_kv(model_name: str, requests: int = 32, new_tokens: int = 64, repeats:
     model = dk.load_model(model_name)
     c = model.config
     window = min(model.max_context, MAX_DEFAULT_WINDOW)
-    steps = len(KV_DTYPES) + 2 * len(FRACTIONS) + repeats + 1
+    steps = len(KV_DTYPES) + 3 * len(FRACTIONS) + repeats + 1
     bar = progress_bar(total=steps, desc="bench kv", enabled=progress)
 
     def perplexity(**policy) -> float:
@@ -77,6 +79,7 @@ def bench_kv(model_name: str, requests: int = 32, new_tokens: int = 64, repeats:
             "kept": fraction, "budget": budget,
             "sinks_recent": perplexity(budget=budget, sinks=SINKS),
             "recent_only": perplexity(budget=budget, sinks=0),
+            "h2o": perplexity(budget=budget, policy="h2o"),
             "kv_bytes_per_sequence": kv_cache_bytes(1, budget, c.num_layers, c.num_kv_heads, c.head_dim,
                                                     KV_BYTES[str(model.dtype).removeprefix("torch.")]),
         })
@@ -127,8 +130,9 @@ def table(result: dict) -> str:
         lines.append(f"{name:<10} {row['perplexity']:>10.3f}  {row['formula_bytes_per_token']:>15}  "
                      f"{row['pool_bytes_per_token']:>12.0f}  {row['pool_ratio_to_float32']:>9.2f}  "
                      f"{row['cpu_tok_s']:>18.1f}  {row['speed_vs_float32']:>6.3f}")
-    lines.append(f"kept   budget  sinks+recent  recent only  KV bytes/sequence  (sinks = {result['sinks']})")
+    lines.append("kept   budget  sinks+recent  recent only      h2o  KV bytes/sequence  "
+                 f"(sinks = {result['sinks']})")
     for row in result["dropping"]:
         lines.append(f"{row['kept']:>4.0%}  {row['budget']:>7}  {row['sinks_recent']:>12.3f}  "
-                     f"{row['recent_only']:>11.3f}  {row['kv_bytes_per_sequence']:>17}")
+                     f"{row['recent_only']:>11.3f}  {row['h2o']:>7.3f}  {row['kv_bytes_per_sequence']:>17}")
     return "\n".join(lines)
