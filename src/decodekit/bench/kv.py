@@ -25,7 +25,7 @@ from decodekit.bench.engine import CONCURRENT, prompts_from_text, run_engine, ti
 from decodekit.runtime import progress as progress_bar
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
-FRACTIONS = (0.25, 0.5, 1.0)
+FRACTIONS = (0.0625, 0.25, 0.5, 1.0)  # 1/16: where dropping starts to bite on a small model
 SINKS = 4  # StreamingLLM's default number of attention sinks
 
 
@@ -133,6 +133,6 @@ def table(result: dict) -> str:
     lines.append("kept   budget  sinks+recent  recent only      h2o  KV bytes/sequence  "
                  f"(sinks = {result['sinks']})")
     for row in result["dropping"]:
-        lines.append(f"{row['kept']:>4.0%}  {row['budget']:>7}  {row['sinks_recent']:>12.3f}  "
+        lines.append(f"{row['kept']:>5.1%}  {row['budget']:>7}  {row['sinks_recent']:>12.3f}  "
                      f"{row['recent_only']:>11.3f}  {row['h2o']:>7.3f}  {row['kv_bytes_per_sequence']:>17}")
     return "\n".join(lines)
