@@ -5,7 +5,7 @@ item 4; seed 001: token dropping, a quantised cache and the memory formula).
   stride half of it) with the cache stored in float32, bfloat16 and int8 (one float32 scale
   per layer, head and position), every position kept; and with StreamingLLM's token dropping
   (4 attention sinks + the most recent positions, and recent positions only) and H2O's
-  heavy hitters (half the budget, the other half recent) at 25 %, 50 % and 100 % of the
+  heavy hitters (half the budget, the other half recent) at 1/16, 25 %, 50 % and 100 % of the
   window kept. Both through `CompressedKVCache` (models/kv.py), which stores
   the values exactly as the engine's block pool does.
 - Memory: KV bytes per token from seed 001's formula (`kv_cache_bytes`) and as the engine's
