@@ -9,8 +9,9 @@ item 4; seed 001: token dropping, a quantised cache and the memory formula).
   window kept. Both through `CompressedKVCache` (models/kv.py), which stores
   the values exactly as the engine's block pool does.
 - Memory: KV bytes per token from seed 001's formula (`kv_cache_bytes`) and as the engine's
-  pool measures one block (`stats()["block_bytes"]`, int8's scales included), and the dense
-  running rows the engine keeps in the model's dtype beside the pool.
+  pool measures one block (`stats()["block_bytes"]`, int8's scales included); in the engine
+  run, the pool's peak bytes in use and the dense running rows it keeps in the model's dtype
+  beside the pool (rows.py).
 - Decode speed: the engine's concurrent scenario (`requests` prompts of 16-128 tokens,
   `new_tokens` each) with each `EngineConfig(kv_dtype=...)`, CPU time of this process,
   median of `repeats` after a warm-up, the dtypes alternating.
@@ -110,6 +111,7 @@ def bench_kv(model_name: str, requests: int = 32, new_tokens: int = 64, repeats:
                                                       KV_BYTES[name]),
             "pool_bytes_per_token": block / configs[name].block_size,
             "pool_ratio_to_float32": round(stats["float32"]["block_bytes"] / block, 2),
+            "pool_peak_bytes": stats[name]["peak_used_blocks"] * block,  # the blocks the run used
             "running_rows_bytes": stats[name]["running_rows_bytes"],
             "cpu_tok_s": round(generated / cpu, 1),
             "speed_vs_float32": round(base / cpu, 3),
