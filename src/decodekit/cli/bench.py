@@ -7,7 +7,7 @@ import json
 from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
-           "latency", "presets", "dtype", "packed")
+           "latency", "presets", "dtype", "packed", "kv")
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 
@@ -47,7 +47,7 @@ def add_bench(sub) -> None:
 
 
 def run_bench(args) -> None:
-    if args.which in ("latency", "presets"):
+    if args.which in ("latency", "presets", "kv"):
         run_seed_bench(args)
         return
     for flag, value, default in (("--dtype", args.dtype, "auto"), ("--device", args.device, "cpu"),
@@ -156,7 +156,7 @@ def _run_shaped(args, model: str) -> dict:
 
 
 def run_seed_bench(args) -> None:
-    """bench latency and bench presets (issue 17): a table, or JSON with --json."""
+    """bench latency, presets and kv (issue 17): a table, or JSON with --json."""
     if args.shape is not None or args.device != "cpu":
         raise UsageError(f"--shape and --device apply to bench decode, engine and dtype, "
                          f"not bench {args.which}")
@@ -167,6 +167,13 @@ def run_seed_bench(args) -> None:
 
         set_threads(args)
         result = bench_presets(args.model, args.draft, progress=show_progress(args))
+    elif args.which == "kv":
+        if args.dtype != "auto" or args.plot:
+            raise UsageError("bench kv takes no --dtype or --plot")
+        from decodekit.bench.kv import bench_kv, table
+
+        set_threads(args)
+        result = bench_kv(args.model, repeats=args.repeats, progress=show_progress(args))
     else:
         check_plot(args.plot)
         from decodekit.bench.latency import bench_latency, plot, table

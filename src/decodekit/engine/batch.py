@@ -98,28 +98,26 @@ class PagedBatch:
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
         """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused.
         per_query: the batch-invariant mode (module docstring)."""
-        _, _, heads, dim = q.shape
-        kv_heads = k.shape[2]
         window = self.windows[layer] if self.windows else None
-        keys = self.pool.keys[layer]  # [H_kv, blocks, block_size, D]
-        values = self.pool.values[layer]
-        keys.view(kv_heads, -1, dim).index_copy_(1, self.slots, k[0].transpose(0, 1))
-        values.view(kv_heads, -1, dim).index_copy_(1, self.slots, v[0].transpose(0, 1))
+        pool = self.pool
+        # k, v as stored (a quantised pool's round trip): the running rows hold the same
+        k, v = pool.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [T, H_kv, D]
         decoding = len(self.running.columns) if self.running is not None else 0
         if decoding and not self.prefills:
-            return self._decode(layer, q[0], k[0], v[0], window, per_query)[None]
+            return self._decode(layer, q[0], k, v, window, per_query)[None]
         out = torch.empty_like(q[0])  # [T, H, D]
         if decoding:
             out[:decoding] = self._decode(
-                layer, q[0, :decoding], k[0, :decoding], v[0, :decoding], window, per_query
+                layer, q[0, :decoding], k[:decoding], v[:decoding], window, per_query
             )
         alone = self.prefills
         if self.group is not None and not per_query:
-            out[self.group.positions] = _attend_together(q[0], keys, values, self.group)
+            out[self.group.positions] = _attend_together(q[0], pool, layer, self.group)
             alone = self.alone
         for span in alone:
             out[span.start : span.end] = _prefill(
-                q[0, span.start : span.end], keys, values, span, window, per_query
+                q[0, span.start : span.end], pool, layer, span, window, per_query
             )
         return out[None]
 
@@ -203,26 +201,27 @@ def group_short_spans(
     return group, [span for span in spans if id(span) not in grouped]
 
 
-def _attend_together(q: torch.Tensor, keys, values, group: SpanGroup) -> torch.Tensor:
+def _attend_together(q: torch.Tensor, pool: BlockPool, layer: int, group: SpanGroup) -> torch.Tensor:
     """q [T_all, H, D] of the step -> [n, H, D] for the group's real queries."""
     batch, _, count, width = group.mask.shape
     heads, dim = q.shape[1:]
+    keys, values = pool.read(group.blocks, layer)  # [H_kv, B * nb * block_size, D]
     kv_heads = keys.shape[0]
-    k = keys.index_select(1, group.blocks).view(kv_heads, batch, -1, dim)[:, :, :width]
-    v = values.index_select(1, group.blocks).view(kv_heads, batch, -1, dim)[:, :, :width]
+    k = keys.view(kv_heads, batch, -1, dim)[:, :, :width]
+    v = values.view(kv_heads, batch, -1, dim)[:, :, :width]
     padded = q[group.queries].view(batch, count, heads, dim).transpose(1, 2)  # [B, H, T, D]
     out = dense_attend(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False)
     return out.transpose(1, 2).reshape(batch * count, heads, dim)[group.real]
 
 
 def _prefill(
-    q: torch.Tensor, keys, values, span: PrefillSpan, window: int | None, per_query: bool
+    q: torch.Tensor, pool: BlockPool, layer: int, span: PrefillSpan, window: int | None,
+    per_query: bool,
 ) -> torch.Tensor:
     """q [T_i, H, D] of one sequence -> [T_i, H, D], causal over its blocks."""
-    num_new, heads, dim = q.shape
-    kv_heads = keys.shape[0]
-    k = keys.index_select(1, span.blocks).view(kv_heads, -1, dim)[:, : span.length]
-    v = values.index_select(1, span.blocks).view(kv_heads, -1, dim)[:, : span.length]
+    num_new = q.shape[0]
+    keys, values = pool.read(span.blocks, layer)  # [H_kv, nb * block_size, D]
+    k, v = keys[:, : span.length], values[:, : span.length]
     start = span.length - num_new
     if per_query:
         out = torch.empty_like(q)

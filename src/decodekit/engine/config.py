@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from decodekit.validate import check_int
 
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +26,9 @@ class EngineConfig:
     still admitted alone, so it cannot starve).
     prefix_caching: keep the KV of full blocks for later requests with the same prefix.
     compile: `torch.compile` the decode forward (measured in BENCHMARKS.md).
+    kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a
+    float32 scale per layer, head and position (engine/kv.py). The running rows stay in the
+    model's dtype (rows.py), so it shrinks the pool, not the rows.
     """
 
     block_size: int = 16
@@ -34,6 +39,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     prefix_caching: bool = True
     compile: bool = False
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_waiting", "max_prefill_tokens"):
@@ -41,6 +47,8 @@ class EngineConfig:
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1)
         check_int("max_kv_bytes", self.max_kv_bytes, 1)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} or None, got {self.kv_dtype!r}")
 
     def num_blocks_for(self, bytes_per_block: int) -> int:
         """Blocks that fit the bound, given one block's K and V bytes over all layers."""

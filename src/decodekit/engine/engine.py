@@ -30,7 +30,7 @@ import torch
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.kv import BlockManager, BlockPool
+from decodekit.engine.kv import BlockManager, BlockPool, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Feed, Forward, Member, Program, ProgramKV
 from decodekit.engine.rows import RunningKV
@@ -566,8 +566,8 @@ def _split(logits: torch.Tensor, works: list[Work]) -> list[torch.Tensor]:
 def _new_pool(model, config: EngineConfig) -> BlockPool:
     """A block pool for `model`'s KV within `config`'s bound."""
     c = model.config
-    item = torch.empty((), dtype=model.dtype).element_size()
-    bytes_per_block = 2 * c.num_layers * config.block_size * c.num_kv_heads * c.head_dim * item
+    kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else model.dtype
+    bytes_per_block = block_bytes(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
     return BlockPool(
         c.num_layers,
         config.num_blocks_for(bytes_per_block),
@@ -577,6 +577,7 @@ def _new_pool(model, config: EngineConfig) -> BlockPool:
         model.dtype,
         PrefixCache() if config.prefix_caching else None,
         device=model.device,
+        kv_dtype=kv_dtype,
     )
 
 

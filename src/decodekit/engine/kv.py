@@ -16,6 +16,12 @@ positions are stored. `BlockManager` implements the table operations:
 - `crop(table, n)`     roll back to n positions (rejected speculative tokens);
 - `free(table)`        drop the table's references.
 
+The pool may store its KV in another dtype than the model computes in (`kv_dtype`, seed
+001's quantised cache): bfloat16, or int8 with one float32 scale per layer, head and
+position (symmetric absmax over the head's D values, `quantize_int8`). `write` stores a
+step's new keys and values and returns them as `read` will give them back, in the model's
+dtype, so the attention of a step and of every later step sees the same stored values.
+
 The pool is zero-initialised, so a gather that reaches past a sequence's end reads
 finite values, which the attention mask then gives weight zero. Its storage grows by
 doubling up to `num_blocks` as blocks are first used, so a long-lived engine with a
@@ -31,6 +37,17 @@ from dataclasses import dataclass, field
 import torch
 
 from decodekit.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
+from decodekit.models.kv import dequantize_int8, quantize_int8
+
+
+def block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+) -> int:
+    """Bytes of one block's keys and values over all layers (int8: its float32 scales too)."""
+    per_vector = head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    if kv_dtype == torch.int8:
+        per_vector += 4
+    return 2 * num_layers * num_kv_heads * block_size * per_vector
 
 
 class OutOfBlocks(RuntimeError):
@@ -48,12 +65,21 @@ class BlockPool:
         dtype: torch.dtype = torch.float32,
         prefix_cache: PrefixCache | None = None,
         device: str | torch.device = "cpu",
+        kv_dtype: torch.dtype | None = None,
     ):
+        """dtype: the model's, which `read` and `write` return; kv_dtype: the stored one
+        (None: the model's; torch.int8 adds a scale per layer, head and position)."""
         # Heads outermost: a gather of blocks (index_select on dim 2) yields, per head, each
         # sequence's [S, D] keys contiguous, the layout SDPA reads fastest.
         shape = (num_layers, num_kv_heads, min(num_blocks, 64), block_size, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [N, H_kv, capacity, block_size, D]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        kv_dtype = kv_dtype or dtype
+        self.keys = torch.zeros(shape, dtype=kv_dtype, device=device)  # [N, H_kv, capacity, block_size, D]
+        self.values = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.dtype = dtype
+        # int8: [N, H_kv, capacity, block_size] float32 scales of keys and of values
+        self.scales = None
+        if kv_dtype == torch.int8:
+            self.scales = torch.ones((2, *shape[:-1]), dtype=torch.float32, device=device)
         self.block_size = block_size
         self.refs = [0] * num_blocks
         self.free: deque[int] = deque()  # released blocks, reused first (their memory is warm)
@@ -82,7 +108,50 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.keys[:, :, 0].numel() * self.keys.element_size()
+        layers, kv_heads, _, block_size, head_dim = self.keys.shape
+        return block_bytes(layers, block_size, kv_heads, head_dim, self.keys.dtype)
+
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys and values [H_kv, T, D] of `layer` at flat `slots` [T]; returns them
+        as `read` gives them back (the inputs themselves when stored in the model's dtype)."""
+        kv_heads, _, dim = k.shape
+        out = []
+        for side, (store, x) in enumerate(((self.keys, k), (self.values, v))):
+            flat = store[layer].view(kv_heads, -1, dim)
+            if self.scales is not None:
+                codes, scale = quantize_int8(x)  # [H_kv, T, D], [H_kv, T]
+                flat.index_copy_(1, slots, codes)
+                self.scales[side, layer].view(kv_heads, -1).index_copy_(1, slots, scale)
+                out.append(dequantize_int8(codes, scale, self.dtype))
+            elif store.dtype != self.dtype:
+                stored = x.to(store.dtype)
+                flat.index_copy_(1, slots, stored)
+                out.append(stored.to(self.dtype))
+            else:
+                flat.index_copy_(1, slots, x)
+                out.append(x)
+        return out[0], out[1]
+
+    def read(self, blocks: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `blocks` [nb] in order, in the model's dtype: [H_kv, nb * block_size,
+        D] of `layer`, or [N, H_kv, nb * block_size, D] of every layer when None."""
+        out = []
+        for side, store in enumerate((self.keys, self.values)):
+            scales = self.scales[side] if self.scales is not None else None
+            if layer is not None:
+                store = store[layer]
+                scales = scales[layer] if scales is not None else None
+            axis = store.dim() - 3  # the block axis
+            flat = store.index_select(axis, blocks).flatten(axis, axis + 1)
+            if scales is not None:
+                scale = scales.index_select(axis, blocks).flatten(axis, axis + 1)
+                flat = dequantize_int8(flat, scale, self.dtype)
+            elif flat.dtype != self.dtype:
+                flat = flat.to(self.dtype)
+            out.append(flat)
+        return out[0], out[1]
 
     def allocate(self) -> int:
         if self.free:
@@ -105,12 +174,9 @@ class BlockPool:
         if blocks <= capacity:
             return
         capacity = min(max(blocks, 2 * capacity), self.num_blocks)
-        grown = []
-        for old in (self.keys, self.values):
-            new = old.new_zeros((*old.shape[:2], capacity, *old.shape[3:]))
-            new[:, :, : old.shape[2]] = old
-            grown.append(new)
-        self.keys, self.values = grown
+        self.keys, self.values = (_grown(old, 2, capacity) for old in (self.keys, self.values))
+        if self.scales is not None:
+            self.scales = _grown(self.scales, 3, capacity)
 
     def share(self, block: int) -> None:
         if self.refs[block] == 0:
@@ -133,6 +199,15 @@ class BlockPool:
         with torch.inference_mode():
             self.keys[:, :, target] = self.keys[:, :, source]
             self.values[:, :, target] = self.values[:, :, source]
+            if self.scales is not None:
+                self.scales[:, :, :, target] = self.scales[:, :, :, source]
+
+
+def _grown(old: torch.Tensor, axis: int, capacity: int) -> torch.Tensor:
+    """`old` zero-padded to `capacity` along its block axis."""
+    new = old.new_zeros((*old.shape[:axis], capacity, *old.shape[axis + 1 :]))
+    new.narrow(axis, 0, old.shape[axis]).copy_(old)
+    return new
 
 
 @dataclass

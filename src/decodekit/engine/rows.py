@@ -55,8 +55,10 @@ class RunningKV:
     ):
         num_layers, kv_heads, _, _, head_dim = pool.keys.shape
         shape = (num_layers, rows, kv_heads, capacity, head_dim)
-        self.keys = pool.keys.new_zeros(shape)  # [N, R, H_kv, C, D]
-        self.values = pool.keys.new_zeros(shape)
+        # In the model's dtype whatever the pool stores (kv.py): a working copy of the running
+        # sequences, read whole at every step.
+        self.keys = pool.keys.new_zeros(shape, dtype=pool.dtype)  # [N, R, H_kv, C, D]
+        self.values = pool.keys.new_zeros(shape, dtype=pool.dtype)
         self.pool = pool
         self.owners: list[object] = []  # the sequence in each used row
         self.lengths: list[int] = []  # positions stored in each used row (after its prefix)
@@ -97,12 +99,8 @@ class RunningKV:
     def _gather(self, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, length) of a block table, [N, H_kv, length, D] keys and values."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.pool.keys.device)
-        out = []
-        for pool in (self.pool.keys, self.pool.values):
-            gathered = pool.index_select(2, index)  # [N, H_kv, nb, block_size, D]
-            flat = gathered.view(*gathered.shape[:2], -1, gathered.shape[-1])
-            out.append(flat[:, :, :length])
-        return out[0], out[1]
+        keys, values = self.pool.read(index)  # [N, H_kv, nb * block_size, D]
+        return keys[:, :, :length], values[:, :, :length]
 
     def copy(self, owner, source: int) -> int:
         """A row for `owner` holding a copy of row `source` (a forked sample)."""

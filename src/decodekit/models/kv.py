@@ -6,6 +6,12 @@ when full (amortised O(1) appends, as a Python list does). `mask [B, capacity]` 
 real tokens; left padding keeps its slot but is never attended to and never counts
 towards a row's position (ARCHITECTURE.md, LanguageModel contract).
 
+`CompressedKVCache` is an evaluation cache for seed 001's KV-cache compression: its keys
+and values round-trip through a storage dtype (bfloat16, or int8 with `quantize_int8`, as
+the engine's block pool stores them) and, with a token budget, a query sees only the first
+`sinks` positions and the most recent ones (StreamingLLM's cache, `streaming_mask`), or
+the heavy hitters and the most recent ones (H2O, `heavy_hitter_attention`).
+
 This is the simple engine-less cache; the paged engine (issue 4, item 2) replaces it
 behind the same `Cache` operations, and `attend` is the one function it swaps.
 `attend_alone` is the batch-invariant mode's attention, shared with the engine.
@@ -165,6 +171,126 @@ class ContiguousKVCache(Cache):
 
     def _refresh_padding(self) -> None:
         self.has_padding = self.has_padding and not bool(self.mask.all())
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 codes [..., D] and float32 scales [...]: x ~ codes * scale, scale =
+    max |x| / 127 over the D values (symmetric absmax), so |x - x'| <= scale / 2."""
+    scale = x.abs().amax(dim=-1).float() / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector stays zero
+    codes = (x.float() / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., D], scale [...] -> [..., D] in `dtype`."""
+    return (codes.float() * scale[..., None]).to(dtype)
+
+
+def round_trip(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache storing it in `kv_dtype` gives it back, in x's dtype."""
+    if kv_dtype == x.dtype:
+        return x
+    if kv_dtype == torch.int8:
+        return dequantize_int8(*quantize_int8(x), x.dtype)
+    return x.to(kv_dtype).to(x.dtype)
+
+
+def streaming_mask(
+    start: int, num_new: int, sinks: int, recent: int, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """[T, start + T] bool: the keys a query at position start + t keeps in StreamingLLM's cache
+    (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"): the first
+    `sinks` positions and the `recent` most recent ones, itself included. Evicting the rest
+    for good is this mask, since a key that leaves the recent window never comes back; keys
+    keep their original positions (rotated once, as stored)."""
+    visible = causal_mask(start, num_new, recent, device)
+    visible[:, :sinks] |= causal_mask(start, num_new, device=device)[:, :sinks]
+    return visible
+
+
+def heavy_hitter_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, budget: int, recent: int
+) -> torch.Tensor:
+    """Causal attention of a whole sequence through H2O's cache (Zhang et al. 2023, "H2O:
+    Heavy-Hitter Oracle"): q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D].
+
+    Each key head keeps at most `budget` keys, the query's own included: once over it, each
+    new key evicts for good the key with the least attention accumulated so far (summed
+    over the query heads that share it) among those older than the `recent` newest. The queries run one at
+    a time, since each eviction depends on the attention the earlier ones paid.
+    """
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    folded = q.reshape(batch, kv_heads, heads // kv_heads, length, dim)  # [B, H_kv, G, T, D]
+    logits = torch.einsum("bhgtd,bhsd->bhgts", folded.float(), k.float()) / dim**0.5
+    kept = torch.ones((batch, kv_heads, length), dtype=torch.bool, device=q.device)
+    score = torch.zeros((batch, kv_heads, length), device=q.device)
+    out = torch.empty_like(folded, dtype=torch.float32)
+    for t in range(length):
+        if t + 1 > budget:  # key t came in, one goes: the lightest older than the recent ones
+            older = score[:, :, : t + 1 - recent].masked_fill(~kept[:, :, : t + 1 - recent], torch.inf)
+            kept.scatter_(2, older.argmin(dim=-1, keepdim=True), False)
+        row = logits[:, :, :, t, : t + 1].masked_fill(~kept[:, :, None, : t + 1], -torch.inf)
+        weights = row.softmax(dim=-1)  # [B, H_kv, G, t + 1]: query t sees `budget` keys at most
+        out[:, :, :, t] = torch.einsum("bhgs,bhsd->bhgd", weights, v[:, :, : t + 1].float())
+        score[:, :, : t + 1] += weights.sum(dim=2)
+    return out.to(q.dtype).reshape(batch, heads, length, dim)
+
+
+POLICIES = ("streaming", "h2o")
+
+
+class CompressedKVCache(ContiguousKVCache):
+    """A `ContiguousKVCache` that stores keys and values as `kv_dtype` would (`round_trip`)
+    and, with `budget` set, keeps per query `sinks` + (budget - sinks) recent positions
+    (policy "streaming") or budget // 2 heavy hitters + the rest recent ones ("h2o", whole
+    sequences in one forward only)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kv_dtype: torch.dtype | None = None,
+        budget: int | None = None,
+        sinks: int = 4,
+        policy: str = "streaming",
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if budget is not None and not 1 <= sinks + 1 <= budget:
+            raise ValueError(f"budget must be at least sinks + 1 = {sinks + 1}, got {budget}")
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, dtype, device=device)
+        self.kv_dtype = kv_dtype or dtype
+        self.budget = budget
+        self.sinks = sinks
+        self.policy = policy
+
+    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+        k, v = round_trip(k, self.kv_dtype), round_trip(v, self.kv_dtype)
+        if self.budget is not None and self.length > self.budget:
+            if self.has_padding:
+                raise ValueError("a token budget needs rows without padding")
+            num_new = q.shape[1]
+            if self.policy == "h2o":
+                if num_new != self.length or per_query:
+                    raise ValueError("the h2o policy scores a whole sequence in one forward")
+                self.keys[layer, :, :, : self.length] = k.transpose(1, 2)
+                self.values[layer, :, :, : self.length] = v.transpose(1, 2)
+                recent = self.budget - self.budget // 2
+                out = heavy_hitter_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             self.budget, recent)  # fmt: skip
+                return out.transpose(1, 2)
+            kept = streaming_mask(self.length - num_new, num_new, self.sinks,
+                                  self.budget - self.sinks, q.device)[None, None]  # fmt: skip
+            mask, causal = (kept if mask is None else mask & kept), False
+        return super().attend(layer, q, k, v, mask, causal, per_query)
 
 
 def _grow(tensor: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
