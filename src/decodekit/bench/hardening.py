@@ -14,33 +14,18 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
 
-from decodekit.bench.server import free_port, http_request, request_body
+from decodekit.bench.server import free_port, http_request, request_body, start_server
 
 SERVED = "bench"
 
 
 def start(model: str, port: int, core: int | None = None, timeout: float = 120.0) -> subprocess.Popen:
-    import httpx
-
-    command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", f"{SERVED}={model}", "--port",
-               str(port), "--threads", "1"]
-    if core is not None and shutil.which("taskset"):
-        command = ["taskset", "-c", str(core), *command]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.terminate()
-    raise RuntimeError(f"the server did not answer /health within {timeout} s")
+    """A one-thread server (bench/server.py `start_server`), pinned to `core` where given."""
+    return start_server(model, port, timeout, core, ("--threads", "1"))
 
 
 def quantiles(values: list[float]) -> dict:

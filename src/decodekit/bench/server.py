@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -149,11 +150,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, timeout: float = 120.0) -> subprocess.Popen:
+def start_server(model: str, port: int, timeout: float = 120.0, core: int | None = None,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A `decodekit serve` subprocess serving `model` as SERVED, once it answers /health
+    (pinned to CPU `core` with taskset where given and available)."""
     import httpx
 
     command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", f"{SERVED}={model}", "--port",
-               str(port)]
+               str(port), *extra]
+    if core is not None and shutil.which("taskset"):
+        command = ["taskset", "-c", str(core), *command]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
