@@ -61,6 +61,9 @@ def add_generate(sub) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print each completion as one JSON line")
+    p.add_argument("--static-decode", action="store_true",
+                   help="one compiled static-shape decode step for a single row (models/static.py; "
+                        "compiles on the first step)")
     add_dtype(p)
     add_threads(p)
     add_structure_flags(p)
@@ -110,6 +113,14 @@ def generation_model(args):
         raise UsageError(f"--{next(iter(knobs)).replace('_', '-')} needs --amateur or "
                          "--strategy contrastive")
     model = dk.load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.static_decode:
+        from decodekit.models.native import NativeLM
+        from decodekit.models.static import StaticDecodeLM
+
+        if not isinstance(model, NativeLM):
+            raise UsageError(f"--static-decode runs Llama-family models on decodekit's own forward; "
+                             f"{args.model!r} loads as {type(model).__name__}")
+        return StaticDecodeLM(model)
     if args.amateur is None and args.strategy != "contrastive":
         return model
     amateur = dk.load_model(args.amateur or "shakespeare-draft", dtype=args.dtype, device=args.device)
@@ -201,6 +212,10 @@ def check_combination(args, params: SamplingParams, mask: dict) -> None:
     ):
         raise UsageError("--speculative works with --strategy greedy or sample, without --stream, "
                          "constraints or --heal")
+    if args.static_decode and (args.speculative is not None or args.amateur is not None
+                               or args.strategy not in ("greedy", "sample")):
+        raise UsageError("--static-decode works with --strategy greedy or sample, without "
+                         "--speculative or --amateur")
     if args.stream and args.strategy == "beam":
         raise UsageError("--stream works with --strategy greedy or sample, not beam")
     if args.stream and not args.json and params.n != 1:

@@ -167,7 +167,7 @@ class ContiguousKVCache(Cache):
             raise ValueError(
                 f"rows must be a non-empty list of ints in [0, {self.batch_size}), got {rows}"
             )
-        return torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+        return torch.tensor(rows, dtype=torch.long, device=self.slots.device)
 
     def _refresh_padding(self) -> None:
         self.has_padding = self.has_padding and not bool(self.mask.all())
@@ -325,7 +325,7 @@ def attention_mask(
     if not cache.has_padding:
         if not (slides or explicit) and (num_new == 1 or start == 0):
             return None
-        return causal_mask(start, num_new, window, cache.keys.device)[None, None]  # [1, 1, T, S]
+        return causal_mask(start, num_new, window, cache.slots.device)[None, None]  # [1, 1, T, S]
     keys = cache.mask  # [B, S]
     visible = keys[:, None, :] & causal_mask(start, num_new, device=keys.device)  # [B, T, S]
     if slides:
