@@ -20,7 +20,9 @@ def add_bench(sub) -> None:
     p.add_argument("--shape", choices=SHAPES, default=None,
                    help="bench decode/engine/dtype: a random-weight model with these layer shapes "
                    "(vocabulary cut to the embedded tokenizer's 2,048) instead of --model")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="bench dtype: the dtypes compared")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="bench dtype: the dtypes compared, and compressed copies of the float32 model "
+                        "(int8-rtn, int8-gptq, int4-gptq)")
     p.add_argument("--batches", default="16,64", help="bench dtype: engine batch sizes")
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft",
