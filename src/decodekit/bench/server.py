@@ -17,7 +17,8 @@ back a partial character). Per level: requests/s and generated tokens/s over its
 
 Each level runs over HTTP and then on the engine straight away, `repeats` times, so both
 see the same background load on a shared machine; a row holds the medians over repeats
-and the load average is recorded before and after.
+(the http row also `vs_engine`: the median of the pairs' http/engine tokens/s) and the
+load average is recorded before and after. The server runs with this process's torch threads.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ USAGE = re.compile(rb'"completion_tokens":(\d+)')
 class Connection:
     """A client's keep-alive HTTP/1.1 connection on asyncio streams, reading a chunked answer
     with `readline`/`readexactly`. The clients share the machine's cores with the server, so
-    their cost per token is kept small: httpx (h11, its pool) cost the client about 0.12 ms of
-    CPU per streamed token at 64 streams, as much as the server's whole HTTP layer."""
+    their cost per token is kept small: httpx (h11, its pool) cost the client about 0.15 ms of
+    CPU per streamed token at 64 streams (this: 0.025), more than the server's event loop, and
+    paced the requests so that the engine ran 35-50 of 64 rows (BENCHMARKS.md, issue 16)."""
 
     def __init__(self, url: str):
         host, _, port = url.partition("://")[2].rpartition(":")
