@@ -192,6 +192,34 @@ def test_submit_validates_and_bounds_the_queue(sharp_lm):
     assert eng.stats()["waiting_requests"] == 2
 
 
+def test_a_step_wakes_an_event_loop_once_for_all_its_readers(sharp_lm):
+    """What a step produces reaches asyncio readers in one call into their loop (not one per
+    request); `abatches` hands each reader every delta, once."""
+    eng = engine(sharp_lm)
+
+    async def read_all():
+        loop = asyncio.get_running_loop()
+        calls = []
+        threadsafe = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: calls.append(args) or threadsafe(*args)
+        params = dk.SamplingParams(max_new_tokens=10, seed=1, n=3, ignore_eos=True)
+        handles = [eng.submit(prompt, params) for prompt in PROMPTS]
+
+        async def batches(handle):
+            return [batch async for batch in handle.abatches()]
+
+        eng.start()
+        return await asyncio.gather(*(batches(handle) for handle in handles)), len(calls)
+
+    try:
+        read, calls = asyncio.run(read_all())
+    finally:
+        eng.stop()
+    assert 0 < calls <= eng.steps
+    for batches in read:
+        assert sum(len(d.token_ids) for batch in batches for d in batch) == 3 * 10  # every token, once
+
+
 def test_background_thread_streams_to_iterators_and_asyncio(sharp_lm):
     eng = engine(sharp_lm)
     eng.start()

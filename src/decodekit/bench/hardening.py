@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from decodekit.bench.server import free_port, http_request, request_body, start_server
+from decodekit.bench.server import Connection, free_port, http_request, request_body, start_server
 
 SERVED = "bench"
 
@@ -63,12 +63,11 @@ async def huge_prompt(url: str, megabytes: int) -> dict:
 
 
 async def streams(url: str, count: int, new_tokens: int) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=count)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        records = await asyncio.gather(*(http_request(client, url, request_body(SERVED, i, new_tokens))
-                                         for i in range(count)), return_exceptions=True)
+    connections = [Connection(url) for _ in range(count)]
+    records = await asyncio.gather(*(http_request(connection, request_body(SERVED, i, new_tokens))
+                                     for i, connection in enumerate(connections)), return_exceptions=True)
+    for connection in connections:
+        await connection.close()
     return {"streams": count, "errors": sum(isinstance(r, BaseException) for r in records)}
 
 

@@ -8,7 +8,8 @@ with text (inter-token latency; a chunk is one token except where the detokenise
 back a partial character). Per level: requests/s and generated tokens/s over its wall time.
 
 - http: a `decodekit serve` subprocess on 127.0.0.1 (its own process, as in production),
-  clients on httpx/asyncio in this process, parsing the server-sent events;
+  clients on asyncio streams in this process (`Connection`: one keep-alive connection
+  each), parsing the server-sent events;
 - engine: the same load submitted to an in-process `Engine` with the server's
   configuration (`handle.aiter()`): what the server adds is parsing, planning, SSE
   framing, the socket and the client's parsing (the client shares the machine's cores
@@ -16,12 +17,15 @@ back a partial character). Per level: requests/s and generated tokens/s over its
 
 Each level runs over HTTP and then on the engine straight away, `repeats` times, so both
 see the same background load on a shared machine; a row holds the medians over repeats
-and the load average is recorded before and after.
+(the http row also `vs_engine`: the median of the pairs' http/engine tokens/s) and the
+load average is recorded before and after. The server runs with this process's torch threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -59,24 +63,80 @@ TEXT = re.compile(rb'"text":"(.)')  # a chunk's text: empty when the next byte i
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
 
-async def http_request(client, url: str, body: dict) -> Record:
-    """One streamed request. Events are found with two regexes rather than a JSON parse each:
-    the client shares the cores with the server, so its cost is kept small."""
+class Connection:
+    """A client's keep-alive HTTP/1.1 connection on asyncio streams, reading a chunked answer
+    with `readline`/`readexactly`. The clients share the machine's cores with the server, so
+    their cost per token is kept small: httpx (h11, its pool) cost the client about 0.15 ms of
+    CPU per streamed token at 64 streams (this: 0.025), more than the server's event loop, and
+    paced the requests so that the engine ran 35-50 of 64 rows (BENCHMARKS.md, issue 16)."""
+
+    def __init__(self, url: str):
+        host, _, port = url.partition("://")[2].rpartition(":")
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict):
+        """Send one POST; returns (status, headers) with the body left to read. A connection
+        the server closed while idle (its keep-alive timeout) is opened again."""
+        payload = json.dumps(body).encode()
+        request = (b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), self.port,
+                                                       len(payload), payload))
+        line = b""
+        for _ in range(2):
+            if self.writer is None or self.reader.at_eof() or self.writer.is_closing():
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.write(request)
+            with contextlib.suppress(ConnectionError):
+                line = await self.reader.readline()
+            if line:
+                break
+            await self.close()
+            self.writer = None
+        if not line:
+            raise RuntimeError(f"{self.host}:{self.port} closed the connection without answering")
+        status = int(line.split()[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers
+
+    async def chunks(self, headers: dict):
+        """The answer's body, piece by piece as the server wrote it (chunked or sized)."""
+        if headers.get("transfer-encoding", "").lower() != "chunked":
+            yield await self.reader.readexactly(int(headers.get("content-length", 0)))
+            return
+        while size := int((await self.reader.readline()).split(b";")[0], 16):
+            yield (await self.reader.readexactly(size + 2))[:-2]
+        await self.reader.readline()  # the empty trailer
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+
+async def http_request(connection: Connection, body: dict) -> Record:
+    """One streamed request. Events are found with two regexes rather than a JSON parse each."""
     record = Record(time.perf_counter())
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"server answered {response.status_code}: {await response.aread()}")
-        pending = b""
-        async for raw in response.aiter_raw():
-            now = time.perf_counter()
-            *events, pending = (pending + raw).split(b"\n\n")
-            for event in events:
-                match = TEXT.search(event)
-                if match is not None and match.group(1) != b'"':
-                    record.chunk_times.append(now)
-                usage = USAGE.search(event) if match is None else None
-                if usage is not None:
-                    record.tokens = int(usage.group(1))
+    status, headers = await connection.post("/v1/completions", body)
+    if status != 200:
+        text = b"".join([piece async for piece in connection.chunks(headers)])
+        raise RuntimeError(f"server answered {status}: {text[:500]!r}")
+    pending = b""
+    async for raw in connection.chunks(headers):
+        now = time.perf_counter()
+        *events, pending = (pending + raw).split(b"\n\n")
+        for event in events:
+            match = TEXT.search(event)
+            if match is not None and match.group(1) != b'"':
+                record.chunk_times.append(now)
+            usage = USAGE.search(event) if match is None else None
+            if usage is not None:
+                record.tokens = int(usage.group(1))
     return record
 
 
@@ -179,15 +239,22 @@ async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: in
     """Each level over HTTP, then straight away on the engine (paired, as the machine is shared),
     `repeats` times; a row holds the median of each figure over the repeats. `progress`: a bar
     over levels x repeats on stderr."""
-    import httpx
-
     async def http_level(c: int) -> dict:
-        # Idle connections are dropped after 2 s, before the server's 5 s keep-alive timeout
-        # can close one just as it is reused.
-        limits = httpx.Limits(max_connections=c, max_keepalive_connections=c, keepalive_expiry=2.0)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            return await run_level(lambda body: http_request(client, url, body), c, SERVED, new_tokens,
-                                   server_pid)
+        connections = [Connection(url) for _ in range(c)]
+        free = list(connections)
+
+        async def send(body: dict) -> Record:  # each closed-loop client holds one connection
+            connection = free.pop()
+            try:
+                return await http_request(connection, body)
+            finally:
+                free.append(connection)
+
+        try:
+            return await run_level(send, c, SERVED, new_tokens, server_pid)
+        finally:
+            for connection in connections:
+                await connection.close()
 
     async def engine_level(c: int) -> dict:
         return await run_level(lambda body: engine_request(engine, body), c, SERVED, new_tokens)
@@ -205,6 +272,10 @@ async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: in
                     runs[mode].append(await level(c))
                 bar.update()
             rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
+            # HTTP over engine tokens/s of each repeat's pair (same background load), and their median
+            ratios = [h["tokens_per_s"] / e["tokens_per_s"] for h, e in zip(runs["http"], runs["engine"])]
+            rows[-2]["vs_engine_runs"] = [round(r, 3) for r in ratios]
+            rows[-2]["vs_engine"] = round(float(np.median(ratios)), 3)
     return rows
 
 
@@ -228,7 +299,9 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
         raise ValueError(f"model {model!r} does not run on the engine (not a NativeLM)")
     engine = backend.engines[SERVED]
     port = free_port()
-    process = start_server(model, port)
+    import torch
+
+    process = start_server(model, port, extra=("--threads", str(torch.get_num_threads())))  # as this one
     engine.start()
     try:
         load_before = os.getloadavg()
@@ -246,14 +319,15 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
 def table(result: dict) -> str:
     """Markdown: one row per concurrency, http and engine side by side."""
     by = {(r["mode"], r["concurrency"]): r for r in result["rows"]}
-    lines = ["| clients | mode | req/s | tok/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | CPU ms/token |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| clients | mode | req/s | tok/s | http / engine | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) "
+             "| CPU ms/token |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in result["rows"]}):
         for mode in ("http", "engine"):
             r = by.get((mode, c))
             if r is not None:
+                ratio = f"{r['vs_engine']:.2f}" if "vs_engine" in r else ""
                 lines.append(f"| {c} | {mode} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
-                             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
+                             f"{ratio} | {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
                              f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {cpu_text(r)} |")
     return "\n".join(lines)
 

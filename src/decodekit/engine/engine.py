@@ -53,6 +53,9 @@ class EngineFull(RuntimeError):
     """`submit` beyond `EngineConfig.max_waiting` queued requests (a server answers 503)."""
 
 
+Waker = tuple[asyncio.AbstractEventLoop, asyncio.Future]  # a reader waiting in `abatches`
+
+
 class RequestHandle:
     """A submitted request: its deltas as they come, and its n completions at the end.
 
@@ -68,7 +71,7 @@ class RequestHandle:
         self._completions: list[Completion | None] = [None] * num_samples
         self._done = False
         self._error: BaseException | None = None
-        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._wakers: list[Waker] = []
         self._on_cancel = on_cancel
 
     @property
@@ -108,24 +111,33 @@ class RequestHandle:
 
     async def aiter(self) -> AsyncIterator[Delta]:
         """Async iteration for an event loop (FastAPI): the engine thread wakes it."""
+        async for batch in self.abatches():
+            for delta in batch:
+                yield delta
+
+    async def abatches(self) -> AsyncIterator[list[Delta]]:
+        """The deltas as they arrived together (an engine step's at once): one wake-up of the
+        reader and one write of a stream per step, however many samples the request has."""
         loop = asyncio.get_running_loop()
         while True:
             with self._cond:
                 if self._events:
-                    delta, future = self._events.popleft(), None
+                    batch, future = list(self._events), None
+                    self._events.clear()
                 elif self._done:
                     break
                 else:
-                    delta, future = None, loop.create_future()
+                    batch, future = [], loop.create_future()
                     self._wakers.append((loop, future))
             if future is not None:
                 await future
             else:
-                yield delta
+                yield batch
         if self._error is not None:
             raise self._error
 
-    def _push(self, deltas: list[Delta], finished: bool = False, error=None) -> None:
+    def _push(self, deltas: list[Delta], finished: bool = False, error=None) -> list[Waker]:
+        """Queue the deltas; returns the waiting readers, for `wake` (after the step's pushes)."""
         with self._cond:
             for delta in deltas:
                 self._events.append(delta)
@@ -135,13 +147,24 @@ class RequestHandle:
             self._error = self._error or error
             self._cond.notify_all()
             wakers, self._wakers = self._wakers, []
-        for loop, future in wakers:
-            loop.call_soon_threadsafe(_resolve, future)
+        return wakers
 
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+def wake(wakers: list[Waker]) -> None:
+    """Resolve the readers' futures with one call into each event loop: a step that feeds 64
+    streams wakes their loop once, not 64 times (each cross-thread call takes the loop's lock
+    and writes to its wake-up pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+    for loop, future in wakers:
+        by_loop.setdefault(loop, []).append(future)
+    for loop, futures in by_loop.items():
+        loop.call_soon_threadsafe(_resolve, futures)
+
+
+def _resolve(futures: list[asyncio.Future]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
 
 
 class Engine:
@@ -301,7 +324,7 @@ class Engine:
             for row in rows:
                 row.finish_reason = "cancelled"
             finals = [next_delta(row) for row in rows]
-            entry.handle._push(finals, finished=True)
+            wake(entry.handle._push(finals, finished=True))
 
     # ------------------------------------------------------------------ programs
 
@@ -386,7 +409,7 @@ class Engine:
         if entry.program.finished:
             self._end_program(entry, deltas)
         else:
-            entry.handle._push(deltas)
+            wake(entry.handle._push(deltas))
 
     def _end_program(self, entry: ProgramEntry, deltas, error: BaseException | None = None) -> None:
         entry.kv.close_all()
@@ -394,7 +417,7 @@ class Engine:
             self.programs.remove(entry)
         elif entry in self._waiting_programs:
             self._waiting_programs.remove(entry)
-        entry.handle._push(deltas, finished=True, error=error)
+        wake(entry.handle._push(deltas, finished=True, error=error))
 
     def _member_forward(self, member: Member, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward of another model over programs' feeds (their blocks, no lanes)."""
@@ -454,6 +477,7 @@ class Engine:
         for delta, row in _emit_rows(step.rows, self.model.max_context):
             deltas[id(row.request)].append(delta)
         drop_finished_rows(step.rows)
+        wakers: list[Waker] = []
         for key, entry in by_request.items():
             for seq in entry.seqs:
                 seq.tokens.append(seq.row.token_ids[-1])
@@ -463,7 +487,8 @@ class Engine:
             entry.seqs = [seq for seq in entry.seqs if seq.row.finish_reason is None]
             if not entry.seqs:
                 self.scheduler.remove(entry)
-            entry.handle._push(deltas[key], finished=not entry.seqs)
+            wakers += entry.handle._push(deltas[key], finished=not entry.seqs)
+        wake(wakers)
 
     # ------------------------------------------------------------------ background thread
 
@@ -515,7 +540,7 @@ class Engine:
         programs += [e for e in incoming if isinstance(e, ProgramEntry)]
         for entry in entries:
             self.scheduler.remove(entry)
-            entry.handle._push([], finished=True, error=error)
+            wake(entry.handle._push([], finished=True, error=error))
         for entry in programs:
             self._end_program(entry, [], error)
 

@@ -241,25 +241,53 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock: TokenClock
-                 ) -> AsyncIterator[str]:
-    """The jobs' deltas as OpenAI chunks, in arrival order, then usage and [DONE]."""
-    model = backend.models[plan.model]
-    created = responses.now()
+async def arrivals(jobs: list[Job]) -> AsyncIterator[list[tuple[int, Delta | Exception | None]]]:
+    """The jobs' deltas as (job index, delta) in the batches they arrived in; a job's error and
+    its end (None) come as items too. One job (most requests) is read directly: a token costs
+    one wake-up of the stream's task; several are merged through a queue by a task each."""
+    if len(jobs) == 1:
+        try:
+            async for batch in jobs[0].abatches():
+                yield [(0, delta) for delta in batch]
+        except Exception as error:  # noqa: BLE001 -- reported to the client as an error event
+            yield [(0, error)]
+        yield [(0, None)]
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job: Job):
         try:
-            async for delta in job.aiter():
-                queue.put_nowait((i, delta))
-        except Exception as error:  # noqa: BLE001 -- reported to the client as an error event
-            queue.put_nowait((i, error))
-        queue.put_nowait((i, None))
+            async for batch in job.abatches():
+                queue.put_nowait([(i, delta) for delta in batch])
+        except Exception as error:  # noqa: BLE001
+            queue.put_nowait([(i, error)])
+        queue.put_nowait([(i, None)])
 
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        while True:
+            items = await queue.get()
+            while not queue.empty():  # what arrived meanwhile goes out in one write
+                items += queue.get_nowait()
+            yield items
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock: TokenClock
+                 ) -> AsyncIterator[str]:
+    """The jobs' deltas as OpenAI chunks, in arrival order (what arrived together in one write),
+    then usage and [DONE]."""
+    model = backend.models[plan.model]
+    created = responses.now()
     sent: dict[int, list[int]] = {}  # choice -> its tokens so far (they place text offsets)
+    text_chunk = responses.text_chunks(plan, rid, created)
 
     def chunk(index: int, text: str, completion: Completion | None = None, role: bool = False,
               logprobs=None) -> str:
+        if completion is None and logprobs is None and not role:
+            return sse(text_chunk(index, text))  # a token's chunk: the common case, made fast
         if plan.chat:
             delta = protocol.ChatDelta(role="assistant", content="") if role else \
                 protocol.ChatDelta(content=text)
@@ -268,15 +296,16 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
 
     def delta_chunk(i: int, delta: Delta) -> str:
         index = i * plan.n + delta.sample_index
+        if plan.logprobs is None:
+            return chunk(index, delta.text, delta.completion)
         before = sent.setdefault(index, [])
         logprobs = responses.delta_logprobs(plan, model, i, delta, before)
         before += delta.token_ids
         return chunk(index, delta.text, delta.completion, logprobs=logprobs)
 
-    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
     drawn: list[list[Completion]] = [[] for _ in jobs]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + backend.config.request_timeout
+    deadline = asyncio.get_running_loop().time() + backend.config.request_timeout
+    incoming = arrivals(jobs)
     try:
         for i in range(len(jobs)):
             echoed = None  # the echoed prompt's log-probs come with its text, as in the body
@@ -291,9 +320,10 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
                                 logprobs=echoed)
         remaining = len(jobs)
         while remaining:
-            items = [await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0))]
-            while not queue.empty():  # what arrived meanwhile goes out in one write
-                items.append(queue.get_nowait())
+            # The timeout covers this wait only: a timer per batch (asyncio.wait_for would
+            # start a task per token), never a cancellation while the chunk is being sent.
+            async with asyncio.timeout_at(deadline):
+                items = await anext(incoming)
             out = []
             for i, item in items:
                 if item is None:
@@ -319,8 +349,7 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
         yield sse(json.dumps(timeout_error(backend.config.request_timeout).body()))
     finally:  # normal end, an error, a timeout, or the client went away (CancelledError)
         cancel(jobs, backend)
-        for task in tasks:
-            task.cancel()
+        await incoming.aclose()
 
 
 def load_models(specs: list[str], dtype: str = "auto", device: str = "cpu") -> dict:

@@ -1,8 +1,8 @@
 """The server's one seam to the library: served models, their engines, and jobs.
 
 `Backend.submit(plan, i)` starts prompt i of a planned request and returns a `Job` (the
-engine's `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()`
-and ends early with `cancel()`:
+engine's `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()` (or
+`abatches()`: what arrived together, e.g. one engine step's deltas) and ends early with `cancel()`:
 
 - plain sampling, greedy and constrained sampling on a model that supports paged KV
   (`supports_paged_kv`: NativeLM) go through the model's `Engine` (continuous batching
@@ -87,6 +87,8 @@ class Job(Protocol):
 
     def aiter(self) -> AsyncIterator[Delta]: ...
 
+    def abatches(self) -> AsyncIterator[list[Delta]]: ...
+
 
 _END = object()
 
@@ -124,13 +126,26 @@ class ThreadJob:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, _END)
 
     async def aiter(self) -> AsyncIterator[Delta]:
+        async for batch in self.abatches():
+            for delta in batch:
+                yield delta
+
+    async def abatches(self) -> AsyncIterator[list[Delta]]:
+        """The deltas that arrived since the last read, together (as RequestHandle.abatches)."""
         while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            batch = []
+            for item in items:
+                if item is _END or isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    if item is _END:
+                        return
+                    raise item
+                batch.append(item)
+            yield batch
 
 
 class Backend:
