@@ -2,7 +2,10 @@
 
 - health: /health latency (p50/p99 of sequential GETs) while a client sends a 10 MB prompt
   (refused: the body limit) and while 64 streams run;
-- big body: the time from sending a 100 MB body's headers to its 413;
+- big body: the time from sending a 100 MB body's headers (and its first 64 KB) to its 413,
+  the rest of the body never sent: what the server spends before refusing, not the
+  client's upload (httpx sends a whole body before it reads an answer: 0.9 s of loopback
+  writes at 100 MB on this machine);
 - pool: best-of-16 on `arith` (its problems, 16 seeded samples each, meta/parallel.py's
   best_of_n with the length scorer) through RemoteGenerator over one `decodekit serve` and
   over two, each server pinned to its own core with `taskset` and one torch thread: the
@@ -62,6 +65,22 @@ async def huge_prompt(url: str, megabytes: int) -> dict:
         return {"status": response.status_code, "answer_ms": round((time.perf_counter() - start) * 1e3, 2)}
 
 
+async def big_body(url: str, megabytes: int) -> dict:
+    """Headers announcing a `megabytes` body and its first 64 KB, then the status line back."""
+    host, _, port = url.partition("://")[2].rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = b'{"model": "%s", "max_tokens": 1, "prompt": "' % SERVED.encode()
+    length = len(head) + (megabytes << 20) + 2
+    start = time.perf_counter()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s%s" % (host.encode(), port.encode(), length, head,
+                                                      b"a" * (64 << 10)))  # fmt: skip
+    status = int((await reader.readline()).split()[1])
+    elapsed = time.perf_counter() - start
+    writer.close()
+    return {"status": status, "answer_ms": round(elapsed * 1e3, 2), "sent_bytes": len(head) + (64 << 10)}
+
+
 async def streams(url: str, count: int, new_tokens: int) -> dict:
     connections = [Connection(url) for _ in range(count)]
     records = await asyncio.gather(*(http_request(connection, request_body(SERVED, i, new_tokens))
@@ -99,7 +118,7 @@ def bench_hardening(model: str = "shakespeare", new_tokens: int = 64, problems: 
             "10MB_prompt": asyncio.run(health_while(url, huge_prompt(url, 10))),
             "64_streams": asyncio.run(health_while(url, streams(url, 64, new_tokens))),
         }
-        big = asyncio.run(huge_prompt(url, 100))
+        big = asyncio.run(big_body(url, 100))
     finally:
         server.terminate()
         server.wait(30)
