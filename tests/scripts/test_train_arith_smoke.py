@@ -107,4 +107,9 @@ def test_eval_sizes_end_to_end_on_two_random_sizes(train_arith, tmp_path, capsys
     assert report["frontier"][0]["flops"] == min(p["flops"] for p in points)
     assert all(b["accuracy"] == max(p["accuracy"] for p in points if p["flops"] <= b["budget_flops"])
                for b in report["budgets"])
+    for strategy, budgets in report["budgets_by_strategy"].items():  # the size winning each budget
+        assert all(b["strategy"] == strategy for b in budgets)
     assert png.stat().st_size > 10_000
+    assert main(["eval", "arith", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b"),
+                 "--n", "1", "--seeds", "1", "--problems", "1", "--strategies", "majority"]) == 0
+    assert "best within each budget, majority" in capsys.readouterr().out

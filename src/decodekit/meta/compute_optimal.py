@@ -85,29 +85,45 @@ def budget_winners(points: list[dict], per_decade: int = 2) -> list[dict]:
     return out
 
 
-def evaluate_sizes(config: EvalConfig, models: Sequence[tuple[str, str, str]],
-                   problems=None, progress: bool = False) -> dict:
-    """Run `config` for each (model, orm, prm) on the same problems; returns {"config",
-    "problems", "models": [{"model", "parameters", "points"}], "frontier", "budgets"}."""
+def evaluate_size(config: EvalConfig, model: str, orm: str, prm: str, problems) -> dict:
+    """One model's points: `evaluate_arith` with its own reward models, FLOPs per point."""
     from decodekit.meta.generator import LocalGenerator
     from decodekit.models.registry import load_model
+
+    lm = load_model(model)
+    parameters = lm.num_parameters()
+    report = evaluate_arith(replace(config, model=model, orm=orm, prm=prm),
+                            generator=LocalGenerator(lm), problems=problems)
+    points = [{**p, "model": model} for p in size_points(report["summary"], report["rows"], parameters)]
+    return {"model": model, "orm": orm, "prm": prm, "parameters": parameters, "points": points}
+
+
+def compare_sizes(config: EvalConfig, sizes: list[dict], problems: int) -> dict:
+    """The report over `evaluate_size` results (same config and problems): {"config",
+    "problems", "models", "frontier", "budgets" (the best of every point within each budget),
+    "budgets_by_strategy" (the seed's question 1: strategy fixed, which size is best within
+    each budget)}."""
+    points = [p for size in sizes for p in size["points"]]
+    by_strategy = {s: budget_winners([p for p in points if p["strategy"] == s])
+                   for s in dict.fromkeys(p["strategy"] for p in points)}
+    return {"config": asdict(config), "problems": problems, "models": sizes,
+            "frontier": frontier(points), "budgets": budget_winners(points),
+            "budgets_by_strategy": by_strategy}
+
+
+def evaluate_sizes(config: EvalConfig, models: Sequence[tuple[str, str, str]],
+                   problems=None, progress: bool = False) -> dict:
+    """`evaluate_size` for each (model, orm, prm) on the same problems, then `compare_sizes`;
+    `progress` shows a bar over the models."""
+    from decodekit.runtime import progress as progress_bar
 
     if not models:
         raise ValueError("evaluate_sizes needs at least one (model, orm, prm)")
     problems = problems if problems is not None else eval_problems(config.problems)
-    sizes, points = [], []
-    for model, orm, prm in models:
-        lm = load_model(model)
-        parameters = lm.num_parameters()
-        report = evaluate_arith(replace(config, model=model, orm=orm, prm=prm),
-                                generator=LocalGenerator(lm), problems=problems, progress=progress)
-        mine = [{**p, "model": model} for p in size_points(report["summary"], report["rows"],
-                                                            parameters)]
-        sizes.append({"model": model, "orm": orm, "prm": prm, "parameters": parameters,
-                      "points": mine})
-        points += mine
-    return {"config": asdict(config), "problems": len(problems), "models": sizes,
-            "frontier": frontier(points), "budgets": budget_winners(points)}
+    sizes = []
+    for model, orm, prm in progress_bar(models, desc="eval sizes", enabled=progress):
+        sizes.append(evaluate_size(config, model, orm, prm, problems))
+    return compare_sizes(config, sizes, len(problems))
 
 
 def plot_sizes(report: dict, path: str) -> None:
@@ -155,9 +171,10 @@ def table_sizes(report: dict) -> str:
             lines.append(f"{size['model'] + ', ' + strategy:<36}" + "".join(
                 f"{cells[n]['accuracy']:>8.3f} ({cells[n]['flops']:>7.1e})" if n in cells
                 else f"{'':>18}" for n in ns))
-    lines.append("")
-    lines.append("best within each budget (compute-optimal)")
-    for row in report["budgets"]:
-        lines.append(f"  <= {row['budget_flops']:.1e} FLOPs: {row['model']}, {row['strategy']} "
-                     f"N={row['n']} ({row['accuracy']:.3f})")
+    sections = [("any strategy", report["budgets"])] + list(report["budgets_by_strategy"].items())
+    for title, budgets in sections:
+        lines += ["", f"best within each budget, {title} (compute-optimal)"]
+        for row in budgets:
+            lines.append(f"  <= {row['budget_flops']:.1e} FLOPs: {row['model']}, {row['strategy']} "
+                         f"N={row['n']} ({row['accuracy']:.3f})")
     return "\n".join(lines)
