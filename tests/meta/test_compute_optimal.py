@@ -26,8 +26,9 @@ def test_flops_are_two_per_parameter_per_token_prompt_included():
     rows = [{"strategy": "majority", "n": 2, "prompt_tokens": 18.0},
             {"strategy": "majority", "n": 2, "prompt_tokens": 22.0},
             {"strategy": "majority", "n": 4, "prompt_tokens": 99.0}]  # another N: not averaged in
-    [p] = size_points(summary, rows, parameters=1000)
-    assert p["prompt_tokens"] == 20.0 and p["flops"] == 200_000.0
+    [p] = size_points(summary, rows, parameters=1000, prompt_tokens=19.0)
+    assert p["prompt_tokens_computed"] == 20.0  # what the engine computed, over the seeds
+    assert p["prompt_tokens"] == 19.0 and p["flops"] == 2 * 1000 * (19 + 80)
 
 
 def test_frontier_keeps_only_points_no_cheaper_point_beats():

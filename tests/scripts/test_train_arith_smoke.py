@@ -71,7 +71,7 @@ def test_eval_sizes_end_to_end_on_two_random_sizes(train_arith, tmp_path, capsys
 
     from decodekit.cli import main
     from decodekit.meta import compute_optimal
-    from decodekit.meta.tasks.arith import generate_problems
+    from decodekit.meta.tasks.arith import format_prompt, generate_problems
 
     # the held-out filter builds arith's 200k training questions (seconds): two problems do
     monkeypatch.setattr(compute_optimal, "eval_problems", lambda count: generate_problems(count, 5))
@@ -100,7 +100,9 @@ def test_eval_sizes_end_to_end_on_two_random_sizes(train_arith, tmp_path, capsys
         strategies = {(p["strategy"], p["n"]) for p in size["points"]}
         assert strategies == {(s, n) for s in ("majority", "weighted-orm", "rebase-prm") for n in (1, 2)}
         for p in size["points"]:  # 2 x parameters x (prompt + generated tokens)
-            assert p["generated_tokens"] > 0 and p["prompt_tokens"] > 0
+            # one character a token: the mean prompt length of the two problems
+            assert p["prompt_tokens"] == sum(len(format_prompt(q)) for q in generate_problems(2, 5)) / 2
+            assert p["generated_tokens"] > 0
             assert p["flops"] == pytest.approx(2 * size["parameters"] * (p["prompt_tokens"] +
                                                                          p["generated_tokens"]))
     points = [p for size in report["models"] for p in size["points"]]

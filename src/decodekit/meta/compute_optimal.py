@@ -4,14 +4,17 @@ compute optimal", Wu et al. 2024b, Inference Scaling Laws).
 Each model runs `evaluate_arith` (meta/evaluate.py) on the same problems with its own
 reward models; every (model, strategy, N) point then costs
 
-    FLOPs per problem = 2 x parameters x (prompt tokens computed + generated tokens)
+    FLOPs per problem = 2 x parameters x (prompt tokens + generated tokens)
 
-(the usual 2N FLOPs per token of a forward pass; Wu et al.'s cost(N, T, S)). Prompt tokens
-are those the generator actually computed: a parallel strategy prefills the prompt once for
-its N samples, tree search each node's new tokens (budget.py's `prompt_tokens`; prefixes
-it reused are not computed again). The reward models are not counted: they are probes over
-the policy's own log-probs and entropies of the tokens it sampled, which a sampler has in
-hand when it draws them (meta/rewards.py runs a second forward only for convenience).
+(the usual 2N FLOPs per token of a forward pass; Wu et al.'s cost(N, T, S)). The prompt
+counts once per problem, its length in the model's tokens: every strategy here prefills it
+once and shares its KV among its N samples or tree nodes. The tokens the engine actually
+recomputed are kept beside it ("prompt_tokens_computed": budget.py's `prompt_tokens`, which
+depends on what the persistent engine's prefix cache held from the run before, and in tree
+search adds one delimiter token per expanded node). The reward models are not counted: they
+are probes over the policy's own log-probs and entropies of the tokens it sampled, which a
+sampler has in hand when it draws them (meta/rewards.py runs a second forward only for
+convenience).
 
 The compute-optimal frontier is the upper envelope of accuracy against FLOPs over every
 model, strategy and N: at a budget B, the best accuracy any point costing at most B reaches.
@@ -42,15 +45,16 @@ def reward_names(model: str) -> tuple[str, str]:
     return f"{stem}-orm", f"{stem}-prm"
 
 
-def size_points(summary: list[dict], rows: list[dict], parameters: int) -> list[dict]:
-    """The summary of one model's report with its FLOPs: mean prompt and generated tokens per
-    problem over seeds (rows), times 2 x parameters."""
+def size_points(summary: list[dict], rows: list[dict], parameters: int,
+                prompt_tokens: float) -> list[dict]:
+    """The summary of one model's report with its FLOPs, for prompts of `prompt_tokens`
+    tokens on average, and the prompt tokens the engine computed (mean over seeds, rows)."""
     points = []
     for entry in summary:
         group = [r for r in rows if r["strategy"] == entry["strategy"] and r["n"] == entry["n"]]
-        prompt = statistics.fmean(r["prompt_tokens"] for r in group)
-        points.append({**entry, "prompt_tokens": prompt,
-                       "flops": inference_flops(parameters, prompt, entry["generated_tokens"])})
+        points.append({**entry, "prompt_tokens": prompt_tokens,
+                       "prompt_tokens_computed": statistics.fmean(r["prompt_tokens"] for r in group),
+                       "flops": inference_flops(parameters, prompt_tokens, entry["generated_tokens"])})
     return points
 
 
@@ -88,13 +92,16 @@ def budget_winners(points: list[dict], per_decade: int = 2) -> list[dict]:
 def evaluate_size(config: EvalConfig, model: str, orm: str, prm: str, problems) -> dict:
     """One model's points: `evaluate_arith` with its own reward models, FLOPs per point."""
     from decodekit.meta.generator import LocalGenerator
+    from decodekit.meta.tasks.arith import format_prompt
     from decodekit.models.registry import load_model
 
     lm = load_model(model)
     parameters = lm.num_parameters()
+    prompt_tokens = statistics.fmean(len(lm.encode(format_prompt(p))) for p in problems)
     report = evaluate_arith(replace(config, model=model, orm=orm, prm=prm),
                             generator=LocalGenerator(lm), problems=problems)
-    points = [{**p, "model": model} for p in size_points(report["summary"], report["rows"], parameters)]
+    points = [{**p, "model": model}
+              for p in size_points(report["summary"], report["rows"], parameters, prompt_tokens)]
     return {"model": model, "orm": orm, "prm": prm, "parameters": parameters, "points": points}
 
 
