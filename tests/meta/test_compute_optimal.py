@@ -58,3 +58,5 @@ def test_cli_rejects_unpaired_reward_models_and_endpoint_with_sizes(capsys):
     assert main(["eval", "arith", "--model", "a", "--model", "b",
                  "--endpoint", "http://127.0.0.1:9/v1"]) == 2
     assert "--endpoint serves one model; got 2 --model" in capsys.readouterr().err
+    assert main(["eval", "perplexity", "--model", "a", "--model", "b"]) == 2
+    assert "several --model compare sizes in eval arith only, not eval perplexity" in capsys.readouterr().err

@@ -55,6 +55,8 @@ def run_eval(args) -> None:
         raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
     if args.device != "cpu" and args.task != "perplexity":
         raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
+    if args.model and len(args.model) > 1 and args.task != "arith":
+        raise UsageError(f"several --model compare sizes in eval arith only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
