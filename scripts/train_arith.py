@@ -2,6 +2,7 @@
 
     python scripts/train_arith.py --out runs/arith [--max-minutes 12] [--install]
     python scripts/train_arith.py --out /tmp/x --tiny          # smoke run, a few seconds
+    python scripts/train_arith.py --out runs/arith-small --run small [--install]  # issue 17
 
 Stages (each resumes from what `--out` already holds):
 1. `arith`: a character-level tokenizer and a Llama trained on generated problems and their
@@ -16,7 +17,8 @@ Stages (each resumes from what `--out` already holds):
    learned problem difficulty instead: see MODELS.md).
 4. Evaluation on held-out problems: accuracy at temperature 1 and greedy, ORM/PRM AUC, and
    what voting and best-of-4 reranking buy; written to `--out/metrics.json`.
-`--install` copies the three models into src/decodekit/models/assets/.
+`--install` copies the three models into src/decodekit/models/assets/ (`arith`, `arith-orm`,
+`arith-prm`; for `--run small` / `large`: `arith-small`, `arith-small-orm`, ...).
 """
 
 from __future__ import annotations
@@ -79,6 +81,12 @@ RUNS = {
     # prompt and solution reach 92 characters (issue 13)
     "full": RunConfig(LMConfig(96, 3, 4, 2, 256, 256, 256, 8, 3e-3, 100), 2500, 200_000, 3000,
                       500, 96),
+    # issue 17, item 2 (compute-optimal inference, Wu et al. 2024): the same data, steps and
+    # tokens per step (8 x 256) as "full", at about 1/4 and 4x its parameters (width only)
+    "small": RunConfig(LMConfig(48, 3, 4, 2, 128, 256, 256, 8, 3e-3, 100), 2500, 200_000, 3000,
+                       500, 96),
+    "large": RunConfig(LMConfig(192, 3, 4, 2, 512, 256, 256, 8, 3e-3, 100), 2500, 200_000, 3000,
+                       500, 96),
     "tiny": RunConfig(LMConfig(32, 1, 2, 1, 64, 256, 64, 4, 1e-3, 1), 3, 200, 4, 4, 16),
 }
 
@@ -254,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="smoke run: tiny models and data")
+    parser.add_argument("--run", choices=sorted(RUNS), default=None,
+                        help="which size to train (default full; --tiny is --run tiny)")
     parser.add_argument("--max-minutes", type=float, default=None, help="LM training budget")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
@@ -264,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)  # the one place threading is set (STYLE.md 9)
-    run, out = RUNS["tiny" if args.tiny else "full"], Path(args.out)
+    run_name = args.run or ("tiny" if args.tiny else "full")
+    run, out = RUNS[run_name], Path(args.out)
     start = time.perf_counter()
     lm_dir = out / "lm" / "final"
     if not (lm_dir / "model.safetensors").exists():
@@ -306,11 +317,17 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(json.dumps(metrics, indent=1), flush=True)
     if args.install:
-        shutil.copytree(lm_dir, ASSETS / "arith", dirs_exist_ok=True)
-        for kind in ("orm", "prm"):  # the probes reference the installed policy, ../arith
-            scorers[kind].save(ASSETS / f"arith-{kind}", policy_dir=ASSETS / "arith")
-        print(f"installed arith, arith-orm, arith-prm into {ASSETS}", flush=True)
+        install(lm_dir, scorers, ASSETS, "arith" if run_name == "full" else f"arith-{run_name}")
     return metrics
+
+
+def install(lm_dir: Path, scorers: dict, where: Path, name: str) -> None:
+    """Copy the policy to where/name and its probes to where/name-orm, -prm: the pairing
+    `decodekit eval arith --model NAME` expects (meta/compute_optimal.py, reward_names)."""
+    shutil.copytree(lm_dir, where / name, dirs_exist_ok=True)
+    for kind in ("orm", "prm"):  # the probes reference the installed policy, ../NAME
+        scorers[kind].save(where / f"{name}-{kind}", policy_dir=where / name)
+    print(f"installed {name}, {name}-orm, {name}-prm into {where}", flush=True)
 
 
 def held_out(run: RunConfig, config: ArithConfig):

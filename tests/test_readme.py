@@ -31,6 +31,9 @@ LONG = {
     "bash scripts/setup.sh": "builds the environment: CI runs command 2 (.ci/run) on every submission",
     "decodekit eval arith --strategies": "about a minute (2 seeds x 3 strategies x 50 problems); "
     "tests/meta/test_evaluate.py runs the same code on a small budget",
+    "decodekit eval arith --model arith-small": "tens of minutes (3 sizes x 2 seeds x 100 problems, "
+    "REBASE at every N to 64); tests/scripts/test_train_arith_smoke.py runs the same command on "
+    "two tiny sizes",
     "decodekit eval perplexity": "about 20 s over the 75k held-out tokens; "
     "tests/compress/test_cli_compress.py runs the command on a short text",
     "decodekit compress": "GPTQ calibration, about 45 s; tests/compress/test_cli_compress.py "

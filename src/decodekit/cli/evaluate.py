@@ -18,14 +18,20 @@ def add_eval(sub) -> None:
                    help="perplexity: which shipped held-out plays (default test)")
     p.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (context)")
     p.add_argument("--stride", type=int, default=None, help="perplexity: window step (window / 2)")
-    p.add_argument("--strategies", default="all",
-                   help="comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all)")
-    p.add_argument("--n", default="1,2,4,8,16,32", help="budgets N, comma-separated")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all; "
+                   "with several --model: majority,weighted-orm,rebase-prm)")
+    p.add_argument("--n", default=None, help="budgets N, comma-separated (default 1,2,4,8,16,32; "
+                   "with several --model: 1,2,4,8,16,32,64)")
     p.add_argument("--seeds", type=int, default=3, help="sampling seeds (bands in the plot)")
     p.add_argument("--problems", type=int, default=50, help="held-out problems")
-    p.add_argument("--model", default="arith")
-    p.add_argument("--orm", default="arith-orm", help="outcome reward model (name or directory)")
-    p.add_argument("--prm", default="arith-prm", help="process reward model (name or directory)")
+    p.add_argument("--model", action="append", default=None,
+                   help="arith: the policy (default arith); repeat it to compare sizes by accuracy "
+                   "against inference FLOPs (meta/compute_optimal.py)")
+    p.add_argument("--orm", action="append", default=None, help="outcome reward model (name or "
+                   "directory), one per --model in order (default: MODEL-orm)")
+    p.add_argument("--prm", action="append", default=None, help="process reward model (name or "
+                   "directory), one per --model in order (default: MODEL-prm)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--width", type=int, default=4, help="tree search: children per expanded node")
     p.add_argument("--tau", type=float, default=0.2, help="REBASE softmax temperature")
@@ -49,25 +55,36 @@ def run_eval(args) -> None:
         raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
     if args.device != "cpu" and args.task != "perplexity":
         raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
+    if args.model and len(args.model) > 1 and args.task != "arith":
+        raise UsageError(f"several --model compare sizes in eval arith only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
 def run_eval_arith(args) -> None:
     from decodekit.meta.evaluate import STRATEGIES, EvalConfig, evaluate_arith, plot, table
 
+    models = reward_pairs(args)
+    several = len(models) > 1
+    if several and args.endpoint:
+        raise UsageError(f"--endpoint serves one model; got {len(models)} --model")
+    budgets = args.n or ("1,2,4,8,16,32,64" if several else "1,2,4,8,16,32")
     try:
-        ns = tuple(int(x) for x in args.n.split(","))
+        ns = tuple(int(x) for x in budgets.split(","))
     except ValueError:
         raise UsageError(f"--n must be comma-separated integers, got {args.n!r}") from None
-    names = STRATEGIES if args.strategies == "all" else tuple(s.strip() for s in args.strategies.split(","))
+    strategies = args.strategies or ("majority,weighted-orm,rebase-prm" if several else "all")
+    names = STRATEGIES if strategies == "all" else tuple(s.strip() for s in strategies.split(","))
+    (model, orm, prm) = models[0]
     config = EvalConfig(
         strategies=names, ns=ns, seeds=args.seeds, problems=args.problems,
         temperature=args.temperature, width=args.width, tau=args.tau, aggregate=args.aggregate,
-        tree_final=args.tree_final, tree_max_n=args.tree_max_n, model=args.model, orm=args.orm,
-        prm=args.prm,
+        tree_final=args.tree_final, tree_max_n=args.tree_max_n, model=model, orm=orm, prm=prm,
     )
     check_plot(args.plot)
     set_threads(args)  # the models load inside evaluate_arith; None picks for a small model
+    if several:
+        run_eval_sizes(args, config, models)
+        return
     generator = None
     if args.endpoint:
         from decodekit.meta.remote import RemoteGenerator
@@ -76,7 +93,7 @@ def run_eval_arith(args) -> None:
         require("httpx", "server", "--endpoint")
 
         urls = args.endpoint[0] if len(args.endpoint) == 1 else args.endpoint
-        generator = RemoteGenerator(urls, args.model)
+        generator = RemoteGenerator(urls, model)
     report = evaluate_arith(config, generator=generator, progress=show_progress(args))
     if args.plot:
         plot(report, args.plot)
@@ -89,6 +106,38 @@ def run_eval_arith(args) -> None:
         print(f"plot: {args.plot}")
 
 
+def reward_pairs(args) -> list[tuple[str, str, str]]:
+    """(model, orm, prm) per --model: --orm/--prm in order when given, else MODEL-orm/-prm."""
+    from decodekit.meta.compute_optimal import reward_names
+
+    models = args.model or ["arith"]
+    pairs = []
+    for flag, given in (("--orm", args.orm), ("--prm", args.prm)):
+        if given is not None and len(given) != len(models):
+            raise UsageError(f"give {flag} once per --model ({len(models)}) or not at all, "
+                             f"got {len(given)}")
+    for i, model in enumerate(models):
+        orm, prm = reward_names(model)
+        pairs.append((model, args.orm[i] if args.orm else orm, args.prm[i] if args.prm else prm))
+    return pairs
+
+
+def run_eval_sizes(args, config, models) -> None:
+    """Several --model: accuracy against inference FLOPs and the compute-optimal frontier."""
+    from decodekit.meta.compute_optimal import evaluate_sizes, plot_sizes, table_sizes
+
+    report = evaluate_sizes(config, models, progress=show_progress(args))
+    if args.plot:
+        plot_sizes(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print("accuracy (inference FLOPs per problem)")
+    print(table_sizes(report))
+    if args.plot:
+        print(f"plot: {args.plot}")
+
+
 def run_eval_perplexity(args) -> None:
     """Held-out per-token perplexity in strided windows (compress/evaluate.py)."""
     from pathlib import Path
@@ -96,7 +145,7 @@ def run_eval_perplexity(args) -> None:
     import decodekit as dk
     from decodekit.compress.evaluate import HELD_OUT, text_perplexity
 
-    name = args.target or (args.model if args.model != "arith" else "shakespeare")
+    name = args.target or (args.model[0] if args.model else "shakespeare")
     text_path = Path(args.text) if args.text else HELD_OUT[args.split]
     model = dk.load_model(name, dtype=args.dtype, device=args.device)
     set_threads(args, model)
