@@ -36,13 +36,15 @@ class BaseSamples:
     """Completions of the base policy and what training needs about them.
 
     tokens [N, L] long; rewards [N] float; child_ids / child_logp [N, L, k]: the top-k
-    next tokens of p before each position and their log-probabilities (for CD-Q).
+    next tokens of p before each position and their log-probabilities (for CD-Q); hidden
+    [N, L, H]: the base model's state before each position (for a Q head, align/qvalue.py).
     """
 
     tokens: torch.Tensor
     rewards: torch.Tensor
     child_ids: torch.Tensor | None = None
     child_logp: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 class PrefixValue(nn.Module):

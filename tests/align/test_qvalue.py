@@ -1,0 +1,161 @@
+"""The Q head on hidden states (align/qvalue.py): CD-Q and CD-FUDGE training on a tabular
+tree whose exact Q is known, and the value contracts ValueTilt and BlockwiseCD read, on a
+tiny NativeLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.align.blockwise import BlockwiseCD
+from decodekit.align.controlled import ValueTilt, sample_base
+from decodekit.align.qvalue import (
+    HiddenValue,
+    QHead,
+    add_hidden_states,
+    q_targets,
+    train_q_cdq,
+    train_q_fudge,
+)
+from decodekit.align.value import BaseSamples, cdq_fixed_point
+from decodekit.decode.sample import generate
+from decodekit.meta.generator import LocalGenerator
+from decodekit.params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+# A depth-2 binary tree (as in test_controlled.py): p(.|()) = (0.25, 0.75),
+# p(.|0) = (0.5, 0.5), p(.|1) = (0.9, 0.1); a reward at each leaf.
+POLICY = {(): {0: 0.25, 1: 0.75}, (0,): {0: 0.5, 1: 0.5}, (1,): {0: 0.9, 1: 0.1}}
+LEAF_REWARD = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 2.0, (1, 1): -1.0}
+STATES = {(): 0, (0,): 1, (1,): 2}  # a one-hot "hidden state" per prefix: Q is a table
+
+
+def _tree(n: int, seed: int) -> BaseSamples:
+    """n base samples of the tree, with one-hot states and the exact children of p."""
+    gen = torch.Generator().manual_seed(seed)
+    first = (torch.rand(n, generator=gen) < POLICY[()][1]).long()
+    second_p1 = torch.where(first == 0, POLICY[(0,)][1], POLICY[(1,)][1])
+    second = (torch.rand(n, generator=gen) < second_p1).long()
+    tokens = torch.stack([first, second], dim=1)  # [N, 2]
+    rewards = torch.tensor([LEAF_REWARD[tuple(row)] for row in tokens.tolist()])
+    prefixes = [[(), (int(a),)] for a in first]
+    hidden = torch.eye(3)[torch.tensor([[STATES[s] for s in row] for row in prefixes])]  # [N, 2, 3]
+    probs = torch.tensor([[[POLICY[s][0], POLICY[s][1]] for s in row] for row in prefixes])
+    child_ids = torch.tensor([0, 1]).expand(n, 2, 2)
+    return BaseSamples(tokens, rewards, child_ids.clone(), probs.log(), hidden)
+
+
+def _table(head: QHead) -> dict[tuple, float]:
+    """The head's Q(s, z) as {s + (z,): value}."""
+    with torch.no_grad():
+        q = head(torch.eye(3))  # [3 states, 2 tokens]
+    return {(*s, z): float(q[i, z]) for s, i in STATES.items() for z in (0, 1)}
+
+
+def test_cdq_training_reaches_the_exact_q():
+    exact = cdq_fixed_point(POLICY.__getitem__, LEAF_REWARD.__getitem__, depth=2)
+    samples = _tree(256, seed=1)
+    torch.manual_seed(0)
+    head = QHead(3, 2, width=16)
+    losses = train_q_cdq(head, samples, epochs=400, lr=2e-2, batch_size=512)
+    got = _table(head)
+    # Q(s, z) = V(s + z): the root's children use p's exact children, not the sampled leaves.
+    assert got == pytest.approx({k: exact[k] for k in got}, abs=0.03)
+    assert losses[-1] < losses[0]
+    # At the fixed point the target of every sampled pair is (close to) its own Q.
+    rows, cols = torch.arange(256).repeat_interleave(2), torch.arange(2).repeat(256)
+    q = head(samples.hidden[rows, cols]).gather(-1, samples.tokens[rows, cols, None])[:, 0]
+    inner = cols == 0
+    assert torch.allclose(q[inner], q_targets(head, samples, rows, cols, cdq=True)[inner], atol=0.03)
+
+
+def test_fudge_training_reaches_the_mean_reward_of_the_samples():
+    samples = _tree(256, seed=2)
+    torch.manual_seed(0)
+    head = QHead(3, 2, width=16)
+    train_q_fudge(head, samples, epochs=400, lr=2e-2, batch_size=512)
+    got = _table(head)
+    tokens, rewards = samples.tokens, samples.rewards
+    for z in (0, 1):  # least squares: the mean reward of the samples through s + z
+        assert got[(z,)] == pytest.approx(float(rewards[tokens[:, 0] == z].mean()), abs=0.03)
+        for w in (0, 1):
+            through = (tokens[:, 0] == z) & (tokens[:, 1] == w)
+            assert got[(z, w)] == pytest.approx(float(rewards[through].mean()), abs=0.03)
+    # FUDGE's root children are sample means: off the exact Q by the sampling noise.
+    assert got[(0,)] != pytest.approx(0.5, abs=1e-3)
+
+
+def test_training_rejects_bad_input():
+    samples = _tree(8, seed=0)
+    with pytest.raises(ValueError, match="epochs"):
+        train_q_fudge(QHead(3, 2), samples, epochs=0)
+    with pytest.raises(ValueError, match="lr"):
+        train_q_fudge(QHead(3, 2), samples, lr=0.0)
+    samples.child_ids = None
+    with pytest.raises(ValueError, match="CD-Q"):
+        train_q_cdq(QHead(3, 2), samples)
+    samples.hidden = None
+    with pytest.raises(ValueError, match="add_hidden_states"):
+        train_q_fudge(QHead(3, 2), samples)
+    with pytest.raises(ValueError, match="width"):
+        QHead(3, 2, width=0)
+    with pytest.raises(TypeError, match="head"):
+        HiddenValue(None, [1], torch.nn.Linear(3, 2))
+
+
+def _random_head(model, seed: int = 0) -> QHead:
+    torch.manual_seed(seed)
+    head = QHead(model.config.hidden_size, model.vocab_size, width=8)
+    torch.nn.init.normal_(head.out.weight, std=1.0)
+    return head
+
+
+def test_hidden_value_reads_the_state_before_each_token(tiny_lm):
+    prompt = tiny_lm.encode("the")
+    samples = sample_base(tiny_lm, prompt, SamplingParams(n=3, max_new_tokens=5, seed=0, ignore_eos=True),
+                          top_k=4)
+    add_hidden_states(tiny_lm, prompt, samples, chunk=2)
+    assert samples.hidden.shape == (3, 5, tiny_lm.config.hidden_size)
+    head = _random_head(tiny_lm)
+    value = HiddenValue(tiny_lm, prompt, head)
+    rows = samples.tokens.tolist()
+    for t in range(5):  # the state after prompt + x_<t, for rows of one length
+        expected = head(samples.hidden[:, t]).detach()
+        assert torch.allclose(value.q_values([r[:t] for r in rows]), expected, atol=1e-4)
+    # Rows of different lengths (left-padded) agree with each row alone.
+    mixed = [rows[0][:1], rows[1][:4], []]
+    ids = torch.tensor([[0, 5], [7, 2], [3, 3]])
+    together = value.child_values(mixed, ids)
+    alone = torch.cat([value.child_values([m], ids[i : i + 1]) for i, m in enumerate(mixed)])
+    assert together.shape == (3, 2) and torch.allclose(together, alone, atol=1e-4)
+    # A completion's value is Q of its last token given the rest; the empty one E_p[Q(prompt, .)].
+    got = value.prefix_values([rows[0][:3], []])
+    assert float(got[0]) == pytest.approx(float(value.q_values([rows[0][:2]])[0, rows[0][2]]), abs=1e-5)
+    probs = torch.softmax(tiny_lm.forward(torch.tensor([prompt]), tiny_lm.new_cache(1))[0, -1], dim=-1)
+    assert float(got[1]) == pytest.approx(float(value.q_values([[]])[0] @ probs), abs=1e-5)
+
+
+def test_hidden_value_steers_tokenwise_and_blockwise_decoding(tiny_lm):
+    params = SamplingParams(n=4, max_new_tokens=6, seed=1, ignore_eos=True)
+    untrained = HiddenValue(tiny_lm, "the", QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size))
+    [plain] = generate(tiny_lm, ["the"], params)
+    [same] = generate(tiny_lm, ["the"], params, adapter=ValueTilt(untrained, 5.0))
+    assert [c.token_ids for c in same] == [c.token_ids for c in plain]  # Q = 0 leaves p as it is
+    # A head that likes one token: the tilt puts nearly all mass on it.
+    head = QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size)
+    with torch.no_grad():
+        head.out.bias[7] = 1.0
+    liked = HiddenValue(tiny_lm, "the", head)
+    [steered] = generate(tiny_lm, ["the"], params, adapter=ValueTilt(liked, 30.0))
+    assert all(c.token_ids == [7] * 6 for c in steered)
+    # Blockwise: of K blocks the kept one has the best last token (here: the largest id).
+    by_id = QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size)
+    with torch.no_grad():
+        by_id.out.bias.copy_(torch.arange(tiny_lm.vocab_size) / tiny_lm.vocab_size)
+    value = HiddenValue(tiny_lm, "the", by_id).prefix_values
+    last = {}
+    for k in (1, 8):
+        out = BlockwiseCD(LocalGenerator(tiny_lm), value, k=k, m=2).generate(["the"], 16, params)[0]
+        last[k] = sum(c.token_ids[i] for c in out for i in (1, 3, 5)) / 48
+    assert last[8] > last[1] + 0.1 * tiny_lm.vocab_size
