@@ -32,6 +32,15 @@ def add_eval(sub) -> None:
     p.add_argument("--aggregate", default="last", help="step scores: last|min|product")
     p.add_argument("--tree-final", default="weighted_vote", help="best|vote|weighted_vote")
     p.add_argument("--tree-max-n", type=int, default=None, help="run tree search only up to this N")
+    p.add_argument("--value", default=None, choices=["bag", "hidden"],
+                   help="alignment: the controlled-decoding value: an embedding bag on token ids (bag, "
+                   "the default) or a Q head on the model's hidden states (hidden)")
+    p.add_argument("--reward", default=None, choices=["keywords", "style"],
+                   help="alignment: keyword count (sparse, the default) or log-likelihood per token "
+                   "under another speaker's prompt (style, dense)")
+    p.add_argument("--base-samples", type=int, default=None, metavar="N",
+                   help="alignment: base samples that train the values (default 256 for bag, "
+                   "4096 for hidden)")
     add_threads(p)
     add_dtype(p)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
@@ -49,6 +58,10 @@ def run_eval(args) -> None:
         raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
     if args.device != "cpu" and args.task != "perplexity":
         raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
+    for flag in ("value", "reward", "base_samples"):
+        if getattr(args, flag) is not None and args.task != "alignment":
+            name = flag.replace("_", "-")
+            raise UsageError(f"--{name} applies to eval alignment only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
@@ -114,7 +127,12 @@ def run_eval_alignment(args) -> None:
     from decodekit.align.frontier import FrontierConfig, alignment_frontier, plot_frontier, table
 
     check_plot(args.plot)
-    config = FrontierConfig(threads=set_threads(args))  # the frontier sets them around its run
+    value = args.value or "bag"
+    base_samples = args.base_samples if args.base_samples is not None else 4096 if value == "hidden" else 256
+    if base_samples < 1:
+        raise UsageError(f"--base-samples must be >= 1, got {base_samples}")
+    config = FrontierConfig(value=value, reward=args.reward or "keywords", base_samples=base_samples,
+                            threads=set_threads(args))  # the frontier sets them around its run
     report = alignment_frontier(config, progress=show_progress(args))
     if args.plot:
         plot_frontier(report, args.plot)

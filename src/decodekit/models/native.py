@@ -503,10 +503,14 @@ class NativeLM(LanguageModel):
         the logits stay on the model's device."""
         return self.net(*self._layer_inputs(tokens, cache, mask), rowwise=self.batch_invariant)
 
-    @torch.no_grad()  # not inference_mode: the states are inputs of trained heads (align/qvalue.py)
     def hidden_states(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's state after the final norm (what the LM head reads), [B, T, hidden]
         float32, at every position of tokens [B, T], on a fresh cache."""
+        # Cloned outside inference mode: the states are inputs of trained heads (align/qvalue.py).
+        return self._final_states(tokens, mask).clone()
+
+    @torch.inference_mode()
+    def _final_states(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         cache = self.new_cache(tokens.shape[0])
         x = self.net.trunk(*self._layer_inputs(tokens, cache, mask), rowwise=self.batch_invariant)
         return self.net.norm(x).float()
