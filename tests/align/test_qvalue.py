@@ -20,6 +20,7 @@ from decodekit.align.qvalue import (
 from decodekit.align.value import BaseSamples, cdq_fixed_point
 from decodekit.decode.sample import generate
 from decodekit.meta.generator import LocalGenerator
+from decodekit.models.base import next_token_logprobs
 from decodekit.params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -47,10 +48,15 @@ def _tree(n: int, seed: int) -> BaseSamples:
 
 
 def _table(head: QHead) -> dict[tuple, float]:
-    """The head's Q(s, z) as {s + (z,): value}."""
+    """The head's Q(s, z) as {s + (z,): value}, each s with its states from the root."""
+    e = torch.eye(3)
+    paths = {(): e[[0]], (0,): e[[0, 1]], (1,): e[[0, 2]]}  # [t + 1, 3]
+    table = {}
     with torch.no_grad():
-        q = head(torch.eye(3))  # [3 states, 2 tokens]
-    return {(*s, z): float(q[i, z]) for s, i in STATES.items() for z in (0, 1)}
+        for s, states in paths.items():
+            q = head(states[None])[0, -1]  # [2 tokens]
+            table.update({(*s, z): float(q[z]) for z in (0, 1)})
+    return table
 
 
 def test_cdq_training_reaches_the_exact_q():
@@ -64,10 +70,9 @@ def test_cdq_training_reaches_the_exact_q():
     assert got == pytest.approx({k: exact[k] for k in got}, abs=0.03)
     assert losses[-1] < losses[0]
     # At the fixed point the target of every sampled pair is (close to) its own Q.
-    rows, cols = torch.arange(256).repeat_interleave(2), torch.arange(2).repeat(256)
-    q = head(samples.hidden[rows, cols]).gather(-1, samples.tokens[rows, cols, None])[:, 0]
-    inner = cols == 0
-    assert torch.allclose(q[inner], q_targets(head, samples, rows, cols, cdq=True)[inner], atol=0.03)
+    q = head(samples.hidden).detach()  # [N, 2, 2]
+    chosen = q.gather(-1, samples.tokens[..., None])[..., 0]
+    assert torch.allclose(chosen, q_targets(q, samples, torch.arange(256), cdq=True), atol=0.03)
 
 
 def test_fudge_training_reaches_the_mean_reward_of_the_samples():
@@ -100,40 +105,45 @@ def test_training_rejects_bad_input():
         train_q_fudge(QHead(3, 2), samples)
     with pytest.raises(ValueError, match="width"):
         QHead(3, 2, width=0)
+    with pytest.raises(ValueError, match="memory"):
+        QHead(3, 2, memory=0)
     with pytest.raises(TypeError, match="head"):
         HiddenValue(None, [1], torch.nn.Linear(3, 2))
 
 
 def _random_head(model, seed: int = 0) -> QHead:
     torch.manual_seed(seed)
-    head = QHead(model.config.hidden_size, model.vocab_size, width=8)
+    head = QHead(model.config.hidden_size, model.vocab_size, width=8, memory=4)
     torch.nn.init.normal_(head.out.weight, std=1.0)
     return head
 
 
-def test_hidden_value_reads_the_state_before_each_token(tiny_lm):
+def test_hidden_value_reads_the_states_of_each_prefix(tiny_lm):
     prompt = tiny_lm.encode("the")
     samples = sample_base(tiny_lm, prompt, SamplingParams(n=3, max_new_tokens=5, seed=0, ignore_eos=True),
                           top_k=4)
     add_hidden_states(tiny_lm, prompt, samples, chunk=2)
     assert samples.hidden.shape == (3, 5, tiny_lm.config.hidden_size)
     head = _random_head(tiny_lm)
-    value = HiddenValue(tiny_lm, prompt, head)
+    value = HiddenValue(tiny_lm, prompt, head, chunk=2)
     rows = samples.tokens.tolist()
-    for t in range(5):  # the state after prompt + x_<t, for rows of one length
-        expected = head(samples.hidden[:, t]).detach()
-        assert torch.allclose(value.q_values([r[:t] for r in rows]), expected, atol=1e-4)
-    # Rows of different lengths (left-padded) agree with each row alone.
-    mixed = [rows[0][:1], rows[1][:4], []]
-    ids = torch.tensor([[0, 5], [7, 2], [3, 3]])
+    q_all = head(samples.hidden).detach()  # [3, 5, V]: Q(s_t, .) from the states s_0..s_t
+    for t in range(5):
+        assert torch.allclose(value.q_values([r[:t] for r in rows]), q_all[:, t], atol=1e-4)
+    # Rows of different lengths (left-padded, chunked) agree with each row alone.
+    mixed = [rows[0][:1], rows[1][:4], [], rows[2]]
+    ids = torch.tensor([[0, 5], [7, 2], [3, 3], [1, 9]])
     together = value.child_values(mixed, ids)
     alone = torch.cat([value.child_values([m], ids[i : i + 1]) for i, m in enumerate(mixed)])
-    assert together.shape == (3, 2) and torch.allclose(together, alone, atol=1e-4)
-    # A completion's value is Q of its last token given the rest; the empty one E_p[Q(prompt, .)].
-    got = value.prefix_values([rows[0][:3], []])
-    assert float(got[0]) == pytest.approx(float(value.q_values([rows[0][:2]])[0, rows[0][2]]), abs=1e-5)
-    probs = torch.softmax(tiny_lm.forward(torch.tensor([prompt]), tiny_lm.new_cache(1))[0, -1], dim=-1)
-    assert float(got[1]) == pytest.approx(float(value.q_values([[]])[0] @ probs), abs=1e-5)
+    assert together.shape == (4, 2) and torch.allclose(together, alone, atol=1e-4)
+    # A completion's value: the sum of its tokens' advantages Q(s_t, x_t) - E_p[Q(s_t, .)].
+    paths = next_token_logprobs(tiny_lm, [prompt + r for r in rows], [len(prompt)] * 3)
+    probs = torch.stack(paths).exp()  # [3, 5, V]: p(. | s_t)
+    chosen = q_all.gather(-1, samples.tokens[..., None])[..., 0]
+    advantage = chosen - (probs * q_all).sum(-1)  # [3, 5]
+    got = value.prefix_values([rows[0][:3], rows[1], [], rows[2][:1]])
+    expected = [advantage[0, :3].sum(), advantage[1].sum(), 0.0, advantage[2, 0]]
+    assert got.tolist() == pytest.approx([float(x) for x in expected], abs=1e-4)
 
 
 def test_hidden_value_steers_tokenwise_and_blockwise_decoding(tiny_lm):
@@ -149,13 +159,13 @@ def test_hidden_value_steers_tokenwise_and_blockwise_decoding(tiny_lm):
     liked = HiddenValue(tiny_lm, "the", head)
     [steered] = generate(tiny_lm, ["the"], params, adapter=ValueTilt(liked, 30.0))
     assert all(c.token_ids == [7] * 6 for c in steered)
-    # Blockwise: of K blocks the kept one has the best last token (here: the largest id).
+    # Blockwise, Q(s, z) = z / V: of K blocks the kept one has the largest ids (against p).
     by_id = QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size)
     with torch.no_grad():
         by_id.out.bias.copy_(torch.arange(tiny_lm.vocab_size) / tiny_lm.vocab_size)
     value = HiddenValue(tiny_lm, "the", by_id).prefix_values
-    last = {}
+    mean_id = {}
     for k in (1, 8):
         out = BlockwiseCD(LocalGenerator(tiny_lm), value, k=k, m=2).generate(["the"], 16, params)[0]
-        last[k] = sum(c.token_ids[i] for c in out for i in (1, 3, 5)) / 48
-    assert last[8] > last[1] + 0.1 * tiny_lm.vocab_size
+        mean_id[k] = sum(sum(c.token_ids) for c in out) / 96
+    assert mean_id[8] > mean_id[1] + 0.1 * tiny_lm.vocab_size
