@@ -20,7 +20,6 @@ from decodekit.align.qvalue import (
 from decodekit.align.value import BaseSamples, cdq_fixed_point
 from decodekit.decode.sample import generate
 from decodekit.meta.generator import LocalGenerator
-from decodekit.models.base import next_token_logprobs
 from decodekit.params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -136,13 +135,11 @@ def test_hidden_value_reads_the_states_of_each_prefix(tiny_lm):
     together = value.child_values(mixed, ids)
     alone = torch.cat([value.child_values([m], ids[i : i + 1]) for i, m in enumerate(mixed)])
     assert together.shape == (4, 2) and torch.allclose(together, alone, atol=1e-4)
-    # A completion's value: the sum of its tokens' advantages Q(s_t, x_t) - E_p[Q(s_t, .)].
-    paths = next_token_logprobs(tiny_lm, [prompt + r for r in rows], [len(prompt)] * 3)
-    probs = torch.stack(paths).exp()  # [3, 5, V]: p(. | s_t)
-    chosen = q_all.gather(-1, samples.tokens[..., None])[..., 0]
-    advantage = chosen - (probs * q_all).sum(-1)  # [3, 5]
+    # A completion's value is Q of its last token given the rest; the empty one E_p[Q(prompt, .)].
     got = value.prefix_values([rows[0][:3], rows[1], [], rows[2][:1]])
-    expected = [advantage[0, :3].sum(), advantage[1].sum(), 0.0, advantage[2, 0]]
+    probs = torch.softmax(tiny_lm.forward(torch.tensor([prompt]), tiny_lm.new_cache(1))[0, -1], dim=-1)
+    expected = [q_all[0, 2, rows[0][2]], q_all[1, 4, rows[1][4]], q_all[2, 0] @ probs,
+                q_all[2, 0, rows[2][0]]]
     assert got.tolist() == pytest.approx([float(x) for x in expected], abs=1e-4)
 
 
@@ -159,13 +156,13 @@ def test_hidden_value_steers_tokenwise_and_blockwise_decoding(tiny_lm):
     liked = HiddenValue(tiny_lm, "the", head)
     [steered] = generate(tiny_lm, ["the"], params, adapter=ValueTilt(liked, 30.0))
     assert all(c.token_ids == [7] * 6 for c in steered)
-    # Blockwise, Q(s, z) = z / V: of K blocks the kept one has the largest ids (against p).
+    # Blockwise, Q(s, z) = z / V: of K blocks the kept one ends in the largest id.
     by_id = QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size)
     with torch.no_grad():
         by_id.out.bias.copy_(torch.arange(tiny_lm.vocab_size) / tiny_lm.vocab_size)
     value = HiddenValue(tiny_lm, "the", by_id).prefix_values
-    mean_id = {}
+    last = {}
     for k in (1, 8):
         out = BlockwiseCD(LocalGenerator(tiny_lm), value, k=k, m=2).generate(["the"], 16, params)[0]
-        mean_id[k] = sum(sum(c.token_ids) for c in out) / 96
-    assert mean_id[8] > mean_id[1] + 0.1 * tiny_lm.vocab_size
+        last[k] = sum(c.token_ids[i] for c in out for i in (1, 3, 5)) / 48
+    assert last[8] > last[1] + 0.1 * tiny_lm.vocab_size
