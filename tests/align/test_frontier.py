@@ -96,7 +96,7 @@ def test_hidden_value_frontier_with_the_style_reward():
     out = frontier.alignment_frontier(config)
     base = _by(out, "base")[0]
     assert -20 < base["reward"] < 0  # a mean log-likelihood per token
-    assert [p["setting"] for p in _by(out, "token-wise CD (CD-Q)")] == ["lam=20"]  # 2 / REWARD_SCALE
+    assert [p["setting"] for p in _by(out, "token-wise CD (CD-Q)")] == ["lam=2"]
     for name in ("CD-Q", "CD-FUDGE"):
         [block] = _by(out, f"blockwise CD ({name})")
         same = block["bon_n_same_reward"]
