@@ -109,12 +109,15 @@ def cdq_targets(value: PrefixValue, samples: BaseSamples) -> torch.Tensor:
     """CD-Q regression targets [N, L+1] (no gradient): E_p[V(child)] before the end, r at it."""
     if samples.child_ids is None or samples.child_logp is None:
         raise ValueError("CD-Q needs child_ids and child_logp (the top-k of p at every position)")
+    inner = []
     with torch.no_grad():
-        bag, _, t = value.prefix_states(samples.tokens)
-        probs = torch.softmax(samples.child_logp, dim=-1)  # [N, L, k], renormalised top-k
-        child_v = value._child_head(bag[:, :-1], t[:, :-1], samples.child_ids)  # [N, L, k]
-        inner = (probs * child_v).sum(dim=-1)  # [N, L]
-        return torch.cat([inner, samples.rewards[:, None].to(inner.dtype)], dim=1)
+        for rows in torch.arange(len(samples.tokens)).split(256):  # bounds the [n, L, k, hidden] MLP
+            bag, _, t = value.prefix_states(samples.tokens[rows])
+            probs = torch.softmax(samples.child_logp[rows], dim=-1)  # [n, L, k], renormalised top-k
+            child_v = value._child_head(bag[:, :-1], t[:, :-1], samples.child_ids[rows])  # [n, L, k]
+            inner.append((probs * child_v).sum(dim=-1))  # [n, L]
+    inner = torch.cat(inner)
+    return torch.cat([inner, samples.rewards[:, None].to(inner.dtype)], dim=1)
 
 
 def _fit(value: PrefixValue, samples: BaseSamples, steps: int, lr: float, cdq: bool,
