@@ -70,9 +70,10 @@ def test_cli_alignment_flags_reach_the_config(report, monkeypatch, capsys):
     monkeypatch.setattr(frontier, "alignment_frontier",
                         lambda config, progress: seen.append(config) or report)
     main(["eval", "alignment", "--value", "hidden", "--reward", "style"])
-    main(["eval", "alignment", "--base-samples", "512"])
-    assert [(c.value, c.reward, c.base_samples) for c in seen] == [("hidden", "style", 4096),
-                                                                   ("bag", "keywords", 512)]
+    main(["eval", "alignment", "--base-samples", "512", "--samples", "128"])
+    assert [(c.value, c.reward, c.base_samples, c.samples) for c in seen] == [
+        ("hidden", "style", 4096, 64), ("bag", "keywords", 512, 128)]
+    assert main(["eval", "alignment", "--samples", "0"]) == 2
     capsys.readouterr()
     assert main(["eval", "arith", "--value", "hidden"]) == 2
     assert "--value applies to eval alignment only" in capsys.readouterr().err
@@ -99,6 +100,8 @@ def test_hidden_value_frontier_with_the_style_reward():
     assert [p["setting"] for p in _by(out, "token-wise CD (CD-Q)")] == ["lam=2"]
     for name in ("CD-Q", "CD-FUDGE"):
         [block] = _by(out, f"blockwise CD ({name})")
-        same = block["bon_n_same_reward"]
+        same, (low, high) = block["bon_n_same_reward"], block["bon_n_range"]
         assert same is None or 1.0 <= same <= config.base_samples
+        assert low is not None and low <= (same if same is not None else math.inf)
+        assert high is None or same is None or high >= same
     assert "n/K" in frontier.table(out) or "above the largest n" in frontier.table(out)

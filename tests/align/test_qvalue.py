@@ -145,10 +145,12 @@ def test_hidden_value_reads_the_states_of_each_prefix(tiny_lm):
 
 def test_hidden_value_steers_tokenwise_and_blockwise_decoding(tiny_lm):
     params = SamplingParams(n=4, max_new_tokens=6, seed=1, ignore_eos=True)
-    untrained = HiddenValue(tiny_lm, "the", QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size))
+    fresh = QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size, baseline=-3.0)
+    untrained = HiddenValue(tiny_lm, "the", fresh)
+    assert torch.equal(untrained.q_values([[], [4, 5]]), torch.full((2, tiny_lm.vocab_size), -3.0))
     [plain] = generate(tiny_lm, ["the"], params)
     [same] = generate(tiny_lm, ["the"], params, adapter=ValueTilt(untrained, 5.0))
-    assert [c.token_ids for c in same] == [c.token_ids for c in plain]  # Q = 0 leaves p as it is
+    assert [c.token_ids for c in same] == [c.token_ids for c in plain]  # a constant Q leaves p as it is
     # A head that likes one token: the tilt puts nearly all mass on it.
     head = QHead(tiny_lm.config.hidden_size, tiny_lm.vocab_size)
     with torch.no_grad():

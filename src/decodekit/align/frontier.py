@@ -172,10 +172,13 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
             [out] = cd.generate([prompt], config.samples, run)
             rewards = score(model, [c.token_ids for c in out], reward)
             bound = blockwise_kl_bound(math.ceil(length / m), k)
-            same = bon_n_same_reward(r, float(rewards.mean()))
-            points.append(_sampled(f"blockwise CD ({name})", f"K={k} M={m}", bound, rewards,
-                                   kl_is_bound=True, k=k, m=m, bon_n_same_reward=same,
-                                   budget=cd.budget.report()))
+            point = _sampled(f"blockwise CD ({name})", f"K={k} M={m}", bound, rewards, kl_is_bound=True,
+                             k=k, m=m, budget=cd.budget.report())
+            same = bon_n_same_reward(r, point["reward"])
+            point["bon_n_same_reward"] = same  # and at the reward -/+ one standard error:
+            point["bon_n_range"] = [bon_n_same_reward(r, point["reward"] + d * point["reward_se"])
+                                    for d in (-1, 1)]
+            points.append(point)
             say(f"blockwise {name} K={k} M={m}: reward {float(rewards.mean()):.3f} = best-of-{same}")
     return {"config": asdict(config), "points": points, "seconds": time.perf_counter() - start,
             "cpu_seconds": time.process_time() - cpu}
@@ -193,7 +196,8 @@ def _train_values(config: FrontierConfig, model, prompt: list[int], base: BaseSa
             losses = (train_cdq if cdq else train_fudge)(value, base, steps=config.train_steps)
             values[name] = value.eval()
         else:
-            head = QHead(base.hidden.shape[-1], model.vocab_size, config.head_width)
+            head = QHead(base.hidden.shape[-1], model.vocab_size, config.head_width,
+                         baseline=float(base.rewards.mean()))
             train = train_q_cdq if cdq else train_q_fudge
             losses = train(head, base, epochs=config.train_epochs, seed=config.seed)
             values[name] = HiddenValue(model, prompt, head)
@@ -228,7 +232,8 @@ def bon_n_same_reward(rewards: np.ndarray, target: float, n_max: int = 4096) -> 
 
 
 def table(report: dict) -> str:
-    """One line per point; blockwise CD's with the best-of-n of the same reward and n / K."""
+    """One line per point; blockwise CD's with the best-of-n of the same reward (and of the
+    reward -/+ one standard error) and n / K."""
     lines = [f"{'method':<26} {'setting':<16} {'KL (nats)':>14} {'reward':>14}  best-of-n same reward"]
     for p in report["points"]:
         kl = f"{p['kl']:.3f}" + (f" ±{p['kl_se']:.2f}" if "kl_se" in p else "")
@@ -237,8 +242,9 @@ def table(report: dict) -> str:
         line = f"{p['method']:<26} {p['setting']:<16} {kl:>14} {rew:>14}"
         if "bon_n_same_reward" in p:
             same = p["bon_n_same_reward"]
+            low, high = (f"{x:.1f}" if x is not None else "max" for x in p["bon_n_range"])
             line += ("  above the largest n" if same is None
-                     else f"  n = {same:.1f} (n/K = {same / p['k']:.2f})")
+                     else f"  n = {same:.1f} ({low}-{high}), n/K = {same / p['k']:.2f}")
         lines.append(line)
     return "\n".join(lines)
 

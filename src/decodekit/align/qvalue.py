@@ -49,9 +49,12 @@ class QHead(nn.Module):
     """Q(s_t, .) = W2 tanh(W1 [h(s_t), m_t] + b1) + b2, m_t = sum_{i<=t} R h(s_i): the states
     [..., T, H] of a completion (h(s_t): after the prompt and t tokens) -> values [..., T, V].
     `mask` [..., T] marks the completion's states (False: padding or prompt columns, left out
-    of the memory m). W2 and b2 start at zero, so an untrained head leaves p unchanged."""
+    of the memory m). W2 starts at zero and b2 at `baseline`, so an untrained head leaves p
+    unchanged; pass the base samples' mean reward, so that a token no sample chose keeps
+    the average value rather than 0 (which, for a reward of mean -3.4, every tilt favours)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, width: int = 64, memory: int = 8):
+    def __init__(self, hidden_size: int, vocab_size: int, width: int = 64, memory: int = 8,
+                 baseline: float = 0.0):
         super().__init__()
         for name, size in (("hidden_size", hidden_size), ("vocab_size", vocab_size), ("width", width),
                            ("memory", memory)):
@@ -61,7 +64,7 @@ class QHead(nn.Module):
         self.inner = nn.Linear(hidden_size + memory, width)
         self.out = nn.Linear(width, vocab_size)
         nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
+        nn.init.constant_(self.out.bias, float(baseline))
 
     def forward(self, states: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         read = self.read(states)  # [..., T, M]

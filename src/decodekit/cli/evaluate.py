@@ -41,6 +41,8 @@ def add_eval(sub) -> None:
     p.add_argument("--base-samples", type=int, default=None, metavar="N",
                    help="alignment: base samples that train the values (default 256 for bag, "
                    "4096 for hidden)")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="alignment: samples per controlled-decoding point (default 64)")
     add_threads(p)
     add_dtype(p)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
@@ -58,7 +60,7 @@ def run_eval(args) -> None:
         raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
     if args.device != "cpu" and args.task != "perplexity":
         raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
-    for flag in ("value", "reward", "base_samples"):
+    for flag in ("value", "reward", "base_samples", "samples"):
         if getattr(args, flag) is not None and args.task != "alignment":
             name = flag.replace("_", "-")
             raise UsageError(f"--{name} applies to eval alignment only, not eval {args.task}")
@@ -129,10 +131,12 @@ def run_eval_alignment(args) -> None:
     check_plot(args.plot)
     value = args.value or "bag"
     base_samples = args.base_samples if args.base_samples is not None else 4096 if value == "hidden" else 256
-    if base_samples < 1:
-        raise UsageError(f"--base-samples must be >= 1, got {base_samples}")
+    samples = 64 if args.samples is None else args.samples
+    for flag, number in (("--base-samples", base_samples), ("--samples", samples)):
+        if number < 1:
+            raise UsageError(f"{flag} must be >= 1, got {number}")
     config = FrontierConfig(value=value, reward=args.reward or "keywords", base_samples=base_samples,
-                            threads=set_threads(args))  # the frontier sets them around its run
+                            samples=samples, threads=set_threads(args))  # set around its run
     report = alignment_frontier(config, progress=show_progress(args))
     if args.plot:
         plot_frontier(report, args.plot)
