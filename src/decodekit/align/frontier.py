@@ -278,8 +278,8 @@ def plot_frontier(report: dict, path) -> None:
                  f"{config.get('value', 'bag')} value")
     ax.legend(fontsize=7)
     bon = groups.get("best-of-n", [])
-    ax_k.plot([int(p["setting"][2:]) for p in bon], [p["reward"] for p in bon], "-o", ms=4,
-              color="C1", label="best-of-n (n)")
+    ax_k.plot([int(p["setting"][2:]) for p in bon], [p["reward"] for p in bon], "k-o", ms=4,
+              label="best-of-n (n)")
     for method, pts in groups.items():
         for m in sorted({p["m"] for p in pts if "m" in p}):
             row = sorted((p["k"], p["reward"]) for p in pts if p.get("m") == m)
