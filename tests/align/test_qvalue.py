@@ -20,6 +20,7 @@ from decodekit.align.qvalue import (
 from decodekit.align.value import BaseSamples, cdq_fixed_point
 from decodekit.decode.sample import generate
 from decodekit.meta.generator import LocalGenerator
+from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -168,3 +169,17 @@ def test_hidden_value_steers_tokenwise_and_blockwise_decoding(tiny_lm):
         out = BlockwiseCD(LocalGenerator(tiny_lm), value, k=k, m=2).generate(["the"], 16, params)[0]
         last[k] = sum(c.token_ids[i] for c in out for i in (1, 3, 5)) / 48
     assert last[8] > last[1] + 0.1 * tiny_lm.vocab_size
+
+
+def test_models_without_hidden_states_say_so():
+    class Bare(LanguageModel):
+        name, vocab_size, eos_token_ids, tokenizer, max_context = "bare", 3, (), None, 8
+
+        def new_cache(self, batch_size):
+            raise AssertionError("not called")
+
+        def forward(self, tokens, cache, mask=None):
+            raise AssertionError("not called")
+
+    with pytest.raises(TypeError, match="model 'bare' \\(Bare\\) does not expose hidden states"):
+        Bare().hidden_states(torch.zeros(1, 2, dtype=torch.long))

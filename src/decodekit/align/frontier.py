@@ -66,7 +66,7 @@ class FrontierConfig:
     value: str = "bag"  # VALUES: embedding bag on token ids, or a Q head on hidden states
     base_samples: int = 256  # train the values and estimate best-of-n / tilt from these
     samples: int = 64  # per controlled-decoding point
-    bon_n: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # those <= base_samples
+    bon_n: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # those <= base_samples / 4
     soft_n: int = 16
     soft_lams: tuple[float, ...] = (0.25, 0.5, 1.0)
     betas: tuple[float, ...] = (4.0, 2.0, 1.0, 0.7, 0.5, 0.35, 0.25)
@@ -140,7 +140,7 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
     uniform = np.full(r.size, 1.0 / r.size)
     say(f"base: {r.size} samples, mean reward {r.mean():.3f}")
     points = [_sampled("base", "p", 0.0, base.rewards)]
-    for n in (n for n in config.bon_n if n <= r.size):
+    for n in (n for n in config.bon_n if 4 * n <= r.size):  # the plug-in needs n << samples
         pi = bon_pmf(uniform, r, n)
         points.append(_point("best-of-n", f"n={n}", bon_kl_mc(r, n), pi @ r,
                              kl_bound=bon_kl_bound(n)))
