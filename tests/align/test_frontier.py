@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -62,3 +63,45 @@ def test_cli_eval_alignment(report, monkeypatch, capsys, tmp_path):
     assert (tmp_path / "f.png").exists()
     main(["eval", "alignment"])
     assert "best-of-n" in capsys.readouterr().out
+
+
+def test_cli_alignment_flags_reach_the_config(report, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(frontier, "alignment_frontier",
+                        lambda config, progress: seen.append(config) or report)
+    main(["eval", "alignment", "--value", "hidden", "--reward", "style"])
+    main(["eval", "alignment", "--base-samples", "512", "--samples", "128"])
+    assert [(c.value, c.reward, c.base_samples, c.samples) for c in seen] == [
+        ("hidden", "style", 4096, 64), ("bag", "keywords", 512, 128)]
+    assert main(["eval", "alignment", "--samples", "0"]) == 2
+    capsys.readouterr()
+    assert main(["eval", "arith", "--value", "hidden"]) == 2
+    assert "--value applies to eval alignment only" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^value must be one of bag, hidden, got 'tree'"):
+        frontier.FrontierConfig(value="tree")
+    with pytest.raises(ValueError, match="^reward must be one of"):
+        frontier.FrontierConfig(reward="length")
+
+
+def test_bon_n_same_reward_inverts_the_best_of_n_curve():
+    r = [0.0, 1.0] * 8  # best-of-n's expected reward is 1 - 2^-n
+    assert frontier.bon_n_same_reward(r, 0.4) == 1.0  # at or below the mean
+    assert frontier.bon_n_same_reward(r, 0.75) == pytest.approx(2.0)
+    assert frontier.bon_n_same_reward(r, 0.8) == pytest.approx(2 + 0.05 / 0.125)
+    assert frontier.bon_n_same_reward(r, 1 - 2.0**-9) == pytest.approx(9.0)
+    assert frontier.bon_n_same_reward(r, 1.0) is None  # above best-of-16
+
+
+def test_hidden_value_frontier_with_the_style_reward():
+    config = replace(SMALL, value="hidden", reward="style", train_epochs=1, head_width=4)
+    out = frontier.alignment_frontier(config)
+    base = _by(out, "base")[0]
+    assert -20 < base["reward"] < 0  # a mean log-likelihood per token
+    assert [p["setting"] for p in _by(out, "token-wise CD (CD-Q)")] == ["lam=2"]
+    for name in ("CD-Q", "CD-FUDGE"):
+        [block] = _by(out, f"blockwise CD ({name})")
+        same, (low, high) = block["bon_n_same_reward"], block["bon_n_range"]
+        assert same is None or 1.0 <= same <= config.base_samples
+        assert low is not None and low <= (same if same is not None else math.inf)
+        assert high is None or same is None or high >= same
+    assert "n/K" in frontier.table(out) or "above the largest n" in frontier.table(out)

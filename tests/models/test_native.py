@@ -99,6 +99,24 @@ def test_logits_equal_transformers_on_a_batch(pair):
     assert (got - expected).abs().max() <= 1e-4
 
 
+def test_hidden_states_equal_transformers_and_feed_the_lm_head(pair):
+    """`hidden_states` is HF's last hidden state (after the final norm): the LM head of it
+    gives `forward`'s logits; left-padded rows equal each row alone."""
+    hf_model, model = pair
+    tokens, mask = left_pad(PROMPTS)
+    got = model.hidden_states(tokens, mask)  # [B, T, H]
+    assert got.dtype == torch.float32 and got.shape == (3, tokens.shape[1], 64)
+    width = tokens.shape[1]
+    for row, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = hf_model(torch.tensor([prompt]), output_hidden_states=True)
+        mine = got[row, width - len(prompt) :]
+        assert (mine - out.hidden_states[-1][0].float()).abs().max() <= 1e-4
+        with torch.no_grad():
+            assert (model.net.lm_head(mine) - out.logits[0].float()).abs().max() <= 1e-4
+    assert got.abs().max() > 0.5  # not near-zero states
+
+
 def test_incremental_decoding_equals_full_forward(pair):
     _, model = pair
     tokens = PROMPTS[0]

@@ -18,7 +18,8 @@ with beta = 1/lam); KL(pi || p) of a sequence is estimated by `kl_terms`.
 
 Blockwise controlled decoding (best-of-K blocks over a Generator) is align/blockwise.py.
 `sample_base` draws plain samples of p through `generate` and adds what CD-Q training needs.
-Offline rewards: `keyword_reward`, `newline_length_reward`, `orm_reward` (the arithmetic ORM).
+Offline rewards: `keyword_reward`, `newline_length_reward`, `orm_reward` (the arithmetic ORM),
+`style_reward` (a dense one: log-likelihood per token under a model after a "style" prompt).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from decodekit.align.value import BaseSamples
 from decodekit.completion import Completion
 from decodekit.decode.sample import generate
-from decodekit.models.base import LanguageModel, next_token_logprobs
+from decodekit.models.base import LanguageModel, next_token_logprobs, score_tokens
 from decodekit.params import SamplingParams
 from decodekit.request import Prompt, encode_prompt
 from decodekit.sampling import SamplerState
@@ -48,13 +49,15 @@ __all__ = [
     "orm_reward",
     "sample_base",
     "score",
+    "style_reward",
 ]
 
 KEYWORDS = ("love", "lord", "king", "good", "sweet", "heaven", "god", "queen", "heart", "death")
 
 
 class ChildValues(Protocol):
-    """V(prefix + z) for each row's tokens and candidate ids [B, k] -> [B, k] (PrefixValue)."""
+    """V(prefix + z) for each row's tokens and candidate ids [B, k] -> [B, k] (PrefixValue, or
+    align/qvalue.py's HiddenValue: Q(prefix, z))."""
 
     def child_values(self, prefixes: Sequence[Sequence[int]], ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -156,6 +159,22 @@ def newline_length_reward(text: str) -> float:
     newline (the whole text if none)."""
     cut = text.find("\n")
     return float(len(text) if cut < 0 else cut)
+
+
+def style_reward(model: LanguageModel, prompt: str) -> Callable[[str], float]:
+    """Mean log-likelihood per token (nats) of a text under `model` after `prompt`: a dense
+    reward (every token adds to it), e.g. how much a completion reads like a speaker's line
+    (the Shakespeare model after "QUEEN MARGARET:\n"). The text is scored as the model
+    tokenises prompt + text; an empty text has no mean and raises ValueError."""
+    start = len(model.encode(prompt))
+
+    def reward(text: str) -> float:
+        ids = model.encode(prompt + text)
+        if len(ids) <= start:
+            raise ValueError(f"style_reward needs a non-empty text, got {text!r}")
+        return float(score_tokens(model, ids, start).mean())
+
+    return reward
 
 
 def orm_reward(question: str, orm: Callable[[str, str], float] | None = None

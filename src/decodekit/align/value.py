@@ -36,13 +36,15 @@ class BaseSamples:
     """Completions of the base policy and what training needs about them.
 
     tokens [N, L] long; rewards [N] float; child_ids / child_logp [N, L, k]: the top-k
-    next tokens of p before each position and their log-probabilities (for CD-Q).
+    next tokens of p before each position and their log-probabilities (for CD-Q); hidden
+    [N, L, H]: the base model's state before each position (for a Q head, align/qvalue.py).
     """
 
     tokens: torch.Tensor
     rewards: torch.Tensor
     child_ids: torch.Tensor | None = None
     child_logp: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 class PrefixValue(nn.Module):
@@ -107,12 +109,15 @@ def cdq_targets(value: PrefixValue, samples: BaseSamples) -> torch.Tensor:
     """CD-Q regression targets [N, L+1] (no gradient): E_p[V(child)] before the end, r at it."""
     if samples.child_ids is None or samples.child_logp is None:
         raise ValueError("CD-Q needs child_ids and child_logp (the top-k of p at every position)")
+    inner = []
     with torch.no_grad():
-        bag, _, t = value.prefix_states(samples.tokens)
-        probs = torch.softmax(samples.child_logp, dim=-1)  # [N, L, k], renormalised top-k
-        child_v = value._child_head(bag[:, :-1], t[:, :-1], samples.child_ids)  # [N, L, k]
-        inner = (probs * child_v).sum(dim=-1)  # [N, L]
-        return torch.cat([inner, samples.rewards[:, None].to(inner.dtype)], dim=1)
+        for rows in torch.arange(len(samples.tokens)).split(256):  # bounds the [n, L, k, hidden] MLP
+            bag, _, t = value.prefix_states(samples.tokens[rows])
+            probs = torch.softmax(samples.child_logp[rows], dim=-1)  # [n, L, k], renormalised top-k
+            child_v = value._child_head(bag[:, :-1], t[:, :-1], samples.child_ids[rows])  # [n, L, k]
+            inner.append((probs * child_v).sum(dim=-1))  # [n, L]
+    inner = torch.cat(inner)
+    return torch.cat([inner, samples.rewards[:, None].to(inner.dtype)], dim=1)
 
 
 def _fit(value: PrefixValue, samples: BaseSamples, steps: int, lr: float, cdq: bool,

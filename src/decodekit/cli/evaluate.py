@@ -38,6 +38,17 @@ def add_eval(sub) -> None:
     p.add_argument("--aggregate", default="last", help="step scores: last|min|product")
     p.add_argument("--tree-final", default="weighted_vote", help="best|vote|weighted_vote")
     p.add_argument("--tree-max-n", type=int, default=None, help="run tree search only up to this N")
+    p.add_argument("--value", default=None, choices=["bag", "hidden"],
+                   help="alignment: the controlled-decoding value: an embedding bag on token ids (bag, "
+                   "the default) or a Q head on the model's hidden states (hidden)")
+    p.add_argument("--reward", default=None, choices=["keywords", "style"],
+                   help="alignment: keyword count (sparse, the default) or log-likelihood per token "
+                   "under another speaker's prompt (style, dense)")
+    p.add_argument("--base-samples", type=int, default=None, metavar="N",
+                   help="alignment: base samples that train the values (default 256 for bag, "
+                   "4096 for hidden)")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="alignment: samples per controlled-decoding point (default 64)")
     add_threads(p)
     add_dtype(p)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
@@ -57,6 +68,10 @@ def run_eval(args) -> None:
         raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
     if args.model and len(args.model) > 1 and args.task != "arith":
         raise UsageError(f"several --model compare sizes in eval arith only, not eval {args.task}")
+    for flag in ("value", "reward", "base_samples", "samples"):
+        if getattr(args, flag) is not None and args.task != "alignment":
+            name = flag.replace("_", "-")
+            raise UsageError(f"--{name} applies to eval alignment only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
@@ -163,7 +178,14 @@ def run_eval_alignment(args) -> None:
     from decodekit.align.frontier import FrontierConfig, alignment_frontier, plot_frontier, table
 
     check_plot(args.plot)
-    config = FrontierConfig(threads=set_threads(args))  # the frontier sets them around its run
+    value = args.value or "bag"
+    base_samples = args.base_samples if args.base_samples is not None else 4096 if value == "hidden" else 256
+    samples = 64 if args.samples is None else args.samples
+    for flag, number in (("--base-samples", base_samples), ("--samples", samples)):
+        if number < 1:
+            raise UsageError(f"{flag} must be >= 1, got {number}")
+    config = FrontierConfig(value=value, reward=args.reward or "keywords", base_samples=base_samples,
+                            samples=samples, threads=set_threads(args))  # set around its run
     report = alignment_frontier(config, progress=show_progress(args))
     if args.plot:
         plot_frontier(report, args.plot)

@@ -82,6 +82,12 @@ class LanguageModel(ABC):
     ) -> torch.Tensor:
         """Logits [B, T, V] float32 for tokens [B, T] (long); `mask` [B, T] bool marks real tokens."""
 
+    def hidden_states(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's hidden state after the final norm (what the LM head reads),
+        [B, T, hidden] float32, at every position of tokens [B, T] on a fresh cache (`mask`
+        as in `forward`). A model that does not expose its states raises TypeError."""
+        raise TypeError(f"model {self.name!r} ({type(self).__name__}) does not expose hidden states")
+
     def engine_programs(self, requests: list) -> tuple[LanguageModel, list] | None:
         """How a model without paged KV of its own runs `requests` (request.py) on another
         model's engine: (that model, one program per request), or None: the plain loop."""

@@ -328,12 +328,17 @@ class LlamaNet(nn.Module):
         masks: each layer's (attention mask, causal) for `cache.attend`; rowwise: the
         batch-invariant mode (module docstring).
         """
-        x = self.embed_tokens(tokens)  # [B, T, hidden]
-        for index, (block, (mask, causal)) in enumerate(zip(self.layers, masks, strict=True)):
-            x = block(x, cos, sin, cache, index, mask, causal, rowwise)
+        x = self.trunk(tokens, cos, sin, cache, masks, rowwise)
         if keep is not None:
             x = x[:, keep]  # the engine needs logits at each sequence's last token only
         return _linear(self.lm_head, self.norm(x), rowwise).float()  # [B, T or K, V]
+
+    def trunk(self, tokens, cos, sin, cache, masks, rowwise=False) -> torch.Tensor:
+        """The last layer's output [B, T, hidden], before the final norm."""
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        for index, (block, (mask, causal)) in enumerate(zip(self.layers, masks, strict=True)):
+            x = block(x, cos, sin, cache, index, mask, causal, rowwise)
+        return x
 
 
 def fuse_checkpoint(
@@ -496,6 +501,24 @@ class NativeLM(LanguageModel):
         """Logits [B, T, V] float32 of tokens [B, T]; `mask` [B, T] marks real tokens. Inputs
         on another device (the CPU, where samplers make tokens) are moved to the model's;
         the logits stay on the model's device."""
+        return self.net(*self._layer_inputs(tokens, cache, mask), rowwise=self.batch_invariant)
+
+    def hidden_states(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's state after the final norm (what the LM head reads), [B, T, hidden]
+        float32, at every position of tokens [B, T], on a fresh cache."""
+        # Cloned outside inference mode: the states are inputs of trained heads (align/qvalue.py).
+        return self._final_states(tokens, mask).clone()
+
+    @torch.inference_mode()
+    def _final_states(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        cache = self.new_cache(tokens.shape[0])
+        x = self.net.trunk(*self._layer_inputs(tokens, cache, mask), rowwise=self.batch_invariant)
+        return self.net.norm(x).float()
+
+    def _layer_inputs(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None) -> tuple:
+        """(tokens, cos, sin, cache, masks) for `LlamaNet`: inputs checked and moved to the
+        model's device, rotary tables at each token's position, each layer's attention mask;
+        the cache grows by T."""
         _check_inputs(tokens, cache, mask, self.vocab_size)
         assert isinstance(cache, ContiguousKVCache)
         tokens = tokens.to(self.device, non_blocking=True)
@@ -522,7 +545,7 @@ class NativeLM(LanguageModel):
         by_window = {w: attention_mask(cache, num_new, w, explicit=rowwise)
                      for w in set(self.layer_windows())}  # fmt: skip
         masks = [(by_window[w], by_window[w] is None and num_new > 1) for w in self.layer_windows()]
-        return self.net(tokens, cos, sin, cache, masks, rowwise=rowwise)
+        return tokens, cos, sin, cache, masks
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window, None for full attention."""
