@@ -36,6 +36,13 @@ def quantize(source: str, out: str, ftype: int) -> dict:
     return {"out": out}
 
 
+@llama_cpp.llama_log_callback
+def warnings_only(level: int, text: bytes, user_data) -> None:
+    """llama.cpp's log, less its debug and info lines (GGML_LOG_LEVEL_WARN is 3, CONT 5)."""
+    if level in (3, 4):
+        sys.stderr.write(text.decode(errors="replace"))
+
+
 class Override(ctypes.Structure):
     """llama.h's llama_model_tensor_buft_override (the binding declares the field void *)."""
 
@@ -76,6 +83,7 @@ class Session:
     is the regex of the tensors to move (bench/llamacpp.py `repack_pattern`)."""
 
     def __init__(self, gguf: str, context: int, batch: int, repack: str | None = None) -> None:
+        llama_cpp.llama_log_set(warnings_only, None)
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         model_params.use_extra_bufts = False
@@ -129,7 +137,7 @@ class Session:
 def measure(task: dict) -> dict:
     prompts = [task["prompt"], *task["greedy"]]
     context = max(len(task["prefill"]), *(len(p) + task["new_tokens"] for p in prompts))
-    session = Session(task["gguf"], context + 8, len(task["prefill"]), task.get("repack"))
+    session = Session(task["gguf"], context + 8, context + 8, task.get("repack"))  # one batch each
     runs = {"decode": lambda: session.greedy(task["prompt"], task["new_tokens"]),
             "prefill": lambda: session.prefill(task["prefill"])}  # fmt: skip
     for fn in runs.values():
