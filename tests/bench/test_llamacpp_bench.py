@@ -80,12 +80,12 @@ PEER = find_llamacpp()
 
 @pytest.mark.peer
 @pytest.mark.skipif(PEER is None, reason="no llama-cpp-python build: bash scripts/peers.sh")
-def test_llama_cpp_greedy_equals_decodekit_greedy_on_shakespeare(one_thread):
+def test_llama_cpp_greedy_equals_decodekit_greedy_on_shakespeare(one_thread, tmp_path):
     import decodekit as dk
     from decodekit.models.registry import load_model
 
     model = load_model("shakespeare", backend="native")
-    paths = llamacpp.ggufs(PEER, "shakespeare")
+    paths = llamacpp.ggufs(PEER, "shakespeare", tmp_path)
     prompts = [model.encode(text) for text in llamacpp.GREEDY_PROMPTS]
     params = dk.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     ours = [list(c[0].token_ids) for c in dk.generate(model, prompts, params)]

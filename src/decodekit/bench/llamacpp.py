@@ -91,10 +91,9 @@ def convert(peer: LlamaCpp, model_dir: Path, out: Path) -> None:
         raise RuntimeError(f"converting {model_dir} to GGUF failed: {done.stderr.strip()[-2000:]}")
 
 
-def ggufs(peer: LlamaCpp, model_name: str) -> dict[str, Path]:
+def ggufs(peer: LlamaCpp, model_name: str, scratch: Path) -> dict[str, Path]:
     """The model's GGUF in each of FORMATS, converted and quantised once into the peers
-    directory (module docstring); a local checkpoint directory is converted afresh each run
-    into a temporary directory."""
+    directory (module docstring); a local checkpoint directory's afresh into `scratch`."""
     from decodekit.models.registry import embedded_models, resolve
     from decodekit.models.shapes import SHAPES, save_random_checkpoint
 
@@ -105,8 +104,7 @@ def ggufs(peer: LlamaCpp, model_name: str) -> dict[str, Path]:
         if kind != "hf":
             raise ValueError(f"llama.cpp converts Hugging Face checkpoints, not a {kind} model: "
                              f"{model_name!r}")
-        embedded = model_name in embedded_models()
-        cache = peer.directory if embedded else Path(tempfile.mkdtemp(prefix="decodekit-gguf-"))
+        cache = peer.directory if model_name in embedded_models() else Path(scratch)
     paths = {fmt: cache / f"{name}-{fmt}.gguf" for fmt in FORMATS}
     part = cache / f"{name}.gguf.part"  # renamed when complete, so an interrupted run leaves no GGUF
     if not paths["f32"].exists():
@@ -149,27 +147,27 @@ def bench_llamacpp(model, model_name: str, prompt: str, new_tokens: int, prefill
     peer = find_llamacpp()
     if peer is None:
         return {"available": False, "reason": ABSENT}
-    paths = ggufs(peer, model_name)
     prompts = [model.encode(text) for text in GREEDY_PROMPTS]
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    ours = [completions[0].token_ids for completions in dk.generate(model, prompts, params)]
+    ours = [list(completions[0].token_ids) for completions in dk.generate(model, prompts, params)]
     peer_rows: list[dict] = []
-    for fmt, path in paths.items():
-        measured = run_worker(peer, {"op": "measure", "gguf": str(path), "prompt": model.encode(prompt),
-                                     "new_tokens": new_tokens, "prefill": prefill, "repeats": repeats,
-                                     "repack": repack_pattern(model.config) if fmt == "q4_0" else None,
-                                     "greedy": prompts if fmt == "f32" else [],
-                                     "texts": list(GREEDY_PROMPTS) if fmt == "f32" else []})  # fmt: skip
-        row = {"format": fmt, "layout": "CPU_REPACK q4_0_8x8" if fmt == "q4_0" else "ggml",
-               "bits_per_weight": round(8 * path.stat().st_size / model.num_parameters(), 2),
-               "decode_tok_s": measured["decode_tok_s"],
-               "prefill_tok_s": measured["prefill_tok_s"]}  # fmt: skip
-        if fmt == "f32":
-            system_info = measured["system_info"]
-            greedy = {"prompts": list(GREEDY_PROMPTS), "new_tokens": new_tokens,
-                      "tokens_equal": [list(a) == b for a, b in zip(ours, measured["greedy"], strict=True)],
-                      "tokenizer_equal": measured["tokenized"] == prompts}  # fmt: skip
-        peer_rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="decodekit-gguf-") as scratch:
+        for fmt, path in ggufs(peer, model_name, Path(scratch)).items():
+            repack = repack_pattern(model.config) if fmt == "q4_0" else None
+            measured = run_worker(peer, {
+                "op": "measure", "gguf": str(path), "prompt": model.encode(prompt), "new_tokens": new_tokens,
+                "prefill": prefill, "repeats": repeats, "repack": repack,
+                "greedy": prompts if fmt == "f32" else [],
+                "texts": list(GREEDY_PROMPTS) if fmt == "f32" else []})  # fmt: skip
+            peer_rows.append({"format": fmt, "layout": "CPU_REPACK q4_0_8x8" if repack else "ggml",
+                              "bits_per_weight": round(8 * path.stat().st_size / model.num_parameters(), 2),
+                              "decode_tok_s": measured["decode_tok_s"],
+                              "prefill_tok_s": measured["prefill_tok_s"]})  # fmt: skip
+            if fmt == "f32":
+                system_info = measured["system_info"]
+                greedy = {"prompts": list(GREEDY_PROMPTS), "new_tokens": new_tokens,
+                          "tokens_equal": [a == b for a, b in zip(ours, measured["greedy"], strict=True)],
+                          "tokenizer_equal": measured["tokenized"] == prompts}  # fmt: skip
     by_config = {row["config"]: row for row in rows}
     by_format = {row["format"]: row for row in peer_rows}
     ratios = {f"{ours_name} / {fmt}": {key: round(by_config[ours_name][key] / by_format[fmt][key], 2)
