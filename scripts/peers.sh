@@ -7,7 +7,8 @@
 # Usage: bash scripts/peers.sh [PYTHON]
 #   PYTHON: a Python with decodekit's dependencies (torch, transformers) for the converter;
 #           default .venv/bin/python (scripts/setup.sh makes it).
-# Then: pytest -m peer (tests/server/test_peers.py) finds .peers/ by itself.
+# Then: pytest -m peer (tests/server/test_peers.py, tests/bench/test_llamacpp_bench.py) and
+# `decodekit bench packed --peer llamacpp` find .peers/ by themselves ($DECODEKIT_PEERS: elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${1:-.venv/bin/python}
@@ -44,34 +45,7 @@ if [ ! -d "$peers/convert-lib/sentencepiece" ]; then
 fi
 step "converting the embedded shakespeare model to $peers/shakespeare-f32.gguf"
 model=$(PYTHONPATH=src "$python" -c "from decodekit.models.registry import resolve; print(resolve('shakespeare')[1])")
-PYTHONPATH="$peers/convert-lib:$llama" "$python" - "$model" "$peers/shakespeare-f32.gguf" <<'PY'
-# convert_hf_to_gguf.py recognises a BPE pre-tokeniser by the hash of its tokens on a fixed
-# text and refuses unknown ones. decodekit's tokenisers are byte-level BPE with GPT-2's split
-# regex (tokenizer.json: ByteLevel, use_regex true), so an unrecognised hash is registered as
-# GPT-2's when, and only when, the tokenizer.json says exactly that.
-import json
-import sys
-from pathlib import Path
-
-import convert_hf_to_gguf
-from conversion.base import TextModel
-
-model_dir = Path(sys.argv[1])
-pre = json.loads((model_dir / "tokenizer.json").read_text())["pre_tokenizer"]
-recognise = TextModel.get_vocab_base_pre
-
-
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return recognise(self, tokenizer)
-    except NotImplementedError:
-        if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-            return "gpt-2"
-        raise
-
-
-TextModel.get_vocab_base_pre = get_vocab_base_pre
-sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", sys.argv[2], "--outtype", "f32"]
-convert_hf_to_gguf.main()
-PY
+# src/decodekit/bench/gguf.py: the conversion `decodekit bench packed --peer llamacpp` also runs
+# (it registers decodekit's byte-level BPE pre-tokeniser as GPT-2's; see its docstring).
+PYTHONPATH="src:$peers/convert-lib:$llama" "$python" -m decodekit.bench.gguf "$model" "$peers/shakespeare-f32.gguf"
 step "done: $peers/venv/bin/python -m llama_cpp.server --model $peers/shakespeare-f32.gguf"

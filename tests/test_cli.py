@@ -272,6 +272,8 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
     (["bench", "decode", "--concurrent", "16"],
      "--concurrent applies to bench speculative, not bench decode"),
     (["bench", "speculative", "--concurrent", "0"], "--concurrent must be >= 1, got 0"),
+    (["bench", "latency", "--peer", "llamacpp"], "--peer applies to bench packed, not bench latency"),
+    (["bench", "engine", "--peer", "llamacpp"], "--peer applies to bench packed, not bench engine"),
 ])  # fmt: skip
 def test_a_bad_dtype_is_one_line_naming_what_is_allowed(capsys, args, message):
     assert main(args) == 2

@@ -1,6 +1,6 @@
 """RemoteGenerator against a real external engine: llama.cpp's server (llama-cpp-python,
-built by scripts/peers.sh into .peers/) over the embedded shakespeare model converted to
-GGUF. Skipped when .peers/ has no build."""
+built by scripts/peers.sh into .peers/, found as bench/llamacpp.py finds it) over the
+embedded shakespeare model converted to GGUF. Skipped when no peers directory has a build."""
 
 from __future__ import annotations
 
@@ -9,21 +9,20 @@ import socket
 import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
 
+from decodekit.bench.llamacpp import find_llamacpp
 from decodekit.meta.generator import LocalGenerator
 from decodekit.meta.remote import RemoteGenerator
 from decodekit.params import SamplingParams
 
-PEERS = Path(__file__).resolve().parents[2] / ".peers"
-PYTHON, GGUF = PEERS / "venv" / "bin" / "python", PEERS / "shakespeare-f32.gguf"
-pytestmark = [pytest.mark.peer, pytest.mark.skipif(
-    not PYTHON.exists() or not GGUF.exists()
-    or subprocess.run([str(PYTHON), "-c", "import llama_cpp.server"], capture_output=True).returncode,
-    reason="no llama-cpp-python build: bash scripts/peers.sh")]
+PEER = find_llamacpp("llama_cpp.server")
+PYTHON = PEER and PEER.python
+GGUF = PEER and PEER.directory / "shakespeare-f32.gguf"
+pytestmark = [pytest.mark.peer, pytest.mark.skipif(PEER is None or not GGUF.exists(),
+                                                   reason="no llama-cpp-python build: bash scripts/peers.sh")]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,10 @@ model also the held-out test perplexity (`text_perplexity`, the BENCHMARKS.md pr
 Then speculative decoding at T = 0 (`speculative_generate`, γ = 4) of the float32 model
 with its own int4 copy as the draft ("self-int4": RTN, groups of 32; and the int4 GPTQ row's
 model), against plain greedy decoding of the float32 model, same tokens.
+
+With `peer="llamacpp"`, llama.cpp's f32, f16, q8_0 and q4_0 GGUFs of the same weights are
+timed by the same protocol right after the rows, and their ratios reported
+(bench/llamacpp.py; "peer" in the JSON says when the peer is not installed).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ def bench_packed(
     threads: int = 1,
     perplexity: bool | None = None,
     progress: bool = False,
+    peer: str | None = None,
 ) -> dict:
     """The rows and the speculative comparison of the module docstring, as a JSON-able dict.
     `perplexity` defaults to on for embedded models and off for random ones; GPTQ calibrates
@@ -104,6 +109,8 @@ def bench_packed(
     from decodekit.models.qlinear import kernel_counts
     from decodekit.runtime import progress as progress_bar
 
+    if peer not in (None, "llamacpp"):
+        raise ValueError(f"peer must be None or 'llamacpp', got {peer!r}")
     random = model_name in SHAPES
     perplexity = not random if perplexity is None else perplexity
     calib_windows = calib_windows or (8 if random else 128)
@@ -145,6 +152,12 @@ def bench_packed(
         for row in rows:
             row["decode_vs_f32"] = round(row["decode_tok_s"] / reference["decode_tok_s"], 2)
             row["prefill_vs_f32"] = round(row["prefill_tok_s"] / reference["prefill_tok_s"], 2)
+        peers = {}
+        if peer == "llamacpp":
+            from decodekit.bench.llamacpp import bench_llamacpp
+
+            peers[peer] = bench_llamacpp(base, model_name, PROMPT, new_tokens, ids[:prefill_tokens],
+                                         repeats, rows)  # fmt: skip
 
         params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         [plain] = dk.generate(base, PROMPT, params)
@@ -168,4 +181,4 @@ def bench_packed(
     return {"model": model_name, "parameters": base.num_parameters(), "new_tokens": new_tokens,
             "prefill_tokens": prefill_tokens, "repeats": repeats, "calib_windows": calib_windows,
             "clock": "process CPU time", "machine": report_machine, "rows": rows,
-            "speculative_t0": speculative}  # fmt: skip
+            "speculative_t0": speculative, **({"peer": peers} if peer else {})}  # fmt: skip

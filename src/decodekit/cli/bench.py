@@ -27,6 +27,9 @@ def add_bench(sub) -> None:
     p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
     p.add_argument("--draft", default="shakespeare-draft",
                    help="bench speculative: the draft model; bench presets: the second scorer")
+    p.add_argument("--peer", choices=("llamacpp",), default=None,
+                   help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model "
+                   "(built by scripts/peers.sh into .peers/ or $DECODEKIT_PEERS; reported absent without it)")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrent", type=int, default=None, metavar="N",
                    help="bench speculative: N concurrent requests on the engine against N plain ones")
@@ -49,6 +52,8 @@ def add_bench(sub) -> None:
 
 
 def run_bench(args) -> None:
+    if args.peer is not None and args.which != "packed":
+        raise UsageError(f"--peer applies to bench packed, not bench {args.which}")
     if args.which in ("latency", "presets", "kv"):
         run_seed_bench(args)
         return
@@ -131,7 +136,7 @@ def run_bench(args) -> None:
         from decodekit.bench.packed import bench_packed
 
         result = bench_packed(args.model, args.new_tokens, args.repeats, threads=threads or 1,
-                              progress=progress)
+                              progress=progress, peer=args.peer)
     print(json.dumps(result, indent=None if args.json else 2))
 
 

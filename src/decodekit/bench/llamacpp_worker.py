@@ -1,0 +1,161 @@
+"""Run by the llama.cpp peer's own Python (llama-cpp-python and numpy; no torch, no
+decodekit), by file path, one JSON task on stdin, one JSON answer on stdout
+(bench/llamacpp.py sends them):
+
+- {"op": "quantize", "source": GGUF, "out": GGUF, "ftype": int}: `llama_model_quantize`
+  (llama.cpp's own quantiser; ftype 1 f16, 7 q8_0, 2 q4_0), one thread.
+- {"op": "measure", "gguf": GGUF, "prompt": [ids], "new_tokens": n, "prefill": [ids],
+  "repeats": r, "greedy": [[ids], ...], "repack": regex or null}: one thread, batch 1, CPU
+  time of this process (`time.process_time`), median of r rounds after a warm-up, decode and
+  prefill alternating: greedy decode tokens/s (the prompt evaluated, then n - 1 single-token steps, argmax of
+  the last logits: n tokens, as `decodekit.generate` counts them) and prefill tokens/s (one
+  `eval` of the prefill ids in a single batch); then the greedy continuation (n tokens) of
+  each prompt in "greedy", and llama.cpp's tokenisation of each text in "texts".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+
+def quantize(source: str, out: str, ftype: int) -> dict:
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    status = llama_cpp.llama_model_quantize(source.encode(), out.encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({source!r}, ftype {ftype}) returned {status}")
+    return {"out": out}
+
+
+@llama_cpp.llama_log_callback
+def warnings_only(level: int, text: bytes, user_data) -> None:
+    """llama.cpp's log, less its debug and info lines (GGML_LOG_LEVEL_WARN is 3, CONT 5)."""
+    if level in (3, 4):
+        sys.stderr.write(text.decode(errors="replace"))
+
+
+class Override(ctypes.Structure):
+    """llama.h's llama_model_tensor_buft_override (the binding declares the field void *)."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def repack_buffer_type() -> int:
+    """ggml's CPU_REPACK buffer type (weights re-laid out for its vectorised kernels, e.g.
+    q4_0 as q4_0_8x8 on AVX-512), found through the CPU backend's extra buffer types."""
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    ggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ggml.ggml_backend_buft_name.restype = ctypes.c_char_p
+    ggml.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    cpu = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    address = ggml.ggml_backend_reg_get_proc_address(ggml.ggml_backend_dev_backend_reg(cpu),
+                                                     b"ggml_backend_dev_get_extra_bufts")  # fmt: skip
+    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)(cpu)
+    i = 0
+    while extra[i]:
+        if ggml.ggml_backend_buft_name(extra[i]) == b"CPU_REPACK":
+            return extra[i]
+        i += 1
+    raise RuntimeError("this llama.cpp build has no CPU_REPACK buffer type")
+
+
+class Session:
+    """One model and context through llama.cpp's C API: one thread, batch 1. Its automatic
+    extra buffer types are off: on this machine llama.cpp puts every quantised weight in its
+    AMX buffer, whose matmul segfaults in ggml_backend_amx_mul_mat (llama.cpp issue #20824;
+    PR #26954: its worker threads lack the AMX tile permission). With `repack` the matmul
+    weights go to the CPU_REPACK buffer instead, llama.cpp's next choice on an x86 CPU for the
+    types it repacks (q4_0; its q8_0 repacking exists for ARM only and crashes here). `repack`
+    is the regex of the tensors to move (bench/llamacpp.py `repack_pattern`)."""
+
+    def __init__(self, gguf: str, context: int, batch: int, repack: str | None = None) -> None:
+        llama_cpp.llama_log_set(warnings_only, None)
+        llama_cpp.llama_backend_init()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = False
+        if repack:
+            moved = Override(repack.encode(), repack_buffer_type())
+            self.overrides = (Override * 2)(moved, Override(None, None))  # NULL-terminated
+            model_params.tensor_buft_overrides = ctypes.addressof(self.overrides)
+        self.model = llama_cpp.llama_model_load_from_file(gguf.encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = context, batch, batch
+        params.n_threads = params.n_threads_batch = 1
+        self.context = llama_cpp.llama_init_from_model(self.model, params)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    def eval(self, ids: list[int]) -> None:
+        """Append `ids` to the context (positions follow the KV cache's)."""
+        tokens = (llama_cpp.llama_token * len(ids))(*ids)
+        status = llama_cpp.llama_decode(self.context, llama_cpp.llama_batch_get_one(tokens, len(ids)))
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context), True)
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """`new_tokens` greedy tokens after `prompt`, from position 0."""
+        self.reset()
+        self.eval(prompt)
+        tokens: list[int] = []
+        while True:
+            last = llama_cpp.llama_get_logits_ith(self.context, -1)
+            tokens.append(int(np.argmax(np.ctypeslib.as_array(last, shape=(self.n_vocab,)))))  # [V] -> id
+            if len(tokens) == new_tokens:
+                return tokens
+            self.eval(tokens[-1:])
+
+    def prefill(self, ids: list[int]) -> None:
+        self.reset()
+        self.eval(ids)
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode()
+        out = (llama_cpp.llama_token * (len(data) + 8))()
+        count = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, len(out), False, False)
+        return list(out[:count])
+
+
+def measure(task: dict) -> dict:
+    prompts = [task["prompt"], *task["greedy"]]
+    context = max(len(task["prefill"]), *(len(p) + task["new_tokens"] for p in prompts))
+    session = Session(task["gguf"], context + 8, context + 8, task.get("repack"))  # one batch each
+    runs = {"decode": lambda: session.greedy(task["prompt"], task["new_tokens"]),
+            "prefill": lambda: session.prefill(task["prefill"])}  # fmt: skip
+    for fn in runs.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(task["repeats"]):
+        for name, fn in runs.items():
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    return {"decode_tok_s": round(task["new_tokens"] / statistics.median(times["decode"]), 2),
+            "prefill_tok_s": round(len(task["prefill"]) / statistics.median(times["prefill"]), 1),
+            "greedy": [session.greedy(p, task["new_tokens"]) for p in task["greedy"]],
+            "tokenized": [session.tokenize(t) for t in task.get("texts", [])],
+            "system_info": llama_cpp.llama_print_system_info().decode()}  # fmt: skip
+
+
+if __name__ == "__main__":
+    request = json.loads(sys.stdin.read())
+    operations = {"quantize": lambda t: quantize(t["source"], t["out"], t["ftype"]), "measure": measure}
+    print(json.dumps(operations[request["op"]](request)))
