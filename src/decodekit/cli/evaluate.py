@@ -110,12 +110,17 @@ def run_eval_arith(args) -> None:
         urls = args.endpoint[0] if len(args.endpoint) == 1 else args.endpoint
         generator = RemoteGenerator(urls, model)
     report = evaluate_arith(config, generator=generator, progress=show_progress(args))
+    show_report(args, report, plot, "accuracy (generated tokens per problem)", table)
+
+
+def show_report(args, report: dict, plot, title: str, table) -> None:
+    """An eval arith report: the plot to --plot, then JSON with --json, else title and table."""
     if args.plot:
         plot(report, args.plot)
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print("accuracy (generated tokens per problem)")
+    print(title)
     print(table(report))
     if args.plot:
         print(f"plot: {args.plot}")
@@ -142,15 +147,7 @@ def run_eval_sizes(args, config, models) -> None:
     from decodekit.meta.compute_optimal import evaluate_sizes, plot_sizes, table_sizes
 
     report = evaluate_sizes(config, models, progress=show_progress(args))
-    if args.plot:
-        plot_sizes(report, args.plot)
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
-    print("accuracy (inference FLOPs per problem)")
-    print(table_sizes(report))
-    if args.plot:
-        print(f"plot: {args.plot}")
+    show_report(args, report, plot_sizes, "accuracy (inference FLOPs per problem)", table_sizes)
 
 
 def run_eval_perplexity(args) -> None:
