@@ -87,6 +87,18 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
     assert stats["generated_tokens"] - generated < 20 * 400  # cut short, not run to the end
 
 
+def completions_at_once(url: str, prompts: list[str], **fields) -> list:
+    """One /v1/completions request per prompt, all sent at once through the openai client."""
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        answers = await asyncio.gather(*(client.completions.create(prompt=p, **fields) for p in prompts))
+        await client.close()
+        return answers
+
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
 def test_concurrent_beam_searches_join_the_engine_batch(server, server_models):
     """Beam-search requests run on the model's engine (no worker thread): 8 at once share its
     forwards, and each equals the library's beam search."""
@@ -97,16 +109,8 @@ def test_concurrent_beam_searches_join_the_engine_batch(server, server_models):
     before = engine.stats()["steps"]
     prompts = PROMPTS + ["O Romeo", "Good night", "Parting is"]
 
-    async def run():
-        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        answers = await asyncio.gather(*(client.completions.create(
-            model="tiny", prompt=p, max_tokens=12, n=2, extra_body={"use_beam_search": True, "num_beams": 4,
-                                                                     "ignore_eos": True})
-            for p in prompts))
-        await client.close()
-        return answers
-
-    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    extra = {"use_beam_search": True, "num_beams": 4, "ignore_eos": True}
+    answers = completions_at_once(thread.url, prompts, model="tiny", max_tokens=12, n=2, extra_body=extra)
     steps = engine.stats()["steps"] - before
     assert steps <= 3 * 12  # 13 measured; alone, the 8 searches would take 8 x 12 forwards
     params = dk.SamplingParams(max_new_tokens=12, n=2, ignore_eos=True)
@@ -125,16 +129,9 @@ def test_concurrent_contrastive_requests_run_on_the_experts_engine(server, serve
     before = engine.stats()["steps"]
     prompts = PROMPTS[:4]
 
-    async def run():
-        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        answers = await asyncio.gather(*(client.completions.create(
-            model="tiny", prompt=p, max_tokens=10, temperature=0,
-            extra_body={"amateur_model": "tiny-2", "contrastive_alpha": 0.2, "ignore_eos": True})
-            for p in prompts))
-        await client.close()
-        return answers
-
-    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    extra = {"amateur_model": "tiny-2", "contrastive_alpha": 0.2, "ignore_eos": True}
+    answers = completions_at_once(thread.url, prompts, model="tiny", max_tokens=10, temperature=0,
+                                  extra_body=extra)
     assert engine.stats()["steps"] - before <= 3 * 10  # together, not 4 x 10 steps
     assert id(server_models["tiny-2"]) in engine.members
     cd = dk.ContrastiveLM(server_models["tiny"], server_models["tiny-2"], alpha=0.2)
@@ -154,16 +151,9 @@ def test_concurrent_speculative_requests_verify_in_one_forward(server, server_mo
     before = engine.stats()["steps"]
     prompts = PROMPTS[:4]
 
-    async def run():
-        client = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        answers = await asyncio.gather(*(client.completions.create(
-            model="tiny", prompt=p, max_tokens=12, temperature=0,
-            extra_body={"draft_model": "tiny-2", "num_draft_tokens": 3, "ignore_eos": True})
-            for p in prompts))
-        await client.close()
-        return answers
-
-    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    extra = {"draft_model": "tiny-2", "num_draft_tokens": 3, "ignore_eos": True}
+    answers = completions_at_once(thread.url, prompts, model="tiny", max_tokens=12, temperature=0,
+                                  extra_body=extra)
     assert engine.stats()["steps"] - before <= 3 * 13  # together: alone, 4 x (1 + up to 12) steps
     params = dk.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     for prompt, answer in zip(prompts, answers):
