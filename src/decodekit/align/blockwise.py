@@ -37,9 +37,9 @@ import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.meta.budget import Budget
-from decodekit.meta.generator import Generator, call_generator, derive_seed, per_prompt_counts
+from decodekit.meta.generator import Generator, call_generator, derive_seed, per_prompt
 from decodekit.params import SamplingParams
-from decodekit.request import Prompt, per_prompt_params
+from decodekit.request import Prompt
 from decodekit.validate import check_n
 
 __all__ = ["BlockValue", "BlockwiseCD"]
@@ -117,9 +117,7 @@ class BlockwiseCD:
         n: int | Sequence[int],
         params: SamplingParams | Sequence[SamplingParams],
     ) -> list[list[Completion]]:
-        prompts = list(prompts)
-        counts = per_prompt_counts(n, len(prompts))
-        params_list = per_prompt_params(params, len(prompts))
+        prompts, counts, params_list = per_prompt(prompts, n, params)
         samples = [[_Sample(j, prompt, p) for j in range(count)]
                    for prompt, p, count in zip(prompts, params_list, counts)]
         live = [s for group in samples for s in group]

@@ -59,6 +59,13 @@ def per_prompt_counts(n: int | Sequence[int], count: int) -> list[int]:
     return [check_n(k) for k in counts]
 
 
+def per_prompt(prompts: Sequence, n: int | Sequence[int], params: SamplingParams | Sequence[SamplingParams]
+               ) -> tuple[list, list[int], list[SamplingParams]]:  # fmt: skip
+    """A Generator's arguments checked and spread: (prompts, a count each, params each)."""
+    prompts = list(prompts)
+    return prompts, per_prompt_counts(n, len(prompts)), per_prompt_params(params, len(prompts))
+
+
 def derive_seed(seed: int | None, *keys: int | str) -> int | None:
     """A reproducible seed for sub-request `keys` of a seeded run (None stays None)."""
     if seed is None:
@@ -116,9 +123,7 @@ class LocalGenerator:
     ) -> list[list[Completion]]:
         from decodekit.decode.sample import generate
 
-        prompts = list(prompts)
-        counts = per_prompt_counts(n, len(prompts))
-        params_list = per_prompt_params(params, len(prompts))
+        prompts, counts, params_list = per_prompt(prompts, n, params)
         if self.prefix == "shared":
             requests = [p.replace(n=k) for p, k in zip(params_list, counts)]
             results = generate(self.model, prompts, requests)

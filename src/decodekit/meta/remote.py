@@ -62,10 +62,9 @@ from dataclasses import dataclass, field
 from decodekit.completion import Completion, Usage
 from decodekit.meta import probes
 from decodekit.meta.budget import Budget
-from decodekit.meta.generator import account_request, derive_seed, per_prompt_counts
+from decodekit.meta.generator import account_request, derive_seed, per_prompt
 from decodekit.meta.profiles import PROFILES, Profile, detect_profile, profile_named, requested_fields
 from decodekit.params import SamplingParams
-from decodekit.request import per_prompt_params
 
 MAX_SEED = 2**63 - 1
 MAX_WAIT = 60.0  # longest single wait between retries, whatever Retry-After says
@@ -337,9 +336,7 @@ class RemoteGenerator:
         n: int | Sequence[int],
         params: SamplingParams | Sequence[SamplingParams],
     ) -> list[list[Completion]]:
-        prompts = list(prompts)
-        counts = per_prompt_counts(n, len(prompts))
-        params_list = per_prompt_params(params, len(prompts))
+        prompts, counts, params_list = per_prompt(prompts, n, params)
         if self.spread:  # each sample its own request, seeded by its index: placement-free
             jobs = [[self.pool.submit(self._request, prompt, 1, sample_params(p, j))
                      for j in range(k)] for prompt, k, p in zip(prompts, counts, params_list)]
@@ -349,10 +346,10 @@ class RemoteGenerator:
                        for prompt, k, p in zip(prompts, counts, params_list)]
             requests = [future.result() for future in futures]  # each request's completions
         results = []
-        for per_prompt in requests:
-            for completions in per_prompt:
+        for prompt_requests in requests:
+            for completions in prompt_requests:
                 account_request(self.budget, completions)
-            results.append([c for completions in per_prompt for c in completions])
+            results.append([c for completions in prompt_requests for c in completions])
         return results
 
     def _samples(self, prompt: str, k: int, params: SamplingParams) -> list[list[Completion]]:
