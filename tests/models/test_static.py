@@ -41,6 +41,8 @@ def test_the_eager_static_step_equals_the_native_forward(native):
         got = step_by_step(static, prompt, 20)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     assert static.steps == 20 * len(PROMPTS)  # every one-token step took the static path
+    tokens = torch.tensor([PROMPTS[0]])
+    torch.testing.assert_close(static.hidden_states(tokens), native.hidden_states(tokens))
 
 
 def test_the_compiled_step_gives_generates_greedy_tokens(tiny_lm):

@@ -185,6 +185,9 @@ class StaticDecodeLM(LanguageModel):
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.decode(ids)
 
+    def hidden_states(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.hidden_states(tokens, mask)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None) -> torch.Tensor:
         static = (isinstance(cache, StaticKVCache) and tokens.shape == (1, 1) and not cache.has_padding
