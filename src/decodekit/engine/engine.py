@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import uuid
 from collections import deque
@@ -30,7 +31,7 @@ import torch
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.kv import BlockManager, BlockPool, block_bytes
+from decodekit.engine.kv import BlockManager, BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Feed, Forward, Member, Program, ProgramKV
 from decodekit.engine.rows import RunningKV
@@ -47,6 +48,8 @@ from decodekit.request import (
     next_delta,
     sample_rows,
 )
+
+_log = logging.getLogger(__name__)
 
 
 class EngineFull(RuntimeError):
@@ -197,6 +200,8 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self.peak_blocks_used = 0
+        self.resets = 0  # times a failed step left books that disagreed (`_fail_step`)
+        self._stepping = False
         self._forward = paged_forward
         if config.compile:
             self._forward = torch.compile(paged_forward, dynamic=True)
@@ -266,6 +271,7 @@ class Engine:
             if getattr(model, "dtype", None) is None or not hasattr(model, "config"):
                 raise TypeError(f"{model.name} has no paged-KV configuration")
             member = Member(model, _new_pool(model, self.config))
+            member.pool.journal = {} if self._stepping else None
             self.members[id(model)] = member
         return member
 
@@ -277,31 +283,113 @@ class Engine:
                 self._lock.notify_all()
 
     def has_work(self) -> bool:
-        return bool(self._incoming or self._cancelled or self.scheduler.has_work()
-                    or self.programs or self._waiting_programs)
+        return bool(
+            self._incoming
+            or self._cancelled
+            or self.scheduler.has_work()
+            or self.programs
+            or self._waiting_programs
+        )
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> None:
         """One iteration: admit, prefill, decode one token for every running sequence, and
-        one step of every running program (program.py)."""
+        one step of every running program (program.py).
+
+        A step that raises (a forward, an adapter, a program, an interrupt) fails exactly
+        the requests and programs it was running, after giving back every KV slot it
+        reserved, so nothing it did not finish writing reaches the prefix cache
+        (`_fail_step`); then it raises the error. Waiting requests stay queued and the
+        engine stays usable."""
         with self._step_lock, torch.inference_mode():
-            self._take_incoming()
-            self._admit_programs()
-            if not self.scheduler.has_work() and not self.programs:
-                return
-            self._hold_for_programs()
-            step = self.scheduler.schedule() if self.scheduler.has_work() else Step([], [], [], [])
-            self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
-            parked = self._program_rounds()
-            feeds = [(entry, i, feed) for entry in parked for i, fw in enumerate(entry.forwards)
-                     if fw.model is self.model for feed in fw.feeds]  # fmt: skip
-            if step.work or feeds:
-                outputs = self._run(step, [feed for _, _, feed in feeds])
-                for (entry, i, _), logits in zip(feeds, outputs, strict=True):
-                    entry.results[i].append(logits)
-            for entry in parked:
-                self._resume(entry)
+            self._stepping = True
+            for member in self.members.values():
+                member.pool.journal = {}
+            try:
+                self._step()
+            except BaseException as error:
+                self._fail_step(error)
+                raise
+            finally:
+                self._stepping = False
+                for member in self.members.values():
+                    member.pool.journal = None
+
+    def _step(self) -> None:
+        self._take_incoming()
+        self._admit_programs()
+        if not self.scheduler.has_work() and not self.programs:
+            return
+        self._hold_for_programs()
+        step = self.scheduler.schedule() if self.scheduler.has_work() else Step([], [], [], [])
+        self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
+        parked = self._program_rounds()
+        feeds = [(entry, i, feed) for entry in parked for i, fw in enumerate(entry.forwards)
+                 if fw.model is self.model for feed in fw.feeds]  # fmt: skip
+        if step.work or feeds:
+            outputs = self._run(step, [feed for _, _, feed in feeds])
+            for (entry, i, _), logits in zip(feeds, outputs, strict=True):
+                entry.results[i].append(logits)
+        for entry in parked:
+            self._resume(entry)
+
+    def _fail_step(self, error: BaseException) -> None:
+        """After a step raised: roll back the slots it reserved (kv.py `rollback`: a
+        position reserved but not written must never be registered), end every running
+        request and program with `error`, then check the pools' books (`check`); books that
+        disagree (an interrupt between two updates) cost the KV, not correctness: the
+        engine starts over with empty pools (`_reset`)."""
+        for member in self.members.values():
+            member.manager.rollback()
+        failed = list(self.scheduler.running) + list(self.programs)
+        for entry in self.scheduler.running[:]:
+            self.scheduler.remove(entry)
+            wake(entry.handle._push([], finished=True, error=error))
+        for entry in self.programs[:]:
+            self._end_program(entry, [], error)
+        if not failed:  # nothing ran: the error came with admission, so do not retry it forever
+            self._fail_queued(error)
+        try:
+            self._check()
+        except PoolCorrupted as problem:
+            _log.warning("%s after a failed step: the engine starts over with empty pools", problem)
+            self._reset()
+
+    def check(self) -> None:
+        """Raise `PoolCorrupted` unless every pool's reference counts equal the blocks that
+        live sequences hold and every RunningKV lane belongs to the sequence that names it.
+        Cheap next to a forward, but not free: called after a failed step, and by tests."""
+        with self._step_lock:
+            self._check()
+
+    def _check(self) -> None:
+        tables: dict[int, list] = {id(m.pool): [] for m in self.members.values()}
+        laned = []
+        for entry in self.scheduler.running:
+            tables[id(self.pool)] += [seq.table for seq in entry.seqs]
+            laned += [seq for seq in entry.seqs if seq.lane is not None]
+        for entry in [*self.programs, *self._waiting_programs]:
+            for seq in entry.kv.seqs:
+                if id(seq.member.pool) not in tables:
+                    raise PoolCorrupted(f"a program holds blocks of {seq.member.model.name}, "
+                                        "whose pool the engine no longer has")  # fmt: skip
+                tables[id(seq.member.pool)].append(seq.table)
+                laned += [seq] if seq.lane is not None else []
+        for member in self.members.values():
+            member.pool.check(tables[id(member.pool)])
+        owners = self.running_kv.owners
+        if len(laned) != len(owners) or any(owners[seq.lane] is not seq for seq in laned):
+            raise PoolCorrupted(f"{len(owners)} RunningKV rows for {len(laned)} sequences with lanes")
+
+    def _reset(self) -> None:
+        """Empty pools, lanes and members (the running requests have been failed)."""
+        self.pool = _new_pool(self.model, self.config)
+        self.running_kv = RunningKV(self.pool, share_prefixes=self.running_kv.share_prefixes)
+        self.scheduler.manager = BlockManager(self.pool)
+        self.scheduler.running_kv = self.running_kv
+        self.members = {id(self.model): Member(self.model, self.pool, self.running_kv)}
+        self.resets += 1
 
     def take_incoming(self) -> None:
         """Queue the submitted requests and drop the cancelled ones (freeing their blocks)."""
@@ -526,18 +614,26 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as error:  # noqa: BLE001 -- handed to every waiting consumer
-                self.fail_all(error)
+            except Exception as error:  # noqa: BLE001 -- the step failed its own requests
+                _log.warning("an engine step failed and ended its requests: %r", error)
 
     def fail_all(self, error: BaseException) -> None:
-        """End every queued and running request with `error` (after a step raised)."""
-        entries = list(self.scheduler.running) + list(self.scheduler.waiting)
-        programs = list(self.programs) + list(self._waiting_programs)
+        """End every queued and running request with `error` (waits for a running step)."""
+        with self._step_lock:
+            for entry in self.scheduler.running[:]:
+                self.scheduler.remove(entry)
+                wake(entry.handle._push([], finished=True, error=error))
+            for entry in self.programs[:]:
+                self._end_program(entry, [], error)
+            self._fail_queued(error)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """End every request not yet admitted with `error`."""
         with self._lock:
             incoming = list(self._incoming)
             self._incoming.clear()
-        entries += [e for e in incoming if not isinstance(e, ProgramEntry)]
-        programs += [e for e in incoming if isinstance(e, ProgramEntry)]
+        entries = [e for e in incoming if not isinstance(e, ProgramEntry)] + list(self.scheduler.waiting)
+        programs = [e for e in incoming if isinstance(e, ProgramEntry)] + list(self._waiting_programs)
         for entry in entries:
             self.scheduler.remove(entry)
             wake(entry.handle._push([], finished=True, error=error))
@@ -611,4 +707,3 @@ def _emit_rows(rows, context: int):
     for row in rows:
         for delta in emit([row], context):
             yield delta, row
-
