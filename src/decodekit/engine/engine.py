@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -188,6 +188,7 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(self.pool), self.running_kv, config)
         # The KV of each model programs run (program.py): this engine's own, then members.
         self.members: dict[int, Member] = {id(model): Member(model, self.pool, self.running_kv)}
+        self._idle_members: OrderedDict[int, None] = OrderedDict()  # unused, least recent first
         self.programs: list[ProgramEntry] = []  # admitted, oldest first
         self._waiting_programs: deque[ProgramEntry] = deque()
         self._lock = threading.Condition()
@@ -252,6 +253,7 @@ class Engine:
                 )
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         entry = ProgramEntry(program, ProgramKV(self.model, self.member))
+        entry.models = [model for model, _ in program.needs(self.config.block_size)]
         entry.handle = RequestHandle(request_id, program.num_samples, lambda: self._cancel(entry))
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting) + len(self._waiting_programs)
@@ -265,6 +267,7 @@ class Engine:
         """The KV of `model` on this engine: its own pool for another model (a draft, an
         amateur), built on first use with this engine's block size and memory bound."""
         member = self.members.get(id(model))
+        self._idle_members.pop(id(model), None)
         if member is None:
             if not model.supports_paged_kv:
                 raise TypeError(f"a program's models must support paged KV, got {type(model).__name__}")
@@ -505,7 +508,24 @@ class Engine:
             self.programs.remove(entry)
         elif entry in self._waiting_programs:
             self._waiting_programs.remove(entry)
+        self._retire_members()
+        self._hold_for_programs()  # what it held is free again
         wake(entry.handle._push(deltas, finished=True, error=error))
+
+    def _retire_members(self) -> None:
+        """Members no queued or running program uses become idle; idle ones beyond
+        `EngineConfig.idle_member_bytes` of KV storage are freed, least recently used first
+        (a self-int4 draft's copy of the model goes with its member)."""
+        entries = [*self.programs, *self._waiting_programs]
+        in_use = {id(self.model)} | {id(m) for e in entries for m in e.models}
+        in_use |= {id(seq.member.model) for e in entries for seq in e.kv.seqs}
+        for key in self.members:
+            if key not in in_use and key not in self._idle_members:
+                self._idle_members[key] = None
+        idle_bytes = sum(self.members[key].pool.nbytes for key in self._idle_members)
+        while idle_bytes > self.config.idle_member_bytes:
+            key, _ = self._idle_members.popitem(last=False)
+            idle_bytes -= self.members.pop(key).pool.nbytes
 
     def _member_forward(self, member: Member, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward of another model over programs' feeds (their blocks, no lanes)."""
@@ -641,18 +661,29 @@ class Engine:
             self._end_program(entry, [], error)
 
     def stats(self) -> dict:
+        """The engine's state: requests (sampling requests and programs alike), its pool's
+        blocks, and every member pool's (drafts, amateurs), for /health and /metrics."""
         pool, scheduler = self.pool, self.scheduler
         cached = len(pool.cache) if pool.cache is not None else 0
+        queued = sum(isinstance(e, ProgramEntry) for e in self._incoming)
         return {
-            "running_requests": len(scheduler.running),
-            "running_sequences": sum(len(e.seqs) for e in scheduler.running),
-            "waiting_requests": len(scheduler.waiting) + len(self._incoming),
+            "running_requests": len(scheduler.running) + len(self.programs),
+            "running_sequences": sum(len(e.seqs) for e in scheduler.running)
+            + sum(len(e.kv.seqs) for e in self.programs),
+            "waiting_requests": len(scheduler.waiting) + len(self._incoming) + len(self._waiting_programs),
             "total_blocks": pool.num_blocks,
             "used_blocks": pool.num_used,
+            "held_blocks": pool.held,
             "free_blocks": pool.num_free,
             "cached_blocks": cached,
             "idle_cached_blocks": pool.cache.num_idle if pool.cache is not None else 0,
             "running_programs": len(self.programs),
+            "waiting_programs": len(self._waiting_programs) + queued,
+            "members": {
+                member.model.name: _pool_stats(member.pool, key in self._idle_members)
+                for key, member in self.members.items()
+                if member.pool is not pool
+            },  # fmt: skip
             "peak_used_blocks": self.peak_blocks_used,
             "block_bytes": pool.bytes_per_block,
             "running_rows_bytes": self.running_kv.nbytes,
@@ -661,7 +692,20 @@ class Engine:
             "preemptions": scheduler.preemptions,
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
+            "resets": self.resets,
         }
+
+
+def _pool_stats(pool: BlockPool, idle: bool) -> dict:
+    """A member pool's blocks and bytes."""
+    return {
+        "used_blocks": pool.num_used,
+        "held_blocks": pool.held,
+        "cached_blocks": len(pool.cache) if pool.cache is not None else 0,
+        "total_blocks": pool.num_blocks,
+        "bytes": pool.nbytes,
+        "idle": idle,
+    }
 
 
 @dataclass(eq=False)
@@ -672,6 +716,7 @@ class ProgramEntry:
     kv: ProgramKV
     handle: RequestHandle | None = None
     needs: list = field(default_factory=list)  # (Member, blocks) once admitted
+    models: list = field(default_factory=list)  # the models whose KV it declared it needs
     cancelled: bool = False
     generator: object = None
     forwards: list[Forward] = field(default_factory=list)

@@ -114,6 +114,12 @@ class BlockPool:
         return self.num_free + idle - self.held
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the storage allocated so far (it grows by doubling: `_reserve`)."""
+        scales = self.scales.nbytes if self.scales is not None else 0
+        return self.keys.nbytes + self.values.nbytes + scales
+
+    @property
     def bytes_per_block(self) -> int:
         layers, kv_heads, _, block_size, head_dim = self.keys.shape
         return block_bytes(layers, block_size, kv_heads, head_dim, self.keys.dtype)
