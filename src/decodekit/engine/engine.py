@@ -45,7 +45,6 @@ from decodekit.request import (
     drop_finished_rows,
     emit,
     make_requests,
-    next_delta,
     sample_rows,
 )
 
@@ -234,6 +233,7 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         entry = EngineRequest(request, None)
         entry.handle = RequestHandle(request_id, len(request.rows), lambda: self._cancel(entry))
+        entry.queue, entry.leave = self.scheduler.waiting, lambda: self.scheduler.remove(entry)
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting)
             if queued >= self.config.max_waiting:
@@ -254,6 +254,7 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         entry = ProgramEntry(program, ProgramKV(self.model, self.member))
         entry.models = [model for model, _ in program.needs(self.config.block_size)]
+        entry.queue, entry.leave = self._waiting_programs, lambda: self._leave_program(entry)
         entry.handle = RequestHandle(request_id, program.num_samples, lambda: self._cancel(entry))
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting) + len(self._waiting_programs)
@@ -345,12 +346,9 @@ class Engine:
         engine starts over with empty pools (`_reset`)."""
         for member in self.members.values():
             member.manager.rollback()
-        failed = list(self.scheduler.running) + list(self.programs)
-        for entry in self.scheduler.running[:]:
-            self.scheduler.remove(entry)
-            wake(entry.handle._push([], finished=True, error=error))
-        for entry in self.programs[:]:
-            self._end_program(entry, [], error)
+        failed = [*self.scheduler.running, *self.programs]
+        for entry in failed:
+            self._end(entry, [], error)
         if not failed:  # nothing ran: the error came with admission, so do not retry it forever
             self._fail_queued(error)
         try:
@@ -404,18 +402,15 @@ class Engine:
             incoming, self._incoming = self._incoming, deque()
             cancelled, self._cancelled = self._cancelled, []
         for entry in incoming:
-            waiting = self._waiting_programs if isinstance(entry, ProgramEntry) else self.scheduler.waiting
-            waiting.append(entry)
+            entry.queue.append(entry)  # the scheduler's queue, or the programs' (`add`, `add_program`)
         for entry in cancelled:
-            if isinstance(entry, ProgramEntry):
-                self._end_program(entry, entry.program.cancel())
-                continue
-            self.scheduler.remove(entry)
-            rows = [row for row in entry.request.rows if row.finish_reason is None]
-            for row in rows:
-                row.finish_reason = "cancelled"
-            finals = [next_delta(row) for row in rows]
-            wake(entry.handle._push(finals, finished=True))
+            self._end(entry, entry.finals())
+
+    def _end(self, entry, deltas, error: BaseException | None = None) -> None:
+        """Take a request or program out of the engine, its KV freed (what it computed stays
+        in the prefix cache), and hand its last deltas (or `error`) to its reader."""
+        entry.leave()
+        wake(entry.handle._push(deltas, finished=True, error=error))
 
     # ------------------------------------------------------------------ programs
 
@@ -479,12 +474,12 @@ class Engine:
             self._deliver(entry, stop.value or [])
             return False
         except Exception as error:  # noqa: BLE001 -- ends this program, not the engine
-            self._end_program(entry, [], error)
+            self._end(entry, [], error)
             return False
         for fw in forwards:
             for feed in fw.feeds:
                 if feed.seq.pending < 1:
-                    self._end_program(entry, [], ValueError("a feed must have a token to compute"))
+                    self._end(entry, [], ValueError("a feed must have a token to compute"))
                     return False
         entry.forwards = forwards
         entry.results = [[] for _ in forwards]
@@ -494,15 +489,15 @@ class Engine:
         """After the step's forward: the program ends its step with the logits it waited for."""
         if self._advance(entry, entry.results):
             error = RuntimeError("a program's step must end after its forward on the engine's model")
-            self._end_program(entry, [], error)
+            self._end(entry, [], error)
 
     def _deliver(self, entry: ProgramEntry, deltas) -> None:
         if entry.program.finished:
-            self._end_program(entry, deltas)
+            self._end(entry, deltas)
         else:
             wake(entry.handle._push(deltas))
 
-    def _end_program(self, entry: ProgramEntry, deltas, error: BaseException | None = None) -> None:
+    def _leave_program(self, entry: ProgramEntry) -> None:
         entry.kv.close_all()
         if entry in self.programs:
             self.programs.remove(entry)
@@ -510,7 +505,6 @@ class Engine:
             self._waiting_programs.remove(entry)
         self._retire_members()
         self._hold_for_programs()  # what it held is free again
-        wake(entry.handle._push(deltas, finished=True, error=error))
 
     def _retire_members(self) -> None:
         """Members no queued or running program uses become idle; idle ones beyond
@@ -551,8 +545,11 @@ class Engine:
         works = step.work + programs
         # The decoding sequences first, in the order of their RunningKV rows (batch.py).
         decoding = sorted((w for w in works if w.seq.lane is not None), key=lambda w: w.seq.lane)
-        assert len(decoding) == len(self.running_kv), "every sequence with a lane decodes each step"
-        assert all(w.count == 1 for w in decoding)
+        if len(decoding) != len(self.running_kv) or any(w.count != 1 for w in decoding):
+            # A check, not an assert: RunningKV rows that do not line up with the step's
+            # sequences would attend over another sequence's KV (the step fails and resets).
+            raise PoolCorrupted(f"{len(decoding)} sequences with lanes decode one token each in this "
+                                f"step, for {len(self.running_kv)} RunningKV rows")  # fmt: skip
         ordered = decoding + [w for w in works if w.seq.lane is None]
         if decoding:
             self.running_kv.grow(1)
@@ -640,11 +637,8 @@ class Engine:
     def fail_all(self, error: BaseException) -> None:
         """End every queued and running request with `error` (waits for a running step)."""
         with self._step_lock:
-            for entry in self.scheduler.running[:]:
-                self.scheduler.remove(entry)
-                wake(entry.handle._push([], finished=True, error=error))
-            for entry in self.programs[:]:
-                self._end_program(entry, [], error)
+            for entry in [*self.scheduler.running, *self.programs]:
+                self._end(entry, [], error)
             self._fail_queued(error)
 
     def _fail_queued(self, error: BaseException) -> None:
@@ -652,20 +646,15 @@ class Engine:
         with self._lock:
             incoming = list(self._incoming)
             self._incoming.clear()
-        entries = [e for e in incoming if not isinstance(e, ProgramEntry)] + list(self.scheduler.waiting)
-        programs = [e for e in incoming if isinstance(e, ProgramEntry)] + list(self._waiting_programs)
-        for entry in entries:
-            self.scheduler.remove(entry)
-            wake(entry.handle._push([], finished=True, error=error))
-        for entry in programs:
-            self._end_program(entry, [], error)
+        for entry in [*incoming, *self.scheduler.waiting, *self._waiting_programs]:
+            self._end(entry, [], error)
 
     def stats(self) -> dict:
         """The engine's state: requests (sampling requests and programs alike), its pool's
         blocks, and every member pool's (drafts, amateurs), for /health and /metrics."""
         pool, scheduler = self.pool, self.scheduler
         cached = len(pool.cache) if pool.cache is not None else 0
-        queued = sum(isinstance(e, ProgramEntry) for e in self._incoming)
+        queued = sum(e.queue is self._waiting_programs for e in self._incoming)
         return {
             "running_requests": len(scheduler.running) + len(self.programs),
             "running_sequences": sum(len(e.seqs) for e in scheduler.running)
@@ -717,6 +706,12 @@ class ProgramEntry:
     handle: RequestHandle | None = None
     needs: list = field(default_factory=list)  # (Member, blocks) once admitted
     models: list = field(default_factory=list)  # the models whose KV it declared it needs
+    queue: deque | None = None  # where it waits for admission (the engine's program queue)
+    leave: Callable[[], None] | None = None  # out of the engine, its KV freed
+
+    def finals(self) -> list[Delta]:
+        """The deltas that end it when it is cancelled."""
+        return self.program.cancel()
     cancelled: bool = False
     generator: object = None
     forwards: list[Forward] = field(default_factory=list)
