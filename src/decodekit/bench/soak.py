@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def run_soak(
     concurrency: int = 64,
     fail_p: float = 0.05,
     seed: int = 0,
-    progress: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> dict:
     """Run `requests` mixed requests, `concurrency` at a time, with faults; the counts."""
     rng = random.Random(seed)
@@ -169,8 +170,8 @@ def run_soak(
                 finished += 1
                 if finished == min(100, requests):
                     rss_at_100 = rss_bytes()
-                if progress is not None and finished % 50 == 0:
-                    progress(f"soak: {finished}/{requests} requests, {failed} failed")
+                if progress and finished % 50 == 0:
+                    print(f"soak: {finished}/{requests} requests, {failed} failed", file=sys.stderr, flush=True)
     finally:
         faults.remove()
     engine.check()
@@ -196,7 +197,7 @@ def run_soak(
 
 
 def bench_soak(model: str, draft: str, requests: int, concurrency: int, fail_p: float, seed: int,
-               new_tokens: int, progress=None) -> dict:  # fmt: skip
+               new_tokens: int, progress: bool = False) -> dict:  # fmt: skip
     """The soak on embedded or local models (loaded batch-invariant)."""
     from decodekit.models.registry import load_model
 
