@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from decodekit.decode.beam import BeamProgram, beam_searches
@@ -171,7 +170,8 @@ def run_soak(
                 if finished == min(100, requests):
                     rss_at_100 = rss_bytes()
                 if progress and finished % 50 == 0:
-                    print(f"soak: {finished}/{requests} requests, {failed} failed", file=sys.stderr, flush=True)
+                    line = f"soak: {finished}/{requests} requests, {failed} failed"
+                    print(line, file=sys.stderr, flush=True)
     finally:
         faults.remove()
     engine.check()
