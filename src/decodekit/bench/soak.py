@@ -27,6 +27,7 @@ from decodekit.decode.constrained import Regex, mask_builder
 from decodekit.decode.contrastive import ContrastiveLM
 from decodekit.decode.drafters import self_draft
 from decodekit.decode.speculative import speculative_programs
+from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
@@ -134,16 +135,20 @@ def run_soak(
     fail_p: float = 0.05,
     seed: int = 0,
     progress: bool = False,
+    kv_bytes: int = 32 * 2**20,
 ) -> dict:
     """Run `requests` mixed requests, `concurrency` at a time, with faults; the counts."""
     rng = random.Random(seed)
     plan = [(rng.choice(KINDS), rng.randrange(len(soak.prompts)), rng.randrange(4)) for _ in range(requests)]
     references = {key: reference(soak, *key) for key in sorted(set(plan))}
-    engine = Engine(soak.target)
+    # A KV bound the prefix cache fills within the first requests, so that resident memory
+    # measures leaks, not a cache growing towards a generous bound (engine/kv.py grows the
+    # pool's storage by doubling as blocks are first used).
+    engine = Engine(soak.target, EngineConfig(max_kv_bytes=kv_bytes))
     faults, fault_rng = Faults(soak.models(), random.Random(seed + 1)), random.Random(seed + 2)
     queued, running = list(plan), []
     finished = failed = mismatched = step_failures = 0
-    rss_at_100 = None
+    rss_at_100 = rss_at_half = None
     start = time.perf_counter()
     try:
         while queued or running:
@@ -169,6 +174,8 @@ def run_soak(
                 finished += 1
                 if finished == min(100, requests):
                     rss_at_100 = rss_bytes()
+                if finished == requests // 2:
+                    rss_at_half = rss_bytes()
                 if progress and finished % 50 == 0:
                     line = f"soak: {finished}/{requests} requests, {failed} failed"
                     print(line, file=sys.stderr, flush=True)
@@ -189,7 +196,10 @@ def run_soak(
         "mismatched_requests": mismatched,
         "idle": all(p.num_used == 0 and p.held == 0 for p in pools) and len(engine.running_kv) == 0,
         "members": len(engine.members),
+        "kv_bytes": kv_bytes,
+        "peak_used_blocks": engine.stats()["peak_used_blocks"],
         "rss_mb_at_100": round((rss_at_100 or 0) / 2**20, 1),
+        "rss_mb_at_half": round((rss_at_half or 0) / 2**20, 1),
         "rss_mb_at_end": round(rss_end / 2**20, 1),
         "rss_growth": round(rss_end / rss_at_100 - 1, 4) if rss_at_100 else None,
         "seconds": round(time.perf_counter() - start, 1),
