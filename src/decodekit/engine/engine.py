@@ -555,7 +555,9 @@ class Engine:
             self.running_kv.grow(1)
         items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
         batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
-        logits = self._forward(self.model, *batch, self.batch_invariant)
+        wants_hidden = any(row.request.wants_hidden for row in step.rows)  # align/qvalue.py
+        out = self._forward(self.model, *batch, self.batch_invariant, wants_hidden)
+        logits, hidden = out if wants_hidden else (out, None)
         sizes = [w.count if w.every else 1 for w in ordered]
         ends = dict(zip(map(id, ordered), itertools.accumulate(sizes), strict=True))
         by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True))
@@ -568,13 +570,15 @@ class Engine:
                 seq.lane = self.running_kv.add(seq, seq.table.blocks, seq.table.length)
         self.steps += 1
         if step.rows:
-            self._sample(step, logits[[ends[id(step.work[i])] - 1 for i in step.logit_rows]])
+            kept = [ends[id(step.work[i])] - 1 for i in step.logit_rows]
+            self._sample(step, logits[kept], None if hidden is None else hidden[kept])
         return [by_work[id(work)] for work in programs]
 
-    def _sample(self, step: Step, logits: torch.Tensor) -> None:
-        """Sample one token for every row of the step, hand out the deltas, retire the ended."""
+    def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Sample one token for every row of the step (hidden: their final states, for the
+        requests that want them), hand out the deltas, retire the ended."""
         manager = self.scheduler.manager
-        sample_rows(logits, step.rows)  # [R, V]: one token per row
+        sample_rows(logits, step.rows, hidden)  # [R, V]: one token per row
         self.generated_tokens += len(step.rows)
         entries = {id(row.request): row.request for row in step.rows}
         by_request = {id(e.request): e for e in self.scheduler.running if id(e.request) in entries}

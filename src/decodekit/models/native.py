@@ -322,16 +322,19 @@ class LlamaNet(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens, cos, sin, cache, masks, keep=None, rowwise=False) -> torch.Tensor:
+    def forward(self, tokens, cos, sin, cache, masks, keep=None, rowwise=False, states=False):
         """Logits [B, T, V]; with `keep` (a [K] index) only those positions', [B, K, V].
 
         masks: each layer's (attention mask, causal) for `cache.attend`; rowwise: the
-        batch-invariant mode (module docstring).
+        batch-invariant mode (module docstring); states: also return the final hidden
+        states the LM head read, (logits, states [B, T or K, hidden] float32).
         """
         x = self.trunk(tokens, cos, sin, cache, masks, rowwise)
         if keep is not None:
             x = x[:, keep]  # the engine needs logits at each sequence's last token only
-        return _linear(self.lm_head, self.norm(x), rowwise).float()  # [B, T or K, V]
+        normed = self.norm(x)
+        logits = _linear(self.lm_head, normed, rowwise).float()  # [B, T or K, V]
+        return (logits, normed.float()) if states else logits
 
     def trunk(self, tokens, cos, sin, cache, masks, rowwise=False) -> torch.Tensor:
         """The last layer's output [B, T, hidden], before the final norm."""
