@@ -31,6 +31,7 @@ import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.decode.constrained import Constraint, token_mask
+from decodekit.decode.route import engine_route
 from decodekit.engine.program import Feed, Forward, Program
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
@@ -69,12 +70,8 @@ def beam_search(
     searches = beam_searches(model, prompt_list, params, num_beams=num_beams,
                              length_penalty=length_penalty, early_stopping=early_stopping,
                              constraint=constraint, heal=heal)  # fmt: skip
-    # Every prompt's search batched on the model's engine, or on another model's engine
-    # (a ContrastiveLM's expert: models/base.py `engine_programs`); the plain loop otherwise.
-    if model.supports_paged_kv:
-        on_engine = (model, [BeamProgram(model, search, i) for i, search in enumerate(searches)])
-    else:
-        on_engine = model.engine_programs(searches)
+    # Every prompt's search batched on an engine, or None: the plain loop (route.py).
+    on_engine = engine_route(model, searches, lambda i, search: BeamProgram(model, search, i))
     if on_engine is not None:
         from decodekit.engine.shared import run_requests
 

@@ -50,6 +50,7 @@ from decodekit.decode.drafters import (
     sample_drafter,
     scratch_state,
 )
+from decodekit.decode.route import engine_route
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
@@ -394,23 +395,25 @@ def speculative_generate(
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
     start = time.perf_counter()
-    if target.supports_paged_kv:
+    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
+    drafter = make_drafter(draft, target)
+    requests = make_requests(target, prompt_list, params)
+    on_engine = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
+                             delegate=False)  # the engine, or None: the plain loop (route.py)  # fmt: skip
+    if on_engine is not None:
         from decodekit.engine.shared import run_requests
 
-        programs = speculative_programs(target, draft, prompt_list, params, num_draft_tokens, verify,
-                                        adaptive, max_draft_tokens)  # fmt: skip
+        programs = on_engine[1]
         results: list[list] = [[None] * p.num_samples for p in programs]
-        for delta in run_requests(target, programs):
+        for delta in run_requests(*on_engine):
             if delta.completion is not None:
                 results[delta.prompt_index][delta.sample_index] = delta.completion
         stats = merged_stats([program.stats for program in programs])
     else:
-        config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
-        drafter = make_drafter(draft, target)
         stats = SpeculativeStats()
         runner = IncrementalModel(target)
         results = []
-        for request in make_requests(target, prompt_list, params):
+        for request in requests:
             for row in request.rows:
                 speculate_row(row, row_state(request, row.sample, target), runner, drafter, config, stats)
             results.append([to_completion(row) for row in request.rows])
@@ -449,7 +452,7 @@ def speculative_programs(
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
     the target's engine (`Engine.add_program`, `engine.shared.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
-    if not target.supports_paged_kv:
+    if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
     config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
     drafter = make_drafter(draft, target)

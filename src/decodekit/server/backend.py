@@ -152,6 +152,7 @@ class Backend:
     """Served models by name, an engine for each model with paged KV, a worker thread for the rest."""
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None):
+        from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
         from decodekit.engine.shared import engine_for
 
@@ -165,7 +166,7 @@ class Backend:
         # server's requests and any `decodekit.generate` call in this process share its cache.
         # Read through `engine(name)`, which follows the model when its engine is replaced.
         self.engines = {name: engine_for(model, engine_config) for name, model in self.models.items()
-                        if model.supports_paged_kv}
+                        if runs_on_own_engine(model)}
         self._retired: list = []  # replaced engines still finishing their requests
         self._started = False
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-worker")
