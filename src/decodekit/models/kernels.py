@@ -42,6 +42,7 @@ DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch pa
 ISA_NAMES = {1: "avx2", 2: "avx512"}
 # Rows up to which the kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24).
 GEMV_MAX_ROWS = 4
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
     float16 row-major) on the kernels, or None where they do not apply."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if weight.stride(0) == 1 and weight.dtype == torch.float32:
-        y = torch.ops.decodekit.linear_f32t(rows, weight.t(), bias)  # weight.t(): [K, N] contiguous
+    if weight.t().is_contiguous():
+        y = torch.ops.decodekit.linear_t(rows, weight.t(), bias)  # weight.t(): [K, N] contiguous
     elif weight.is_contiguous():
         y = torch.ops.decodekit.linear_rows(rows, weight, None, 0, bias)
     else:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models.base import Cache, LanguageModel
+from decodekit.models import kernels
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.kv import ContiguousKVCache, attention_mask
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
@@ -215,6 +216,11 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if rowwise:
         return rowwise_linear(layer, x)
     weight = getattr(layer, "weight", None)
+    if (type(layer) is nn.Linear and x.numel() <= kernels.GEMV_MAX_ROWS * x.shape[-1] and weight.is_cpu
+            and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES and kernels.available()):  # fmt: skip
+        y = kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV (models/kernels.py)
+        if y is not None:
+            return y
     if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
         return one_row_gemv(layer, x)

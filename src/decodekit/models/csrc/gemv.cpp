@@ -57,6 +57,8 @@ int64_t isa() {
 
 // Work per parallel task: small layers run on one thread (a fork costs a few microseconds).
 constexpr int64_t kMinWeightsPerTask = 1 << 17;
+// How many row blocks ahead the dot-product kernels prefetch (prefetch_ahead).
+constexpr int64_t kAheadBlocks = 1;
 
 enum class WT { F32, BF16, F16, I8 };
 
@@ -109,9 +111,21 @@ AVX512 inline __m512 load16_mask(const void* p, int64_t k, __mmask16 m) {
 
 // out[r] = sum_g scale[r, g] * (w[r, group g] . x[group g]) for 4 rows (rows past the
 // block's end repeat its last row and are not stored by the caller).
+constexpr int64_t elem_bytes(WT T) { return T == WT::F32 ? 4 : T == WT::I8 ? 1 : 2; }
+
+// A row block's 4 rows are short streams (K elements each), too short for the hardware
+// prefetcher to ramp up on; each step therefore prefetches the same bytes of the block
+// `ahead` bytes further on (the blocks lie one after another in memory).
+template <WT T>
+AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
+  const char* a = p + k * elem_bytes(T) + ahead;
+  _mm_prefetch(a, _MM_HINT_T0);
+  if constexpr (T == WT::F32) _mm_prefetch(a + 64, _MM_HINT_T0);
+}
+
 template <WT T>
 AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K, const float* const* scales,
-                        int64_t group, float* out) {
+                        int64_t group, int64_t ahead, float* out) {
   __m512 tot[4];
   for (int r = 0; r < 4; ++r) tot[r] = _mm512_setzero_ps();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
@@ -122,6 +136,7 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K, const f
     for (; k + 32 <= k1; k += 32) {
       __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
       for (int r = 0; r < 4; ++r) {
+        if (ahead) prefetch_ahead<T>(w[r], k, ahead);
         a[r] = _mm512_fmadd_ps(load16<T>(w[r], k), xa, a[r]);
         b[r] = _mm512_fmadd_ps(load16<T>(w[r], k + 16), xb, b[r]);
       }
@@ -145,15 +160,18 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K, const f
   for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(tot[r]);
 }
 
-// y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight).
-AVX512 void axpy_avx512(const float* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y,
+// y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight): four
+// rows of wt at a time, each a long contiguous stream, into y's slice held in L1.
+template <WT T>
+AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y,
                         int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, (n1 - n0) * sizeof(float));
   const int64_t full = n0 + (n1 - n0) / 16 * 16;
   const __mmask16 tail = __mmask16((1u << ((n1 - n0) % 16)) - 1);
+  const int64_t row = N * elem_bytes(T);
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
-    const float *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const char *w0 = wt + k * row, *w1 = w0 + row, *w2 = w1 + row, *w3 = w2 + row;
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K + k;
       __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
@@ -162,33 +180,33 @@ AVX512 void axpy_avx512(const float* wt, int64_t K, int64_t N, const float* x, i
       int64_t n = n0;
       for (; n < full; n += 16) {
         __m512 acc = _mm512_loadu_ps(ym + n);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + n), x0, acc);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + n), x1, acc);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + n), x2, acc);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + n), x3, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w0, n), x0, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w1, n), x1, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w2, n), x2, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w3, n), x3, acc);
         _mm512_storeu_ps(ym + n, acc);
       }
       if (tail) {
         __m512 acc = _mm512_maskz_loadu_ps(tail, ym + n);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + n), x0, acc);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w1 + n), x1, acc);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w2 + n), x2, acc);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w3 + n), x3, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w0, n, tail), x0, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w1, n, tail), x1, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w2, n, tail), x2, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w3, n, tail), x3, acc);
         _mm512_mask_storeu_ps(ym + n, tail, acc);
       }
     }
   }
   for (; k < K; ++k) {
-    const float* w0 = wt + k * N;
+    const char* w0 = wt + k * row;
     for (int64_t m = 0; m < M; ++m) {
       __m512 x0 = _mm512_set1_ps(x[m * K + k]);
       float* ym = y + m * N;
       int64_t n = n0;
       for (; n < full; n += 16)
-        _mm512_storeu_ps(ym + n, _mm512_fmadd_ps(_mm512_loadu_ps(w0 + n), x0, _mm512_loadu_ps(ym + n)));
+        _mm512_storeu_ps(ym + n, _mm512_fmadd_ps(load16<T>(w0, n), x0, _mm512_loadu_ps(ym + n)));
       if (tail)
         _mm512_mask_storeu_ps(ym + n, tail,
-                              _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + n), x0, _mm512_maskz_loadu_ps(tail, ym + n)));
+                              _mm512_fmadd_ps(load16_mask<T>(w0, n, tail), x0, _mm512_maskz_loadu_ps(tail, ym + n)));
     }
   }
 }
@@ -196,7 +214,7 @@ AVX512 void axpy_avx512(const float* wt, int64_t K, int64_t N, const float* x, i
 // int4: 4 rows of blocks of 64 inputs in 32 bytes (file comment); x in bf16, padded to Kp.
 // group: 32, or a multiple of 64 (one scale per row: Kp).
 AVX512 void int4_dot4_avx512(const uint8_t* const* w, const uint16_t* x, int64_t Kp,
-                             const float* const* scales, int64_t group, float* out) {
+                             const float* const* scales, int64_t group, int64_t ahead, float* out) {
   // bfloat16 of q - 8 for q = 0..15, in the low 16 of 32 words (vpermw reads 5 index bits).
   alignas(64) static const uint16_t table[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
                                                  0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
@@ -209,6 +227,7 @@ AVX512 void int4_dot4_avx512(const uint8_t* const* w, const uint16_t* x, int64_t
     for (int64_t b = 0; b < blocks; ++b) {
       __m512bh xlo = (__m512bh)_mm512_loadu_si512(x + b * 64), xhi = (__m512bh)_mm512_loadu_si512(x + b * 64 + 32);
       for (int r = 0; r < 4; ++r) {
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[r] + b * 32 + ahead), _MM_HINT_T0);
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b * 32));
         __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), lut);
         __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), lut);
@@ -226,6 +245,7 @@ AVX512 void int4_dot4_avx512(const uint8_t* const* w, const uint16_t* x, int64_t
       for (int64_t b = b0; b < b0 + per_group; ++b) {
         __m512bh xlo = (__m512bh)_mm512_loadu_si512(x + b * 64), xhi = (__m512bh)_mm512_loadu_si512(x + b * 64 + 32);
         for (int r = 0; r < 4; ++r) {
+          if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[r] + b * 32 + ahead), _MM_HINT_T0);
           __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b * 32));
           __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), lut);
           __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), lut);
@@ -288,13 +308,15 @@ AVX2 void dot4_avx2(const char* const* w, const float* x, int64_t K, const float
   for (int r = 0; r < 4; ++r) out[r] = tot[r];
 }
 
-AVX2 void axpy_avx2(const float* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t n0,
+template <WT T>
+AVX2 void axpy_avx2(const char* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t n0,
                     int64_t n1) {
   for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, (n1 - n0) * sizeof(float));
   const int64_t full = n0 + (n1 - n0) / 8 * 8;
+  const int64_t row = N * elem_bytes(T);
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
-    const float *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const char *w0 = wt + k * row, *w1 = w0 + row, *w2 = w1 + row, *w3 = w2 + row;
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K + k;
       __m256 x0 = _mm256_set1_ps(xm[0]), x1 = _mm256_set1_ps(xm[1]);
@@ -303,19 +325,21 @@ AVX2 void axpy_avx2(const float* wt, int64_t K, int64_t N, const float* x, int64
       int64_t n = n0;
       for (; n < full; n += 8) {
         __m256 acc = _mm256_loadu_ps(ym + n);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + n), x0, acc);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + n), x1, acc);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + n), x2, acc);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + n), x3, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w0, n), x0, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w1, n), x1, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w2, n), x2, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w3, n), x3, acc);
         _mm256_storeu_ps(ym + n, acc);
       }
-      for (; n < n1; ++n) ym[n] = std::fma(w3[n], xm[3], std::fma(w2[n], xm[2], std::fma(w1[n], xm[1], std::fma(w0[n], xm[0], ym[n]))));
+      for (; n < n1; ++n)
+        ym[n] = std::fma(load1<T>(w3, n), xm[3],
+                         std::fma(load1<T>(w2, n), xm[2], std::fma(load1<T>(w1, n), xm[1], std::fma(load1<T>(w0, n), xm[0], ym[n]))));
     }
   }
   for (; k < K; ++k) {
-    const float* w0 = wt + k * N;
+    const char* w0 = wt + k * row;
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = std::fma(w0[n], x[m * K + k], y[m * N + n]);
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = std::fma(load1<T>(w0, n), x[m * K + k], y[m * N + n]);
   }
 }
 
@@ -384,27 +408,36 @@ at::Tensor finish(const at::Tensor& y, const c10::optional<at::Tensor>& bias, at
   return out;
 }
 
-at::Tensor linear_f32t(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
-  TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == at::kFloat && wt.is_contiguous() && wt.device().is_cpu(),
-              "wt must be a contiguous CPU float32 [K, N] tensor");
-  const int64_t K = wt.size(0), N = wt.size(1);
-  check_rows(x_in, K);
-  at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float *wp = wt.data_ptr<float>(), *xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <WT T>
+void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t M, float* yp) {
   const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (chunk * std::max<int64_t>(K, 1)));
   const bool wide = isa() == kAvx512;
   at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
     const int64_t n0 = c0 * chunk, n1 = std::min(N, c1 * chunk);
     if (wide)
-      axpy_avx512(wp, K, N, xp, M, yp, n0, n1);
+      axpy_avx512<T>(wp, K, N, xp, M, yp, n0, n1);
     else
-      axpy_avx2(wp, K, N, xp, M, yp, n0, n1);
+      axpy_avx2<T>(wp, K, N, xp, M, yp, n0, n1);
   });
+}
+
+at::Tensor linear_t(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
+  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.device().is_cpu(), "wt must be a contiguous CPU [K, N] tensor");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  check_rows(x_in, K);
+  at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const char* wp = static_cast<const char*>(wt.data_ptr());
+  float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+  switch (wt.scalar_type()) {
+    case at::kFloat: axpy_kernel<WT::F32>(wp, K, N, xp, M, yp); break;
+    case at::kBFloat16: axpy_kernel<WT::BF16>(wp, K, N, xp, M, yp); break;
+    case at::kHalf: axpy_kernel<WT::F16>(wp, K, N, xp, M, yp); break;
+    default: TORCH_CHECK(false, "wt must be float32, bfloat16 or float16");
+  }
   return finish(y, bias, x_in.scalar_type());
 }
 
@@ -427,7 +460,7 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
       for (int64_t m = 0; m < M; ++m) {
         float out[4];
         if (wide)
-          dot4_avx512<T>(w, xp + m * K, K, sp ? s : nullptr, group, out);
+          dot4_avx512<T>(w, xp + m * K, K, sp ? s : nullptr, group, m == 0 ? kAheadBlocks * 4 * row_bytes : 0, out);
         else
           dot4_avx2<T>(w, xp + m * K, K, sp ? s : nullptr, group, out);
         for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
@@ -515,7 +548,7 @@ at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Te
       for (int64_t m = 0; m < M; ++m) {
         float out[4];
         if (wide)
-          int4_dot4_avx512(wr, xb.data() + m * Kp, Kp, sr, group, out);
+          int4_dot4_avx512(wr, xb.data() + m * Kp, Kp, sr, group, m == 0 ? kAheadBlocks * 4 * row_bytes : 0, out);
         else
           int4_dot4_avx2(wr, xr.data() + m * Kp, Kp, sr, group, out);
         for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
@@ -531,13 +564,13 @@ int64_t isa_op() { return isa(); }
 
 TORCH_LIBRARY(decodekit, m) {
   m.def("isa() -> int", &isa_op);
-  m.def("linear_f32t(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
+  m.def("linear_t(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? scales, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales, int group, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
-  m.impl("linear_f32t", &linear_f32t);
+  m.impl("linear_t", &linear_t);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_int4", &linear_int4);
 }
