@@ -217,7 +217,8 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
         return rowwise_linear(layer, x)
     weight = getattr(layer, "weight", None)
     if (type(layer) is nn.Linear and x.numel() <= kernels.GEMV_MAX_ROWS * x.shape[-1] and weight.is_cpu
-            and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES and kernels.available()):  # fmt: skip
+            and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES
+            and not torch.compiler.is_compiling() and kernels.available()):  # fmt: skip
         y = kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV (models/kernels.py)
         if y is not None:
             return y

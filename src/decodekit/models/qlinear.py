@@ -342,11 +342,11 @@ class QuantizedLinear(nn.Module):
         best = choose_kernel(self.spec, self.in_features, self.out_features)
         fallback = torch_kernel(self.spec, self.in_features, self.out_features)
         kernel = best if kernel == "auto" else kernel
-        allowed = list(dict.fromkeys(k for k in (best, fallback) if k != "unpack"))
-        if kernel not in ("unpack", *allowed):
-            names = " or ".join(["'unpack'", *map(repr, allowed)])
+        allowed = ["auto", "unpack", *dict.fromkeys(k for k in (best, fallback) if k != "unpack")]
+        if kernel not in allowed[1:]:
+            names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
             raise ValueError(
-                f"kernel must be 'auto', {names} for this layer "
+                f"kernel must be {names} for this layer "
                 f"({self.spec.bits} bits, {self.out_features}x{self.in_features}, "
                 f"group {self.spec.group_size}), got {kernel!r}"
             )
@@ -385,7 +385,9 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.codes(), self.scales).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
+        if self.kernel in NATIVE_KERNELS and torch.compiler.is_compiling():
+            y = self.unpacked_matmul(x)  # the ops have no fake kernels for a traced graph yet
+        elif self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
             rows = x.numel() // self.in_features
             if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:
                 return self.native_matmul(x)
