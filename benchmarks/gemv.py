@@ -55,7 +55,9 @@ def cases(rows: int) -> dict[str, tuple[list, callable, int]]:
         if kernels.available():
             native = []
             for layer in layers:
-                copy = QuantizedLinear.from_linear(linear, QuantSpec(bits, group), layer.codes(), layer.scales)
+                copy = QuantizedLinear.from_linear(
+                    linear, QuantSpec(bits, group), layer.codes(), layer.scales
+                )
                 copy.set_kernel("auto")
                 native.append((copy, copy.kernel))
             out[f"{name} kernel ({native[0][1]})"] = (native, lambda lk: _run(lk, x), size)

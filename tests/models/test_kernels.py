@@ -27,7 +27,11 @@ SHAPES = [(1, 896, 64), (1, 45, 37), (3, 200, 13), (4, 64, 100), (2, 17, 3)]  # 
 
 def _x_w(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+    return (
+        torch.randn(m, k, generator=g),
+        torch.randn(n, k, generator=g) / k**0.5,
+        torch.randn(n, generator=g),
+    )
 
 
 @needs_kernels
@@ -76,10 +80,8 @@ def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
         native = layer(x)
         layer.set_kernel("unpack")
         unpacked = layer(x)
-        if bits <= 4:  # the int4 kernel rounds x to bfloat16, as torch's int4pack does
-            expected = layer(x.bfloat16().float())
-        else:  # int8 reads x in float32: weight-only, the unpacked numbers
-            expected = unpacked
+        # int4 rounds x to bfloat16 (as torch's int4pack); int8 reads it in float32 (weight-only)
+        expected = layer(x.bfloat16().float()) if bits <= 4 else unpacked
     torch.testing.assert_close(native, expected, atol=1e-4, rtol=1e-4)
     assert (native - unpacked).abs().max() <= 0.02 * unpacked.abs().max()
 

@@ -67,7 +67,9 @@ def status() -> Status:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return Status(False, f"disabled by {DISABLE_ENV}=0", path)
     if not path.exists():
-        return Status(False, f"not built: run `python -m decodekit.models.kernels --build` ({path.name})", path)
+        return Status(
+            False, f"not built: run `python -m decodekit.models.kernels --build` ({path.name})", path
+        )
     try:
         if not hasattr(torch.ops.decodekit, "isa"):
             torch.ops.load_library(str(path))
@@ -131,7 +133,15 @@ def build(verbose: bool = True) -> Status:
     BUILD_DIR.mkdir(exist_ok=True)
     lib_dirs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    command = [
+        compiler,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    ]
     command += [f"-I{path}" for path in cpp_extension.include_paths()]
     command += [str(SOURCE), "-o", str(target) + ".tmp"]
     command += [f"-L{path}" for path in lib_dirs] + [f"-Wl,-rpath,{path}" for path in lib_dirs]
@@ -151,8 +161,12 @@ def build(verbose: bool = True) -> Status:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m decodekit.models.kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--build", action="store_true", help="compile the kernels (scripts/setup.sh runs this)")
+    parser = argparse.ArgumentParser(
+        prog="python -m decodekit.models.kernels", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--build", action="store_true", help="compile the kernels (scripts/setup.sh runs this)"
+    )
     args = parser.parse_args(argv)
     if args.build:
         try:

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.models.base import Cache, LanguageModel
 from decodekit.models import kernels
+from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.kv import ContiguousKVCache, attention_mask
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config

@@ -206,9 +206,9 @@ def int4_kernel_group(spec: QuantSpec, in_features: int) -> int | None:
 def choose_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
     """The matmul path of a layer (module docstring): decodekit's "int4gemv" / "int8gemv"
     where the native kernels are built (`kernels.status()`), else `torch_kernel`'s."""
-    if kernels.available():
-        if spec.bits > 4 or kernels.int4_kernel_layout(spec.group_size, in_features) is not None:
-            return "int4gemv" if spec.bits <= 4 else "int8gemv"
+    fits = spec.bits > 4 or kernels.int4_kernel_layout(spec.group_size, in_features) is not None
+    if fits and kernels.available():
+        return "int4gemv" if spec.bits <= 4 else "int8gemv"
     return torch_kernel(spec, in_features, out_features)
 
 
@@ -415,11 +415,12 @@ class QuantizedLinear(nn.Module):
         """x [..., K] Ŵᵀ + b on decodekit's kernels (models/kernels.py): int8 with x in float32,
         int4 with x rounded to bfloat16; float32 sums. Returns x's dtype."""
         rows = x.reshape(-1, self.in_features)  # [M, K]
+        ops = torch.ops.decodekit
         if self.kernel == "int8gemv":
-            op = torch.ops.decodekit.linear_rows(rows, self.qweight, self.kernel_scales, self.kernel_group, self.bias)
+            y = ops.linear_rows(rows, self.qweight, self.kernel_scales, self.kernel_group, self.bias)
         else:
-            op = torch.ops.decodekit.linear_int4(rows, self.kernel_weight, self.kernel_scales, self.kernel_group, self.bias)
-        return op.view(*x.shape[:-1], self.out_features)
+            y = ops.linear_int4(rows, self.kernel_weight, self.kernel_scales, self.kernel_group, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)  # [..., N]
 
     def unpacked_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring)."""
