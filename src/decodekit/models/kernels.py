@@ -5,8 +5,8 @@ float32 weights at ~2/3 of what one core can stream and have no kernel for group
 all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops under the
 `decodekit` namespace (TORCH_LIBRARY, so they dispatch like any aten op):
 
-- `linear_f32t(x, wt, bias)`: float32 weights in the transposed layout models/native.py
-  keeps (`transpose_weight_layout`), wt [K, N] contiguous;
+- `linear_t(x, wt, bias)`: float32 (or bfloat16, float16) weights in the transposed layout
+  models/native.py keeps for float32 (`transpose_weight_layout`), wt [K, N] contiguous;
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);

@@ -201,7 +201,8 @@ def one_row_gemv(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` for x holding one row, as a matrix-vector product over the row-major
     [out, in] weight: x [..., in] -> [..., out].
 
-    The bfloat16/float16 decode path: at one row, `torch.mv` over row-major bfloat16 weights
+    The bfloat16/float16 decode path where decodekit's kernels are not built
+    (models/kernels.py, which `_linear` tries first): at one row, `torch.mv` over row-major bfloat16 weights
     streams them at memory speed, while `F.linear` takes oneDNN's GEMM path, 1.5x slower
     (measured on this AVX-512-BF16 CPU, one thread: 896 -> 9728, 837 against 1,253 us; float32
     F.linear is 1,320 us). BENCHMARKS.md, "Real model shapes: dtype, device and speed".

@@ -13,7 +13,18 @@ Codes are kept as int8 [N, K] for 5..8 bits and packed two per byte, uint8 [N, c
 for 2..4 bits, with float32 scales [N, G] (one per output channel, or per group of K/G
 input features); that is what checkpoints store.
 
-Each layer runs its matmuls on one of three paths, its `kernel` (`choose_kernel`; issue 15):
+Each layer runs its matmuls on one of these paths, its `kernel` (`choose_kernel`; issues 15
+and 23):
+
+- "int8gemv" / "int4gemv": decodekit's own GEMV kernels (models/kernels.py, csrc/gemv.cpp),
+  where they are built, for up to PACKED_MAX_ROWS rows. int8gemv reads the stored int8 codes
+  and float32 scales, per channel or per group of any size, with x in float32 (weight-only:
+  the numbers of "unpack" up to summation order). int4gemv reads a copy of the codes in its
+  own layout (`kernels.pack_int4_blocks`, built at load like int4pack's and never saved),
+  one scale per channel or groups of 32 or 64j, with x rounded to bfloat16 as int4pack does.
+  Above PACKED_MAX_ROWS rows (a prefill) they take today's paths: the bfloat16 GEMM below,
+  or for grouped int8 the "unpack" float matmul. Where the kernels are not built, the layers
+  choose among the paths below (`torch_kernel`).
 
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
   weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).

@@ -4,12 +4,15 @@
 // memory (REFERENCES.md, "CPU peers and kernels"), so each kernel reads every weight byte
 // once, in address order, and does the arithmetic in registers:
 //
-//   decodekit::linear_f32t   f32 weights stored transposed, wt [K, N] contiguous (the
-//                            layout models/native.py keeps for BLAS): y[m] += x[m, k] wt[k]
-//                            over 4 rows of wt at a time, y's slice staying in L1.
+//   decodekit::linear_t      f32/bf16/f16 weights stored transposed, wt [K, N] contiguous
+//                            (the layout models/native.py keeps for float32):
+//                            y[m] += x[m, k] wt[k] over 4 rows of wt at a time, y's slice
+//                            staying in L1 (measured fastest for f32; bf16 reads faster
+//                            row-major, below, so native.py keeps bf16 weights row-major).
 //   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
 //                            scale per row or per group of `group` inputs): 4 rows' dot
-//                            products with x in f32, weights widened to f32 in registers.
+//                            products with x in f32, weights widened to f32 in registers,
+//                            the next row block prefetched (prefetch_ahead).
 //   decodekit::linear_int4   int4 codes in blocks of 64 inputs per 32 bytes (byte i: input i
 //                            in the low nibble, input 32 + i in the high one, stored as
 //                            code + 8): nibbles -> bfloat16 through a 16-entry table
