@@ -185,6 +185,7 @@ class SpeculativeConfig:
     verify: str | VerifyRule = "block"
     adaptive: bool = False
     max_draft_tokens: int = 16
+    trace: Callable[[BlockTrace], None] | None = None  # called with every verified block
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -207,6 +208,24 @@ class SpeculativeConfig:
             return gamma
         gamma = gamma + 2 if accepted == drafted else gamma - 1
         return max(1, min(gamma, self.max_draft_tokens))
+
+
+@dataclass
+class BlockTrace:
+    """One verified block, as `settle_block` saw it (`speculative_generate(trace=...)`; the
+    lab draws it): the draft x [γ] and its probabilities q [γ, V], the target's processed
+    logits [γ+1, V] and probabilities p, τ and y, and the state of the row's generator
+    before the rule drew its uniforms (None at T = 0), so another rule can be run on the same
+    draft and the same uniforms."""
+
+    row: Row
+    draft: list[int]
+    q: torch.Tensor
+    processed: torch.Tensor
+    p: torch.Tensor
+    tau: int
+    y: int
+    generator_state: torch.Tensor | None
 
 
 @dataclass
@@ -318,10 +337,13 @@ def settle_block(
     processed = process_block(row.request.chain, state, raw, draft.tokens)  # [γ+1, V]
     p = torch.softmax(processed.double(), dim=-1)  # [γ+1, V]
     x = torch.as_tensor(draft.tokens, dtype=torch.long)  # [γ]
+    uniforms = state.generator.get_state() if config.trace is not None and not params.greedy else None
     if params.greedy:
         tau, y = greedy_verify(processed, x)
     else:
         tau, y = config.rule()(p, draft.probs, x, state.generator)
+    if config.trace is not None:
+        config.trace(BlockTrace(row, list(draft.tokens), draft.probs, processed, p, tau, y, uniforms))
     emitted = 0
     for i, token in enumerate(draft.tokens[:tau] + [y]):
         chosen = torch.tensor([token])
@@ -378,6 +400,7 @@ def speculative_generate(
     verify: str | VerifyRule = "block",
     adaptive: bool = False,
     max_draft_tokens: int = 16,
+    trace: Callable[[BlockTrace], None] | None = None,
 ) -> SpeculativeResult:
     """Sample from `target` exactly as `generate` would, drafting with `draft`.
 
@@ -385,7 +408,8 @@ def speculative_generate(
     or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
     "auto" (the embedded `<target>-draft`), a model name,
     or any object with `propose` (drafters.Drafter). verify: "block", "token", or a rule
-    `(p, q, draft, generator) -> (τ, y)`. Completions are shaped as `generate` returns them
+    `(p, q, draft, generator) -> (τ, y)`. trace: called with each verified block
+    (`BlockTrace`). Completions are shaped as `generate` returns them
     (a single string prompt gives its list of n); `result.stats` holds the counters.
     A paged-KV target runs every sample batched on its engine (`SpeculativeProgram`),
     another one after another over its own cache; sample i draws as seed + i (`row_state`).
@@ -395,7 +419,7 @@ def speculative_generate(
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
     start = time.perf_counter()
-    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
+    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace)
     drafter = make_drafter(draft, target)
     requests = make_requests(target, prompt_list, params)
     on_engine = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
@@ -421,8 +445,9 @@ def speculative_generate(
     return SpeculativeResult(results[0] if single else results, stats)
 
 
-def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens) -> SpeculativeConfig:
-    return SpeculativeConfig(num_draft_tokens, verify, adaptive, max(max_draft_tokens, num_draft_tokens))
+def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None) -> SpeculativeConfig:
+    longest = max(max_draft_tokens, num_draft_tokens)
+    return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace)
 
 
 def merged_stats(parts: list[SpeculativeStats]) -> SpeculativeStats:
