@@ -5,8 +5,9 @@ pieces, recorded step by step as JSON.
   request's chain (sampling/chain.py `chain_stages`: the chain's own adapters, one by one);
 - `beam_view`: every ranked candidate of `BeamSearch` per step (its `trace`), as a tree;
 - `tree_view`: the nodes of a tree meta-generator (meta/tree.py `tree_search(trace=)`);
-- `speculative_view`: the library's own speculative run (its `BlockTrace`s), each block shown verified by token and by block verification on the same
-  draft and the same uniforms (decode/speculative.py's rules), following one of them;
+- `speculative_view`: the library's own speculative run (its `BlockTrace`s), each block
+  shown verified by token and by block verification on the same draft and the same
+  uniforms (decode/speculative.py's rules), following one of them;
 - `votes_view`: N samples, their rewards and answers, and what majority vote, weighted vote
   and best-of-N pick (meta/parallel.py's aggregators over the same candidates).
 """
