@@ -276,6 +276,15 @@ def next_delta(row: Row) -> Delta:
                  row.top_logprobs[span] if row.request.params.logprobs else None)
 
 
+def cancel_rows(rows: list[Row]) -> list[Delta]:
+    """End the unfinished rows with finish_reason "cancelled": their last deltas (a cancelled
+    sampling request's, or a program's that samples rows: contrastive, speculative)."""
+    live = [row for row in rows if row.finish_reason is None]
+    for row in live:
+        row.finish_reason = "cancelled"
+    return [next_delta(row) for row in live]
+
+
 def emit(rows: list[Row], context: int) -> Iterator[Delta]:
     """After a step: end the rows whose context window is full; the deltas of `rows`."""
     for row in rows:

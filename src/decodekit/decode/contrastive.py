@@ -57,7 +57,15 @@ from decodekit.decode.beam import BeamProgram, BeamSearch
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.engine.scheduler import blocks_alone
 from decodekit.models.base import Cache, LanguageModel, left_pad
-from decodekit.request import Delta, Request, Row, drop_finished_rows, emit, next_delta, sample_rows
+from decodekit.request import (
+    Delta,
+    Request,
+    Row,
+    cancel_rows,
+    drop_finished_rows,
+    emit,
+    sample_rows,
+)
 
 NEG_INF = float("-inf")
 # Lowest amateur log-probability used: an amateur that gives a head token probability 0
@@ -325,10 +333,7 @@ class ContrastiveProgram(Program):
 
     def cancel(self) -> list[Delta]:
         """The unfinished samples so far, with finish_reason "cancelled"."""
-        rows = [row for row in self.rows or self.request.rows if row.finish_reason is None]
-        for row in rows:
-            row.finish_reason = "cancelled"
-        return [next_delta(row) for row in rows]
+        return cancel_rows(self.rows or self.request.rows)
 
 
 def check_same_vocabulary(expert: LanguageModel, amateur: LanguageModel) -> None:

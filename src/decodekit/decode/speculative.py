@@ -59,9 +59,9 @@ from decodekit.request import (
     Prompt,
     Request,
     Row,
+    cancel_rows,
     emit,
     make_requests,
-    next_delta,
     record,
     to_completion,
 )
@@ -613,10 +613,7 @@ class SpeculativeProgram(Program):
                 r.draft.tokens.append(token)
 
     def cancel(self) -> list[Delta]:
-        rows = [r.row for r in self.rows if r.row.finish_reason is None]
-        for row in rows:
-            row.finish_reason = "cancelled"
-        return [next_delta(row) for row in rows]
+        return cancel_rows([r.row for r in self.rows])
 
 
 def follow(kv: ProgramKV, seq: Seq, context: list[int]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockTable
 from decodekit.engine.rows import RunningKV
-from decodekit.request import Delta, Request, Row, next_delta
+from decodekit.request import Delta, Request, Row, cancel_rows
 
 
 @dataclass(eq=False)
@@ -48,10 +48,7 @@ class EngineRequest:
 
     def finals(self) -> list[Delta]:
         """The deltas that end its unfinished samples when it is cancelled."""
-        rows = [row for row in self.request.rows if row.finish_reason is None]
-        for row in rows:
-            row.finish_reason = "cancelled"
-        return [next_delta(row) for row in rows]
+        return cancel_rows(self.request.rows)
 
 
 @dataclass
