@@ -31,6 +31,18 @@ class Timer:
         return dict(self.timings)
 
 
+@pytest.fixture
+def probe_with(tmp_path, monkeypatch):
+    """probe() with `timer` as its measurement and `directory` (default tmp_path) as its cache."""
+
+    def run(timer, directory=None):
+        monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(directory or tmp_path))
+        monkeypatch.setattr(dtype_probe, "measure", timer)
+        return probe()
+
+    return run
+
+
 def test_bfloat16_is_kept_only_where_it_decodes_at_least_as_fast_as_float32():
     assert choose(BF16_SLOW) == torch.float32
     assert choose(BF16_FAST) == torch.bfloat16
@@ -40,60 +52,61 @@ def test_bfloat16_is_kept_only_where_it_decodes_at_least_as_fast_as_float32():
     assert choose({**BF16_SLOW, "prefill_bfloat16": 0.0001}) == torch.float32
 
 
-def test_the_verdict_is_measured_once_then_read_from_the_cache(tmp_path):
+def test_the_verdict_is_measured_once_then_read_from_the_cache(probe_with, tmp_path):
     timer = Timer(BF16_FAST)
-    first = probe(timer, tmp_path)
+    first = probe_with(timer, tmp_path)
     assert (first["dtype"], first["cached"], timer.calls) == (torch.bfloat16, False, 1)
     assert first["cache"] == str(tmp_path / CACHE_FILE)
-    again = probe(Timer(BF16_SLOW), tmp_path)  # a different timer would disagree: it is not asked
+    again = probe_with(Timer(BF16_SLOW), tmp_path)  # a different timer would disagree: it is not asked
     assert (again["dtype"], again["cached"], again["timings"]) == (torch.bfloat16, True, BF16_FAST)
     stored = json.loads((tmp_path / CACHE_FILE).read_text())
     [entry] = stored["entries"].values()
     assert entry["key"]["torch"] == torch.__version__ and entry["timings"] == BF16_FAST
 
 
-def test_a_new_torch_cpu_or_linear_path_measures_again(tmp_path, monkeypatch):
-    probe(Timer(BF16_FAST), tmp_path)
+def test_a_new_torch_cpu_or_linear_path_measures_again(probe_with, tmp_path, monkeypatch):
+    probe_with(Timer(BF16_FAST), tmp_path)
     key = dtype_probe.probe_key()
     for change in ({"torch": "9.9.9"}, {"cpu": {**key["cpu"], "flags": "0" * 16}}, {"source": "f" * 16}):
         monkeypatch.setattr(dtype_probe, "probe_key", lambda c=change: {**key, **c})
         timer = Timer(BF16_SLOW)
-        assert probe(timer, tmp_path)["dtype"] == torch.float32 and timer.calls == 1, change
+        assert probe_with(timer, tmp_path)["dtype"] == torch.float32 and timer.calls == 1, change
     monkeypatch.undo()
-    assert probe(Timer(BF16_SLOW), tmp_path)["cached"]  # the first machine's entry is still there
+    assert probe_with(Timer(BF16_SLOW), tmp_path)["cached"]  # the first machine's entry is still there
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())["entries"]) == 4
 
 
-def test_the_cache_keeps_the_newest_entries_only(tmp_path, monkeypatch):
+def test_the_cache_keeps_the_newest_entries_only(probe_with, tmp_path, monkeypatch):
     key = dtype_probe.probe_key()
     for i in range(dtype_probe.MAX_ENTRIES + 3):
         monkeypatch.setattr(dtype_probe, "probe_key", lambda i=i: {**key, "torch": f"v{i}"})
         monkeypatch.setattr(dtype_probe.time, "strftime", lambda _, i=i: f"2026-11-24T00:00:{i:02d}")
-        probe(Timer(BF16_FAST), tmp_path)
+        probe_with(Timer(BF16_FAST), tmp_path)
     entries = json.loads((tmp_path / CACHE_FILE).read_text())["entries"].values()
     assert sorted(e["key"]["torch"] for e in entries) == sorted(f"v{i}" for i in range(3, 11))
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"format": 1, "entries": []}',
-                                     '{"format": 99, "entries": {}}', "BAD-ENTRY"])  # fmt: skip
-def test_a_corrupt_cache_is_ignored_and_replaced(tmp_path, content):
+                                     '{"format": 99, "entries": {}}', '{"format": 1, "entries": {"k": "x"}}',
+                                     "BAD-ENTRY"])  # fmt: skip
+def test_a_corrupt_cache_is_ignored_and_replaced(probe_with, tmp_path, content):
     if content == "BAD-ENTRY":  # the right key, timings that cannot be read
         key = dtype_probe.probe_key()
         entry = {"key": key, "timings": {"decode_float32": "fast", "decode_bfloat16": 0}}
         content = json.dumps({"format": 1, "entries": {dtype_probe.key_id(key): entry}})
     (tmp_path / CACHE_FILE).write_text(content)
     timer = Timer(BF16_SLOW)
-    assert probe(timer, tmp_path)["dtype"] == torch.float32 and timer.calls == 1
-    assert probe(timer, tmp_path)["cached"] and timer.calls == 1  # rewritten whole
+    assert probe_with(timer, tmp_path)["dtype"] == torch.float32 and timer.calls == 1
+    assert probe_with(timer, tmp_path)["cached"] and timer.calls == 1  # rewritten whole
 
 
-def test_an_unwritable_cache_is_no_error(tmp_path):
+def test_an_unwritable_cache_is_no_error(probe_with, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the cache directory should be")
     timer = Timer(BF16_FAST)
-    found = probe(timer, blocked / "decodekit")
+    found = probe_with(timer, blocked / "decodekit")
     assert found["dtype"] == torch.bfloat16 and found["cache"] is None
-    assert probe(timer, blocked / "decodekit")["dtype"] == torch.bfloat16 and timer.calls == 2
+    assert probe_with(timer, blocked / "decodekit")["dtype"] == torch.bfloat16 and timer.calls == 2
 
 
 def test_the_cache_directory_comes_from_the_environment(tmp_path, monkeypatch):

@@ -34,7 +34,6 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +171,9 @@ def read_cache(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     entries = data.get("entries") if isinstance(data, dict) and data.get("format") == CACHE_FORMAT else None
-    return entries if isinstance(entries, dict) else {}
+    if not isinstance(entries, dict):
+        return {}
+    return {name: entry for name, entry in entries.items() if isinstance(entry, dict)}
 
 
 def valid_entry(entry: Any, key: dict[str, Any]) -> bool:
@@ -189,30 +190,30 @@ def valid_entry(entry: Any, key: dict[str, Any]) -> bool:
 def write_cache(path: Path, entries: dict[str, Any]) -> bool:
     """Write `entries` (the newest MAX_ENTRIES) atomically; False where it cannot."""
     newest = dict(sorted(entries.items(), key=lambda item: str(item[1].get("probed", "")))[-MAX_ENTRIES:])
+    out = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".dtype-probe-", delete=False) as out:
             json.dump({"format": CACHE_FORMAT, "entries": newest}, out, indent=1)
         os.replace(out.name, path)
     except OSError:
+        if out is not None:
+            Path(out.name).unlink(missing_ok=True)
         return False
     return True
 
 
-def probe(
-    timer: Callable[[], dict[str, float]] | None = None, directory: Path | None = None
-) -> dict[str, Any]:
+def probe() -> dict[str, Any]:
     """This machine's verdict with its evidence: from the cache when it holds one for this
-    machine and build, else measured by `timer` (default `measure`) and cached where it can
-    be; `directory` defaults to `cache_dir()`."""
-    path = (directory or cache_dir()) / CACHE_FILE
+    machine and build, else measured (`measure`) and cached where it can be."""
+    path = cache_dir() / CACHE_FILE
     key = probe_key()
     entries = read_cache(path)
     entry = entries.get(key_id(key))
     if valid_entry(entry, key):
         return {**entry, "dtype": choose(entry["timings"]), "cached": True, "cache": str(path)}
     start = time.perf_counter()
-    timings = (timer or measure)()
+    timings = measure()
     entry = {"key": key, "timings": timings, "probe_s": round(time.perf_counter() - start, 3),
              "probed": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
     stored = write_cache(path, {**entries, key_id(key): entry})
