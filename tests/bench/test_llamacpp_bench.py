@@ -153,6 +153,14 @@ def test_llama_cpp_rounds_run_between_decodekits_with_the_same_threads(tmp_path,
     assert order[: 3 * 22] == (["decodekit"] * 14 + ["llama.cpp"] * 8) * 3
 
 
+def test_a_worker_that_dies_is_an_error_with_its_stderr(tmp_path):
+    directory = fake_python(tmp_path / "peers", 0)
+    dies = "#!/bin/sh\necho 'cannot load the model' >&2\nexit 3\n"
+    directory.joinpath("venv", "bin", "python").write_text(dies)
+    with pytest.raises(RuntimeError, match="llama.cpp worker for m-f32.gguf failed: cannot load the model"):
+        llamacpp.PeerSession(llamacpp.LlamaCpp(directory), tmp_path / "m-f32.gguf", 64, 1, None)
+
+
 PEER = find_llamacpp()
 
 

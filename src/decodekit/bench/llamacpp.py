@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,9 +115,14 @@ class PeerSession:
         return json.loads(line)
 
     def close(self) -> None:
-        if self.process.stdin and not self.process.stdin.closed:
+        """End the worker: stdin closed is its signal to exit; killed if it does not."""
+        with suppress(BrokenPipeError):  # it died with a request unread: its stderr says why
             self.process.stdin.close()
-        self.process.wait(timeout=60)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self.log.close()
 
     def __enter__(self) -> PeerSession:
