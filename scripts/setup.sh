@@ -25,6 +25,11 @@ pip install "torch==2.13.0"
 step "installing decodekit (editable) with extras [$extras]; this takes a minute or two"
 pip install -e ".[$extras]"
 .venv/bin/python -c "import decodekit, torch, transformers"
+# decodekit's CPU GEMV kernels (src/decodekit/models/csrc): ~10 s with g++. Without a compiler,
+# or if the build fails, setup goes on and the pure-torch paths run
+# (`python -m decodekit.models.kernels` says which).
+step "building decodekit's CPU kernels (optional)"
+.venv/bin/python -m decodekit.models.kernels --build || echo "    kernels not built: the pure-torch paths will run"
 if [[ ",$extras," == *",dev,"* ]]; then
   # Optional: the lab's browser tests (tests/server/test_lab_browser.py) drive Debian's
   # chromium through playwright; without either they skip. Nothing here can fail the setup.

@@ -90,3 +90,16 @@ def toy_lm():
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # sharper distributions than the random init
     return HFModelLM(model, None, "toy")
+
+
+@pytest.fixture
+def torch_kernels_only(monkeypatch):
+    """decodekit's native kernels off (models/kernels.py, DECODEKIT_KERNELS=0): the layers
+    choose and run PyTorch's paths, as on a machine where the kernels are not built."""
+    from decodekit.models import kernels
+
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    kernels.status.cache_clear()
+    yield
+    monkeypatch.undo()
+    kernels.status.cache_clear()

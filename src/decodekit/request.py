@@ -85,6 +85,9 @@ class Request:
     rows: list[Row] = field(default_factory=list)
     mask: TokenMask | None = None  # of the request's rows
     cached_prompt_tokens: int = 0  # of the first sample's prompt, reused from a prefix cache
+    # Its adapter reads each row's final hidden state (SamplerState.hidden) of this model: a
+    # decoder that computes them (the engine) hands them to `sample_rows`.
+    wants_hidden: bool = False
 
 
 @dataclass
@@ -134,7 +137,9 @@ def make_requests(
     adapter: Chain | None = None,
 ) -> list[Request]:
     """One request per prompt; `masks` gives each its token mask (a constraint, healing);
-    `adapter` (logits, SamplerState) -> logits runs first in every request's chain."""
+    `adapter` (logits, SamplerState) -> logits runs first in every request's chain; one whose
+    `hidden_model` is `model` (align/controlled.py `ValueTilt` over a `HiddenValue`) marks
+    the requests `wants_hidden`."""
     params_list = per_prompt_params(params, len(prompts))
     if adapter is not None and not callable(adapter):
         raise TypeError(f"adapter must be a callable (logits, SamplerState) -> logits, got {adapter!r:.80}")
@@ -146,7 +151,8 @@ def make_requests(
         if masks is not None:
             mask, ids, decode = masks(model, ids, p)
         state = SamplerState(p, ids, p.n, model.vocab_size, model.eos_token_ids, model.tokenizer)
-        request = Request(index, ids, p, state, build_chain(p, model.tokenizer, adapter), mask=mask)
+        request = Request(index, ids, p, state, build_chain(p, model.tokenizer, adapter), mask=mask,
+                          wants_hidden=getattr(adapter, "hidden_model", None) is model)
         plain = decode == model.decode  # healing decodes through prompt context: not incremental
         request.rows = [Row(request, s, TextTracker(decode, p.stop, plain)) for s in range(p.n)]
         requests.append(request)
@@ -167,8 +173,10 @@ def per_prompt_params(params, count: int) -> list[SamplingParams]:
     return params
 
 
-def sample_rows(logits: torch.Tensor, live: list[Row]) -> torch.Tensor:
-    """Apply each request's chain and selector to its rows (contiguous in `live`); record tokens."""
+def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply each request's chain and selector to its rows (contiguous in `live`); record tokens.
+    hidden [R, H]: the final hidden states the logits came from, set as the state's `hidden`
+    of each request that `wants_hidden` (None elsewhere) while its chain runs."""
     tokens = torch.empty(len(live), dtype=torch.long)
     processed_all = torch.empty_like(logits)  # [R, V]
     start = 0
@@ -180,6 +188,8 @@ def sample_rows(logits: torch.Tensor, live: list[Row]) -> torch.Tensor:
         raw = logits[start:stop]  # [r, V]
         # The token mask comes first, so the chain renormalises over the allowed tokens.
         allowed = raw if request.mask is None else request.mask.apply(raw)
+        wanted = hidden is not None and request.wants_hidden
+        request.state.hidden = hidden[start:stop] if wanted else None  # [r, H]
         processed = request.chain(allowed, request.state)
         chosen = select_tokens(processed, request.state)  # [r]
         request.state.accept(chosen, processed)
@@ -264,6 +274,15 @@ def next_delta(row: Row) -> Delta:
     return Delta(row.request.index, row.sample, piece, to_completion(row) if done else None,
                  row.token_ids[span], row.logprobs[span],
                  row.top_logprobs[span] if row.request.params.logprobs else None)
+
+
+def cancel_rows(rows: list[Row]) -> list[Delta]:
+    """End the unfinished rows with finish_reason "cancelled": their last deltas (a cancelled
+    sampling request's, or a program's that samples rows: contrastive, speculative)."""
+    live = [row for row in rows if row.finish_reason is None]
+    for row in live:
+        row.finish_reason = "cancelled"
+    return [next_delta(row) for row in live]
 
 
 def emit(rows: list[Row], context: int) -> Iterator[Delta]:

@@ -4,6 +4,7 @@ import torch
 from decodekit.bench.packed import bench_packed, median_seconds, random_model
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_bench_rows_kernels_and_self_draft(tiny_llama_dir, one_thread):
     report = bench_packed(str(tiny_llama_dir), new_tokens=4, repeats=1, prefill_tokens=32,
                           calib_windows=2, calib_length=32, perplexity=False)  # fmt: skip

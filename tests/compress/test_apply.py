@@ -81,6 +81,7 @@ def test_collect_hessians_matches_captured_inputs_and_stops_early():
     assert calls["block1"] == 0  # every batch stopped once block 0 had its inputs
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_rtn_int8_model_runs_close_to_float32_and_shrinks():
     model = tiny_llama()
     tokens = calibration(1, seed=7)[0]

@@ -16,6 +16,7 @@ def cli_json(capsys, *args) -> dict:
     return json.loads(out.out)
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_compress_then_generate_from_the_directory(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "int8"
     report = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "8",
@@ -116,6 +117,7 @@ def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys):
     assert completion["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_compress_text_report_names_the_kernels(tiny_llama_dir, tmp_path, capsys):
     assert main(["compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "4", "--group", "32",
                  "--out", str(tmp_path / "q")]) == 0  # fmt: skip

@@ -67,6 +67,7 @@ def test_directory_layout(tiny_llama_dir, tmp_path):
         save_compressed_dir(model, out, tiny_llama_dir, summary)
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_int8_directory_holds_fewer_bytes(tiny_llama_dir, tmp_path):
     model, summary = compressed(tiny_llama_dir, CompressConfig("rtn", bits=8))
     loaded = load_model(save_compressed_dir(model, tmp_path / "c", tiny_llama_dir, summary))
@@ -155,6 +156,7 @@ def test_other_llama_families_round_trip(tmp_path, family):
     assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 @pytest.mark.parametrize(
     ("config", "kernels"),
     [(CompressConfig("rtn", bits=8), {"int8pack": 16}),

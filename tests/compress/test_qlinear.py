@@ -14,6 +14,9 @@ from decodekit.compress import (
 )
 from decodekit.models.qlinear import kernel_counts, set_kernels
 
+# PyTorch's kernel paths and their names; decodekit's own kernels: tests/models/test_kernels.py
+pytestmark = pytest.mark.usefixtures("torch_kernels_only")
+
 
 def test_int4_pack_round_trip_covers_every_code_and_odd_width():
     codes = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 1)[:, :15]  # [3, 15]
@@ -153,7 +156,7 @@ def test_fallback_where_no_kernel_applies(in_features, out_features, bits, group
     x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(qlinear(x), x @ qlinear.dequantized_weight().T + linear.bias, atol=1e-5)
-    with pytest.raises(ValueError, match=r"kernel must be 'auto', 'unpack' or 'unpack'.*got 'int4pack'"):
+    with pytest.raises(ValueError, match=r"kernel must be 'auto' or 'unpack' for this layer.*got 'int4pack'"):
         qlinear.set_kernel("int4pack")
 
 

@@ -1,4 +1,5 @@
-"""Contrastive decoding on the expert's engine (ContrastiveProgram) equals the plain loop.
+"""Contrastive decoding on the expert's engine (ContrastiveProgram, and beam search as a
+BeamProgram over the pair) equals the plain loop.
 
 Both models run NativeLM's batch-invariant mode, so a token's logits are bit-identical
 whether the plain loop computes them over its dense, left-padded cache or the engine over
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import decodekit as dk
+from decodekit.decode.beam import _beam_plain, beam_searches
 from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
 from decodekit.decode.sample import _steps, stream_events
 from decodekit.engine import Engine, EngineConfig
@@ -148,3 +150,65 @@ def test_stream_on_the_engine_equals_generate(expert, amateur):
     [c] = dk.generate(cd, "the sun", params)
     assert "".join(dk.stream(cd, "the sun", params)) == c.text
 
+
+
+BEAMS = [dict(num_beams=2), dict(num_beams=4, length_penalty=0.5, early_stopping=False)]
+
+
+def beam_outputs(completions) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in completions]
+
+
+def assert_same_beams(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert beam_outputs(g) == beam_outputs(w)
+        assert [c.score for c in g] == pytest.approx([c.score for c in w], abs=1e-4)
+        assert [c.logprobs for c in g] == [pytest.approx(c.logprobs, abs=1e-4) for c in w]
+
+
+@pytest.mark.parametrize("options", BEAMS, ids=["2-beams", "4-beams-exhaustive"])
+def test_beam_on_the_engine_equals_the_plain_loop(expert, amateur, options):
+    cd = ContrastiveLM(expert, amateur, alpha=0.05, amateur_temperature=0.8)
+    params = dk.SamplingParams(max_new_tokens=10, n=2)
+    assert cd.engine_programs(beam_searches(cd, PROMPTS, params, **options)) is not None
+    want = [_beam_plain(cd, search) for search in beam_searches(cd, PROMPTS, params, **options)]
+    engine = engine_for(expert)
+    steps = engine.steps
+    got = dk.beam_search(cd, PROMPTS, params, **options)  # the expert's persistent engine
+    assert engine.steps > steps
+    assert_same_beams(got, want)
+    assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
+    assert len(engine.running_kv) == 0 and not engine.programs
+
+
+def test_concurrent_beam_searches_batch_on_one_engine(expert, amateur):
+    """Three contrastive beam searches and a contrastive sampling request in flight together:
+    one step per token for all of them, each equal to its plain-loop run."""
+    cd = ContrastiveLM(expert, amateur, alpha=0.1)
+    params = dk.SamplingParams(max_new_tokens=8, n=3, ignore_eos=True)
+    engine = Engine(expert, EngineConfig(block_size=4, num_blocks=512))
+    model, programs = cd.engine_programs(beam_searches(cd, PROMPTS, params, num_beams=3))
+    assert model is expert
+    handles = [engine.add_program(program) for program in programs]
+    sampling = dk.SamplingParams(max_new_tokens=8, seed=2, n=2)
+    [request] = make_requests(cd, ["JULIET:"], sampling)
+    sampled = engine.add_program(ContrastiveProgram(cd, request))
+    amateur_peak = 0
+    while engine.has_work():
+        engine.step()
+        amateur_peak = max(amateur_peak, engine.member(amateur).pool.num_used)
+    assert engine.steps == 8  # every search advanced in the same steps
+    assert amateur_peak > 0  # the amateur's beams lived in its member pool
+    want = [_beam_plain(cd, search) for search in beam_searches(cd, PROMPTS, params, num_beams=3)]
+    assert_same_beams([h.result() for h in handles], want)
+    assert outputs(sampled.result()) == outputs(plain(cd, ["JULIET:"], sampling)[0][0])
+    assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
+
+
+def test_windowed_amateur_beam_runs_the_plain_loop(expert, amateur):
+    cd = ContrastiveLM(expert, amateur, alpha=0.05, amateur_window=3)
+    params = dk.SamplingParams(max_new_tokens=6)
+    assert cd.engine_programs(beam_searches(cd, PROMPTS, params, num_beams=2)) is None
+    got = dk.beam_search(cd, PROMPTS, params, num_beams=2)
+    want = [_beam_plain(cd, search) for search in beam_searches(cd, PROMPTS, params, num_beams=2)]
+    assert_same_beams(got, want)

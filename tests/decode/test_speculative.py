@@ -404,6 +404,7 @@ def test_embedded_pair_greedy_equals_target_greedy():
         assert result.completions[0].token_ids == plain.token_ids
 
 
+@pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_self_int4_draft_keeps_greedy_output(tiny_lm):
     # The target's own int4 copy (packed int4 kernel, bfloat16 activations) as the draft:
     # greedy output is the target's token for token, and the target stays float.

@@ -160,7 +160,7 @@ def wait_for(condition, seconds=10.0):
 
 def test_full_queue_is_503_with_retry_after_then_timeouts_are_504(paused_server):
     thread, backend = paused_server
-    engine = backend.engines["tiny"]
+    engine = backend.engine("tiny")
     answers = []
     senders = [threading.Thread(target=lambda: answers.append(httpx.post(thread.url + COMPLETIONS, json=OK,
                                                                          timeout=30)))

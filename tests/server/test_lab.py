@@ -138,6 +138,22 @@ def test_speculative_rules_side_by_side_on_the_same_draft(lab):
     assert out["totals"]["token"]["target_calls"] == len(out["blocks"])
 
 
+def test_speculative_view_is_the_librarys_own_run(lab):
+    """One verify-and-emit path: the view draws `speculative_generate`'s own blocks (its trace)."""
+    from decodekit import SamplingParams
+    from decodekit.decode.speculative import speculative_generate
+
+    model = lab.app.state.backend.models["tiny"]
+    out = post(lab, "speculative", {"model": "tiny", "draft": "tiny", "prompt": "hello", "follow": "block",
+                                    "num_draft_tokens": 3,
+                                    "params": {"temperature": 1.0, "seed": 5, "max_new_tokens": 12}})
+    params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=12, ignore_eos=False)
+    result = speculative_generate(model, model, "hello", params, 3, "block")
+    assert out["text"] == result.completions[0].text
+    assert out["totals"]["block"]["target_calls"] == result.stats.target_calls == len(out["blocks"])
+    assert out["totals"]["block"]["accepted"] == result.stats.accepted_tokens
+
+
 def test_tree_search_nodes_and_chosen_path(lab):
     out = post(lab, "tree", {"question": "13*7-19+4*16", "method": "rebase", "n": 4, "width": 2})
     nodes = {n["id"]: n for n in out["nodes"]}

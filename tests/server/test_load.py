@@ -30,7 +30,7 @@ async def streamed(client: openai.AsyncOpenAI, i: int) -> tuple[set[str], str, s
 
 def test_64_concurrent_streams_each_get_their_own_text(server):
     thread, backend = server
-    engine = backend.engines["tiny"]
+    engine = backend.engine("tiny")
     before = engine.stats()
 
     async def run():
@@ -54,7 +54,7 @@ def test_64_concurrent_streams_each_get_their_own_text(server):
 
 def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
     thread, backend = server
-    engine = backend.engines["tiny"]
+    engine = backend.engine("tiny")
     cancelled, generated = backend.counters["cancelled"], engine.stats()["generated_tokens"]
 
     async def hang_up(client, i):
@@ -105,7 +105,7 @@ def test_concurrent_beam_searches_join_the_engine_batch(server, server_models):
     import decodekit as dk
 
     thread, backend = server
-    engine = backend.engines["tiny"]
+    engine = backend.engine("tiny")
     before = engine.stats()["steps"]
     prompts = PROMPTS + ["O Romeo", "Good night", "Parting is"]
 
@@ -125,7 +125,7 @@ def test_concurrent_contrastive_requests_run_on_the_experts_engine(server, serve
     import decodekit as dk
 
     thread, backend = server
-    engine = backend.engines["tiny"]
+    engine = backend.engine("tiny")
     before = engine.stats()["steps"]
     prompts = PROMPTS[:4]
 
@@ -147,7 +147,7 @@ def test_concurrent_speculative_requests_verify_in_one_forward(server, server_mo
     import decodekit as dk
 
     thread, backend = server
-    engine = backend.engines["tiny"]
+    engine = backend.engine("tiny")
     before = engine.stats()["steps"]
     prompts = PROMPTS[:4]
 

@@ -6,7 +6,11 @@ z ~ p(z | prefix) exp(lam V(prefix + z)) over the top-k of p. `ValueTilt(value, 
 is a sampling adapter (logits, SamplerState) -> logits that returns log p + lam V over the
 top-k (-inf elsewhere). It reads each row's generated tokens from the request's
 `SamplerState`, as the penalties do, so it holds no per-row state and runs wherever a
-request runs:
+request runs. A value on the model's own hidden states (align/qvalue.py `HiddenValue`)
+names that model (`hidden_model`): on the engine the step's forward then hands each row
+its final state (`SamplerState.hidden`) and the value advances a per-row memory kept in
+the state (`step_values`), one forward per token in all; elsewhere it recomputes the
+prefix (`child_values`):
 
     generate(model, prompts, SamplingParams(n=64, seed=0), adapter=ValueTilt(value, 2.0))
 
@@ -57,7 +61,9 @@ KEYWORDS = ("love", "lord", "king", "good", "sweet", "heaven", "god", "queen", "
 
 class ChildValues(Protocol):
     """V(prefix + z) for each row's tokens and candidate ids [B, k] -> [B, k] (PrefixValue, or
-    align/qvalue.py's HiddenValue: Q(prefix, z))."""
+    align/qvalue.py's HiddenValue: Q(prefix, z)). A value may also have `hidden_model` (the
+    model whose states it reads) and `step_values(state, ids) -> [R, k] | None`, the same
+    values from the states a decoder handed over in `state.hidden` (None: not applicable)."""
 
     def child_values(self, prefixes: Sequence[Sequence[int]], ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -79,12 +85,20 @@ class ValueTilt:
         if self.top_k is not None:
             check_n(self.top_k, "top_k")
 
+    @property
+    def hidden_model(self) -> LanguageModel | None:
+        """The model whose final hidden states the value reads (make_requests marks its
+        requests `wants_hidden`), or None."""
+        return getattr(self.value, "hidden_model", None)
+
     def __call__(self, logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
-        return self.tilt(logits, state.generated)
+        return self.tilt(logits, state.generated, state)
 
     @torch.no_grad()
-    def tilt(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Tilted logits [R, V] of logits [R, V] after the tokens `prefixes[r]` of each row."""
+    def tilt(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]],
+             state: SamplerState | None = None) -> torch.Tensor:
+        """Tilted logits [R, V] of logits [R, V] after the tokens `prefixes[r]` of each row
+        (a request's `state`: its rows' hidden states, where the decoder handed them over)."""
         logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
         rows, vocab = logp.shape
         every = self.top_k is None or self.top_k >= vocab  # every token a candidate: no sort
@@ -93,7 +107,11 @@ class ValueTilt:
         else:
             top_logp, ids = logp.topk(self.top_k, dim=-1)  # [R, k]
         if self.lam > 0:
-            v = self.value.child_values(prefixes, ids.cpu())  # [R, k]
+            v = None
+            if state is not None and state.hidden is not None:
+                v = self.value.step_values(state, ids)  # from the handed-over states
+            if v is None:
+                v = self.value.child_values(prefixes, ids.cpu())  # [R, k]
             top_logp = top_logp + self.lam * v.to(top_logp.device, top_logp.dtype)
         if every:
             return top_logp

@@ -8,8 +8,13 @@ memory of the completion's earlier states (a learned read-out summed over them: 
 state describes the next token, not what the completion has earned so far, e.g. how many
 keywords it holds), through a small MLP to one value per vocabulary token, as the LM head
 maps it to logits. So:
-- token-wise controlled decoding tilts p(z | s) exp(lam Q(s, z)) with one forward of the
-  base model per step and none per child (`HiddenValue.child_values`, what `ValueTilt` calls);
+- token-wise controlled decoding tilts p(z | s) exp(lam Q(s, z)) with no forward of its own
+  and none per child: on the engine the decoding forward hands each row its state h(s_t)
+  (`SamplerState.hidden`) and the row keeps its memory m_t = m_t-1 + R h(s_t)
+  (`HiddenValue.step_values`, what `ValueTilt` calls), so a token costs one forward, O(1),
+  not a forward over the whole prefix; where no state is handed over (the plain loop, or a
+  request for another prompt than the value's) `child_values` recomputes the prefix's states
+  with one forward per step, O(T) tokens each;
 - blockwise controlled decoding scores a candidate by the value of its last token given
   everything before it, V(prefix + block) = Q(prefix + block[:-1], block[-1])
   (`HiddenValue.prefix_values`, what `BlockwiseCD` calls): the entry both trainings fit at
@@ -40,6 +45,7 @@ from torch import nn
 from decodekit.align.value import BaseSamples
 from decodekit.models.base import LanguageModel, left_pad, logprobs
 from decodekit.request import Prompt, encode_prompt
+from decodekit.sampling import SamplerState
 from decodekit.validate import check_n
 
 __all__ = ["HiddenValue", "QHead", "add_hidden_states", "q_targets", "train_q_cdq", "train_q_fudge"]
@@ -143,8 +149,10 @@ def train_q_cdq(head: QHead, samples: BaseSamples, epochs: int = 4, lr: float = 
 
 class HiddenValue:
     """A trained `QHead` on `model`'s states after `prompt`: the value `ValueTilt`
-    (child_values) and `BlockwiseCD` (prefix_values) read. Prefixes exclude the prompt; rows
-    are scored `chunk` at a time (one forward each, left-padded)."""
+    (step_values, else child_values) and `BlockwiseCD` (prefix_values) read. Prefixes exclude
+    the prompt; rows are scored `chunk` at a time (one forward each, left-padded).
+    `hidden_model` names the model whose states `step_values` reads (make_requests marks a
+    request of that model `wants_hidden`, and the engine hands them over)."""
 
     def __init__(self, model: LanguageModel, prompt: Prompt, head: QHead, chunk: int = 64):
         if not isinstance(head, QHead):
@@ -152,26 +160,71 @@ class HiddenValue:
         self.model, self.head, self.chunk = model, head.eval(), check_n(chunk, "chunk")
         self.prompt_ids = list(encode_prompt(model, prompt))
 
-    def _run(self, prefixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens [B, W] (prompt + prefix, left-padded), their pad mask and the head's values
-        [B, W, V]: column j holds Q(state after token j, .); the completion's states (after the
-        prompt, then after each prefix token) are its last len(prefix) + 1 columns."""
+    @property
+    def hidden_model(self) -> LanguageModel:
+        return self.model
+
+    def _states(self, prefixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states [B, W, H] of prompt + prefix (left-padded) on the head's device and the
+        completion's columns [B, W]: column j holds the state after token j; the completion's
+        states (after the prompt, then after each prefix token) are its last len(prefix) + 1."""
         tokens, mask = left_pad([self.prompt_ids + list(p) for p in prefixes])
         pad = None if bool(mask.all()) else mask
         hidden = self.model.hidden_states(tokens, pad).to(self.head.out.weight.device)  # [B, W, H]
         width = tokens.shape[1]
         lengths = torch.tensor([len(p) for p in prefixes])
         states = torch.arange(width)[None, :] >= (width - 1 - lengths)[:, None]  # [B, W]
-        return tokens, pad, self.head(hidden, states.to(hidden.device))
+        return hidden, states.to(hidden.device)
+
+    def _run(self, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The head's values [B, W, V] over `_states`' columns: column j holds Q(state after
+        token j, .)."""
+        return self.head(*self._states(prefixes))
 
     @torch.no_grad()
     def q_values(self, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
         """Q(prompt + prefix, .) of each row: [B, V]."""
-        return torch.cat([self._run(part)[2][:, -1] for part in _chunks(prefixes, self.chunk)])
+        return torch.cat([self._run(part)[:, -1] for part in _chunks(prefixes, self.chunk)])
 
     def child_values(self, prefixes: Sequence[Sequence[int]], ids: torch.Tensor) -> torch.Tensor:
-        """Q(prompt + prefixes[r], ids[r]): [B, k]."""
+        """Q(prompt + prefixes[r], ids[r]): [B, k], recomputing the prefixes' states."""
         return self.q_values(prefixes).gather(-1, ids.to(torch.long))
+
+    @torch.no_grad()
+    def step_values(self, state: SamplerState, ids: torch.Tensor) -> torch.Tensor | None:
+        """Q(s_t, ids[r]) [R, k] of a request's rows from the states its decoder handed over
+        (`state.hidden` [R, H], h(s_t) after t generated tokens), with no forward: each row's
+        memory m_t = m_t-1 + R h(s_t) (QHead) is kept in `state.memory`, advanced once per call
+        (the adapter runs once per sampled token). A memory that is missing or behind (states
+        handed over from mid-way) is rebuilt from one recomputing forward over the prefixes.
+        None where this cannot apply: no states, or a request for another prompt than this
+        value's (then `child_values`)."""
+        if state.hidden is None or list(state.prompt_ids) != self.prompt_ids:
+            return None
+        head = self.head
+        hidden = state.hidden.to(head.out.weight.device, head.out.weight.dtype)  # [R, H]
+        steps = len(state.generated[0])  # every row of a request has as many tokens
+        key = (self, "steps")
+        memory = state.memory.get(self)  # [R, M] = m_t-1
+        if memory is None or not bool((state.memory[key] == steps).all()):
+            memory = self._memory(state.generated).to(hidden)  # sum over s_0..s_t-1
+        memory = memory + head.read(hidden)  # m_t
+        state.memory[self] = memory
+        state.memory[key] = torch.full((len(memory),), steps + 1, device=memory.device)
+        q = head.out(torch.tanh(head.inner(torch.cat([hidden, memory], dim=-1))))  # [R, V]
+        return q.gather(-1, ids.to(q.device, torch.long))
+
+    def _memory(self, generated: Sequence[Sequence[int]]) -> torch.Tensor:
+        """m_t-1 [R, M] of rows with t tokens: the read-out summed over the states before the
+        last (s_0..s_t-1); zero at t = 0 (no forward)."""
+        if not generated[0]:
+            device = self.head.out.weight.device
+            return torch.zeros(len(generated), self.head.read.out_features, device=device)
+        parts = []
+        for part in _chunks([list(g[:-1]) for g in generated], self.chunk):
+            hidden, states = self._states(part)
+            parts.append((self.head.read(hidden) * states[..., None]).sum(dim=1))  # [b, M]
+        return torch.cat(parts)
 
     @torch.no_grad()
     def prefix_values(self, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import json
 from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
-           "latency", "presets", "dtype", "packed", "kv")
+           "latency", "presets", "dtype", "packed", "kv", "soak")
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 
@@ -40,6 +40,11 @@ def add_bench(sub) -> None:
                    "and 64 streams, a 100 MB body's 413, best-of-16 on a pool of two servers "
                    "(bench/hardening.py)")
     p.add_argument("--new-tokens", type=int, default=256)
+    soak = p.add_argument_group("bench soak (the engine under random faults: bench/soak.py)")
+    soak.add_argument("--requests", type=int, default=500, help="requests run in all")
+    soak.add_argument("--clients", type=int, default=64, help="requests in flight at once")
+    soak.add_argument("--fail-p", type=float, default=0.05, help="probability that a step's forward fails")
+    soak.add_argument("--seed", type=int, default=0, help="the request mix's and the faults' seed")
     p.add_argument("--repeats", type=int, default=3)
     latency = p.add_argument_group("bench latency (seed 000's latency table)")
     latency.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
@@ -133,6 +138,14 @@ def run_bench(args) -> None:
         new_tokens = 32 if args.new_tokens == 256 else args.new_tokens
         result = bench_beam(args.model, clients, new_tokens=new_tokens, repeats=args.repeats,
                             progress=progress)
+    elif args.which == "soak":
+        from decodekit.bench.soak import bench_soak
+
+        if args.requests < 1 or args.clients < 1 or not 0 <= args.fail_p < 1:
+            raise UsageError(f"bench soak needs --requests >= 1, --clients >= 1 and --fail-p in [0, 1), got "
+                             f"{args.requests}, {args.clients} and {args.fail_p}")
+        result = bench_soak(args.model, args.draft, args.requests, args.clients, args.fail_p, args.seed,
+                            args.new_tokens, progress=progress)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
 

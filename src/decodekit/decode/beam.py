@@ -24,13 +24,14 @@ hypothesis whose constraint is complete leaves the beam like one that emits EOS.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.decode.constrained import Constraint, token_mask
+from decodekit.decode.route import engine_route
 from decodekit.engine.program import Feed, Forward, Program
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
@@ -69,12 +70,13 @@ def beam_search(
     searches = beam_searches(model, prompt_list, params, num_beams=num_beams,
                              length_penalty=length_penalty, early_stopping=early_stopping,
                              constraint=constraint, heal=heal)  # fmt: skip
-    if model.supports_paged_kv:  # every prompt's search batched on the model's engine
+    # Every prompt's search batched on an engine, or None: the plain loop (route.py).
+    on_engine = engine_route(model, searches, lambda i, search: BeamProgram(model, search, i))
+    if on_engine is not None:
         from decodekit.engine.shared import run_requests
 
-        programs = [BeamProgram(model, search, i) for i, search in enumerate(searches)]
-        results: list[list] = [[None] * params.n for _ in programs]
-        for delta in run_requests(model, programs):
+        results: list[list] = [[None] * params.n for _ in searches]
+        for delta in run_requests(*on_engine):
             results[delta.prompt_index][delta.sample_index] = delta.completion
     else:
         results = [_beam_plain(model, search) for search in searches]
@@ -215,42 +217,57 @@ def _beam_plain(model: LanguageModel, search: BeamSearch) -> list[Completion]:
 
 
 class BeamProgram(Program):
-    """The search on the paged engine (engine/program.py): each beam is a sequence with a
-    RunningKV lane; a step feeds every live beam its last token, together with whatever
-    else the engine runs; a beam extended by two candidates forks (full blocks shared,
-    the dense row copied), a beam extended by none is closed."""
+    """The search on the paged engine (engine/program.py): each beam is a sequence of
+    `model` (the engine's) with a RunningKV lane; a step feeds every live beam its last
+    token, together with whatever else the engine runs; a beam extended by two candidates
+    forks (full blocks shared, the dense row copied), a beam extended by none is closed.
 
-    def __init__(self, model: LanguageModel, search: BeamSearch, prompt_index: int = 0):
+    A search whose scores combine several models (a ContrastiveLM: its expert on the
+    engine, its amateur a member, decode/contrastive.py `engine_programs`) gives the others
+    as `members` and `combine(logits of model, logits of each member) -> scores [K, V]`:
+    each beam then holds one sequence per model, fed, forked and closed together, the
+    members' forwards batched with every other program's before the engine's own."""
+
+    def __init__(self, model: LanguageModel, search: BeamSearch, prompt_index: int = 0,
+                 members: Sequence[LanguageModel] = (), combine: Callable | None = None):
+        if bool(members) != (combine is not None):
+            raise ValueError("members and combine go together: the members' logits must be combined")
         self.model, self.search = model, search
+        self.models, self.combine = (model, *members), combine
         self.prompt_index, self.num_samples = prompt_index, search.params.n
-        self.seqs: list = []
+        self.beams: list[list] = []  # each live beam's sequences, one per model in `models`
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
         prompt = len(self.search.prompt_ids)
         longest = prompt + self.search.max_steps
         per_beam = -(-longest // block_size) - prompt // block_size + 1  # + a copy-on-write
         # parents and their forks live together for a moment: up to 2K tables
-        return [(self.model, prompt // block_size + 2 * self.search.num_beams * per_beam)]
+        return [(m, prompt // block_size + 2 * self.search.num_beams * per_beam) for m in self.models]
 
     def step(self, kv):
-        if not self.seqs:
-            self.seqs = [kv.open(self.model, self.search.prompt_ids)]
-        [logits] = yield [Forward(self.model, [Feed(seq, lane=True) for seq in self.seqs])]
-        parents = self.search.advance(torch.cat(logits))  # [K, V]
+        if not self.beams:
+            self.beams = [[kv.open(m, self.search.prompt_ids) for m in self.models]]
+        results = yield [Forward(m, [Feed(beam[i], lane=m is kv.model) for beam in self.beams])
+                         for i, m in enumerate(self.models)]  # fmt: skip
+        logits = [torch.cat(r) for r in results]  # per model [K, V]
+        parents = self.search.advance(logits[0] if self.combine is None else self.combine(*logits))
         if parents is None:
             self.finished = True
             return self._deltas()
         taken: set[int] = set()
         grown = []
         for parent in parents:  # forks first: every parent is intact until all are taken
-            grown.append(kv.fork(self.seqs[parent]) if parent in taken else self.seqs[parent])
+            beam = self.beams[parent]
+            grown.append([kv.fork(seq) for seq in beam] if parent in taken else beam)
             taken.add(parent)
-        for i, seq in enumerate(self.seqs):
+        for i, beam in enumerate(self.beams):
             if i not in taken:
-                kv.close(seq)
-        for seq, token in zip(grown, self.search.tokens, strict=True):
-            seq.tokens.append(token)
-        self.seqs = grown
+                for seq in beam:
+                    kv.close(seq)
+        for beam, token in zip(grown, self.search.tokens, strict=True):
+            for seq in beam:
+                seq.tokens.append(token)
+        self.beams = grown
         return []
 
     def cancel(self) -> list[Delta]:

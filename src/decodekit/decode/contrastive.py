@@ -39,7 +39,11 @@ engine (engine/program.py): the amateur's forwards of every contrastive request 
 run as one batch, then their expert rows join the engine's one forward of the step, beside
 any other requests on the expert. Otherwise (a windowed amateur, a model without paged KV)
 the plain loop (decode/sample.py) runs `ContrastiveLM.forward` over its `PairCache`. Both
-paths sample the same requests (request.py) from the same scores, token for token.
+paths sample the same requests (request.py) from the same scores, token for token. Beam
+search (`beam_search(cd, ...)`) takes the same hook: each prompt's search a `BeamProgram`
+on the expert's engine, every beam an expert sequence (a RunningKV lane) paired with an
+amateur one in its member pool, forked and closed together; beam searches and sampling
+requests in flight batch together, and the beams equal the plain loop's (`_beam_plain`).
 """
 
 from __future__ import annotations
@@ -49,10 +53,19 @@ from collections.abc import Sequence
 
 import torch
 
+from decodekit.decode.beam import BeamProgram, BeamSearch
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.engine.scheduler import blocks_alone
 from decodekit.models.base import Cache, LanguageModel, left_pad
-from decodekit.request import Delta, Request, Row, drop_finished_rows, emit, next_delta, sample_rows
+from decodekit.request import (
+    Delta,
+    Request,
+    Row,
+    cancel_rows,
+    drop_finished_rows,
+    emit,
+    sample_rows,
+)
 
 NEG_INF = float("-inf")
 # Lowest amateur log-probability used: an amateur that gives a head token probability 0
@@ -203,13 +216,22 @@ class ContrastiveLM(LanguageModel):
             expert_logits, amateur_logits, self.alpha, self.amateur_temperature, self.amateur_weight
         )
 
-    def engine_programs(self, requests: list[Request]) -> tuple[LanguageModel, list[Program]] | None:
+    def engine_programs(
+        self, requests: Sequence[Request | BeamSearch]
+    ) -> tuple[LanguageModel, list[Program]] | None:
         """The requests as programs on the expert's engine, when both models support paged KV
-        and the amateur sees the whole context; None (the plain loop) otherwise."""
+        and the amateur sees the whole context; None (the plain loop) otherwise. A sampling
+        request (request.py) runs as a `ContrastiveProgram`; a beam search (beam.py
+        `BeamSearch`, the i-th prompt's) as a `BeamProgram` whose beams pair an expert
+        sequence with an amateur one, scored by this pair's CD scores."""
         paged = self.expert.supports_paged_kv and self.amateur.supports_paged_kv
         if not paged or self.amateur_window is not None:
             return None
-        return self.expert, [ContrastiveProgram(self, request) for request in requests]
+        return self.expert, [
+            BeamProgram(self.expert, r, i, members=(self.amateur,), combine=self.scores)
+            if isinstance(r, BeamSearch) else ContrastiveProgram(self, r)
+            for i, r in enumerate(requests)
+        ]
 
     def _windowed_amateur(
         self, tokens: torch.Tensor, cache: WindowCache, mask: torch.Tensor | None
@@ -311,10 +333,7 @@ class ContrastiveProgram(Program):
 
     def cancel(self) -> list[Delta]:
         """The unfinished samples so far, with finish_reason "cancelled"."""
-        rows = [row for row in self.rows or self.request.rows if row.finish_reason is None]
-        for row in rows:
-            row.finish_reason = "cancelled"
-        return [next_delta(row) for row in rows]
+        return cancel_rows(self.rows or self.request.rows)
 
 
 def check_same_vocabulary(expert: LanguageModel, amateur: LanguageModel) -> None:

@@ -26,7 +26,8 @@ drawn from; using the same adapters for draft and target only raises acceptance.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -215,12 +216,33 @@ SELF_DRAFT = CompressConfig("rtn", bits=4, group_size=32)
 
 def self_draft(target: LanguageModel, config: CompressConfig = SELF_DRAFT) -> ModelDrafter:
     """A drafter over the target's own quantised copy (module docstring); the target must be
-    a float NativeLM, whose float tensors the copy shares."""
+    a float NativeLM, whose float tensors the copy shares. The copy is built once per target
+    and config (and again only when the target's weights change: `draft_for`)."""
     from decodekit.models.native import NativeLM
 
     if not isinstance(target, NativeLM):
         raise ValueError(f"a self-draft needs a NativeLM target, got {type(target).__name__}")
-    return ModelDrafter(quantized_copy(target, config))
+    return ModelDrafter(draft_for(target, ("self", config), lambda: quantized_copy(target, config)))
+
+
+_DRAFTS_LOCK = threading.Lock()
+
+
+def draft_for(target: LanguageModel, key: object, build: Callable[[], LanguageModel]) -> LanguageModel:
+    """The draft model `key` of `target`, built once and kept on the target (so it lives as
+    long as the target does): every call with "self-int4", "auto" or a draft's name gets
+    the same model, so the target's engine keeps one member pool for it (engine.py), not one
+    per call. A target whose weights changed gets a new one."""
+    from decodekit.engine.shared import weights_stamp
+
+    stamp = weights_stamp(target)
+    with _DRAFTS_LOCK:
+        drafts = target.__dict__.setdefault("_decodekit_drafts", {})
+        built_on, draft = drafts.get(key, (None, None))
+        if draft is None or built_on != stamp:
+            draft = build()
+            drafts[key] = (stamp, draft)
+        return draft
 
 
 def make_drafter(draft: object, target: LanguageModel) -> Drafter:
@@ -241,7 +263,8 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
                     f"no default draft model for {target.name!r} (no embedded model {draft!r}); "
                     "name a draft model or use 'prompt-lookup'"
                 )
-        draft = load_model(draft)
+        name = draft
+        draft = draft_for(target, ("model", name), lambda: load_model(name))
     if isinstance(draft, LanguageModel):
         check_vocabulary(draft, target)
         return ModelDrafter(draft)

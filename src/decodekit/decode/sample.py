@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 
 from decodekit.completion import Completion
 from decodekit.decode.constrained import Constraint, mask_builder
+from decodekit.decode.route import engine_route
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
 from decodekit.request import (
@@ -74,9 +75,7 @@ def stream_events(
 ) -> Iterator[Delta]:
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
     requests = make_requests(model, prompts, params, mask_builder(constraint, heal), adapter)
-    # The model's paged engine, or another model's engine running the requests as programs
-    # (a ContrastiveLM's expert: models/base.py `engine_programs`); the plain loop otherwise.
-    on_engine = (model, requests) if model.supports_paged_kv else model.engine_programs(requests)
+    on_engine = engine_route(model, requests)  # an engine, or None: the plain loop (route.py)
     if on_engine is not None:
         from decodekit.engine.shared import run_requests
 

@@ -50,6 +50,7 @@ from decodekit.decode.drafters import (
     sample_drafter,
     scratch_state,
 )
+from decodekit.decode.route import engine_route
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
@@ -58,9 +59,9 @@ from decodekit.request import (
     Prompt,
     Request,
     Row,
+    cancel_rows,
     emit,
     make_requests,
-    next_delta,
     record,
     to_completion,
 )
@@ -184,6 +185,7 @@ class SpeculativeConfig:
     verify: str | VerifyRule = "block"
     adaptive: bool = False
     max_draft_tokens: int = 16
+    trace: Callable[[BlockTrace], None] | None = None  # called with every verified block
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -206,6 +208,24 @@ class SpeculativeConfig:
             return gamma
         gamma = gamma + 2 if accepted == drafted else gamma - 1
         return max(1, min(gamma, self.max_draft_tokens))
+
+
+@dataclass
+class BlockTrace:
+    """One verified block, as `settle_block` saw it (`speculative_generate(trace=...)`; the
+    lab draws it): the draft x [γ] and its probabilities q [γ, V], the target's processed
+    logits [γ+1, V] and probabilities p, τ and y, and the state of the row's generator
+    before the rule drew its uniforms (None at T = 0), so another rule can be run on the same
+    draft and the same uniforms."""
+
+    row: Row
+    draft: list[int]
+    q: torch.Tensor
+    processed: torch.Tensor
+    p: torch.Tensor
+    tau: int
+    y: int
+    generator_state: torch.Tensor | None
 
 
 @dataclass
@@ -317,10 +337,13 @@ def settle_block(
     processed = process_block(row.request.chain, state, raw, draft.tokens)  # [γ+1, V]
     p = torch.softmax(processed.double(), dim=-1)  # [γ+1, V]
     x = torch.as_tensor(draft.tokens, dtype=torch.long)  # [γ]
+    uniforms = state.generator.get_state() if config.trace is not None and not params.greedy else None
     if params.greedy:
         tau, y = greedy_verify(processed, x)
     else:
         tau, y = config.rule()(p, draft.probs, x, state.generator)
+    if config.trace is not None:
+        config.trace(BlockTrace(row, list(draft.tokens), draft.probs, processed, p, tau, y, uniforms))
     emitted = 0
     for i, token in enumerate(draft.tokens[:tau] + [y]):
         chosen = torch.tensor([token])
@@ -377,6 +400,7 @@ def speculative_generate(
     verify: str | VerifyRule = "block",
     adaptive: bool = False,
     max_draft_tokens: int = 16,
+    trace: Callable[[BlockTrace], None] | None = None,
 ) -> SpeculativeResult:
     """Sample from `target` exactly as `generate` would, drafting with `draft`.
 
@@ -384,7 +408,8 @@ def speculative_generate(
     or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
     "auto" (the embedded `<target>-draft`), a model name,
     or any object with `propose` (drafters.Drafter). verify: "block", "token", or a rule
-    `(p, q, draft, generator) -> (τ, y)`. Completions are shaped as `generate` returns them
+    `(p, q, draft, generator) -> (τ, y)`. trace: called with each verified block
+    (`BlockTrace`). Completions are shaped as `generate` returns them
     (a single string prompt gives its list of n); `result.stats` holds the counters.
     A paged-KV target runs every sample batched on its engine (`SpeculativeProgram`),
     another one after another over its own cache; sample i draws as seed + i (`row_state`).
@@ -394,23 +419,25 @@ def speculative_generate(
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
     start = time.perf_counter()
-    if target.supports_paged_kv:
+    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace)
+    drafter = make_drafter(draft, target)
+    requests = make_requests(target, prompt_list, params)
+    on_engine = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
+                             delegate=False)  # the engine, or None: the plain loop (route.py)  # fmt: skip
+    if on_engine is not None:
         from decodekit.engine.shared import run_requests
 
-        programs = speculative_programs(target, draft, prompt_list, params, num_draft_tokens, verify,
-                                        adaptive, max_draft_tokens)  # fmt: skip
+        programs = on_engine[1]
         results: list[list] = [[None] * p.num_samples for p in programs]
-        for delta in run_requests(target, programs):
+        for delta in run_requests(*on_engine):
             if delta.completion is not None:
                 results[delta.prompt_index][delta.sample_index] = delta.completion
         stats = merged_stats([program.stats for program in programs])
     else:
-        config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
-        drafter = make_drafter(draft, target)
         stats = SpeculativeStats()
         runner = IncrementalModel(target)
         results = []
-        for request in make_requests(target, prompt_list, params):
+        for request in requests:
             for row in request.rows:
                 speculate_row(row, row_state(request, row.sample, target), runner, drafter, config, stats)
             results.append([to_completion(row) for row in request.rows])
@@ -418,8 +445,9 @@ def speculative_generate(
     return SpeculativeResult(results[0] if single else results, stats)
 
 
-def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens) -> SpeculativeConfig:
-    return SpeculativeConfig(num_draft_tokens, verify, adaptive, max(max_draft_tokens, num_draft_tokens))
+def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None) -> SpeculativeConfig:
+    longest = max(max_draft_tokens, num_draft_tokens)
+    return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace)
 
 
 def merged_stats(parts: list[SpeculativeStats]) -> SpeculativeStats:
@@ -449,7 +477,7 @@ def speculative_programs(
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
     the target's engine (`Engine.add_program`, `engine.shared.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
-    if not target.supports_paged_kv:
+    if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
     config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
     drafter = make_drafter(draft, target)
@@ -585,10 +613,7 @@ class SpeculativeProgram(Program):
                 r.draft.tokens.append(token)
 
     def cancel(self) -> list[Delta]:
-        rows = [r.row for r in self.rows if r.row.finish_reason is None]
-        for row in rows:
-            row.finish_reason = "cancelled"
-        return [next_delta(row) for row in rows]
+        return cancel_rows([r.row for r in self.rows])
 
 
 def follow(kv: ProgramKV, seq: Seq, context: list[int]) -> None:

@@ -247,15 +247,19 @@ def paged_forward(
     batch: PagedBatch,
     keep: torch.Tensor,  # [K] flat indices whose logits are wanted
     batch_invariant: bool = False,
-) -> torch.Tensor:
+    states: bool = False,
+):
     """Logits [K, V] float32 of the kept positions. batch_invariant: every linear layer
-    per token and every query alone (module docstring; models/native.py)."""
+    per token and every query alone (module docstring; models/native.py). states: also
+    their final hidden states (after the final norm, what the LM head read), (logits,
+    states [K, hidden] float32), for an adapter that reads them (align/qvalue.py)."""
     assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
     model.check_positions(int(positions.max()) + 1)
     cos, sin = model.rope.tables(int(positions.max()) + 1)
     cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
     masks = [(None, False)] * model.config.num_layers  # PagedBatch masks by itself
-    return model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant)[0]
+    out = model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant, states)
+    return (out[0][0], out[1][0]) if states else out[0]
 
 
 def build_batch(

@@ -29,6 +29,10 @@ class EngineConfig:
     kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a
     float32 scale per layer, head and position (engine/kv.py). The running rows stay in the
     model's dtype (rows.py), so it shrinks the pool, not the rows.
+    idle_member_bytes: the KV storage kept for member pools (drafts, amateurs: program.py)
+    that no queued or running program uses, so a later request with the same draft reuses
+    its prefix cache; beyond it the least recently used are freed (0: a member's pool is
+    freed as soon as its last program ends).
     """
 
     block_size: int = 16
@@ -40,6 +44,7 @@ class EngineConfig:
     prefix_caching: bool = True
     compile: bool = False
     kv_dtype: str | None = None
+    idle_member_bytes: int = 64 * 2**20
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_waiting", "max_prefill_tokens"):
@@ -47,6 +52,7 @@ class EngineConfig:
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1)
         check_int("max_kv_bytes", self.max_kv_bytes, 1)
+        check_int("idle_member_bytes", self.idle_member_bytes, 0)
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} or None, got {self.kv_dtype!r}")
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ import torch
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.kv import BlockManager, BlockPool, block_bytes
+from decodekit.engine.kv import BlockManager, BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Feed, Forward, Member, Program, ProgramKV
 from decodekit.engine.rows import RunningKV
@@ -44,9 +45,10 @@ from decodekit.request import (
     drop_finished_rows,
     emit,
     make_requests,
-    next_delta,
     sample_rows,
 )
+
+_log = logging.getLogger(__name__)
 
 
 class EngineFull(RuntimeError):
@@ -185,6 +187,7 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(self.pool), self.running_kv, config)
         # The KV of each model programs run (program.py): this engine's own, then members.
         self.members: dict[int, Member] = {id(model): Member(model, self.pool, self.running_kv)}
+        self._idle_members: OrderedDict[int, None] = OrderedDict()  # unused, least recent first
         self.programs: list[ProgramEntry] = []  # admitted, oldest first
         self._waiting_programs: deque[ProgramEntry] = deque()
         self._lock = threading.Condition()
@@ -197,6 +200,8 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self.peak_blocks_used = 0
+        self.resets = 0  # times a failed step left books that disagreed (`_fail_step`)
+        self._stepping = False
         self._forward = paged_forward
         if config.compile:
             self._forward = torch.compile(paged_forward, dynamic=True)
@@ -228,6 +233,7 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         entry = EngineRequest(request, None)
         entry.handle = RequestHandle(request_id, len(request.rows), lambda: self._cancel(entry))
+        entry.queue, entry.leave = self.scheduler.waiting, lambda: self.scheduler.remove(entry)
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting)
             if queued >= self.config.max_waiting:
@@ -247,6 +253,8 @@ class Engine:
                 )
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         entry = ProgramEntry(program, ProgramKV(self.model, self.member))
+        entry.models = [model for model, _ in program.needs(self.config.block_size)]
+        entry.queue, entry.leave = self._waiting_programs, lambda: self._leave_program(entry)
         entry.handle = RequestHandle(request_id, program.num_samples, lambda: self._cancel(entry))
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting) + len(self._waiting_programs)
@@ -260,12 +268,14 @@ class Engine:
         """The KV of `model` on this engine: its own pool for another model (a draft, an
         amateur), built on first use with this engine's block size and memory bound."""
         member = self.members.get(id(model))
+        self._idle_members.pop(id(model), None)
         if member is None:
             if not model.supports_paged_kv:
                 raise TypeError(f"a program's models must support paged KV, got {type(model).__name__}")
             if getattr(model, "dtype", None) is None or not hasattr(model, "config"):
                 raise TypeError(f"{model.name} has no paged-KV configuration")
             member = Member(model, _new_pool(model, self.config))
+            member.pool.journal = {} if self._stepping else None
             self.members[id(model)] = member
         return member
 
@@ -277,31 +287,110 @@ class Engine:
                 self._lock.notify_all()
 
     def has_work(self) -> bool:
-        return bool(self._incoming or self._cancelled or self.scheduler.has_work()
-                    or self.programs or self._waiting_programs)
+        return bool(
+            self._incoming
+            or self._cancelled
+            or self.scheduler.has_work()
+            or self.programs
+            or self._waiting_programs
+        )
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> None:
         """One iteration: admit, prefill, decode one token for every running sequence, and
-        one step of every running program (program.py)."""
+        one step of every running program (program.py).
+
+        A step that raises (a forward, an adapter, a program, an interrupt) fails exactly
+        the requests and programs it was running, after giving back every KV slot it
+        reserved, so nothing it did not finish writing reaches the prefix cache
+        (`_fail_step`); then it raises the error. Waiting requests stay queued and the
+        engine stays usable."""
         with self._step_lock, torch.inference_mode():
-            self._take_incoming()
-            self._admit_programs()
-            if not self.scheduler.has_work() and not self.programs:
-                return
-            self._hold_for_programs()
-            step = self.scheduler.schedule() if self.scheduler.has_work() else Step([], [], [], [])
-            self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
-            parked = self._program_rounds()
-            feeds = [(entry, i, feed) for entry in parked for i, fw in enumerate(entry.forwards)
-                     if fw.model is self.model for feed in fw.feeds]  # fmt: skip
-            if step.work or feeds:
-                outputs = self._run(step, [feed for _, _, feed in feeds])
-                for (entry, i, _), logits in zip(feeds, outputs, strict=True):
-                    entry.results[i].append(logits)
-            for entry in parked:
-                self._resume(entry)
+            self._stepping = True
+            for member in self.members.values():
+                member.pool.journal = {}
+            try:
+                self._step()
+            except BaseException as error:
+                self._fail_step(error)
+                raise
+            finally:
+                self._stepping = False
+                for member in self.members.values():
+                    member.pool.journal = None
+
+    def _step(self) -> None:
+        self._take_incoming()
+        self._admit_programs()
+        if not self.scheduler.has_work() and not self.programs:
+            return
+        self._hold_for_programs()
+        step = self.scheduler.schedule() if self.scheduler.has_work() else Step([], [], [], [])
+        self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
+        parked = self._program_rounds()
+        feeds = [(entry, i, feed) for entry in parked for i, fw in enumerate(entry.forwards)
+                 if fw.model is self.model for feed in fw.feeds]  # fmt: skip
+        if step.work or feeds:
+            outputs = self._run(step, [feed for _, _, feed in feeds])
+            for (entry, i, _), logits in zip(feeds, outputs, strict=True):
+                entry.results[i].append(logits)
+        for entry in parked:
+            self._resume(entry)
+
+    def _fail_step(self, error: BaseException) -> None:
+        """After a step raised: roll back the slots it reserved (kv.py `rollback`: a
+        position reserved but not written must never be registered), end every running
+        request and program with `error`, then check the pools' books (`check`); books that
+        disagree (an interrupt between two updates) cost the KV, not correctness: the
+        engine starts over with empty pools (`_reset`)."""
+        for member in self.members.values():
+            member.manager.rollback()
+        failed = [*self.scheduler.running, *self.programs]
+        for entry in failed:
+            self._end(entry, [], error)
+        if not failed:  # nothing ran: the error came with admission, so do not retry it forever
+            self._fail_queued(error)
+        try:
+            self._check()
+        except PoolCorrupted as problem:
+            _log.warning("%s after a failed step: the engine starts over with empty pools", problem)
+            self._reset()
+
+    def check(self) -> None:
+        """Raise `PoolCorrupted` unless every pool's reference counts equal the blocks that
+        live sequences hold and every RunningKV lane belongs to the sequence that names it.
+        Cheap next to a forward, but not free: called after a failed step, and by tests."""
+        with self._step_lock:
+            self._check()
+
+    def _check(self) -> None:
+        tables: dict[int, list] = {id(m.pool): [] for m in self.members.values()}
+        laned = []
+        for entry in self.scheduler.running:
+            tables[id(self.pool)] += [seq.table for seq in entry.seqs]
+            laned += [seq for seq in entry.seqs if seq.lane is not None]
+        for entry in [*self.programs, *self._waiting_programs]:
+            for seq in entry.kv.seqs:
+                if id(seq.member.pool) not in tables:
+                    raise PoolCorrupted(f"a program holds blocks of {seq.member.model.name}, "
+                                        "whose pool the engine no longer has")  # fmt: skip
+                tables[id(seq.member.pool)].append(seq.table)
+                laned += [seq] if seq.lane is not None else []
+        for member in self.members.values():
+            member.pool.check(tables[id(member.pool)])
+        owners = self.running_kv.owners
+        if len(laned) != len(owners) or any(owners[seq.lane] is not seq for seq in laned):
+            raise PoolCorrupted(f"{len(owners)} RunningKV rows for {len(laned)} sequences with lanes")
+
+    def _reset(self) -> None:
+        """Empty pools, lanes and members (the running requests have been failed)."""
+        self.pool = _new_pool(self.model, self.config)
+        self.running_kv = RunningKV(self.pool, share_prefixes=self.running_kv.share_prefixes)
+        self.scheduler.manager = BlockManager(self.pool)
+        self.scheduler.running_kv = self.running_kv
+        self.members = {id(self.model): Member(self.model, self.pool, self.running_kv)}
+        self.resets += 1
 
     def take_incoming(self) -> None:
         """Queue the submitted requests and drop the cancelled ones (freeing their blocks)."""
@@ -313,18 +402,15 @@ class Engine:
             incoming, self._incoming = self._incoming, deque()
             cancelled, self._cancelled = self._cancelled, []
         for entry in incoming:
-            waiting = self._waiting_programs if isinstance(entry, ProgramEntry) else self.scheduler.waiting
-            waiting.append(entry)
+            entry.queue.append(entry)  # the scheduler's queue, or the programs' (`add`, `add_program`)
         for entry in cancelled:
-            if isinstance(entry, ProgramEntry):
-                self._end_program(entry, entry.program.cancel())
-                continue
-            self.scheduler.remove(entry)
-            rows = [row for row in entry.request.rows if row.finish_reason is None]
-            for row in rows:
-                row.finish_reason = "cancelled"
-            finals = [next_delta(row) for row in rows]
-            wake(entry.handle._push(finals, finished=True))
+            self._end(entry, entry.finals())
+
+    def _end(self, entry, deltas, error: BaseException | None = None) -> None:
+        """Take a request or program out of the engine, its KV freed (what it computed stays
+        in the prefix cache), and hand its last deltas (or `error`) to its reader."""
+        entry.leave()
+        wake(entry.handle._push(deltas, finished=True, error=error))
 
     # ------------------------------------------------------------------ programs
 
@@ -388,12 +474,12 @@ class Engine:
             self._deliver(entry, stop.value or [])
             return False
         except Exception as error:  # noqa: BLE001 -- ends this program, not the engine
-            self._end_program(entry, [], error)
+            self._end(entry, [], error)
             return False
         for fw in forwards:
             for feed in fw.feeds:
                 if feed.seq.pending < 1:
-                    self._end_program(entry, [], ValueError("a feed must have a token to compute"))
+                    self._end(entry, [], ValueError("a feed must have a token to compute"))
                     return False
         entry.forwards = forwards
         entry.results = [[] for _ in forwards]
@@ -403,21 +489,37 @@ class Engine:
         """After the step's forward: the program ends its step with the logits it waited for."""
         if self._advance(entry, entry.results):
             error = RuntimeError("a program's step must end after its forward on the engine's model")
-            self._end_program(entry, [], error)
+            self._end(entry, [], error)
 
     def _deliver(self, entry: ProgramEntry, deltas) -> None:
         if entry.program.finished:
-            self._end_program(entry, deltas)
+            self._end(entry, deltas)
         else:
             wake(entry.handle._push(deltas))
 
-    def _end_program(self, entry: ProgramEntry, deltas, error: BaseException | None = None) -> None:
+    def _leave_program(self, entry: ProgramEntry) -> None:
         entry.kv.close_all()
         if entry in self.programs:
             self.programs.remove(entry)
         elif entry in self._waiting_programs:
             self._waiting_programs.remove(entry)
-        wake(entry.handle._push(deltas, finished=True, error=error))
+        self._retire_members()
+        self._hold_for_programs()  # what it held is free again
+
+    def _retire_members(self) -> None:
+        """Members no queued or running program uses become idle; idle ones beyond
+        `EngineConfig.idle_member_bytes` of KV storage are freed, least recently used first
+        (a self-int4 draft's copy of the model goes with its member)."""
+        entries = [*self.programs, *self._waiting_programs]
+        in_use = {id(self.model)} | {id(m) for e in entries for m in e.models}
+        in_use |= {id(seq.member.model) for e in entries for seq in e.kv.seqs}
+        for key in self.members:
+            if key not in in_use and key not in self._idle_members:
+                self._idle_members[key] = None
+        idle_bytes = sum(self.members[key].pool.nbytes for key in self._idle_members)
+        while idle_bytes > self.config.idle_member_bytes:
+            key, _ = self._idle_members.popitem(last=False)
+            idle_bytes -= self.members.pop(key).pool.nbytes
 
     def _member_forward(self, member: Member, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward of another model over programs' feeds (their blocks, no lanes)."""
@@ -443,14 +545,19 @@ class Engine:
         works = step.work + programs
         # The decoding sequences first, in the order of their RunningKV rows (batch.py).
         decoding = sorted((w for w in works if w.seq.lane is not None), key=lambda w: w.seq.lane)
-        assert len(decoding) == len(self.running_kv), "every sequence with a lane decodes each step"
-        assert all(w.count == 1 for w in decoding)
+        if len(decoding) != len(self.running_kv) or any(w.count != 1 for w in decoding):
+            # A check, not an assert: RunningKV rows that do not line up with the step's
+            # sequences would attend over another sequence's KV (the step fails and resets).
+            raise PoolCorrupted(f"{len(decoding)} sequences with lanes decode one token each in this "
+                                f"step, for {len(self.running_kv)} RunningKV rows")  # fmt: skip
         ordered = decoding + [w for w in works if w.seq.lane is None]
         if decoding:
             self.running_kv.grow(1)
         items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
         batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
-        logits = self._forward(self.model, *batch, self.batch_invariant)
+        wants_hidden = any(row.request.wants_hidden for row in step.rows)  # align/qvalue.py
+        out = self._forward(self.model, *batch, self.batch_invariant, wants_hidden)
+        logits, hidden = out if wants_hidden else (out, None)
         sizes = [w.count if w.every else 1 for w in ordered]
         ends = dict(zip(map(id, ordered), itertools.accumulate(sizes), strict=True))
         by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True))
@@ -463,13 +570,15 @@ class Engine:
                 seq.lane = self.running_kv.add(seq, seq.table.blocks, seq.table.length)
         self.steps += 1
         if step.rows:
-            self._sample(step, logits[[ends[id(step.work[i])] - 1 for i in step.logit_rows]])
+            kept = [ends[id(step.work[i])] - 1 for i in step.logit_rows]
+            self._sample(step, logits[kept], None if hidden is None else hidden[kept])
         return [by_work[id(work)] for work in programs]
 
-    def _sample(self, step: Step, logits: torch.Tensor) -> None:
-        """Sample one token for every row of the step, hand out the deltas, retire the ended."""
+    def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Sample one token for every row of the step (hidden: their final states, for the
+        requests that want them), hand out the deltas, retire the ended."""
         manager = self.scheduler.manager
-        sample_rows(logits, step.rows)  # [R, V]: one token per row
+        sample_rows(logits, step.rows, hidden)  # [R, V]: one token per row
         self.generated_tokens += len(step.rows)
         entries = {id(row.request): row.request for row in step.rows}
         by_request = {id(e.request): e for e in self.scheduler.running if id(e.request) in entries}
@@ -526,37 +635,48 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as error:  # noqa: BLE001 -- handed to every waiting consumer
-                self.fail_all(error)
+            except Exception as error:  # noqa: BLE001 -- the step failed its own requests
+                _log.warning("an engine step failed and ended its requests: %r", error)
 
     def fail_all(self, error: BaseException) -> None:
-        """End every queued and running request with `error` (after a step raised)."""
-        entries = list(self.scheduler.running) + list(self.scheduler.waiting)
-        programs = list(self.programs) + list(self._waiting_programs)
+        """End every queued and running request with `error` (waits for a running step)."""
+        with self._step_lock:
+            for entry in [*self.scheduler.running, *self.programs]:
+                self._end(entry, [], error)
+            self._fail_queued(error)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """End every request not yet admitted with `error`."""
         with self._lock:
             incoming = list(self._incoming)
             self._incoming.clear()
-        entries += [e for e in incoming if not isinstance(e, ProgramEntry)]
-        programs += [e for e in incoming if isinstance(e, ProgramEntry)]
-        for entry in entries:
-            self.scheduler.remove(entry)
-            wake(entry.handle._push([], finished=True, error=error))
-        for entry in programs:
-            self._end_program(entry, [], error)
+        for entry in [*incoming, *self.scheduler.waiting, *self._waiting_programs]:
+            self._end(entry, [], error)
 
     def stats(self) -> dict:
+        """The engine's state: requests (sampling requests and programs alike), its pool's
+        blocks, and every member pool's (drafts, amateurs), for /health and /metrics."""
         pool, scheduler = self.pool, self.scheduler
         cached = len(pool.cache) if pool.cache is not None else 0
+        queued = sum(e.queue is self._waiting_programs for e in self._incoming)
         return {
-            "running_requests": len(scheduler.running),
-            "running_sequences": sum(len(e.seqs) for e in scheduler.running),
-            "waiting_requests": len(scheduler.waiting) + len(self._incoming),
+            "running_requests": len(scheduler.running) + len(self.programs),
+            "running_sequences": sum(len(e.seqs) for e in scheduler.running)
+            + sum(len(e.kv.seqs) for e in self.programs),
+            "waiting_requests": len(scheduler.waiting) + len(self._incoming) + len(self._waiting_programs),
             "total_blocks": pool.num_blocks,
             "used_blocks": pool.num_used,
+            "held_blocks": pool.held,
             "free_blocks": pool.num_free,
             "cached_blocks": cached,
             "idle_cached_blocks": pool.cache.num_idle if pool.cache is not None else 0,
             "running_programs": len(self.programs),
+            "waiting_programs": len(self._waiting_programs) + queued,
+            "members": {
+                member.model.name: _pool_stats(member.pool, key in self._idle_members)
+                for key, member in self.members.items()
+                if member.pool is not pool
+            },  # fmt: skip
             "peak_used_blocks": self.peak_blocks_used,
             "block_bytes": pool.bytes_per_block,
             "running_rows_bytes": self.running_kv.nbytes,
@@ -565,7 +685,20 @@ class Engine:
             "preemptions": scheduler.preemptions,
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
+            "resets": self.resets,
         }
+
+
+def _pool_stats(pool: BlockPool, idle: bool) -> dict:
+    """A member pool's blocks and bytes."""
+    return {
+        "used_blocks": pool.num_used,
+        "held_blocks": pool.held,
+        "cached_blocks": len(pool.cache) if pool.cache is not None else 0,
+        "total_blocks": pool.num_blocks,
+        "bytes": pool.nbytes,
+        "idle": idle,
+    }
 
 
 @dataclass(eq=False)
@@ -576,6 +709,13 @@ class ProgramEntry:
     kv: ProgramKV
     handle: RequestHandle | None = None
     needs: list = field(default_factory=list)  # (Member, blocks) once admitted
+    models: list = field(default_factory=list)  # the models whose KV it declared it needs
+    queue: deque | None = None  # where it waits for admission (the engine's program queue)
+    leave: Callable[[], None] | None = None  # out of the engine, its KV freed
+
+    def finals(self) -> list[Delta]:
+        """The deltas that end it when it is cancelled."""
+        return self.program.cancel()
     cancelled: bool = False
     generator: object = None
     forwards: list[Forward] = field(default_factory=list)
@@ -611,4 +751,3 @@ def _emit_rows(rows, context: int):
     for row in rows:
         for delta in emit([row], context):
             yield delta, row
-

@@ -54,6 +54,10 @@ class OutOfBlocks(RuntimeError):
     """The pool has no free or idle block left (the scheduler preempts and retries)."""
 
 
+class PoolCorrupted(RuntimeError):
+    """The pool's reference counts disagree with its tables (`BlockPool.check`)."""
+
+
 class BlockPool:
     def __init__(
         self,
@@ -89,6 +93,9 @@ class BlockPool:
         # Blocks promised to admitted programs and not yet allocated (engine/program.py):
         # not available to the scheduler's admissions and preemptions.
         self.held = 0
+        # While an engine step runs: each table `reserve` grew, with its length before the
+        # step, so a failed step can give back what it reserved (`BlockManager.rollback`).
+        self.journal: dict[int, tuple[BlockTable, int]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -105,6 +112,12 @@ class BlockPool:
         for programs."""
         idle = self.cache.num_idle if self.cache is not None else 0
         return self.num_free + idle - self.held
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage allocated so far (it grows by doubling: `_reserve`)."""
+        scales = self.scales.nbytes if self.scales is not None else 0
+        return self.keys.nbytes + self.values.nbytes + scales
 
     @property
     def bytes_per_block(self) -> int:
@@ -195,6 +208,36 @@ class BlockPool:
             else:
                 self.free.append(block)
 
+    def check(self, tables: Sequence[BlockTable]) -> None:
+        """Raise `PoolCorrupted` unless the pool's books agree with the live `tables` (every
+        table that holds blocks of this pool): each block's reference count is the number of
+        tables that hold it, and a block nobody holds is exactly one of free, idle cached or
+        never handed out. A check that raises, not an `assert`: it guards the KV that later
+        requests read (python -O keeps it)."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for block in table.blocks:
+                counts[block] += 1
+        problems = []
+        wrong = [b for b in range(self.num_blocks) if counts[b] != self.refs[b]]
+        if wrong:
+            b = wrong[0]
+            problems.append(f"{len(wrong)} blocks have wrong reference counts (block {b}: "
+                            f"{self.refs[b]} counted, {counts[b]} tables hold it)")  # fmt: skip
+        if self.num_used != sum(1 for r in self.refs if r):
+            problems.append(f"num_used {self.num_used} but {sum(1 for r in self.refs if r)} blocks in use")
+        free, idle = set(self.free), self.cache.idle_blocks() if self.cache is not None else set()
+        if len(free) != len(self.free):
+            problems.append("a block is on the free list twice")
+        lost = [b for b in range(self.fresh)
+                if (b in free) + (b in idle) != (1 if self.refs[b] == 0 else 0)]  # fmt: skip
+        if lost:
+            problems.append(f"{len(lost)} blocks are neither exactly in use, free or idle (block {lost[0]})")
+        if self.held < 0:
+            problems.append(f"held is {self.held}")
+        if problems:
+            raise PoolCorrupted("KV block pool: " + "; ".join(problems))
+
     def copy(self, source: int, target: int) -> None:
         with torch.inference_mode():
             self.keys[:, :, target] = self.keys[:, :, source]
@@ -269,6 +312,8 @@ class BlockManager:
     def reserve(self, table: BlockTable, count: int) -> list[int]:
         """Room for `count` more positions; returns their flat slots (block * size + offset)."""
         size = self.block_size
+        if self.pool.journal is not None:
+            self.pool.journal.setdefault(id(table), (table, table.length))
         if table.length % size:
             last = table.blocks[-1]
             cache = self.pool.cache
@@ -309,6 +354,16 @@ class BlockManager:
         if self.pool.refs[block] == 1 and not cache.is_cached(block):
             chunk = tokens[table.length - count : table.length]
             cache.register(block, block_key(table.keys[-1] if table.keys else ROOT_KEY, chunk), chunk)
+
+    def rollback(self) -> None:
+        """Crop every table the journal saw grow back to its length before the step: the
+        positions a failed step reserved were never (or only partly) written, and must not be
+        registered in the prefix cache nor read by anyone (SGLang and vLLM free a failed
+        step's slots the same way). A table since freed or cropped below that length is left."""
+        journal, self.pool.journal = self.pool.journal or {}, {}
+        for table, length in journal.values():
+            if table.length > length:
+                self.crop(table, length)
 
     def fork(self, table: BlockTable) -> BlockTable:
         size = self.block_size

@@ -59,6 +59,9 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self._entry
 
+    def idle_blocks(self) -> set[int]:
+        return set(self._idle)
+
     def park(self, block: int) -> None:
         """The block's last user let it go: keep it, most recently used."""
         assert block in self._entry

@@ -23,7 +23,7 @@ from typing import Any
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockManager, BlockTable
 from decodekit.engine.rows import RunningKV
-from decodekit.request import Request, Row
+from decodekit.request import Delta, Request, Row, cancel_rows
 
 
 @dataclass(eq=False)
@@ -43,6 +43,12 @@ class EngineRequest:
     seqs: list[Sequence] = field(default_factory=list)  # live samples, in the state's row order
     started: bool = False  # prefilled at least once (a preempted request recomputes)
     cancelled: bool = False
+    queue: Any = None  # where it waits for admission (the scheduler's queue), set by the engine
+    leave: Any = None  # () -> None: out of the engine, its KV freed (`Scheduler.remove`)
+
+    def finals(self) -> list[Delta]:
+        """The deltas that end its unfinished samples when it is cancelled."""
+        return cancel_rows(self.request.rows)
 
 
 @dataclass

@@ -18,8 +18,10 @@ read KV its old weights computed: `weights_stamp`).
 Threads: any number of callers may run requests on one engine at once. Each caller adds
 its requests and then drives `Engine.step` (serialised by the engine's step lock) until its
 own requests finish; every step advances every caller's requests, so concurrent calls
-batch together. An engine whose step raised is failed (every waiting caller gets the
-error) and dropped, and the next call builds a fresh one.
+batch together. A step that raises fails the requests it was running (each of their callers
+gets the error), rolls back the KV slots it reserved and leaves the engine usable, its
+prefix cache intact (engine.py `Engine.step`); a KeyboardInterrupt in `generate` is such a
+failure too.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Ite
                 yield from handle.poll()
             if finished:
                 break
-            _step(model, engine)
+            engine.step()  # a step that raises has failed its own requests: engine.py
         for handle in handles:
             handle.result()  # raises the error of a step that failed in another thread
     finally:
@@ -117,15 +119,6 @@ def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Ite
             handle.cancel()
         if unfinished:
             engine.take_incoming()  # free their blocks now, not at some later caller's step
-
-
-def _step(model: LanguageModel, engine: Engine) -> None:
-    try:
-        engine.step()
-    except BaseException as error:
-        engine.fail_all(error)
-        forget_engine(model, engine)
-        raise
 
 
 def _blocks(model: LanguageModel, request: Request | Program, block_size: int) -> int:

@@ -23,7 +23,7 @@ Every model here forks, selects and crops its cache, so the last two default to 
 
 A model that combines others (decode/contrastive.py's `ContrastiveLM`: an expert and an
 amateur) may run on one of their engines instead of the plain loop, through one optional
-hook, read by decode/sample.py beside `supports_paged_kv`:
+hook, read by decode/sample.py and decode/beam.py beside `supports_paged_kv`:
 - `engine_programs(requests)`  (the model whose engine runs them, the requests as programs
                        (engine/program.py)), or None (the default): the plain loop.
 """
@@ -89,8 +89,9 @@ class LanguageModel(ABC):
         raise TypeError(f"model {self.name!r} ({type(self).__name__}) does not expose hidden states")
 
     def engine_programs(self, requests: list) -> tuple[LanguageModel, list] | None:
-        """How a model without paged KV of its own runs `requests` (request.py) on another
-        model's engine: (that model, one program per request), or None: the plain loop."""
+        """How a model without paged KV of its own runs `requests` (request.py's sampling
+        requests, or decode/beam.py's `BeamSearch`es) on another model's engine: (that model,
+        one program per request), or None: the plain loop."""
         return None
 
     def num_parameters(self) -> int:

@@ -22,8 +22,9 @@ cost of those few percent.
 
 The verdict is cached in `dtype-probe.json` under `$DECODEKIT_CACHE_DIR`, else
 `$XDG_CACHE_HOME/decodekit`, else `~/.cache/decodekit`, keyed by the CPU (vendor, family,
-model, name, flags), torch's and decodekit's versions and a digest of the linear path's
-source; an unreadable, corrupt or unwritable cache is ignored (the probe runs again).
+model, name, flags), torch's and decodekit's versions, a digest of the linear path's source
+and whether decodekit's GEMV kernels run (models/kernels.py); an unreadable, corrupt or
+unwritable cache is ignored (the probe runs again).
 """
 
 from __future__ import annotations
@@ -100,8 +101,13 @@ def probe_key() -> dict[str, Any]:
     for name in SOURCES:
         path = here / name
         digest.update(path.read_bytes() if path.exists() else b"")
+    from decodekit.models import kernels
+
+    status = kernels.status()  # built or not, loaded or disabled: it changes what _linear runs
+    kernel = f"{status.reason} {status.library.name}" if status.available else status.reason
     return {"cpu": cpu_identity(), "torch": torch.__version__, "decodekit": decodekit_version(),
-            "source": digest.hexdigest()[:16], "probe": [HIDDEN, INTERMEDIATE, COPIES]}  # fmt: skip
+            "source": digest.hexdigest()[:16], "kernels": kernel,
+            "probe": [HIDDEN, INTERMEDIATE, COPIES]}  # fmt: skip
 
 
 def key_id(key: dict[str, Any]) -> str:

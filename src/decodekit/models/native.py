@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodekit.models import kernels
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.kv import ContiguousKVCache, attention_mask
@@ -200,7 +201,8 @@ def one_row_gemv(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` for x holding one row, as a matrix-vector product over the row-major
     [out, in] weight: x [..., in] -> [..., out].
 
-    The bfloat16/float16 decode path: at one row, `torch.mv` over row-major bfloat16 weights
+    The bfloat16/float16 decode path where decodekit's kernels are not built
+    (models/kernels.py, which `_linear` tries first): at one row, `torch.mv` over row-major bfloat16 weights
     streams them at memory speed, while `F.linear` takes oneDNN's GEMM path, 1.5x slower
     (measured on this AVX-512-BF16 CPU, one thread: 896 -> 9728, 837 against 1,253 us; float32
     F.linear is 1,320 us). BENCHMARKS.md, "Real model shapes: dtype, device and speed".
@@ -215,6 +217,12 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if rowwise:
         return rowwise_linear(layer, x)
     weight = getattr(layer, "weight", None)
+    if (type(layer) is nn.Linear and x.numel() <= kernels.GEMV_MAX_ROWS * x.shape[-1] and weight.is_cpu
+            and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES
+            and not torch.compiler.is_compiling() and kernels.available()):  # fmt: skip
+        y = kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV (models/kernels.py)
+        if y is not None:
+            return y
     if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
         return one_row_gemv(layer, x)
@@ -322,16 +330,19 @@ class LlamaNet(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens, cos, sin, cache, masks, keep=None, rowwise=False) -> torch.Tensor:
+    def forward(self, tokens, cos, sin, cache, masks, keep=None, rowwise=False, states=False):
         """Logits [B, T, V]; with `keep` (a [K] index) only those positions', [B, K, V].
 
         masks: each layer's (attention mask, causal) for `cache.attend`; rowwise: the
-        batch-invariant mode (module docstring).
+        batch-invariant mode (module docstring); states: also return the final hidden
+        states the LM head read, (logits, states [B, T or K, hidden] float32).
         """
         x = self.trunk(tokens, cos, sin, cache, masks, rowwise)
         if keep is not None:
             x = x[:, keep]  # the engine needs logits at each sequence's last token only
-        return _linear(self.lm_head, self.norm(x), rowwise).float()  # [B, T or K, V]
+        normed = self.norm(x)
+        logits = _linear(self.lm_head, normed, rowwise).float()  # [B, T or K, V]
+        return (logits, normed.float()) if states else logits
 
     def trunk(self, tokens, cos, sin, cache, masks, rowwise=False) -> torch.Tensor:
         """The last layer's output [B, T, hidden], before the final norm."""

@@ -13,7 +13,18 @@ Codes are kept as int8 [N, K] for 5..8 bits and packed two per byte, uint8 [N, c
 for 2..4 bits, with float32 scales [N, G] (one per output channel, or per group of K/G
 input features); that is what checkpoints store.
 
-Each layer runs its matmuls on one of three paths, its `kernel` (`choose_kernel`; issue 15):
+Each layer runs its matmuls on one of these paths, its `kernel` (`choose_kernel`; issues 15
+and 23):
+
+- "int8gemv" / "int4gemv": decodekit's own GEMV kernels (models/kernels.py, csrc/gemv.cpp),
+  where they are built, for up to PACKED_MAX_ROWS rows. int8gemv reads the stored int8 codes
+  and float32 scales, per channel or per group of any size, with x in float32 (weight-only:
+  the numbers of "unpack" up to summation order). int4gemv reads a copy of the codes in its
+  own layout (`kernels.pack_int4_blocks`, built at load like int4pack's and never saved),
+  one scale per channel or groups of 32 or 64j, with x rounded to bfloat16 as int4pack does.
+  Above PACKED_MAX_ROWS rows (a prefill) they take today's paths: the bfloat16 GEMM below,
+  or for grouped int8 the "unpack" float matmul. Where the kernels are not built, the layers
+  choose among the paths below (`torch_kernel`).
 
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
   weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).
@@ -49,6 +60,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from decodekit.models import kernels
 
 
 @dataclass(frozen=True)
@@ -177,7 +190,8 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -
     return y.sum(0).reshape(*lead, n)
 
 
-KERNELS = ("int4pack", "int8pack", "unpack")
+KERNELS = ("int4gemv", "int8gemv", "int4pack", "int8pack", "unpack")
+NATIVE_KERNELS = ("int4gemv", "int8gemv")  # decodekit's own (models/kernels.py)
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes `_weight_int4pack_mm_for_cpu` takes
 # Above this many rows a packed layer dequantises to bfloat16 and runs one GEMM instead
 # (module docstring): measured crossovers on the dev CPU were ~65 rows for int8, ~110 for int4.
@@ -201,7 +215,16 @@ def int4_kernel_group(spec: QuantSpec, in_features: int) -> int | None:
 
 
 def choose_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
-    """The matmul path of a layer (module docstring): "int4pack", "int8pack" or "unpack"."""
+    """The matmul path of a layer (module docstring): decodekit's "int4gemv" / "int8gemv"
+    where the native kernels are built (`kernels.status()`), else `torch_kernel`'s."""
+    fits = spec.bits > 4 or kernels.int4_kernel_layout(spec.group_size, in_features) is not None
+    if fits and kernels.available():
+        return "int4gemv" if spec.bits <= 4 else "int8gemv"
+    return torch_kernel(spec, in_features, out_features)
+
+
+def torch_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
+    """PyTorch's packed kernel for this layer, "int4pack" or "int8pack", or "unpack"."""
     aten = torch.ops.aten
     if spec.bits <= 4:
         fits = out_features % 16 == 0 and int4_kernel_group(spec, in_features) is not None
@@ -328,10 +351,13 @@ class QuantizedLinear(nn.Module):
         """Run matmuls on `kernel`: "unpack", "auto" (`choose_kernel`'s), or the packed one
         `choose_kernel` picks for this layer."""
         best = choose_kernel(self.spec, self.in_features, self.out_features)
+        fallback = torch_kernel(self.spec, self.in_features, self.out_features)
         kernel = best if kernel == "auto" else kernel
-        if kernel not in ("unpack", best):
+        allowed = ["auto", "unpack", *dict.fromkeys(k for k in (best, fallback) if k != "unpack")]
+        if kernel not in allowed[1:]:
+            names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
             raise ValueError(
-                f"kernel must be 'auto', 'unpack' or {best!r} for this layer "
+                f"kernel must be {names} for this layer "
                 f"({self.spec.bits} bits, {self.out_features}x{self.in_features}, "
                 f"group {self.spec.group_size}), got {kernel!r}"
             )
@@ -347,6 +373,15 @@ class QuantizedLinear(nn.Module):
             self.kernel_group = group
             width = int4_kernel_width(self.spec, self.in_features)
             weight, scales = int4_kernel_pack(self.codes(), self.scales, group, width)
+        elif self.kernel == "int4gemv" and self.qweight.device.type == "cpu":
+            layout = kernels.int4_kernel_layout(self.spec.group_size, self.in_features)
+            assert layout is not None
+            width, self.kernel_group = layout
+            weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [N, width / 2]
+            scales = F.pad(self.scales, (0, width // self.kernel_group - self.scales.shape[1]))
+        elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
+            self.kernel_group = self.in_features // self.scales.shape[1]
+            scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
         elif self.kernel == "int8pack":
             scales = self.scales[:, 0].to(torch.bfloat16)
         self.kernel_weight = weight if weight is not None else self.qweight.new_empty(0)
@@ -361,8 +396,16 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.codes(), self.scales).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
-            y = self.packed_matmul(x)
+        if self.kernel in NATIVE_KERNELS and torch.compiler.is_compiling():
+            y = self.unpacked_matmul(x)  # the ops have no fake kernels for a traced graph yet
+        elif self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
+            rows = x.numel() // self.in_features
+            if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:
+                return self.native_matmul(x)
+            if self.kernel == "int8gemv" and self.spec.group_size is not None:
+                y = self.unpacked_matmul(x)  # a prefill: today's float path (module docstring)
+            else:
+                y = self.packed_matmul(x)
         else:
             y = self.unpacked_matmul(x)
         if self.bias is not None:
@@ -378,6 +421,17 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "int8pack":
             return int8_kernel_matmul(x, self.qweight, self.kernel_scales)
         return int4_kernel_matmul(x, self.kernel_weight, self.kernel_group, self.kernel_scales)
+
+    def native_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] Ŵᵀ + b on decodekit's kernels (models/kernels.py): int8 with x in float32,
+        int4 with x rounded to bfloat16; float32 sums. Returns x's dtype."""
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        ops = torch.ops.decodekit
+        if self.kernel == "int8gemv":
+            y = ops.linear_rows(rows, self.qweight, self.kernel_scales, self.kernel_group, self.bias)
+        else:
+            y = ops.linear_int4(rows, self.kernel_weight, self.kernel_scales, self.kernel_group, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)  # [..., N]
 
     def unpacked_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring)."""

@@ -36,6 +36,11 @@ class SamplerState:
     else shares the batch. `generated[r]` lists the tokens accepted for row r. `mu` [R]
     is the mirostat v2 target surprise (None unless mirostat is in the chain).
     `tokenizer` is kept for callers; text-to-token mapping happens in `build_chain`.
+    `hidden` [R, H]: each row's final hidden state at this step (what the LM head read to
+    make the logits being processed), when the decoder hands it over (the engine does for a
+    request whose adapter asks: request.py `Request.wants_hidden`), else None. `memory`:
+    per-row tensors [R, ...] an adapter keeps across steps (align/qvalue.py's running Q-head
+    memory), keyed by the adapter's object; `select_rows` reorders them with the rows.
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class SamplerState:
         self.generator = torch.Generator().manual_seed(self.seed)
         self.generated: list[list[int]] = [[] for _ in range(num_rows)]
         self.mu: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        self.memory: dict[Any, torch.Tensor] = {}
         if params.mirostat_tau is not None and "mirostat" in params.order:
             # Mirostat v2 starts its target at twice the target surprise tau.
             self.mu = torch.full((num_rows,), 2.0 * params.mirostat_tau, dtype=torch.float64)
@@ -92,6 +99,8 @@ class SamplerState:
         self.generated = [list(self.generated[r]) for r in rows]
         if self.mu is not None:
             self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long)].clone()
+        for key, tensor in self.memory.items():
+            self.memory[key] = tensor[torch.as_tensor(list(rows), dtype=torch.long, device=tensor.device)]
 
 
 def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | None = None) -> Chain:

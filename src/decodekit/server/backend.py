@@ -152,6 +152,7 @@ class Backend:
     """Served models by name, an engine for each model with paged KV, a worker thread for the rest."""
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None):
+        from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
         from decodekit.engine.shared import engine_for
 
@@ -159,12 +160,15 @@ class Backend:
             raise ValueError("a server needs at least one model")
         self.models = dict(models)
         self.config = config = config or ServerConfig()
-        engine_config = EngineConfig(max_kv_bytes=config.kv_bytes, max_running=config.max_running,
-                                     max_waiting=config.max_queued)
+        self.engine_config = engine_config = EngineConfig(
+            max_kv_bytes=config.kv_bytes, max_running=config.max_running, max_waiting=config.max_queued)
         # The model's persistent engine (engine/shared.py), with the server's bound: the
         # server's requests and any `decodekit.generate` call in this process share its cache.
+        # Read through `engine(name)`, which follows the model when its engine is replaced.
         self.engines = {name: engine_for(model, engine_config) for name, model in self.models.items()
-                        if model.supports_paged_kv}
+                        if runs_on_own_engine(model)}
+        self._retired: list = []  # replaced engines still finishing their requests
+        self._started = False
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-worker")
         self._thread_jobs = 0  # submitted to the worker and not yet finished
         self._lock = threading.Lock()
@@ -173,13 +177,38 @@ class Backend:
         self.counters = {"requests": 0, "generated_tokens": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
 
     def start(self) -> None:
+        self._started = True
         for engine in self.engines.values():
             engine.start()
 
     def stop(self) -> None:
-        for engine in self.engines.values():
+        self._started = False
+        for engine in [*self.engines.values(), *self._retired]:
             engine.stop()
+        self._retired.clear()
         self.worker.shutdown(wait=False, cancel_futures=True)
+
+    def engine(self, name: str):
+        """The model's current persistent engine (`engine_for` with the server's bound). When
+        it was replaced (the model's weights or batch-invariant flag changed, or another
+        caller asked for another config), the new one is started here, so the server never
+        serves from a stale one; a replaced engine is stopped once it has finished the
+        requests it holds."""
+        from decodekit.engine.shared import engine_for
+
+        engine = engine_for(self.models[name], self.engine_config)
+        with self._lock:
+            current = self.engines[name]
+            if engine is not current:
+                self.engines[name] = engine
+                if self._started:
+                    engine.start()
+                    self._retired.append(current)
+            drained = [old for old in self._retired if not old.has_work()]
+            self._retired = [old for old in self._retired if old not in drained]
+        for old in drained:
+            old.stop()
+        return engine
 
     def submit_engine(self, name: str, prompt: list[int], params, constraint=None) -> Job:
         """Sampling on the model's engine (continuous batching)."""
@@ -188,7 +217,7 @@ class Backend:
         model = self.models[name]
         [request] = make_requests(model, [prompt], params, mask_builder(constraint))
         try:
-            return self.engines[name].add(request, f"req-{next(self._ids)}")
+            return self.engine(name).add(request, f"req-{next(self._ids)}")
         except EngineFull as error:
             raise QueueFull(str(error)) from None
 
@@ -198,7 +227,7 @@ class Backend:
         from decodekit.engine.engine import EngineFull
 
         try:
-            return self.engines[name].add_program(program, f"req-{next(self._ids)}")
+            return self.engine(name).add_program(program, f"req-{next(self._ids)}")
         except EngineFull as error:
             raise QueueFull(str(error)) from None
 
@@ -239,7 +268,7 @@ class Backend:
 
     def stats(self) -> dict:
         return {
-            "models": {name: self.engines[name].stats() if name in self.engines else {"engine": None}
+            "models": {name: self.engine(name).stats() if name in self.engines else {"engine": None}
                        for name in self.models},
             "worker_jobs": self._thread_jobs,
             **self.counters,

@@ -5,8 +5,9 @@ pieces, recorded step by step as JSON.
   request's chain (sampling/chain.py `chain_stages`: the chain's own adapters, one by one);
 - `beam_view`: every ranked candidate of `BeamSearch` per step (its `trace`), as a tree;
 - `tree_view`: the nodes of a tree meta-generator (meta/tree.py `tree_search(trace=)`);
-- `speculative_view`: draft blocks verified by token and by block verification on the same
-  draft and the same uniforms (decode/speculative.py's rules), following one of them;
+- `speculative_view`: the library's own speculative run (its `BlockTrace`s), each block
+  shown verified by token and by block verification on the same draft and the same
+  uniforms (decode/speculative.py's rules), following one of them;
 - `votes_view`: N samples, their rewards and answers, and what majority vote, weighted vote
   and best-of-N pick (meta/parallel.py's aggregators over the same candidates).
 """
@@ -19,12 +20,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decodekit.decode.beam import _beam_plain, beam_searches
-from decodekit.decode.drafters import DraftSampler, IncrementalModel, make_drafter, scratch_state
 from decodekit.decode.speculative import (
+    BlockTrace,
     block_acceptance,
     block_verify,
     expected_accepted,
     greedy_verify,
+    speculative_generate,
     token_acceptance,
     token_verify,
 )
@@ -35,7 +37,7 @@ from decodekit.meta.tree import TreeConfig, tree_search
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.request import encode_prompt
-from decodekit.sampling import SamplerState, build_chain, select_tokens
+from decodekit.sampling import SamplerState, select_tokens
 from decodekit.sampling.chain import chain_stages
 
 VERIFIERS = {"token": token_verify, "block": block_verify}
@@ -227,44 +229,34 @@ def tree_view(model: LanguageModel, prm: Callable, question: str, method: str, n
 @torch.inference_mode()
 def speculative_view(target: LanguageModel, draft: object, prompt: str, params: SamplingParams,
                      num_draft_tokens: int, follow: str) -> dict:
-    """Blocks of draft tokens, each verified by both rules on the same draft and the same
-    uniforms; the text follows `follow`'s outcome. Running totals per rule: α (the mean
-    Σ_x min(p, q) over the positions the rule examined) and tokens per target call."""
-    drafter = make_drafter(draft, target)
-    prompt_ids = encode_prompt(target, prompt)
-    vocab = target.vocab_size
+    """The library's own speculative run (`speculative_generate` with rule `follow`, on the
+    engine where the target has one), drawn block by block from its trace: each block's
+    draft, and what each rule does with it on the same uniforms (the other rule is run on a
+    copy of the row's generator as it was before the block's draw; it changes nothing).
+    Running totals per rule: α (the mean Σ_x min(p, q) over the positions the rule
+    examined) and tokens per target call."""
     seed = params.seed if params.seed is not None else 0
-    params = params.replace(seed=seed)
-    chain = build_chain(params, target.tokenizer)
-    state = SamplerState(params, prompt_ids, 1, vocab, target.eos_token_ids, target.tokenizer)
-    runner = IncrementalModel(target)
-    generated: list[int] = []
+    traces: list[BlockTrace] = []
+    result = speculative_generate(target, draft, prompt, params.replace(seed=seed), num_draft_tokens,
+                                  verify=follow, trace=traces.append)  # fmt: skip
     blocks = []
     totals = {rule: {"accepted": 0, "emitted": 0, "alpha_sum": 0.0, "alpha_count": 0} for rule in VERIFIERS}
-    while len(generated) < params.max_new_tokens:
-        context = prompt_ids + generated
-        room = min(params.max_new_tokens - len(generated) - 1, target.max_context - len(context) - 1)
-        sampler = DraftSampler(chain, state, vocab)
-        proposal = drafter.propose(context, max(0, min(num_draft_tokens, room)), sampler)
-        raw = runner.next_logits(context + proposal.tokens, len(proposal.tokens) + 1)  # [γ+1, V]
-        scratch, rows = scratch_state(state), []
-        for i in range(len(proposal.tokens) + 1):  # position i+1 sees x_1..x_i as history
-            rows.append(chain(raw[i : i + 1], scratch))
-            if i < len(proposal.tokens):
-                scratch.accept(torch.tensor([proposal.tokens[i]]), rows[-1])
-        processed = torch.cat(rows)  # [γ+1, V]
-        p = torch.softmax(processed.double(), dim=-1)
-        q, x = proposal.probs, torch.as_tensor(proposal.tokens, dtype=torch.long)
-        gamma = len(proposal.tokens)
+    for trace in traces:
+        p, q, gamma = trace.p, trace.q, len(trace.draft)
+        x = torch.as_tensor(trace.draft, dtype=torch.long)
         overlap = torch.minimum(p[:gamma], q).sum(-1).tolist() if gamma else []  # α_i per position
         outcomes = {}
         for rule, verify in VERIFIERS.items():
             if params.greedy:
-                tau, y = greedy_verify(processed, x)
+                tau, y = greedy_verify(trace.processed, x)
                 source = "target argmax"
-            else:  # the same uniforms for both rules: one generator seeded per block
-                generator = torch.Generator().manual_seed(derive_seed(seed, "block", len(blocks)))
-                tau, y = verify(p, q, x, generator)
+            else:
+                if rule == follow:
+                    tau, y = trace.tau, trace.y
+                else:  # the same uniforms: a generator in the state the run's was before its draw
+                    generator = torch.Generator()
+                    generator.set_state(trace.generator_state)
+                    tau, y = verify(p, q, x, generator)
                 source = "target p" if tau == gamma else "residual"
             examined = min(tau + 1, gamma)
             outcomes[rule] = {"accepted": tau, "extra": token_label(target, y), "source": source,
@@ -277,22 +269,15 @@ def speculative_view(target: LanguageModel, draft: object, prompt: str, params: 
             total["alpha_count"] += examined
         h_token = token_acceptance(p, q, x).tolist() if gamma else []
         h_block = block_acceptance(p, q, x)[0].tolist() if gamma else []
-        tau, y = outcomes[follow]["accepted"], outcomes[follow]["extra"]["id"]
-        emitted = proposal.tokens[:tau] + [y]
-        for i, token in enumerate(emitted):
-            state.accept(torch.tensor([token]), processed[i : i + 1])
         blocks.append({
             "draft": [{**token_label(target, t), "q": round(float(q[i, t]), 4), "p": round(float(p[i, t]), 4),
                        "alpha": round(overlap[i], 4), "h_token": round(h_token[i], 4),
-                       "h_block": round(h_block[i], 4)} for i, t in enumerate(proposal.tokens)],
+                       "h_block": round(h_block[i], 4)} for i, t in enumerate(trace.draft)],
             "token": outcomes["token"], "block": outcomes["block"],
             "running": {rule: _running(totals[rule], len(blocks) + 1) for rule in VERIFIERS}})
-        generated += emitted
-        if y in state.stop_token_ids:
-            break
-    generated = generated[: params.max_new_tokens]
+    [completion] = result.completions
     return {"follow": follow, "greedy": params.greedy, "num_draft_tokens": num_draft_tokens,
-            "text": target.decode(generated), "blocks": blocks,
+            "text": completion.text, "blocks": blocks,
             "totals": {rule: _running(totals[rule], len(blocks)) for rule in VERIFIERS}}
 
 

@@ -1,10 +1,11 @@
 """`GET /metrics` in Prometheus' text format (prometheus_client).
 
-The request counters and each engine's state (running and waiting requests, KV blocks
-used, free and cached) are read from `Backend.stats()` at each scrape, so they cannot
-drift from `/health`; the HTTP answers by status are counted by `CountStatus`, an ASGI
-middleware outside every other, so refusals (401, 413, ...) are counted too; a request's
-`TokenClock` times its deltas (time to first token, inter-token latency).
+The request counters and each engine's state (running and waiting requests and programs,
+KV blocks used, held, free and cached, and each member pool's: drafts, amateurs) are read
+from `Backend.stats()` at each scrape, so they cannot drift from `/health`; the HTTP
+answers by status are counted by `CountStatus`, an ASGI middleware outside every other, so
+refusals (401, 413, ...) are counted too; a request's `TokenClock` times its deltas (time
+to first token, inter-token latency).
 """
 
 from __future__ import annotations
@@ -26,12 +27,22 @@ COUNTERS = {
 }
 # Engine.stats() -> (gauge name, help), labelled by model
 ENGINE_GAUGES = {
-    "running_requests": ("decodekit_running_requests", "Requests the engine is decoding"),
-    "waiting_requests": ("decodekit_waiting_requests", "Requests queued for the engine"),
+    "running_requests": ("decodekit_running_requests", "Requests the engine is decoding (programs too)"),
+    "waiting_requests": ("decodekit_waiting_requests", "Requests queued for the engine (programs too)"),
+    "running_programs": ("decodekit_running_programs", "Beam, speculative and contrastive requests running"),
+    "waiting_programs": ("decodekit_waiting_programs", "Beam, speculative and contrastive requests queued"),
+    "held_blocks": ("decodekit_kv_blocks_held", "KV blocks promised to running programs, not yet used"),
     "used_blocks": ("decodekit_kv_blocks_used", "KV blocks held by running requests"),
     "free_blocks": ("decodekit_kv_blocks_free", "KV blocks free"),
     "cached_blocks": ("decodekit_kv_blocks_cached", "KV blocks held by the prefix cache"),
     "total_blocks": ("decodekit_kv_blocks_total", "KV blocks in the engine's pool"),
+}
+# Engine.stats()["members"][name] -> (gauge name, help), labelled by model and member
+MEMBER_GAUGES = {
+    "used_blocks": ("decodekit_member_kv_blocks_used", "KV blocks used in a member pool (draft, amateur)"),
+    "held_blocks": ("decodekit_member_kv_blocks_held", "KV blocks promised to programs in a member pool"),
+    "cached_blocks": ("decodekit_member_kv_blocks_cached", "KV blocks a member pool's prefix cache holds"),
+    "bytes": ("decodekit_member_kv_bytes", "Bytes of a member pool's KV storage"),
 }
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -46,13 +57,20 @@ class BackendCollector:
         stats = self.backend.stats()
         for key, (name, help_text) in COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=stats[key])
-        yield GaugeMetricFamily("decodekit_worker_jobs", "Jobs queued or running in the worker thread",
-                                value=stats["worker_jobs"])
+        yield GaugeMetricFamily(
+            "decodekit_worker_jobs", "Jobs queued or running in the worker thread", value=stats["worker_jobs"]
+        )
         for key, (name, help_text) in ENGINE_GAUGES.items():
             family = GaugeMetricFamily(name, help_text, labels=["model"])
             for model, engine in stats["models"].items():
                 if key in engine:
                     family.add_metric([model], engine[key])
+            yield family
+        for key, (name, help_text) in MEMBER_GAUGES.items():
+            family = GaugeMetricFamily(name, help_text, labels=["model", "member"])
+            for model, engine in stats["models"].items():
+                for member, pool in engine.get("members", {}).items():
+                    family.add_metric([model, member], pool[key])
             yield family
 
 
@@ -61,13 +79,21 @@ class Metrics:
 
     def __init__(self, backend: Backend):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.responses = Counter("decodekit_http_responses", "HTTP answers by status code", ["status"],
-                                 registry=self.registry)
-        self.ttft = Histogram("decodekit_time_to_first_token_seconds", "From a request's arrival to its "
-                              "first generated text", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("decodekit_inter_token_latency_seconds", "Between a sample's successive "
-                             "deltas (about one token each on the engine)", buckets=LATENCY_BUCKETS,
-                             registry=self.registry)
+        self.responses = Counter(
+            "decodekit_http_responses", "HTTP answers by status code", ["status"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "decodekit_time_to_first_token_seconds",
+            "From a request's arrival to its first generated text",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "decodekit_inter_token_latency_seconds",
+            "Between a sample's successive deltas (about one token each on the engine)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(BackendCollector(backend))
 
     def clock(self) -> TokenClock:

@@ -332,41 +332,45 @@ def launch(plan: Plan, index: int, backend: Backend) -> Job:
 
 
 def engine_program(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
-    """The program (engine/program.py) that runs this prompt on the model's engine, joining
-    its running batch, or None where it cannot (it runs in the worker thread): a model
-    without paged KV, a contrastive amateur with a window, beam search over a ContrastiveLM."""
+    """The program (engine/program.py) that runs this prompt on the served model's engine,
+    joining its running batch, or None: the worker thread. Where it runs is the library's
+    one decision (decode/route.py `engine_route`): a model without paged KV, or a
+    contrastive amateur with a window, runs in the worker; `model` may be the ContrastiveLM
+    of the served expert and its amateur, whose expert's engine runs it."""
+    from decodekit.decode.route import engine_route
+
     if plan.model not in backend.engines:
         return None
-    if plan.amateur is not None:  # `model` is the ContrastiveLM: its expert's engine runs it
-        if plan.decoder != "sample":
-            return None
+    program, delegate = None, True
+    if plan.decoder == "speculative":
+        from decodekit.decode.drafters import make_drafter
+        from decodekit.decode.speculative import SpeculativeProgram, speculative_config
+        from decodekit.request import make_requests
+
+        drafter = make_drafter(_drafter(plan, model, backend), model)
+        config = speculative_config(plan.options["num_draft_tokens"], "block", False, 16)
+        items = make_requests(model, [prompt], plan.params)
+        program, delegate = (lambda _, r: SpeculativeProgram(model, drafter, r, config)), False
+    elif plan.decoder == "beam":
+        from decodekit.decode.beam import BeamProgram, beam_searches
+
+        o = plan.options
+        if plan.params.stop:
+            raise APIError(400, "beam search stops on EOS and stop_token_ids; stop strings are not "
+                           "supported", "stop")
+        items = beam_searches(model, [prompt], plan.params, num_beams=o["num_beams"],
+                              length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
+                              constraint=plan.constraint)  # fmt: skip
+        program = lambda _, search: BeamProgram(model, search)  # noqa: E731
+    else:  # sampling through a ContrastiveLM (plain sampling is `Backend.sample`)
         from decodekit.decode.constrained import mask_builder
         from decodekit.request import make_requests
 
-        [request] = make_requests(model, [prompt], plan.params, mask_builder(plan.constraint))
-        on_engine = model.engine_programs([request])
-        if on_engine is None or on_engine[0] is not backend.models[plan.model]:
-            return None
-        return on_engine[1][0]
-    if plan.decoder == "speculative":
-        from decodekit.decode.speculative import speculative_programs
-
-        drafter = _drafter(plan, model, backend)
-        [program] = speculative_programs(model, drafter, [prompt], plan.params,
-                                         plan.options["num_draft_tokens"])  # fmt: skip
-        return program
-    if plan.decoder != "beam":
+        items = make_requests(model, [prompt], plan.params, mask_builder(plan.constraint))
+    on_engine = engine_route(model, items, program, delegate)
+    if on_engine is None or on_engine[0] is not backend.models[plan.model]:
         return None
-    from decodekit.decode.beam import BeamProgram, beam_searches
-
-    o = plan.options
-    if plan.params.stop:
-        raise APIError(400, "beam search stops on EOS and stop_token_ids; stop strings are not "
-                       "supported", "stop")
-    [search] = beam_searches(model, [prompt], plan.params, num_beams=o["num_beams"],
-                             length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
-                             constraint=plan.constraint)  # fmt: skip
-    return BeamProgram(model, search)
+    return on_engine[1][0]
 
 
 def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):

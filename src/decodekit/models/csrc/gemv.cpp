@@ -1,0 +1,579 @@
+// decodekit's CPU GEMV kernels for a few rows (batch-1 decode): y = x W^T (+ bias).
+//
+// Decode at batch 1 is a matrix-vector product bound by how fast the weights stream from
+// memory (REFERENCES.md, "CPU peers and kernels"), so each kernel reads every weight byte
+// once, in address order, and does the arithmetic in registers:
+//
+//   decodekit::linear_t      f32/bf16/f16 weights stored transposed, wt [K, N] contiguous
+//                            (the layout models/native.py keeps for float32):
+//                            y[m] += x[m, k] wt[k] over 4 rows of wt at a time, y's slice
+//                            staying in L1 (measured fastest for f32; bf16 reads faster
+//                            row-major, below, so native.py keeps bf16 weights row-major).
+//   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
+//                            scale per row or per group of `group` inputs): 4 rows' dot
+//                            products with x in f32, weights widened to f32 in registers,
+//                            the next row block prefetched (prefetch_ahead).
+//   decodekit::linear_int4   int4 codes in blocks of 64 inputs per 32 bytes (byte i: input i
+//                            in the low nibble, input 32 + i in the high one, stored as
+//                            code + 8): nibbles -> bfloat16 through a 16-entry table
+//                            (vpermw), dot products with bf16 x by vdpbf16ps, f32 sums.
+//
+// Each has an AVX-512 (F/BW/VL, BF16 for int4) and an AVX2 + FMA variant, picked once by
+// the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
+// parallel over blocks of outputs (at::parallel_for), so each output is summed in one fixed
+// order whatever the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace {
+
+enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int64_t detect_isa() {
+  const char* forced = std::getenv("DECODEKIT_GEMV_ISA");
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("avx512bf16");
+  if (forced && std::strcmp(forced, "none") == 0) return kNone;
+  if (forced && std::strcmp(forced, "avx2") == 0) return avx2 ? kAvx2 : kNone;
+  return avx512 ? kAvx512 : (avx2 ? kAvx2 : kNone);
+}
+
+int64_t isa() {
+  static const int64_t level = detect_isa();
+  return level;
+}
+
+// Work per parallel task: small layers run on one thread (a fork costs a few microseconds).
+constexpr int64_t kMinWeightsPerTask = 1 << 17;
+// How many row blocks ahead the dot-product kernels prefetch (prefetch_ahead).
+constexpr int64_t kAheadBlocks = 1;
+
+enum class WT { F32, BF16, F16, I8 };
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <WT T>
+inline float load1(const void* p, int64_t k) {
+  if constexpr (T == WT::F32) return static_cast<const float*>(p)[k];
+  if constexpr (T == WT::BF16) return bf16_to_float(static_cast<const uint16_t*>(p)[k]);
+  if constexpr (T == WT::F16) return float(static_cast<const c10::Half*>(p)[k]);
+  if constexpr (T == WT::I8) return float(static_cast<const int8_t*>(p)[k]);
+}
+
+// ---------------------------------------------------------------- AVX-512 -------------
+
+template <WT T>
+AVX512 inline __m512 load16(const void* p, int64_t k) {
+  if constexpr (T == WT::F32) return _mm512_loadu_ps(static_cast<const float*>(p) + k);
+  if constexpr (T == WT::BF16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  if constexpr (T == WT::F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + k)));
+  }
+  if constexpr (T == WT::I8) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+}
+
+template <WT T>
+AVX512 inline __m512 load16_mask(const void* p, int64_t k, __mmask16 m) {
+  if constexpr (T == WT::F32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + k);
+  if constexpr (T == WT::BF16) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  if constexpr (T == WT::F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + k));
+  if constexpr (T == WT::I8) {
+    __m128i b = _mm_maskz_loadu_epi8(m, static_cast<const int8_t*>(p) + k);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+}
+
+// out[r] = sum_g scale[r, g] * (w[r, group g] . x[group g]) for 4 rows (rows past the
+// block's end repeat its last row and are not stored by the caller).
+constexpr int64_t elem_bytes(WT T) { return T == WT::F32 ? 4 : T == WT::I8 ? 1 : 2; }
+
+// A row block's 4 rows are short streams (K elements each), too short for the hardware
+// prefetcher to ramp up on; each step therefore prefetches the same bytes of the block
+// `ahead` bytes further on (the blocks lie one after another in memory).
+template <WT T>
+AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
+  const char* a = p + k * elem_bytes(T) + ahead;
+  _mm_prefetch(a, _MM_HINT_T0);
+  if constexpr (T == WT::F32) _mm_prefetch(a + 64, _MM_HINT_T0);
+}
+
+template <WT T>
+AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K, const float* const* scales,
+                        int64_t group, int64_t ahead, float* out) {
+  __m512 tot[4];
+  for (int r = 0; r < 4; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    const int64_t k1 = k0 + group;
+    __m512 a[4], b[4];
+    for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+      for (int r = 0; r < 4; ++r) {
+        if (ahead) prefetch_ahead<T>(w[r], k, ahead);
+        a[r] = _mm512_fmadd_ps(load16<T>(w[r], k), xa, a[r]);
+        b[r] = _mm512_fmadd_ps(load16<T>(w[r], k + 16), xb, b[r]);
+      }
+    }
+    if (k < k1) {  // up to 31 inputs left: one full and one masked step, or one masked
+      __mmask16 m0 = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
+      __m512 xa = _mm512_maskz_loadu_ps(m0, x + k);
+      for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(load16_mask<T>(w[r], k, m0), xa, a[r]);
+      k += 16;
+      if (k < k1) {
+        __mmask16 m1 = __mmask16((1u << (k1 - k)) - 1);
+        __m512 xb = _mm512_maskz_loadu_ps(m1, x + k);
+        for (int r = 0; r < 4; ++r) b[r] = _mm512_fmadd_ps(load16_mask<T>(w[r], k, m1), xb, b[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      __m512 s = _mm512_add_ps(a[r], b[r]);
+      tot[r] = scales ? _mm512_fmadd_ps(s, _mm512_set1_ps(scales[r][g]), tot[r]) : _mm512_add_ps(tot[r], s);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(tot[r]);
+}
+
+// y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight): four
+// rows of wt at a time, each a long contiguous stream, into y's slice held in L1.
+template <WT T>
+AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y,
+                        int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, (n1 - n0) * sizeof(float));
+  const int64_t full = n0 + (n1 - n0) / 16 * 16;
+  const __mmask16 tail = __mmask16((1u << ((n1 - n0) % 16)) - 1);
+  const int64_t row = N * elem_bytes(T);
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const char *w0 = wt + k * row, *w1 = w0 + row, *w2 = w1 + row, *w3 = w2 + row;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+      __m512 x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
+      float* ym = y + m * N;
+      int64_t n = n0;
+      for (; n < full; n += 16) {
+        __m512 acc = _mm512_loadu_ps(ym + n);
+        acc = _mm512_fmadd_ps(load16<T>(w0, n), x0, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w1, n), x1, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w2, n), x2, acc);
+        acc = _mm512_fmadd_ps(load16<T>(w3, n), x3, acc);
+        _mm512_storeu_ps(ym + n, acc);
+      }
+      if (tail) {
+        __m512 acc = _mm512_maskz_loadu_ps(tail, ym + n);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w0, n, tail), x0, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w1, n, tail), x1, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w2, n, tail), x2, acc);
+        acc = _mm512_fmadd_ps(load16_mask<T>(w3, n, tail), x3, acc);
+        _mm512_mask_storeu_ps(ym + n, tail, acc);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const char* w0 = wt + k * row;
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 x0 = _mm512_set1_ps(x[m * K + k]);
+      float* ym = y + m * N;
+      int64_t n = n0;
+      for (; n < full; n += 16)
+        _mm512_storeu_ps(ym + n, _mm512_fmadd_ps(load16<T>(w0, n), x0, _mm512_loadu_ps(ym + n)));
+      if (tail)
+        _mm512_mask_storeu_ps(ym + n, tail,
+                              _mm512_fmadd_ps(load16_mask<T>(w0, n, tail), x0, _mm512_maskz_loadu_ps(tail, ym + n)));
+    }
+  }
+}
+
+// int4: 4 rows of blocks of 64 inputs in 32 bytes (file comment); x in bf16, padded to Kp.
+// group: 32, or a multiple of 64 (one scale per row: Kp).
+AVX512 void int4_dot4_avx512(const uint8_t* const* w, const uint16_t* x, int64_t Kp,
+                             const float* const* scales, int64_t group, int64_t ahead, float* out) {
+  // bfloat16 of q - 8 for q = 0..15, in the low 16 of 32 words (vpermw reads 5 index bits).
+  alignas(64) static const uint16_t table[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                                 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+  const __m512i lut = _mm512_load_si512(table);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512 tot[4];
+  for (int r = 0; r < 4; ++r) tot[r] = _mm512_setzero_ps();
+  const int64_t blocks = Kp / 64;
+  if (group == 32) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512bh xlo = (__m512bh)_mm512_loadu_si512(x + b * 64), xhi = (__m512bh)_mm512_loadu_si512(x + b * 64 + 32);
+      for (int r = 0; r < 4; ++r) {
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[r] + b * 32 + ahead), _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b * 32));
+        __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), lut);
+        __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), lut);
+        __m512 slo = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, xlo);
+        __m512 shi = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)hi, xhi);
+        tot[r] = _mm512_fmadd_ps(slo, _mm512_set1_ps(scales[r][2 * b]), tot[r]);
+        tot[r] = _mm512_fmadd_ps(shi, _mm512_set1_ps(scales[r][2 * b + 1]), tot[r]);
+      }
+    }
+  } else {
+    const int64_t per_group = group / 64;
+    for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
+      __m512 a[4], c[4];
+      for (int r = 0; r < 4; ++r) a[r] = c[r] = _mm512_setzero_ps();
+      for (int64_t b = b0; b < b0 + per_group; ++b) {
+        __m512bh xlo = (__m512bh)_mm512_loadu_si512(x + b * 64), xhi = (__m512bh)_mm512_loadu_si512(x + b * 64 + 32);
+        for (int r = 0; r < 4; ++r) {
+          if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[r] + b * 32 + ahead), _MM_HINT_T0);
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b * 32));
+          __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), lut);
+          __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), lut);
+          a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)lo, xlo);
+          c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)hi, xhi);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a[r], c[r]), _mm512_set1_ps(scales[r][g]), tot[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(tot[r]);
+}
+
+// ---------------------------------------------------------------- AVX2 ----------------
+
+AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <WT T>
+AVX2 inline __m256 load8(const void* p, int64_t k) {
+  if constexpr (T == WT::F32) return _mm256_loadu_ps(static_cast<const float*>(p) + k);
+  if constexpr (T == WT::BF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  if constexpr (T == WT::F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + k)));
+  if constexpr (T == WT::I8) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + k));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+template <WT T>
+AVX2 void dot4_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
+                    float* out) {
+  float tot[4] = {0, 0, 0, 0};
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    const int64_t k1 = k0 + group;
+    __m256 a[4], b[4];
+    for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+      __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+      for (int r = 0; r < 4; ++r) {
+        a[r] = _mm256_fmadd_ps(load8<T>(w[r], k), xa, a[r]);
+        b[r] = _mm256_fmadd_ps(load8<T>(w[r], k + 8), xb, b[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      float s = hsum256(_mm256_add_ps(a[r], b[r]));
+      for (int64_t j = k; j < k1; ++j) s += load1<T>(w[r], j) * x[j];
+      tot[r] += scales ? s * scales[r][g] : s;
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = tot[r];
+}
+
+template <WT T>
+AVX2 void axpy_avx2(const char* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t n0,
+                    int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, (n1 - n0) * sizeof(float));
+  const int64_t full = n0 + (n1 - n0) / 8 * 8;
+  const int64_t row = N * elem_bytes(T);
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const char *w0 = wt + k * row, *w1 = w0 + row, *w2 = w1 + row, *w3 = w2 + row;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      __m256 x0 = _mm256_set1_ps(xm[0]), x1 = _mm256_set1_ps(xm[1]);
+      __m256 x2 = _mm256_set1_ps(xm[2]), x3 = _mm256_set1_ps(xm[3]);
+      float* ym = y + m * N;
+      int64_t n = n0;
+      for (; n < full; n += 8) {
+        __m256 acc = _mm256_loadu_ps(ym + n);
+        acc = _mm256_fmadd_ps(load8<T>(w0, n), x0, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w1, n), x1, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w2, n), x2, acc);
+        acc = _mm256_fmadd_ps(load8<T>(w3, n), x3, acc);
+        _mm256_storeu_ps(ym + n, acc);
+      }
+      for (; n < n1; ++n)
+        ym[n] = std::fma(load1<T>(w3, n), xm[3],
+                         std::fma(load1<T>(w2, n), xm[2], std::fma(load1<T>(w1, n), xm[1], std::fma(load1<T>(w0, n), xm[0], ym[n]))));
+    }
+  }
+  for (; k < K; ++k) {
+    const char* w0 = wt + k * row;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = std::fma(load1<T>(w0, n), x[m * K + k], y[m * N + n]);
+  }
+}
+
+AVX2 void int4_dot4_avx2(const uint8_t* const* w, const float* x, int64_t Kp, const float* const* scales,
+                         int64_t group, float* out) {
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  float tot[4] = {0, 0, 0, 0};
+  const int64_t blocks = Kp / 64;
+  const int64_t half = group == 32 ? 1 : 0;  // group 32: each half block is its own group
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < 4; ++r) {
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int j = 0; j < 4; ++j) {  // 8 bytes: inputs 8j.. (low nibbles) and 32 + 8j.. (high)
+        __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + b * 32 + 8 * j));
+        __m256i q = _mm256_cvtepu8_epi32(v);
+        __m256 lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), eight);
+        __m256 hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), eight);
+        acc[0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + b * 64 + 8 * j), acc[0]);
+        acc[half] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + b * 64 + 32 + 8 * j), acc[half]);
+      }
+      if (half) {
+        tot[r] += hsum256(acc[0]) * scales[r][2 * b] + hsum256(acc[1]) * scales[r][2 * b + 1];
+      } else {
+        tot[r] += hsum256(acc[0]) * scales[r][b * 64 / group];
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = tot[r];
+}
+
+// ---------------------------------------------------------------- ops -----------------
+
+void check_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, ", K, "] tensor");
+}
+
+template <typename Out>
+void store_row(const float* y, int64_t N, const float* bias, Out* out) {
+  for (int64_t n = 0; n < N; ++n) out[n] = Out(bias ? y[n] + bias[n] : y[n]);
+}
+
+// y [M, N] in f32 -> the result in `dtype`, plus bias.
+at::Tensor finish(const at::Tensor& y, const c10::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t M = y.size(0), N = y.size(1);
+  if (dtype == at::kFloat) {
+    if (bp)
+      for (int64_t m = 0; m < M; ++m) {
+        float* row = y.data_ptr<float>() + m * N;
+        for (int64_t n = 0; n < N; ++n) row[n] += bp[n];
+      }
+    return y;
+  }
+  at::Tensor out = at::empty({M, N}, y.options().dtype(dtype));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = y.data_ptr<float>() + m * N;
+    if (dtype == at::kBFloat16)
+      store_row(row, N, bp, out.data_ptr<at::BFloat16>() + m * N);
+    else if (dtype == at::kHalf)
+      store_row(row, N, bp, out.data_ptr<at::Half>() + m * N);
+    else
+      TORCH_CHECK(false, "unsupported output dtype");
+  }
+  return out;
+}
+
+template <WT T>
+void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t M, float* yp) {
+  const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (chunk * std::max<int64_t>(K, 1)));
+  const bool wide = isa() == kAvx512;
+  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
+    const int64_t n0 = c0 * chunk, n1 = std::min(N, c1 * chunk);
+    if (wide)
+      axpy_avx512<T>(wp, K, N, xp, M, yp, n0, n1);
+    else
+      axpy_avx2<T>(wp, K, N, xp, M, yp, n0, n1);
+  });
+}
+
+at::Tensor linear_t(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
+  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.device().is_cpu(), "wt must be a contiguous CPU [K, N] tensor");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  check_rows(x_in, K);
+  at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const char* wp = static_cast<const char*>(wt.data_ptr());
+  float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+  switch (wt.scalar_type()) {
+    case at::kFloat: axpy_kernel<WT::F32>(wp, K, N, xp, M, yp); break;
+    case at::kBFloat16: axpy_kernel<WT::BF16>(wp, K, N, xp, M, yp); break;
+    case at::kHalf: axpy_kernel<WT::F16>(wp, K, N, xp, M, yp); break;
+    default: TORCH_CHECK(false, "wt must be float32, bfloat16 or float16");
+  }
+  return finish(y, bias, x_in.scalar_type());
+}
+
+template <WT T>
+void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const float* xp, int64_t M,
+                 const float* sp, int64_t G, int64_t group, float* yp) {
+  const int64_t blocks = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * std::max<int64_t>(K, 1)));
+  const bool wide = isa() == kAvx512;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
+      const char* w[4];
+      const float* s[4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
+        w[r] = wp + n * row_bytes;
+        s[r] = sp ? sp + n * G : nullptr;
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        float out[4];
+        if (wide)
+          dot4_avx512<T>(w, xp + m * K, K, sp ? s : nullptr, group, m == 0 ? kAheadBlocks * 4 * row_bytes : 0, out);
+        else
+          dot4_avx2<T>(w, xp + m * K, K, sp ? s : nullptr, group, out);
+        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
+      }
+    }
+  });
+}
+
+at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                       int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous CPU [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  check_rows(x_in, K);
+  at::Tensor s;
+  int64_t G = 1;
+  if (scales.has_value() && scales->defined()) {
+    s = scales->to(at::kFloat).contiguous();
+    TORCH_CHECK(s.dim() == 2 && s.size(0) == N && group > 0 && s.size(1) * group == K,
+                "scales must be [N, K / group]");
+    G = s.size(1);
+  } else {
+    group = K;
+  }
+  TORCH_CHECK(group >= 1, "group must be positive");
+  at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* sp = s.defined() ? s.data_ptr<float>() : nullptr;
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  const int64_t rb = K * w.element_size();
+  float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+  switch (w.scalar_type()) {
+    case at::kFloat: rows_kernel<WT::F32>(wp, rb, N, K, xp, M, sp, G, group, yp); break;
+    case at::kBFloat16: rows_kernel<WT::BF16>(wp, rb, N, K, xp, M, sp, G, group, yp); break;
+    case at::kHalf: rows_kernel<WT::F16>(wp, rb, N, K, xp, M, sp, G, group, yp); break;
+    case at::kChar: rows_kernel<WT::I8>(wp, rb, N, K, xp, M, sp, G, group, yp); break;
+    default: TORCH_CHECK(false, "w must be float32, bfloat16, float16 or int8");
+  }
+  return finish(y, bias, x_in.scalar_type());
+}
+
+inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round to nearest even
+
+at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales_in, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
+                  w.size(1) % 32 == 0,
+              "w must be a contiguous CPU uint8 [N, Kp / 2] tensor, Kp a multiple of 64");
+  const int64_t N = w.size(0), Kp = w.size(1) * 2;
+  TORCH_CHECK(group == 32 || (group > 0 && group % 64 == 0 && Kp % group == 0), "group must be 32 or 64j dividing Kp");
+  at::Tensor s = scales_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.size(1) == Kp / group, "scales must be [N, Kp / group]");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.size(1) <= Kp, "x must be a CPU [M, K <= Kp] tensor");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  at::Tensor xf = x_in.to(at::kFloat).contiguous();
+  // x rounded to bfloat16 (the AVX2 path rounds the same way, so both compute one thing), zero padded.
+  std::vector<uint16_t> xb(M * Kp, 0);
+  std::vector<float> xr(M * Kp, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      uint16_t h = float_to_bf16(xf.data_ptr<float>()[m * K + k]);
+      xb[m * Kp + k] = h;
+      xr[m * Kp + k] = bf16_to_float(h);
+    }
+  at::Tensor y = at::empty({M, N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const int64_t G = s.size(1), row_bytes = Kp / 2;
+  const int64_t blocks = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * Kp));
+  const bool wide = isa() == kAvx512;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
+      const uint8_t* wr[4];
+      const float* sr[4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
+        wr[r] = wp + n * row_bytes;
+        sr[r] = sp + n * G;
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        float out[4];
+        if (wide)
+          int4_dot4_avx512(wr, xb.data() + m * Kp, Kp, sr, group, m == 0 ? kAheadBlocks * 4 * row_bytes : 0, out);
+        else
+          int4_dot4_avx2(wr, xr.data() + m * Kp, Kp, sr, group, out);
+        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
+      }
+    }
+  });
+  return finish(y, bias, x_in.scalar_type());
+}
+
+int64_t isa_op() { return isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(decodekit, m) {
+  m.def("isa() -> int", &isa_op);
+  m.def("linear_t(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor w, Tensor? scales, int group, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor w, Tensor scales, int group, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
+  m.impl("linear_t", &linear_t);
+  m.impl("linear_rows", &linear_rows);
+  m.impl("linear_int4", &linear_int4);
+}

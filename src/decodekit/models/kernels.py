@@ -1,0 +1,183 @@
+"""decodekit's native CPU GEMV kernels (csrc/gemv.cpp): y = x Wᵀ for a few rows (issue 23).
+
+Batch-1 decode is a matrix-vector product bound by memory bandwidth; PyTorch's CPU ops read
+float32 weights at ~2/3 of what one core can stream and have no kernel for grouped int8 at
+all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops under the
+`decodekit` namespace (TORCH_LIBRARY, so they dispatch like any aten op):
+
+- `linear_t(x, wt, bias)`: float32 (or bfloat16, float16) weights in the transposed layout
+  models/native.py keeps for float32 (`transpose_weight_layout`), wt [K, N] contiguous;
+- `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
+  float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
+  float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
+- `linear_int4(x, w, scales, group, bias)`: int4 codes repacked by `pack_int4_blocks`, x
+  rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums.
+
+They are built ahead of time, never at run time: `python -m decodekit.models.kernels
+--build` (scripts/setup.sh runs it) compiles the source with g++ into `_native/` beside this
+file, the library's name carrying a hash of the source and the torch version, so a stale
+or mismatched build is never loaded. Without it (no compiler, a failed build, a CPU without
+AVX2 + FMA, or DECODEKIT_KERNELS=0) every caller runs its pure-torch path; `status()` says
+which and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+BUILD_DIR = Path(__file__).with_name("_native")  # gitignored
+DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
+ISA_NAMES = {1: "avx2", 2: "avx512"}
+# Rows up to which the kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24).
+GEMV_MAX_ROWS = 4
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the kernels run here, and a one-line reason when they do not."""
+
+    available: bool
+    reason: str  # the instruction set in use, or why the pure-torch paths run
+    library: Path
+
+
+def library_path() -> Path:
+    """Where `build` puts the library for this source and this torch."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return BUILD_DIR / f"gemv-{digest}-torch{torch.__version__.replace('+', '_')}.so"
+
+
+@functools.cache
+def status() -> Status:
+    """Load the built library once (module docstring); never compiles."""
+    path = library_path()
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return Status(False, f"disabled by {DISABLE_ENV}=0", path)
+    if not path.exists():
+        return Status(
+            False, f"not built: run `python -m decodekit.models.kernels --build` ({path.name})", path
+        )
+    try:
+        if not hasattr(torch.ops.decodekit, "isa"):
+            torch.ops.load_library(str(path))
+        level = torch.ops.decodekit.isa()
+    except (OSError, RuntimeError) as error:
+        return Status(False, f"failed to load {path.name}: {error}", path)
+    if level not in ISA_NAMES:
+        return Status(False, "this CPU lacks AVX2 + FMA", path)
+    return Status(True, ISA_NAMES[level], path)
+
+
+def available() -> bool:
+    return status().available
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
+    float16 row-major) on the kernels, or None where they do not apply."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if weight.t().is_contiguous():
+        y = torch.ops.decodekit.linear_t(rows, weight.t(), bias)  # weight.t(): [K, N] contiguous
+    elif weight.is_contiguous():
+        y = torch.ops.decodekit.linear_rows(rows, weight, None, 0, bias)
+    else:
+        return None
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """int4 codes int8 [N, K] in [-8, 7] as the kernel reads them: padded with zero codes to
+    `width` (a multiple of 64) inputs, then per block of 64 inputs 32 bytes, byte i holding
+    input i + 8 in its low nibble and input 32 + i, + 8, in its high one. Returns uint8
+    [N, width / 2]."""
+    n, k = codes.shape
+    assert width % 64 == 0 and width >= k
+    q = (torch.nn.functional.pad(codes.to(torch.int16), (0, width - k)) + 8).reshape(n, width // 64, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(n, width // 2)
+
+
+def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, int] | None:
+    """(width, group) the int4 kernel runs a layer with: inputs padded to a multiple of 64 and
+    the kernel's group (32, a multiple of 64, or the padded width for one scale per channel);
+    None when the grid's group fits neither."""
+    width = -(-in_features // 64) * 64
+    if group_size is None:
+        return width, width
+    if group_size == 32 or (group_size % 64 == 0 and in_features % group_size == 0):
+        return -(-in_features // max(group_size, 64)) * max(group_size, 64), group_size
+    return None
+
+
+def build(verbose: bool = True) -> Status:
+    """Compile csrc/gemv.cpp into `library_path()` with the system C++ compiler (no ninja
+    needed: one translation unit). Raises RuntimeError with the compiler's output on failure."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (g++ or c++, or set CXX)")
+    target = library_path()
+    BUILD_DIR.mkdir(exist_ok=True)
+    lib_dirs = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = [
+        compiler,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    ]
+    command += [f"-I{path}" for path in cpp_extension.include_paths()]
+    command += [str(SOURCE), "-o", str(target) + ".tmp"]
+    command += [f"-L{path}" for path in lib_dirs] + [f"-Wl,-rpath,{path}" for path in lib_dirs]
+    command += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+    os.replace(str(target) + ".tmp", target)
+    for old in BUILD_DIR.glob("gemv-*.so"):
+        if old != target:
+            old.unlink()
+    if verbose:
+        print(f"built {target} in {time.perf_counter() - start:.0f} s")
+    status.cache_clear()
+    return status()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m decodekit.models.kernels", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--build", action="store_true", help="compile the kernels (scripts/setup.sh runs this)"
+    )
+    args = parser.parse_args(argv)
+    if args.build:
+        try:
+            build()
+        except RuntimeError as error:
+            print(f"decodekit kernels not built; the pure-torch paths will run. {error}", file=sys.stderr)
+            return 1
+    state = status()
+    print(f"decodekit kernels: {'available' if state.available else 'unavailable'} ({state.reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""decodekit's native GEMV kernels (models/kernels.py): each equals the float / unpacking
+reference, on odd shapes too, and models decode the same tokens on them as on PyTorch's
+paths. Kernel tests skip (saying why) where the extension is not built; the pure-torch
+fallback is tested either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import decodekit as dk
+from decodekit.models import kernels
+from decodekit.models.qlinear import QuantizedLinear, QuantSpec
+
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
+)
+GREEDY = dk.SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+SHAPES = [(1, 896, 64), (1, 45, 37), (3, 200, 13), (4, 64, 100), (2, 17, 3)]  # (M, K, N)
+
+
+def _x_w(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(m, k, generator=g),
+        torch.randn(n, k, generator=g) / k**0.5,
+        torch.randn(n, generator=g),
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("layout", ["transposed", "row-major"])
+def test_float32_kernel_equals_f_linear(m, k, n, layout):
+    x, w, b = _x_w(m, k, n)
+    weight = w.t().contiguous().t() if layout == "transposed" else w
+    y = kernels.float_linear(x, weight, b)
+    # Summation order differs from BLAS: float32 rounding only.
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_kernels_equal_the_float32_product_rounded_once(m, k, n, dtype):
+    x, w, b = _x_w(m, k, n)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    y = kernels.float_linear(x, w, b)
+    assert y.dtype == dtype
+    expected = F.linear(x.float(), w.float(), b.float()).to(dtype)  # exact products, f32 sums
+    torch.testing.assert_close(y, expected, atol=1e-2, rtol=1e-2)
+
+
+def _quantized(bits: int, group: int | None, k: int, n: int) -> QuantizedLinear:
+    torch.manual_seed(bits * 100 + (group or 0) + k)
+    return QuantizedLinear.from_linear(nn.Linear(k, n), QuantSpec(bits, group))
+
+
+INT_CASES = [  # (bits, group, K, N): per channel and grouped, K and N not multiples of 16 / 4
+    (8, None, 896, 64), (8, None, 45, 7), (8, 32, 96, 13), (8, 64, 128, 9), (8, 128, 256, 5),
+    (4, None, 896, 64), (4, None, 45, 7), (4, 32, 96, 13), (4, 64, 128, 9), (4, 128, 384, 6),
+    (3, 32, 32, 3),
+]  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group", "k", "n"), INT_CASES)
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
+    layer = _quantized(bits, group, k, n)
+    assert layer.kernel == ("int4gemv" if bits <= 4 else "int8gemv")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        native = layer(x)
+        layer.set_kernel("unpack")
+        unpacked = layer(x)
+        # int4 rounds x to bfloat16 (as torch's int4pack); int8 reads it in float32 (weight-only)
+        expected = layer(x.bfloat16().float()) if bits <= 4 else unpacked
+    torch.testing.assert_close(native, expected, atol=1e-4, rtol=1e-4)
+    assert (native - unpacked).abs().max() <= 0.02 * unpacked.abs().max()
+
+
+@needs_kernels
+def test_the_avx2_variant_gives_the_same_numbers():
+    # The AVX2 code runs in a child process (the instruction set is chosen once per process).
+    script = (
+        "import torch; from decodekit.models import kernels as k; assert k.status().reason == 'avx2';"
+        "torch.manual_seed(0); x = torch.randn(3, 75); w = torch.randn(21, 75);"
+        "print(float((k.float_linear(x, w.t().contiguous().t(), None) - x @ w.t()).abs().max()));"
+        "print(float((k.float_linear(x.bfloat16(), w.bfloat16(), None).float()"
+        " - (x.bfloat16().float() @ w.bfloat16().float().t()).bfloat16().float()).abs().max()));"
+        "from decodekit.models.qlinear import QuantizedLinear, QuantSpec;"
+        "layers = [QuantizedLinear.from_linear(torch.nn.Linear(128, 21), QuantSpec(b, g))"
+        " for b, g in ((8, None), (8, 32), (4, None), (4, 32), (4, 64))];"
+        "x2 = torch.randn(2, 128); out = [l(x2) for l in layers]; [l.set_kernel('unpack') for l in layers];"
+        "print(max(float((o - l(x2.bfloat16().float() if l.spec.bits <= 4 else x2)).abs().max())"
+        " for o, l in zip(out, layers)))"
+    )
+    env = {**os.environ, "DECODEKIT_GEMV_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    f32, bf16, ints = map(float, done.stdout.split())
+    assert f32 < 1e-4 and bf16 <= 0.07 and ints < 1e-4
+
+
+@pytest.mark.usefixtures("torch_kernels_only")
+def test_the_pure_torch_fallback_runs_when_the_kernels_are_off():
+    assert not kernels.available() and kernels.status().reason.startswith("disabled by DECODEKIT_KERNELS=0")
+    layer = _quantized(8, 32, 96, 13)
+    assert layer.kernel == "unpack"
+    model = dk.load_model("shakespeare")
+    [completion] = dk.generate(model, "ROMEO:", GREEDY)
+    assert len(completion.token_ids) == GREEDY.max_new_tokens
+
+
+def test_status_says_why_when_not_built(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "BUILD_DIR", tmp_path)
+    kernels.status.cache_clear()
+    try:
+        state = kernels.status()
+        if state.available:  # the library was loaded earlier in this process: nothing to find
+            pytest.skip("the ops are already loaded in this process")
+        assert state.reason.startswith("not built: run `python -m decodekit.models.kernels --build`")
+    finally:
+        monkeypatch.undo()
+        kernels.status.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shakespeare_greedy_tokens_equal_on_kernels_and_torch(dtype, monkeypatch):
+    model = dk.load_model("shakespeare", dtype=dtype)
+    [native] = dk.generate(model, "ROMEO:", GREEDY)
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    kernels.status.cache_clear()
+    try:
+        [reference] = dk.generate(model, "ROMEO:", GREEDY)
+    finally:
+        monkeypatch.undo()
+        kernels.status.cache_clear()
+    assert native.token_ids == reference.token_ids
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group"), [(8, None), (8, 64), (4, None), (4, 32)])
+def test_quantised_models_decode_as_their_unpack_kernel(bits, group):
+    from decodekit.compress.recipe import CompressConfig, quantized_copy
+    from decodekit.models.qlinear import kernel_counts, set_kernels
+
+    model = quantized_copy(dk.load_model("shakespeare"), CompressConfig("rtn", bits=bits, group_size=group))
+    assert set(kernel_counts(model.net)) == {"int4gemv" if bits <= 4 else "int8gemv"}
+    tokens = torch.tensor([model.encode("ROMEO: But soft, what light")])
+    native = model.forward(tokens, model.new_cache(1))  # prefill: today's paths
+    [native_text] = dk.generate(model, "ROMEO:", GREEDY)
+    set_kernels(model.net, "unpack")
+    assert torch.allclose(native, model.forward(tokens, model.new_cache(1)), atol=0.05)
+    [reference] = dk.generate(model, "ROMEO:", GREEDY)
+    assert native_text.token_ids == reference.token_ids
