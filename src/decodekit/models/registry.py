@@ -56,9 +56,10 @@ def resolve_dtype(
     float32 (never lowered), a float16 one becomes float32 (float16 decodes at 0.57x float32
     on the CPU), and a bfloat16 one stays bfloat16 only where a short probe of this machine
     (models/dtype_probe.py, cached on disk) finds bfloat16 decoding at least as fast as
-    float32 through decodekit's own linear path: so on AMX machines (1.5x), not on an AMD
-    Zen 4/5 with AVX-512-BF16 but no AMX (0.72-0.76x). `dtype_probe.dtype_report()` (and
-    `decodekit models`) shows the verdict and its timings.
+    float32 through decodekit's own linear path: on AMX machines (1.5x); on an AMD Zen 5
+    with AVX-512-BF16 but no AMX with decodekit's GEMV kernels (1.4x), not on PyTorch's path
+    alone (0.72-0.76x). `dtype_probe.dtype_report()` (and `decodekit models`) shows the
+    verdict and its timings.
     """
     if isinstance(dtype, str) and dtype == "auto":
         stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
