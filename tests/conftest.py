@@ -12,6 +12,16 @@ TEXT = (
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dtype_probe_cache(tmp_path_factory):
+    """The dtype probe's cache (models/dtype_probe.py) in the session's temporary directory, not
+    the user's ~/.cache: a test that loads a bfloat16 checkpoint with dtype "auto" probes at
+    most once per session and leaves nothing behind."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path_factory.mktemp("decodekit-cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's tests: tiny models gain nothing from intra-op threads,

@@ -279,3 +279,20 @@ def test_a_bad_dtype_is_one_line_naming_what_is_allowed(capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_models_shows_what_dtype_auto_does_on_this_cpu(capsys, tmp_path, monkeypatch):
+    from decodekit.models import dtype_probe
+
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    timings = {"decode_float32": 0.004, "decode_bfloat16": 0.005, "prefill_float32": 0.006,
+               "prefill_bfloat16": 0.002}  # fmt: skip
+    monkeypatch.setattr(dtype_probe, "measure", lambda: timings)
+    main(["models"])
+    assert (
+        "a bfloat16 checkpoint loads as float32 (bfloat16 decodes at 0.8x float32, prefills at 3.0x"
+        in capsys.readouterr().out
+    )
+    main(["models", "--dtype-report"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["bfloat16_checkpoint"] == "float32" and report["cached"]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import stat
+import sys
+import textwrap
 
 import pytest
 
-from decodekit.bench import llamacpp
+from decodekit.bench import llamacpp, packed
 from decodekit.bench.gguf import gpt2_pre_tokenizer
 from decodekit.bench.llamacpp import ABSENT, find_llamacpp, repack_pattern
 from decodekit.bench.packed import bench_packed
@@ -75,6 +77,90 @@ def test_repacking_takes_only_the_weights_llama_cpp_stores_as_q4_0():
     assert "ffn_down" in qwen and "attn_output" in qwen
 
 
+FAKE_WORKER = textwrap.dedent("""
+    # A stand-in for llamacpp_worker.py: speaks its session protocol with fixed timings and
+    # logs every request, one JSON line each, to the file named by argv[1].
+    import json, sys
+    log = open(sys.argv[1], "a")
+    if sys.argv[2:3] == ["-c"]:
+        sys.exit(0)  # "import llama_cpp" succeeds
+    task = json.loads(sys.stdin.readline())
+    fmt = task["gguf"].rsplit("-", 1)[1].removesuffix(".gguf")
+    log.write(json.dumps({"fmt": fmt, **task}) + "\\n"); log.flush()
+    print(json.dumps({"ready": True}), flush=True)
+    seconds = {"f32": 0.4, "f16": 0.2, "q8_0": 0.1, "q4_0": 0.05}[fmt]
+    for line in sys.stdin:
+        request = json.loads(line)
+        log.write(json.dumps({"fmt": fmt, "do": request["do"]}) + "\\n"); log.flush()
+        do = request["do"]
+        answer = {"decode": {"cpu_s": seconds, "wall_s": 2 * seconds},
+                  "prefill": {"cpu_s": seconds / 4, "wall_s": seconds / 2},
+                  "greedy": {"greedy": [[0] * request.get("new_tokens", 0)
+                                        for _ in request.get("prompts", [])]},
+                  "tokenize": {"tokenized": [[] for _ in request.get("texts", [])]},
+                  "info": {"system_info": "fake"}}[do]
+        print(json.dumps(answer), flush=True)
+""")
+
+
+def fake_peer(directory, log):
+    """A peers directory whose 'python' runs FAKE_WORKER (so `find_llamacpp` takes it) and
+    holds the shakespeare GGUFs (empty files: the fake never reads them)."""
+    worker = directory / "fake_worker.py"
+    python = fake_python(directory, 0)
+    worker.write_text(FAKE_WORKER)
+    command = f'#!/bin/sh\nexec {sys.executable} {worker} {log} "$@"\n'
+    python.joinpath("venv", "bin", "python").write_text(command)
+    for fmt in llamacpp.FORMATS:
+        (directory / f"shakespeare-{fmt}.gguf").write_bytes(b"x" * 1000)
+    return directory
+
+
+def test_llama_cpp_rounds_run_between_decodekits_with_the_same_threads(tmp_path, monkeypatch, one_thread):
+    log = tmp_path / "requests.jsonl"
+    peers = fake_peer(tmp_path / "peers", log)
+    monkeypatch.setattr(llamacpp, "peer_directories", lambda: [peers])
+    order = []  # who ran, in the order the timers ran
+
+    def logged(who, timer):
+        return lambda: order.append(who) or timer()
+
+    real_local, real_timers = packed.local, llamacpp.timers
+    monkeypatch.setattr(packed, "local", lambda fn: logged("decodekit", real_local(fn)))
+    monkeypatch.setattr(llamacpp, "timers", lambda *a: {
+        name: logged("llama.cpp", timer) for name, timer in real_timers(*a).items()})  # fmt: skip
+    report = bench_packed("shakespeare", new_tokens=2, repeats=2, prefill_tokens=16, calib_windows=1,
+                          calib_length=16, perplexity=False, peer="llamacpp", threads=2)  # fmt: skip
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    sessions = [r for r in requests if r.get("op") == "session"]
+    assert {r["fmt"] for r in sessions} == set(llamacpp.FORMATS) and {r["threads"] for r in sessions} == {2}
+    timed = [r["fmt"] + " " + r["do"] for r in requests if r.get("do") in ("decode", "prefill")]
+    assert timed == [f"{fmt} {do}" for fmt in llamacpp.FORMATS for do in ("decode", "prefill")] * 3
+    peer = report["peer"]["llamacpp"]
+    assert peer["threads"] == 2 and report["clock"] == "wall"
+    rows = {row["format"]: row for row in peer["rows"]}
+    assert rows["q4_0"]["decode_tok_s"] == 2 / 0.1 and rows["f32"]["prefill_tok_s"] == 16 / 0.2  # wall
+    auto = report["dtype_auto"]["bfloat16_checkpoint"]
+    assert set(peer["ratios"]) == {
+        "float32 / f32", "bfloat16 / f16", "int8 RTN / q8_0", "int8 RTN g64 / q8_0", "int8 RTN g128 / q8_0",
+        "int8 GPTQ / q8_0", "int4 GPTQ / q4_0", f"auto for a bfloat16 checkpoint ({auto}) / f16"}  # fmt: skip
+    ours = {row["config"]: row for row in report["rows"]}
+    int4 = ours["int4 GPTQ"]["decode_tok_s"]
+    assert peer["ratios"]["int4 GPTQ / q4_0"]["decode_tok_s"] == round(int4 / 20, 2)
+    assert peer["greedy_f32"]["tokens_equal"] == [False] * 4  # the fake's zeros are not shakespeare's
+    # A warm-up and two rounds, each decodekit's 14 (7 rows, decode and prefill) then llama.cpp's
+    # 8 (4 formats): the peer's rows are timed in decodekit's rounds, not after all of them.
+    assert order[: 3 * 22] == (["decodekit"] * 14 + ["llama.cpp"] * 8) * 3
+
+
+def test_a_worker_that_dies_is_an_error_with_its_stderr(tmp_path):
+    directory = fake_python(tmp_path / "peers", 0)
+    dies = "#!/bin/sh\necho 'cannot load the model' >&2\nexit 3\n"
+    directory.joinpath("venv", "bin", "python").write_text(dies)
+    with pytest.raises(RuntimeError, match="llama.cpp worker for m-f32.gguf failed: cannot load the model"):
+        llamacpp.PeerSession(llamacpp.LlamaCpp(directory), tmp_path / "m-f32.gguf", 64, 1, None)
+
+
 PEER = find_llamacpp()
 
 
@@ -89,11 +175,11 @@ def test_llama_cpp_greedy_equals_decodekit_greedy_on_shakespeare(one_thread, tmp
     prompts = [model.encode(text) for text in llamacpp.GREEDY_PROMPTS]
     params = dk.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     ours = [list(c[0].token_ids) for c in dk.generate(model, prompts, params)]
-    task = {"op": "measure", "prompt": prompts[0], "new_tokens": 24, "prefill": prompts[0], "repeats": 1}
-    f32 = llamacpp.run_worker(PEER, {**task, "gguf": str(paths["f32"]), "greedy": prompts,
-                                     "texts": list(llamacpp.GREEDY_PROMPTS)})  # fmt: skip
-    assert f32["greedy"] == ours
-    assert f32["tokenized"] == prompts  # llama.cpp's tokeniser of the converted vocabulary agrees
-    q4 = llamacpp.run_worker(PEER, {**task, "gguf": str(paths["q4_0"]), "greedy": prompts[:1],
-                                    "repack": repack_pattern(model.config)})  # fmt: skip
-    assert len(q4["greedy"][0]) == 24 and q4["decode_tok_s"] > 0  # the repacked layout runs
+    with llamacpp.PeerSession(PEER, paths["f32"], 64, 1, None) as f32:
+        assert f32.ask({"do": "greedy", "prompts": prompts, "new_tokens": 24})["greedy"] == ours
+        # llama.cpp's tokeniser of the converted vocabulary agrees
+        assert f32.ask({"do": "tokenize", "texts": list(llamacpp.GREEDY_PROMPTS)})["tokenized"] == prompts
+    with llamacpp.PeerSession(PEER, paths["q4_0"], 64, 1, repack_pattern(model.config)) as q4:
+        assert len(q4.ask({"do": "greedy", "prompts": prompts[:1], "new_tokens": 24})["greedy"][0]) == 24
+        timed = q4.ask({"do": "decode", "prompt": prompts[0], "new_tokens": 24})  # the repacked layout runs
+        assert timed["cpu_s"] > 0 and timed["wall_s"] > 0

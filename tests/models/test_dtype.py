@@ -45,10 +45,12 @@ def test_auto_is_the_checkpoints_dtype():
     assert resolve_dtype("auto", {}, cuda) == torch.float32
 
 
-def test_auto_on_the_cpu_keeps_bfloat16_where_it_is_native_and_widens_float16():
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    expected = torch.bfloat16 if native else torch.float32
-    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == expected
+def test_auto_on_the_cpu_asks_the_probe_for_bfloat16_and_widens_float16(monkeypatch):
+    from decodekit.models import dtype_probe
+
+    for verdict in (torch.bfloat16, torch.float32):  # the probe's own tests: test_dtype_probe.py
+        monkeypatch.setattr(dtype_probe, "cpu_bfloat16_dtype", lambda v=verdict: v)
+        assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == verdict
     assert resolve_dtype("auto", {"torch_dtype": "float16"}) == torch.float32
     assert resolve_dtype("auto", {"torch_dtype": "float32"}) == torch.float32
     assert resolve_dtype("auto", {}) == torch.float32

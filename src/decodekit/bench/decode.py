@@ -32,9 +32,15 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def machine() -> dict:
+    from decodekit.models.dtype_probe import cpu_identity
+
+    cpu = cpu_identity()  # /proc/cpuinfo's name, family and model; empty elsewhere
+    model = f"{cpu['model name']} (family {cpu['cpu family']}, model {cpu['model']})"
     return {
         "date": date.today().isoformat(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": model if cpu["model name"] else "",
+        "cpu_bf16_amx_flags": cpu["bf16_flags"],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

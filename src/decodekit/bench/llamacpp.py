@@ -9,9 +9,12 @@ The benchmark's model is converted once with llama.cpp's converter (bench/gguf.p
 GGUF, which llama.cpp's own `llama_model_quantize` turns into f16, q8_0 and q4_0; the files
 are cached in the peers directory as `NAME-FORMAT.gguf` (NAME: the embedded model's name, or
 `random-SHAPE` for a random model of models/shapes.py, whose weights are fixed by seed 0).
-Each format is then timed in a subprocess of the peer's Python (bench/llamacpp_worker.py: one
-thread, batch 1, CPU time, the same decode and prefill protocol as bench/packed.py), and the
-f32 GGUF's greedy continuations of a few prompts are compared with decodekit's, token for token.
+Each format is then loaded in its own subprocess of the peer's Python (bench/llamacpp_worker.py
+`session`, `PeerSession` here: batch 1, the benchmark's thread count) before the timing starts,
+and bench/packed.py times its decode and prefill requests in the same rounds as decodekit's
+rows, one after the other (`timers`), so a change of load on a shared machine moves both
+alike; the f32 GGUF's greedy continuations of a few prompts are then compared with
+decodekit's, token for token (`peer_report`).
 """
 
 from __future__ import annotations
@@ -21,15 +24,19 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 FORMATS = {"f32": None, "f16": 1, "q8_0": 7, "q4_0": 2}  # llama_ftype of llama_model_quantize
 GREEDY_PROMPTS = ("ROMEO:", "JULIET:\nO ", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce more")
-# (decodekit row, llama.cpp format) pairs whose speed ratios the issue's goals name.
-PAIRS = (("float32", "f32"), ("bfloat16", "f16"), ("int8 RTN", "q8_0"), ("int8 GPTQ", "q8_0"),
-         ("int4 GPTQ", "q4_0"))  # fmt: skip
+# (decodekit row, llama.cpp format) pairs whose speed ratios the issues' goals name (q8_0 is
+# int8 in groups of 32, so the grouped int8 rows are its closest kin). bench/packed.py adds
+# the row that dtype "auto" loads a bfloat16 checkpoint as, against f16.
+PAIRS = (("float32", "f32"), ("bfloat16", "f16"), ("int8 RTN", "q8_0"), ("int8 RTN g64", "q8_0"),
+         ("int8 RTN g128", "q8_0"), ("int8 GPTQ", "q8_0"), ("int4 GPTQ", "q4_0"))  # fmt: skip
 ABSENT = ("no llama-cpp-python build found in $DECODEKIT_PEERS, ./.peers or the checkout's .peers "
           "(bash scripts/peers.sh)")
 
@@ -68,12 +75,61 @@ def find_llamacpp(module: str = "llama_cpp") -> LlamaCpp | None:
 
 
 def run_worker(peer: LlamaCpp, task: dict) -> dict:
-    """One task of bench/llamacpp_worker.py in the peer's Python."""
+    """One task of bench/llamacpp_worker.py (`quantize`) in the peer's Python."""
     done = subprocess.run([str(peer.python), str(WORKER)], input=json.dumps(task), capture_output=True,
                           text=True)  # fmt: skip
     if done.returncode:
         raise RuntimeError(f"llama.cpp worker failed ({task['op']}): {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
+
+
+class PeerSession:
+    """One GGUF loaded in a worker subprocess (bench/llamacpp_worker.py `session`), answering
+    one request at a time; `close` (or leaving its `with`) ends it."""
+
+    def __init__(self, peer: LlamaCpp, gguf: Path, context: int, threads: int, repack: str | None) -> None:
+        # The worker's stderr, read back on a failure; closed by `close`.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.process = subprocess.Popen([str(peer.python), str(WORKER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True)  # fmt: skip
+        self.name = gguf.name
+        try:
+            self.ask({"op": "session", "gguf": str(gguf), "context": context, "threads": threads,
+                      "repack": repack})  # fmt: skip
+        except BaseException:
+            self.process.kill()
+            self.close()
+            raise
+
+    def ask(self, request: dict) -> dict:
+        """Send one request line, read its one answer line."""
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"llama.cpp worker for {self.name} failed: {self.log.read().strip()[-2000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """End the worker: stdin closed is its signal to exit; killed if it does not."""
+        with suppress(BrokenPipeError):  # it died with a request unread: its stderr says why
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def __enter__(self) -> PeerSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def convert(peer: LlamaCpp, model_dir: Path, out: Path) -> None:
@@ -137,41 +193,82 @@ def repack_pattern(config) -> str | None:
     return rf"^blk\.\d+\.({'|'.join(names)})\.weight$" if names else None
 
 
-def bench_llamacpp(model, model_name: str, prompt: str, new_tokens: int, prefill: list[int], repeats: int,
-                   rows: list[dict]) -> dict:  # fmt: skip
-    """llama.cpp's rows beside decodekit's `rows` (bench/packed.py) for the same model, the
-    f32 GGUF's greedy equality with `model` (decodekit's float32), and the goals' ratios.
-    Reports the peer absent (no error) when none is found."""
-    import decodekit as dk
+@dataclass
+class PeerRun:
+    """llama.cpp's formats of one model, each loaded in its PeerSession."""
 
+    peer: LlamaCpp
+    paths: dict[str, Path]
+    sessions: dict[str, PeerSession]
+    threads: int
+
+
+def start(model, model_name: str, prefill_tokens: int, new_tokens: int, threads: int,
+          stack: ExitStack) -> PeerRun | dict:  # fmt: skip
+    """Convert (once) and load every format of FORMATS for `model` (decodekit's float32 model
+    of `model_name`), each session entered on `stack` with a context for the prefill and for
+    each greedy prompt's continuation; the peer's absence as a dict."""
     peer = find_llamacpp()
     if peer is None:
         return {"available": False, "reason": ABSENT}
+    context = 8 + max(prefill_tokens, *(len(model.encode(text)) + new_tokens for text in GREEDY_PROMPTS))
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="decodekit-gguf-")))
+    paths = ggufs(peer, model_name, scratch)
+    sessions = {fmt: stack.enter_context(PeerSession(peer, path, context, threads,
+                                                     repack_pattern(model.config) if fmt == "q4_0" else None))
+                for fmt, path in paths.items()}  # fmt: skip
+    return PeerRun(peer, paths, sessions, threads)
+
+
+def timers(run: PeerRun, prompt: list[int], new_tokens: int, prefill: list[int]) -> dict[str, Callable]:
+    """Name -> a function that runs one decode or prefill in a session and returns the
+    worker's (CPU, wall) seconds of it: what bench/packed.py interleaves with its own rows."""
+
+    def timer(session: PeerSession, request: dict) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            answer = session.ask(request)
+            return answer["cpu_s"], answer["wall_s"]
+
+        return run
+
+    out = {}
+    for fmt, session in run.sessions.items():
+        decode = {"do": "decode", "prompt": prompt, "new_tokens": new_tokens}
+        out[f"decode llama.cpp {fmt}"] = timer(session, decode)
+        out[f"prefill llama.cpp {fmt}"] = timer(session, {"do": "prefill", "ids": prefill})
+    return out
+
+
+def peer_report(run: PeerRun, model, new_tokens: int, speeds: dict[str, dict], rows: list[dict],
+                auto_row: str) -> dict:  # fmt: skip
+    """llama.cpp's rows (`speeds`: "llama.cpp FORMAT" -> its tok/s, as bench/packed.py
+    measured them beside decodekit's `rows`), the f32 GGUF's greedy equality with `model`
+    (decodekit's float32), and the pairs' ratios; `auto_row` is the row dtype "auto" loads a
+    bfloat16 checkpoint as."""
+    import decodekit as dk
+
     prompts = [model.encode(text) for text in GREEDY_PROMPTS]
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ours = [list(completions[0].token_ids) for completions in dk.generate(model, prompts, params)]
-    peer_rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="decodekit-gguf-") as scratch:
-        for fmt, path in ggufs(peer, model_name, Path(scratch)).items():
-            repack = repack_pattern(model.config) if fmt == "q4_0" else None
-            measured = run_worker(peer, {
-                "op": "measure", "gguf": str(path), "prompt": model.encode(prompt), "new_tokens": new_tokens,
-                "prefill": prefill, "repeats": repeats, "repack": repack,
-                "greedy": prompts if fmt == "f32" else [],
-                "texts": list(GREEDY_PROMPTS) if fmt == "f32" else []})  # fmt: skip
-            peer_rows.append({"format": fmt, "layout": "CPU_REPACK q4_0_8x8" if repack else "ggml",
-                              "bits_per_weight": round(8 * path.stat().st_size / model.num_parameters(), 2),
-                              "decode_tok_s": measured["decode_tok_s"],
-                              "prefill_tok_s": measured["prefill_tok_s"]})  # fmt: skip
-            if fmt == "f32":
-                system_info = measured["system_info"]
-                greedy = {"prompts": list(GREEDY_PROMPTS), "new_tokens": new_tokens,
-                          "tokens_equal": [a == b for a, b in zip(ours, measured["greedy"], strict=True)],
-                          "tokenizer_equal": measured["tokenized"] == prompts}  # fmt: skip
-    by_config = {row["config"]: row for row in rows}
+    f32 = run.sessions["f32"]
+    theirs = f32.ask({"do": "greedy", "prompts": prompts, "new_tokens": new_tokens})["greedy"]
+    tokenized = f32.ask({"do": "tokenize", "texts": list(GREEDY_PROMPTS)})["tokenized"]
+    peer_rows = [{"format": fmt, "layout": "CPU_REPACK q4_0_8x8" if fmt == "q4_0" else "ggml",
+                  "bits_per_weight": round(8 * path.stat().st_size / model.num_parameters(), 2),
+                  **speeds[f"llama.cpp {fmt}"]} for fmt, path in run.paths.items()]  # fmt: skip
+    by_config = {row["config"]: row for row in rows if "decode_tok_s" in row}
     by_format = {row["format"]: row for row in peer_rows}
-    ratios = {f"{ours_name} / {fmt}": {key: round(by_config[ours_name][key] / by_format[fmt][key], 2)
-                                       for key in ("decode_tok_s", "prefill_tok_s")}
-              for ours_name, fmt in PAIRS if ours_name in by_config}  # fmt: skip
-    return {"available": True, "python": str(peer.python), "system_info": system_info, "threads": 1,
-            "rows": peer_rows, "greedy_f32": greedy, "ratios": ratios}  # fmt: skip
+    pairs = [*PAIRS, (auto_row, "f16", f"auto for a bfloat16 checkpoint ({auto_row}) / f16")]
+    ratios = {}
+    for ours_name, fmt, *label in pairs:
+        if ours_name in by_config:
+            ratios[label[0] if label else f"{ours_name} / {fmt}"] = {
+                key: round(by_config[ours_name][key] / by_format[fmt][key], 2)
+                for key in ("decode_tok_s", "prefill_tok_s")
+            }
+    return {"available": True, "python": str(run.peer.python),
+            "system_info": f32.ask({"do": "info"})["system_info"], "threads": run.threads,
+            "rows": peer_rows, "ratios": ratios,
+            "greedy_f32": {"prompts": list(GREEDY_PROMPTS), "new_tokens": new_tokens,
+                           "tokens_equal": [a == b for a, b in zip(ours, theirs, strict=True)],
+                           "tokenizer_equal": tokenized == prompts}}  # fmt: skip

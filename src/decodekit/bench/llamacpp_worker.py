@@ -1,23 +1,27 @@
 """Run by the llama.cpp peer's own Python (llama-cpp-python and numpy; no torch, no
-decodekit), by file path, one JSON task on stdin, one JSON answer on stdout
-(bench/llamacpp.py sends them):
+decodekit), by file path (bench/llamacpp.py drives it):
 
-- {"op": "quantize", "source": GGUF, "out": GGUF, "ftype": int}: `llama_model_quantize`
-  (llama.cpp's own quantiser; ftype 1 f16, 7 q8_0, 2 q4_0), one thread.
-- {"op": "measure", "gguf": GGUF, "prompt": [ids], "new_tokens": n, "prefill": [ids],
-  "repeats": r, "greedy": [[ids], ...], "repack": regex or null}: one thread, batch 1, CPU
-  time of this process (`time.process_time`), median of r rounds after a warm-up, decode and
-  prefill alternating: greedy decode tokens/s (the prompt evaluated, then n - 1 single-token steps, argmax of
-  the last logits: n tokens, as `decodekit.generate` counts them) and prefill tokens/s (one
-  `eval` of the prefill ids in a single batch); then the greedy continuation (n tokens) of
-  each prompt in "greedy", and llama.cpp's tokenisation of each text in "texts".
+- `quantize`: one JSON task on stdin, {"op": "quantize", "source": GGUF, "out": GGUF,
+  "ftype": int}: `llama_model_quantize` (llama.cpp's own quantiser; ftype 1 f16, 7 q8_0,
+  2 q4_0), one thread; one JSON answer on stdout.
+- `session`: the first line on stdin, {"op": "session", "gguf": GGUF, "context": n,
+  "threads": t, "repack": regex or null}, loads the model (batch = context, `threads` threads);
+  then each line is one request and gets one JSON line back, until stdin closes:
+  {"do": "decode", "prompt": [ids], "new_tokens": n}: greedy decode from position 0 (the
+  prompt evaluated, then n - 1 single-token steps, argmax of the last logits: n tokens, as
+  `decodekit.generate` counts them), answered with {"cpu_s": process CPU time, "wall_s"};
+  {"do": "prefill", "ids": [ids]}: one `eval` of the ids in a single batch, timed the same;
+  {"do": "greedy", "prompts": [[ids], ...], "new_tokens": n}: {"greedy": [[ids], ...]};
+  {"do": "tokenize", "texts": [str]}: {"tokenized": [[ids], ...]};
+  {"do": "info"}: {"system_info": str}.
+  The caller times rounds of these interleaved with its own (bench/packed.py), so a change of
+  load on a shared machine moves both alike.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,7 +78,7 @@ def repack_buffer_type() -> int:
 
 
 class Session:
-    """One model and context through llama.cpp's C API: one thread, batch 1. Its automatic
+    """One model and context through llama.cpp's C API: `threads` threads, one sequence. Its automatic
     extra buffer types are off: on this machine llama.cpp puts every quantised weight in its
     AMX buffer, whose matmul segfaults in ggml_backend_amx_mul_mat (llama.cpp issue #20824;
     PR #26954: its worker threads lack the AMX tile permission). With `repack` the matmul
@@ -82,7 +86,7 @@ class Session:
     types it repacks (q4_0; its q8_0 repacking exists for ARM only and crashes here). `repack`
     is the regex of the tensors to move (bench/llamacpp.py `repack_pattern`)."""
 
-    def __init__(self, gguf: str, context: int, batch: int, repack: str | None = None) -> None:
+    def __init__(self, gguf: str, context: int, threads: int = 1, repack: str | None = None) -> None:
         llama_cpp.llama_log_set(warnings_only, None)
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
@@ -95,8 +99,8 @@ class Session:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = context, batch, batch
-        params.n_threads = params.n_threads_batch = 1
+        params.n_ctx = params.n_batch = params.n_ubatch = context  # a prefill is one batch
+        params.n_threads = params.n_threads_batch = threads
         self.context = llama_cpp.llama_init_from_model(self.model, params)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -134,28 +138,39 @@ class Session:
         return list(out[:count])
 
 
-def measure(task: dict) -> dict:
-    prompts = [task["prompt"], *task["greedy"]]
-    context = max(len(task["prefill"]), *(len(p) + task["new_tokens"] for p in prompts))
-    session = Session(task["gguf"], context + 8, context + 8, task.get("repack"))  # one batch each
-    runs = {"decode": lambda: session.greedy(task["prompt"], task["new_tokens"]),
-            "prefill": lambda: session.prefill(task["prefill"])}  # fmt: skip
-    for fn in runs.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(task["repeats"]):
-        for name, fn in runs.items():
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-    return {"decode_tok_s": round(task["new_tokens"] / statistics.median(times["decode"]), 2),
-            "prefill_tok_s": round(len(task["prefill"]) / statistics.median(times["prefill"]), 1),
-            "greedy": [session.greedy(p, task["new_tokens"]) for p in task["greedy"]],
-            "tokenized": [session.tokenize(t) for t in task.get("texts", [])],
-            "system_info": llama_cpp.llama_print_system_info().decode()}  # fmt: skip
+def timed(fn) -> dict:
+    """CPU (this process) and wall seconds of `fn()`."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn()
+    return {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
+
+
+def answer(session: Session, request: dict) -> dict:
+    """One request of a session (module docstring)."""
+    do = request["do"]
+    if do == "decode":
+        return timed(lambda: session.greedy(request["prompt"], request["new_tokens"]))
+    if do == "prefill":
+        return timed(lambda: session.prefill(request["ids"]))
+    if do == "greedy":
+        return {"greedy": [session.greedy(p, request["new_tokens"]) for p in request["prompts"]]}
+    if do == "tokenize":
+        return {"tokenized": [session.tokenize(t) for t in request["texts"]]}
+    if do == "info":
+        return {"system_info": llama_cpp.llama_print_system_info().decode()}
+    raise ValueError(f"unknown request {do!r}")
+
+
+def serve(task: dict) -> None:
+    session = Session(task["gguf"], task["context"], task.get("threads", 1), task.get("repack"))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(answer(session, json.loads(line))), flush=True)
 
 
 if __name__ == "__main__":
-    request = json.loads(sys.stdin.read())
-    operations = {"quantize": lambda t: quantize(t["source"], t["out"], t["ftype"]), "measure": measure}
-    print(json.dumps(operations[request["op"]](request)))
+    request = json.loads(sys.stdin.readline())
+    if request["op"] == "session":
+        serve(request)
+    else:
+        print(json.dumps(quantize(request["source"], request["out"], request["ftype"])))

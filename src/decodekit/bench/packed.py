@@ -6,23 +6,29 @@ Two models: an embedded one by name (`shakespeare`, 3.4M parameters), and a rand
 with a real model's layer shapes (`--model qwen2.5-0.5b-16l`: Qwen2.5-0.5B's hidden 896,
 intermediate 4864, 14 heads / 2 KV heads of 64, q/k/v biases, tied embeddings, with 16 of
 its 24 layers and the vocabulary reduced to the embedded tokenizer's 2,048 ids so that it
-tokenises text: 240M parameters, `random_model`). Rows: float32; bfloat16; int8 RTN and
-GPTQ (one scale per channel); int4 GPTQ (per channel). GPTQ calibrates on the shipped
-Shakespeare validation split (`calib_windows` windows of `calib_length` tokens).
+tokenises text: 240M parameters, `random_model`). Rows: float32; bfloat16 (labelled with
+what dtype "auto" loads a bfloat16 checkpoint as on this CPU, models/dtype_probe.py); int8
+RTN with one scale per channel and in groups of 64 and 128 (a layer whose input width the
+group does not divide stays float: `kernels` counts them); int8 GPTQ (per channel); int4 GPTQ
+(per channel). GPTQ calibrates on the shipped Shakespeare validation split (`calib_windows`
+windows of `calib_length` tokens).
 
-Per row, batch 1, CPU time of this process (`time.process_time`, so other jobs on a shared
-machine do not count), median of `repeats`: greedy decode tokens/s through
+Per row, batch 1, `threads` torch threads, median of `repeats`: greedy decode tokens/s through
 `decodekit.generate` (`new_tokens` tokens after a 3-token prompt, EOS ignored) and prefill
 tokens/s of one `forward` over `prefill_tokens` tokens of held-out text, the rounds interleaved
-over the rows (`cpu_seconds`). On the embedded
-model also the held-out test perplexity (`text_perplexity`, the BENCHMARKS.md protocol).
+over the rows (`median_seconds`). The clock: with one thread the CPU time of the process
+(`time.process_time`, so other jobs on a shared machine do not count; wall-clock figures
+beside it), with more the wall clock (CPU time would add up the threads, spin-waits
+included). On the embedded model also the held-out test perplexity (`text_perplexity`, the
+BENCHMARKS.md protocol).
 Then speculative decoding at T = 0 (`speculative_generate`, γ = 4) of the float32 model
 with its own int4 copy as the draft ("self-int4": RTN, groups of 32; and the int4 GPTQ row's
 model), against plain greedy decoding of the float32 model, same tokens.
 
-With `peer="llamacpp"`, llama.cpp's f32, f16, q8_0 and q4_0 GGUFs of the same weights are
-timed by the same protocol right after the rows, and their ratios reported
-(bench/llamacpp.py; "peer" in the JSON says when the peer is not installed).
+With `peer="llamacpp"`, llama.cpp's f32, f16, q8_0 and q4_0 GGUFs of the same weights, each
+loaded in its own worker process with the same thread count, are timed by the same protocol in
+the same rounds as decodekit's rows, so a change of load moves both alike, and the ratios of
+the pairs reported (bench/llamacpp.py; "peer" in the JSON says when the peer is not installed).
 """
 
 from __future__ import annotations
@@ -30,16 +36,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 
+from decodekit.bench import llamacpp
 from decodekit.bench.decode import machine
 from decodekit.compress.recipe import CompressConfig
+from decodekit.models.dtype_probe import cpu_bfloat16_dtype
 from decodekit.models.shapes import SHAPES, random_model
 
 QUANT_ROWS: dict[str, CompressConfig] = {
     "int8 RTN": CompressConfig("rtn", bits=8),
+    "int8 RTN g64": CompressConfig("rtn", bits=8, group_size=64),
+    "int8 RTN g128": CompressConfig("rtn", bits=8, group_size=128),
     "int8 GPTQ": CompressConfig("gptq", bits=8),
     "int4 GPTQ": CompressConfig("gptq", bits=4),
 }
@@ -55,33 +66,69 @@ def load(model_name: str, dtype: torch.dtype) -> Any:
     return load_model(model_name, backend="native", dtype=dtype)
 
 
-def cpu_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median CPU seconds of each function over `repeats` rounds after one warm-up each; the
-    rounds interleave the functions, so a change of load on a shared machine hits them alike."""
-    for fn in fns.values():
+Timer = Callable[[], tuple[float, float]]  # runs once; returns its (CPU, wall) seconds
+
+
+def local(fn: Callable[[], Any]) -> Timer:
+    """A timer of `fn` in this process."""
+
+    def run() -> tuple[float, float]:
+        cpu, wall = time.process_time(), time.perf_counter()
         fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+        return time.process_time() - cpu, time.perf_counter() - wall
+
+    return run
+
+
+def median_seconds(timers: dict[str, Timer], repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (CPU, wall) seconds of each timer over `repeats` rounds after one warm-up each;
+    the rounds interleave the timers, so a change of load on a shared machine hits them alike."""
+    for timer in timers.values():
+        timer()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in timers}
     for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return {name: (statistics.median(c for c, _ in t), statistics.median(w for _, w in t))
+            for name, t in times.items()}  # fmt: skip
 
 
-def speeds(models: dict[str, Any], new_tokens: int, prefill: torch.Tensor, repeats: int) -> dict[str, dict]:
-    """Greedy decode and prefill tokens/s of each model (module docstring), interleaved."""
+def decode_timers(models: dict[str, Any], new_tokens: int, prefill: torch.Tensor) -> dict[str, Timer]:
+    """The "decode NAME" and "prefill NAME" timers of each model (module docstring)."""
     import decodekit as dk
 
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    fns: dict[str, Callable[[], Any]] = {}
+    timers: dict[str, Timer] = {}
     for name, model in models.items():
-        fns[f"decode {name}"] = lambda m=model: dk.generate(m, PROMPT, params)
-        fns[f"prefill {name}"] = lambda m=model: m.forward(prefill, m.new_cache(1))
-    seconds = cpu_seconds(fns, repeats)
-    return {name: {"decode_tok_s": round(new_tokens / seconds[f"decode {name}"], 2),
-                   "prefill_tok_s": round(prefill.shape[1] / seconds[f"prefill {name}"], 1)}
-            for name in models}  # fmt: skip
+        timers[f"decode {name}"] = local(lambda m=model: dk.generate(m, PROMPT, params))
+        timers[f"prefill {name}"] = local(lambda m=model: m.forward(prefill, m.new_cache(1)))
+    return timers
+
+
+def speeds(seconds: dict[str, tuple[float, float]], names: list[str], new_tokens: int, prefill_tokens: int,
+           wall: bool) -> dict[str, dict]:  # fmt: skip
+    """Tokens/s of each name's "decode NAME" and "prefill NAME" seconds, by the wall clock or
+    by CPU time (then with the wall-clock figures beside them)."""
+    clock = 1 if wall else 0
+    out = {}
+    for name in names:
+        decode, prefill = seconds[f"decode {name}"], seconds[f"prefill {name}"]
+        row = {"decode_tok_s": round(new_tokens / decode[clock], 2),
+               "prefill_tok_s": round(prefill_tokens / prefill[clock], 1)}  # fmt: skip
+        if not wall:
+            row["wall_decode_tok_s"] = round(new_tokens / decode[1], 2)
+            row["wall_prefill_tok_s"] = round(prefill_tokens / prefill[1], 1)
+        out[name] = row
+    return out
+
+
+def group_fits(model: Any, group_size: int | None) -> bool:
+    """Whether a quantisation in groups of `group_size` applies to any of `model`'s layers
+    (compress/apply.py leaves a layer whose input width the group does not divide in float)."""
+    from decodekit.compress.apply import find_linears
+
+    widths = [layer.in_features for layer in find_linears(model.net).values()]
+    return group_size is None or any(width % group_size == 0 for width in widths)
 
 
 def bench_packed(
@@ -115,6 +162,8 @@ def bench_packed(
     perplexity = not random if perplexity is None else perplexity
     calib_windows = calib_windows or (8 if random else 128)
     calib_length = calib_length or (256 if random else None)
+    wall = threads > 1  # the clock (module docstring)
+    auto = str(cpu_bfloat16_dtype()).removeprefix("torch.")  # what "auto" makes of a bf16 checkpoint
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -125,15 +174,19 @@ def bench_packed(
         prefill = torch.tensor([ids[:prefill_tokens]])  # [1, T]
         rows: list[dict] = []
         models: dict[str, Any] = {}
-        names = ["float32", "bfloat16", *QUANT_ROWS]
-        bar = progress_bar(names, desc="bench packed", enabled=progress)
+        bar = progress_bar(["float32", "bfloat16", *QUANT_ROWS], desc="bench packed", enabled=progress)
         for name in bar:
             bar.set_postfix_str(name)
             row: dict[str, Any] = {"config": name}
+            if name in QUANT_ROWS and not group_fits(base, QUANT_ROWS[name].group_size):
+                rows.append({**row, "skipped": f"no layer's input width is a multiple of "
+                                                  f"{QUANT_ROWS[name].group_size}"})  # fmt: skip
+                continue
             if name == "float32":
                 model = base
             elif name == "bfloat16":
                 model = load(model_name, torch.bfloat16)
+                row["auto_loads_a_bf16_checkpoint_as"] = auto
             else:
                 config = replace(QUANT_ROWS[name], calib_windows=calib_windows, calib_length=calib_length)
                 start = time.perf_counter()
@@ -144,33 +197,44 @@ def bench_packed(
                 row["perplexity"] = round(text_perplexity(model).perplexity, 3)
             rows.append(row)
             models[name] = model
-        for row, measured in zip(rows, speeds(models, new_tokens, prefill, repeats).values(), strict=True):
-            row.update(measured)
+        with ExitStack() as stack:
+            timers = decode_timers(models, new_tokens, prefill)
+            run = None
+            if peer == "llamacpp":
+                run = llamacpp.start(base, model_name, prefill_tokens, new_tokens, threads, stack)
+                if isinstance(run, llamacpp.PeerRun):
+                    timers |= llamacpp.timers(run, base.encode(PROMPT), new_tokens, ids[:prefill_tokens])
+            seconds = median_seconds(timers, repeats)
+            measured = speeds(seconds, list(models), new_tokens, prefill_tokens, wall)
+            reference = measured["float32"]
+            for row in rows:
+                if row["config"] in measured:
+                    row.update(measured[row["config"]])
+                    row["decode_vs_f32"] = round(row["decode_tok_s"] / reference["decode_tok_s"], 2)
+                    row["prefill_vs_f32"] = round(row["prefill_tok_s"] / reference["prefill_tok_s"], 2)
+            peers = {}
+            if isinstance(run, llamacpp.PeerRun):
+                formats = [f"llama.cpp {fmt}" for fmt in run.sessions]
+                peer_speeds = speeds(seconds, formats, new_tokens, prefill_tokens, wall)
+                auto_row = "bfloat16" if auto == "bfloat16" else "float32"
+                peers[peer] = llamacpp.peer_report(run, base, new_tokens, peer_speeds, rows, auto_row)
+            elif peer:
+                peers[peer] = run
         int4_gptq = models["int4 GPTQ"]
         del models
-        reference = rows[0]
-        for row in rows:
-            row["decode_vs_f32"] = round(row["decode_tok_s"] / reference["decode_tok_s"], 2)
-            row["prefill_vs_f32"] = round(row["prefill_tok_s"] / reference["prefill_tok_s"], 2)
-        peers = {}
-        if peer == "llamacpp":
-            from decodekit.bench.llamacpp import bench_llamacpp
-
-            peers[peer] = bench_llamacpp(base, model_name, PROMPT, new_tokens, ids[:prefill_tokens],
-                                         repeats, rows)  # fmt: skip
 
         params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         [plain] = dk.generate(base, PROMPT, params)
         drafters = {"self-int4 (RTN g32)": self_draft(base), "self int4 GPTQ": ModelDrafter(int4_gptq)}
-        fns: dict[str, Callable[[], Any]] = {"plain": lambda: dk.generate(base, PROMPT, params)}
+        timers = {"plain": local(lambda: dk.generate(base, PROMPT, params))}
         speculative: dict[str, Any] = {"gamma": 4}
         for name, drafter in drafters.items():
             result = dk.speculative_generate(base, drafter, PROMPT, params, 4)
             assert result.completions[0].token_ids == plain.token_ids, name  # exact at T = 0
-            fns[name] = lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4)
+            timers[name] = local(lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4))
             speculative[name] = {"acceptance_rate": round(result.stats.acceptance_rate, 3),
                                  "block_efficiency": round(result.stats.block_efficiency, 2)}  # fmt: skip
-        seconds = cpu_seconds(fns, repeats)
+        seconds = {name: pair[1 if wall else 0] for name, pair in median_seconds(timers, repeats).items()}
         speculative["plain_f32_tok_s"] = round(new_tokens / seconds["plain"], 2)
         for name in drafters:
             speculative[name]["tok_s"] = round(new_tokens / seconds[name], 2)
@@ -180,5 +244,6 @@ def bench_packed(
         torch.set_num_threads(previous)
     return {"model": model_name, "parameters": base.num_parameters(), "new_tokens": new_tokens,
             "prefill_tokens": prefill_tokens, "repeats": repeats, "calib_windows": calib_windows,
-            "clock": "process CPU time", "machine": report_machine, "rows": rows,
-            "speculative_t0": speculative, **({"peer": peers} if peer else {})}  # fmt: skip
+            "threads": threads, "clock": "wall" if wall else "process CPU time", "machine": report_machine,
+            "dtype_auto": {"bfloat16_checkpoint": auto}, "rows": rows, "speculative_t0": speculative,
+            **({"peer": peers} if peer else {})}  # fmt: skip

@@ -28,8 +28,9 @@ def add_bench(sub) -> None:
     p.add_argument("--draft", default="shakespeare-draft",
                    help="bench speculative: the draft model; bench presets: the second scorer")
     p.add_argument("--peer", choices=("llamacpp",), default=None,
-                   help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model "
-                   "(built by scripts/peers.sh into .peers/ or $DECODEKIT_PEERS; reported absent without it)")
+                   help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model in "
+                   "the same rounds and with the same --threads (built by scripts/peers.sh into .peers/ or "
+                   "$DECODEKIT_PEERS; reported absent without it)")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrent", type=int, default=None, metavar="N",
                    help="bench speculative: N concurrent requests on the engine against N plain ones")

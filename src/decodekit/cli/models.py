@@ -1,4 +1,5 @@
-"""`decodekit models`: the embedded models and their measured figures (models/assets/registry.json)."""
+"""`decodekit models`: the embedded models and their measured figures (models/assets/registry.json),
+and what `--dtype auto` does with a bfloat16 checkpoint on this CPU (models/dtype_probe.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,23 @@ import json
 def add_models(sub) -> None:
     p = sub.add_parser("models", help="list the embedded models")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--dtype-report",
+        action="store_true",
+        help="only what --dtype auto gives each checkpoint dtype on this CPU, and the probe's "
+        "timings behind it (JSON)",
+    )
     p.set_defaults(run=run_models)
 
 
 def run_models(args) -> None:
     from decodekit.models.registry import embedded_models
 
+    if args.dtype_report:
+        from decodekit.models.dtype_probe import dtype_report
+
+        print(json.dumps(dtype_report(), indent=2))
+        return
     models = embedded_models()
     if args.json:
         print(json.dumps(models, indent=2))
@@ -28,3 +40,12 @@ def run_models(args) -> None:
         if isinstance(metric, dict):
             metric = ", ".join(f"{k}={v}" for k, v in metric.items())
         print(f"{name:<20} {entry.get('kind', 'hf'):<6} {params_text:>11} {size_text:>9}  {metric}")
+    from decodekit.models.dtype_probe import dtype_report
+
+    report = dtype_report()
+    ratio = report["bf16_speed_vs_float32"]
+    print(
+        f"\n--dtype auto on this CPU: a bfloat16 checkpoint loads as {report['bfloat16_checkpoint']} "
+        f"(bfloat16 decodes at {ratio['decode']}x float32, prefills at {ratio['prefill']}x; "
+        "decodekit models --dtype-report)"
+    )

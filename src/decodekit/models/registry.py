@@ -52,20 +52,25 @@ def resolve_dtype(
     """The torch dtype of `dtype`: a name of DTYPES, one of its values, or "auto".
 
     "auto" keeps the checkpoint's `dtype`/`torch_dtype` (config.json; float32 where it names
-    none) where that is fast, by measurement (BENCHMARKS.md, "Real model shapes: dtype,
-    device and speed"): on an accelerator always; on the CPU a bfloat16 checkpoint stays
-    bfloat16 where the CPU computes in bfloat16 natively (AVX-512-BF16/AMX: there bf16
-    decodes 1.5x and prefills 3.7x faster than float32 at Qwen2.5-0.5B's shapes), and float16
-    becomes float32 (float16 decodes at 0.57x float32 on the CPU). "auto" never lowers a
-    float32 checkpoint's precision.
+    none) where that is fast: on an accelerator always. On the CPU a float32 checkpoint stays
+    float32 (never lowered), a float16 one becomes float32 (float16 decodes at 0.57x float32
+    on the CPU), and a bfloat16 one stays bfloat16 only where a short probe of this machine
+    (models/dtype_probe.py, cached on disk) finds bfloat16 decoding at least as fast as
+    float32 through decodekit's own linear path: on AMX machines (1.5x); on an AMD Zen 5
+    with AVX-512-BF16 but no AMX with decodekit's GEMV kernels (1.4x), not on PyTorch's path
+    alone (0.72-0.76x). `dtype_probe.dtype_report()` (and `decodekit models`) shows the
+    verdict and its timings.
     """
     if isinstance(dtype, str) and dtype == "auto":
         stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
         chosen = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
         if torch.device(device).type != "cpu" or chosen == torch.float32:
             return chosen
-        native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if chosen == torch.bfloat16 and native_bf16 else torch.float32
+        if chosen == torch.float16:
+            return torch.float32
+        from decodekit.models.dtype_probe import cpu_bfloat16_dtype
+
+        return cpu_bfloat16_dtype()
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
@@ -119,7 +124,8 @@ def load_model(
     backend: "auto" (our native forward when the architecture is supported, else
     transformers), "native" or "hf". dtype: of the weights, activations and KV cache:
     "float32", "bfloat16", "float16" or "auto" (the checkpoint's where it is fast, float32
-    for the shipped models; the rule is `resolve_dtype`'s); the logits are float32 whatever
+    for the shipped models; the rule, a measurement of this CPU for bfloat16 checkpoints, is
+    `resolve_dtype`'s); the logits are float32 whatever
     it is. device: "cpu" (the default), "cuda", "mps" or "auto" (CUDA where available):
     activations, KV cache and logits live there too. N-gram models run on the CPU in
     float32; compressed models in float32.
