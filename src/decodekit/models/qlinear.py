@@ -377,8 +377,9 @@ class QuantizedLinear(nn.Module):
             layout = kernels.int4_kernel_layout(self.spec.group_size, self.in_features)
             assert layout is not None
             width, self.kernel_group = layout
-            weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [N, width / 2]
-            scales = F.pad(self.scales, (0, width // self.kernel_group - self.scales.shape[1]))
+            weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [4j >= N, width / 2]
+            columns = -(-width // self.kernel_group)  # the padded width's groups
+            scales = F.pad(self.scales, (0, columns - self.scales.shape[1]))
         elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
             self.kernel_group = self.in_features // self.scales.shape[1]
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
