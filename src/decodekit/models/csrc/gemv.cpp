@@ -12,11 +12,16 @@
 //   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
 //                            scale per row or per group of `group` inputs): 4 rows' dot
 //                            products with x in f32, weights widened to f32 in registers,
-//                            the next row block prefetched (prefetch_ahead).
-//   decodekit::linear_int4   int4 codes in blocks of 64 inputs per 32 bytes (byte i: input i
-//                            in the low nibble, input 32 + i in the high one, stored as
-//                            code + 8): nibbles -> bfloat16 through a 16-entry table
-//                            (vpermw), dot products with bf16 x by vdpbf16ps, f32 sums.
+//                            8 KiB ahead prefetched (prefetch_ahead).
+//   decodekit::linear_int4   int4 codes repacked (kernels.pack_int4_blocks): blocks of 4 rows
+//                            side by side in chunks of 128 inputs, 64 bytes a row, word j
+//                            holding inputs j, 32 + j, 64 + j, 96 + j as code + 8 in its 4
+//                            nibbles: nibbles -> bfloat16 through a 16-entry table (vpermw),
+//                            dot products with bf16 x by vdpbf16ps, f32 sums.
+//
+// The AVX-512 kernels decode each weight block once for up to 4 rows of x (dot4_avx512,
+// int4_dot4_avx512), so 2-64 rows (batched decoding, speculative verification) cost far
+// less than as many single-row calls.
 //
 // Each has an AVX-512 (F/BW/VL, BF16 for int4) and an AVX2 + FMA variant, picked once by
 // the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
@@ -36,6 +41,8 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+// Small loops over the register blocks unroll fully, so their accumulators stay in registers.
+#define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
@@ -60,8 +67,10 @@ int64_t isa() {
 
 // Work per parallel task: small layers run on one thread (a fork costs a few microseconds).
 constexpr int64_t kMinWeightsPerTask = 1 << 17;
-// How many row blocks ahead the dot-product kernels prefetch (prefetch_ahead).
-constexpr int64_t kAheadBlocks = 1;
+// How far ahead of each row's reads the dot-product kernels prefetch (prefetch_ahead): 8 KiB
+// measured best for bf16, int8 and int4 alike at 896 -> 4864 (one block of 4 rows ahead, the
+// first kernels' choice, was up to 20% slower for int8 and int4 once they decoded faster).
+constexpr int64_t kAheadBytes = 8192;
 
 enum class WT { F32, BF16, F16, I8 };
 
@@ -115,8 +124,8 @@ AVX512 inline __m512 load16_mask(const void* p, int64_t k, __mmask16 m) {
 constexpr int64_t elem_bytes(WT T) { return T == WT::F32 ? 4 : T == WT::I8 ? 1 : 2; }
 
 // A row block's 4 rows are short streams (K elements each), too short for the hardware
-// prefetcher to ramp up on; each step therefore prefetches the same bytes of the block
-// `ahead` bytes further on (the blocks lie one after another in memory).
+// prefetcher to ramp up on; each step therefore prefetches `ahead` bytes further on (the
+// same row further on, or a later block: the blocks lie one after another in memory).
 template <WT T>
 AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
   const char* a = p + k * elem_bytes(T) + ahead;
@@ -124,109 +133,58 @@ AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
   if constexpr (T == WT::F32) _mm_prefetch(a + 64, _MM_HINT_T0);
 }
 
-// One step of a weight row: its 32 inputs from k widened to f32 as two vectors, whose lanes
-// pair with those of the prepared x's two vectors at k (`prepare_x`). bf16 widens in place,
-// one shift or one mask per 16 weights and no shuffle: w0 holds the even inputs, w1 the odd
-// ones, and the prepared x is reordered to match.
-template <WT T>
-AVX512 inline void widen32(const void* p, int64_t k, __m512& w0, __m512& w1) {
-  if constexpr (T == WT::F32) {
-    const float* f = static_cast<const float*>(p) + k;
-    w0 = _mm512_loadu_ps(f);
-    w1 = _mm512_loadu_ps(f + 16);
-  }
-  if constexpr (T == WT::BF16) {
-    __m512i v = _mm512_loadu_si512(static_cast<const uint16_t*>(p) + k);
-    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    w1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
-  }
-  if constexpr (T == WT::F16) {
-    const uint16_t* h = static_cast<const uint16_t*>(p) + k;
-    w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-    w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16)));
-  }
-  if constexpr (T == WT::I8) {
-    const int8_t* b = static_cast<const int8_t*>(p) + k;
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
-  }
-}
-
-// The same for the n < 32 inputs left at the end of a group, the others read as zeros.
-template <WT T>
-AVX512 inline void widen32_mask(const void* p, int64_t k, __mmask32 m, __m512& w0, __m512& w1) {
-  const __mmask16 m0 = __mmask16(m), m1 = __mmask16(m >> 16);
-  if constexpr (T == WT::F32) {
-    const float* f = static_cast<const float*>(p) + k;
-    w0 = _mm512_maskz_loadu_ps(m0, f);
-    w1 = _mm512_maskz_loadu_ps(m1, f + 16);
-  }
-  if constexpr (T == WT::BF16) {
-    __m512i v = _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + k);
-    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    w1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
-  }
-  if constexpr (T == WT::F16) {
-    const uint16_t* h = static_cast<const uint16_t*>(p) + k;
-    w0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m0, h));
-    w1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m1, h + 16));
-  }
-  if constexpr (T == WT::I8) {
-    const int8_t* b = static_cast<const int8_t*>(p) + k;
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, b)));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, b + 16)));
-  }
-}
 
 // out[m * 4 + r] = sum_g scale[r, g] * (w[r, group g] . x[m, group g]) for a block of 4 weight
-// rows and MB <= 4 rows of the prepared x (row stride Kx): each weight step is widened once and
+// rows and MB <= 4 rows of x: each weight step is widened once and
 // used for every x row (rows past the block's end repeat its last row and are not stored by
-// the caller). Each (r, m) sum runs the same operations in the same order whatever MB, so a
-// row's result never depends on how many rows share the call.
+// the caller). For MB >= 2 each (r, m) sum runs the same operations whatever MB; a lone x row
+// sums in another order (float rounding only; the batch-invariant mode always calls with one).
 template <WT T, int MB>
-AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t Kx, int64_t K,
+AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
                         const float* const* scales, int64_t group, int64_t ahead, float* out) {
-  __m512 tot[4][MB], acc[4][MB];
-  for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MB; ++m) tot[r][m] = _mm512_setzero_ps();
+  // One x row: w1's products go to a second accumulator, so each step waits on one FMA, not
+  // two (measured ~10% faster at M = 1); several x rows have independent sums enough, and
+  // registers for only one accumulator each.
+  constexpr int S = MB == 1 ? 2 : 1;
+  __m512 tot[4][MB], acc[4][MB * S];
+  UNROLL for (int r = 0; r < 4; ++r)
+    UNROLL for (int m = 0; m < MB; ++m) tot[r][m] = _mm512_setzero_ps();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
-    for (int r = 0; r < 4; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int m = 0; m < MB * S; ++m) acc[r][m] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      for (int r = 0; r < 4; ++r) {
+      UNROLL for (int r = 0; r < 4; ++r) {
         if (ahead) prefetch_ahead<T>(w[r], k, ahead);
-        __m512 w0, w1;
-        widen32<T>(w[r], k, w0, w1);
-        for (int m = 0; m < MB; ++m) {
-          const float* xm = x + m * Kx + k;
-          acc[r][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[r][m]);
-          acc[r][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[r][m]);
+        const __m512 w0 = load16<T>(w[r], k), w1 = load16<T>(w[r], k + 16);
+        UNROLL for (int m = 0; m < MB; ++m) {
+          const float* xm = x + m * K + k;
+          acc[r][m * S] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[r][m * S]);
+          acc[r][m * S + S - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[r][m * S + S - 1]);
         }
       }
     }
-    if (k < k1) {  // the prepared x is zero past K, and w's lanes past k1 read as zeros
+    if (k < k1) {  // up to 31 inputs left: lanes past k1 read as zeros
       const __mmask32 mask = __mmask32((1u << (k1 - k)) - 1);
-      for (int r = 0; r < 4; ++r) {
-        __m512 w0, w1;
-        widen32_mask<T>(w[r], k, mask, w0, w1);
-        for (int m = 0; m < MB; ++m) {
-          const float* xm = x + m * Kx + k;
+      UNROLL for (int r = 0; r < 4; ++r) {
+        const __m512 w0 = load16_mask<T>(w[r], k, __mmask16(mask)), w1 = load16_mask<T>(w[r], k + 16, __mmask16(mask >> 16));
+        UNROLL for (int m = 0; m < MB; ++m) {
+          const float* xm = x + m * K + k;
           __m512 x0 = _mm512_maskz_loadu_ps(__mmask16(mask), xm), x1 = _mm512_maskz_loadu_ps(__mmask16(mask >> 16), xm + 16);
-          if constexpr (T == WT::BF16) x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);  // reordered, zero padded
-          acc[r][m] = _mm512_fmadd_ps(w0, x0, acc[r][m]);
-          acc[r][m] = _mm512_fmadd_ps(w1, x1, acc[r][m]);
+          acc[r][m * S] = _mm512_fmadd_ps(w0, x0, acc[r][m * S]);
+          acc[r][m * S + S - 1] = _mm512_fmadd_ps(w1, x1, acc[r][m * S + S - 1]);
         }
       }
     }
-    for (int r = 0; r < 4; ++r)
-      for (int m = 0; m < MB; ++m)
-        tot[r][m] = scales ? _mm512_fmadd_ps(acc[r][m], _mm512_set1_ps(scales[r][g]), tot[r][m])
-                           : _mm512_add_ps(tot[r][m], acc[r][m]);
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) {
+        const __m512 sum = S == 2 ? _mm512_add_ps(acc[r][0], acc[r][1]) : acc[r][m];
+        tot[r][m] = scales ? _mm512_fmadd_ps(sum, _mm512_set1_ps(scales[r][g]), tot[r][m]) : _mm512_add_ps(tot[r][m], sum);
+      }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
 }
 
 // y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight): four
@@ -287,7 +245,7 @@ AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, in
 // low 5 bits, so the table holds the 16 values twice and nothing needs masking. Group sizes
 // are multiples of 32 (one plane); a group's sum is scaled after its last plane. Each plane
 // is decoded once for all MB x rows, and each (r, m) sum runs the same operations whatever MB.
-template <int MB>
+template <int MB, bool G32>
 AVX512 void int4_dot4_avx512(const uint8_t* wb, const uint16_t* x, int64_t Kp, const float* const* scales,
                              int64_t group, int64_t ahead, float* out) {
   alignas(64) static const uint16_t table[32] = {
@@ -295,34 +253,51 @@ AVX512 void int4_dot4_avx512(const uint8_t* wb, const uint16_t* x, int64_t Kp, c
       0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
   const __m512i lut = _mm512_load_si512(table);
   __m512 tot[4][MB], acc[4][MB];
-  for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MB; ++m) tot[r][m] = acc[r][m] = _mm512_setzero_ps();
+  UNROLL for (int r = 0; r < 4; ++r)
+    UNROLL for (int m = 0; m < MB; ++m) tot[r][m] = acc[r][m] = _mm512_setzero_ps();
   const int64_t planes = Kp / 32, per_group = group / 32;
   for (int64_t b = 0; b < Kp / 128; ++b) {
     const uint8_t* chunk = wb + b * 256;
     if (ahead)
-      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(chunk + ahead + 64 * i), _MM_HINT_T0);
-    for (int i = 0; i < 4; ++i) {
+      UNROLL for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(chunk + ahead + 64 * i), _MM_HINT_T0);
+    UNROLL for (int i = 0; i < 4; ++i) {
       const int64_t c = b * 4 + i;
       const __m128i shift = _mm_cvtsi32_si128(4 * i);
-      for (int r = 0; r < 4; ++r) {
+      UNROLL for (int r = 0; r < 4; ++r) {
         __m512i v = _mm512_srl_epi16(_mm512_loadu_si512(chunk + 64 * r), shift);
         __m512bh wq = (__m512bh)_mm512_permutexvar_epi16(v, lut);
-        for (int m = 0; m < MB; ++m)
-          acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
+        if constexpr (G32) {  // each plane its own group: its sum is scaled at once
+          const __m512 s = _mm512_set1_ps(scales[r][c]);
+          UNROLL for (int m = 0; m < MB; ++m) {
+            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
+            tot[r][m] = _mm512_fmadd_ps(d, s, tot[r][m]);
+          }
+        } else {
+          UNROLL for (int m = 0; m < MB; ++m)
+            acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
+        }
       }
-      if ((c + 1) % per_group == 0 || c + 1 == planes) {
+      if (!G32 && ((c + 1) % per_group == 0 || c + 1 == planes)) {
         const int64_t g = c / per_group;
-        for (int r = 0; r < 4; ++r)
-          for (int m = 0; m < MB; ++m) {
+        UNROLL for (int r = 0; r < 4; ++r)
+          UNROLL for (int m = 0; m < MB; ++m) {
             tot[r][m] = _mm512_fmadd_ps(acc[r][m], _mm512_set1_ps(scales[r][g]), tot[r][m]);
             acc[r][m] = _mm512_setzero_ps();
           }
       }
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
+}
+
+template <bool G32>
+void int4_rows(int64_t mb, const uint8_t* wb, const uint16_t* x, int64_t Kp, const float* const* scales, int64_t group,
+               int64_t ahead, float* out) {
+  if (mb == 4) int4_dot4_avx512<4, G32>(wb, x, Kp, scales, group, ahead, out);
+  else if (mb == 3) int4_dot4_avx512<3, G32>(wb, x, Kp, scales, group, ahead, out);
+  else if (mb == 2) int4_dot4_avx512<2, G32>(wb, x, Kp, scales, group, ahead, out);
+  else int4_dot4_avx512<1, G32>(wb, x, Kp, scales, group, ahead, out);
 }
 
 // ---------------------------------------------------------------- AVX2 ----------------
@@ -506,21 +481,6 @@ at::Tensor linear_t(const at::Tensor& x_in, const at::Tensor& wt, const c10::opt
   return finish(y, bias, x_in.scalar_type());
 }
 
-// The AVX-512 dot products read x prepared: float32, rows padded with zeros to Kx (a
-// multiple of 32) inputs, and for bf16 weights each step of 32 reordered as its 16 even
-// inputs then its 16 odd ones (widen32).
-template <WT T>
-std::vector<float> prepare_x(const float* x, int64_t M, int64_t K, int64_t Kx) {
-  std::vector<float> out(M * Kx, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t step = k / 32 * 32, j = k % 32;
-      const int64_t at = T == WT::BF16 ? step + (j % 2) * 16 + j / 2 : k;
-      out[m * Kx + at] = x[m * K + k];
-    }
-  return out;
-}
-
 // The x rows in blocks of up to 4, each weight block decoded once per x block (dot4_avx512).
 template <typename Block>
 void for_row_blocks(int64_t M, const Block& block) {
@@ -533,8 +493,6 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
   const int64_t blocks = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * std::max<int64_t>(K, 1)));
   const bool wide = isa() == kAvx512;
-  const int64_t Kx = (K + 31) / 32 * 32;
-  const std::vector<float> xw = wide ? prepare_x<T>(xp, M, K, Kx) : std::vector<float>();
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
@@ -548,18 +506,18 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
       const float* const* sc = sp ? s : nullptr;
       for_row_blocks(M, [&](int64_t m0, int64_t mb) {
         float out[16];
-        const float* x = xw.data() + m0 * Kx;
-        const int64_t ahead = m0 == 0 ? kAheadBlocks * 4 * row_bytes : 0;  // later x blocks hit the cache
+        const float* x = xp + m0 * K;
+        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
         if (!wide)
           for (int64_t m = 0; m < mb; ++m) dot4_avx2<T>(w, xp + (m0 + m) * K, K, sc, group, out + 4 * m);
         else if (mb == 4)
-          dot4_avx512<T, 4>(w, x, Kx, K, sc, group, ahead, out);
+          dot4_avx512<T, 4>(w, x, K, sc, group, ahead, out);
         else if (mb == 3)
-          dot4_avx512<T, 3>(w, x, Kx, K, sc, group, ahead, out);
+          dot4_avx512<T, 3>(w, x, K, sc, group, ahead, out);
         else if (mb == 2)
-          dot4_avx512<T, 2>(w, x, Kx, K, sc, group, ahead, out);
+          dot4_avx512<T, 2>(w, x, K, sc, group, ahead, out);
         else
-          dot4_avx512<T, 1>(w, x, Kx, K, sc, group, ahead, out);
+          dot4_avx512<T, 1>(w, x, K, sc, group, ahead, out);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
       });
@@ -621,8 +579,9 @@ at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Te
   const int64_t M = x_in.size(0), K = x_in.size(1);
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   // x rounded to bfloat16 (the AVX2 path rounds the same way, so both compute one thing), zero padded.
-  std::vector<uint16_t> xb(M * Kp, 0);
-  std::vector<float> xr(M * Kp, 0.0f);
+  at::Tensor xb_t = at::zeros({M, Kp}, at::kShort), xr_t = at::zeros({M, Kp}, at::kFloat);  // 64-byte aligned
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
+  float* xr = xr_t.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) {
       uint16_t h = float_to_bf16(xf.data_ptr<float>()[m * K + k]);
@@ -645,18 +604,14 @@ at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Te
       for (int r = 0; r < 4; ++r) sr[r] = sp + (n0 + std::min<int64_t>(r, rows - 1)) * G;
       for_row_blocks(M, [&](int64_t m0, int64_t mb) {
         float out[16];
-        const uint16_t* x = xb.data() + m0 * Kp;
-        const int64_t ahead = m0 == 0 ? kAheadBlocks * block_bytes : 0;
+        const uint16_t* x = xb + m0 * Kp;
+        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;
         if (!wide)
-          for (int64_t m = 0; m < mb; ++m) int4_dot4_avx2(wb, xr.data() + (m0 + m) * Kp, Kp, sr, group, out + 4 * m);
-        else if (mb == 4)
-          int4_dot4_avx512<4>(wb, x, Kp, sr, group, ahead, out);
-        else if (mb == 3)
-          int4_dot4_avx512<3>(wb, x, Kp, sr, group, ahead, out);
-        else if (mb == 2)
-          int4_dot4_avx512<2>(wb, x, Kp, sr, group, ahead, out);
+          for (int64_t m = 0; m < mb; ++m) int4_dot4_avx2(wb, xr + (m0 + m) * Kp, Kp, sr, group, out + 4 * m);
+        else if (group == 32)
+          int4_rows<true>(mb, wb, x, Kp, sr, group, ahead, out);
         else
-          int4_dot4_avx512<1>(wb, x, Kp, sr, group, ahead, out);
+          int4_rows<false>(mb, wb, x, Kp, sr, group, ahead, out);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
       });
