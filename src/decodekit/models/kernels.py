@@ -3,8 +3,10 @@
 Batch-1 decode is a matrix-vector product bound by memory bandwidth; PyTorch's CPU ops read
 float32 weights at ~2/3 of what one core can stream and have no kernel for grouped int8 at
 all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops under the
-`decodekit` namespace (TORCH_LIBRARY, so they dispatch like any aten op):
+`decodekit` namespace (TORCH_LIBRARY, so they dispatch like any aten op), each taking x
+[..., K] and returning [..., N]:
 
+- `linear(x, w, bias)`: a float weight [N, K] in either layout below (`float_linear`);
 - `linear_t(x, wt, bias)`: float32 (or bfloat16, float16) weights in the transposed layout
   models/native.py keeps for float32 (`transpose_weight_layout`), wt [K, N] contiguous;
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
@@ -89,17 +91,11 @@ def available() -> bool:
     return status().available
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
-    float16 row-major) on the kernels, or None where they do not apply."""
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if weight.t().is_contiguous():
-        y = torch.ops.decodekit.linear_t(rows, weight.t(), bias)  # weight.t(): [K, N] contiguous
-    elif weight.is_contiguous():
-        y = torch.ops.decodekit.linear_rows(rows, weight, None, 0, bias)
-    else:
-        return None
-    return y.view(*x.shape[:-1], weight.shape[0])
+    float16 row-major) on the kernels: one op call (`decodekit::linear` picks the layout and
+    reshapes in C++, no Python-side view per call)."""
+    return torch.ops.decodekit.linear(x, weight, bias)
 
 
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:

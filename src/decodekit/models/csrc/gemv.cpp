@@ -416,6 +416,20 @@ void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, ", K, "] tensor");
 }
 
+// The ops take x [..., K] and return [..., N]: callers need no reshape (a decode step calls
+// them ~100 times, and each Python-side reshape and view costs about a microsecond).
+at::Tensor as_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
+  return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+}
+
+at::Tensor like_rows(const at::Tensor& y, const at::Tensor& x) {
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  return y.view(shape);
+}
+
 template <typename Out>
 void store_row(const float* y, int64_t N, const float* bias, Out* out) {
   for (int64_t n = 0; n < N; ++n) out[n] = Out(bias ? y[n] + bias[n] : y[n]);
@@ -462,7 +476,7 @@ void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t 
   });
 }
 
-at::Tensor linear_t(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_t_2d(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
   TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.device().is_cpu(), "wt must be a contiguous CPU [K, N] tensor");
   const int64_t K = wt.size(0), N = wt.size(1);
@@ -525,8 +539,8 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
   });
 }
 
-at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                       int64_t group, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                          int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous CPU [N, K] tensor");
   const int64_t N = w.size(0), K = w.size(1);
@@ -563,8 +577,8 @@ inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round 
 
 // w: uint8 [ceil(N / 4) * 4, Kp / 2] as kernels.pack_int4_blocks lays it out (blocks of 4 rows,
 // chunks of 128 inputs); scales: f32 [N, ceil(Kp / group)].
-at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales_in, int64_t group,
-                       const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales_in, int64_t group,
+                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
                   w.size(0) % 4 == 0 && w.size(1) % 64 == 0,
@@ -620,18 +634,45 @@ at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Te
   return finish(y, bias, x_in.scalar_type());
 }
 
+at::Tensor linear_t(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
+  return like_rows(linear_t_2d(as_rows(x), wt, bias), x);
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                       int64_t group, const c10::optional<at::Tensor>& bias) {
+  return like_rows(linear_rows_2d(as_rows(x), w, scales, group, bias), x);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
+  return like_rows(linear_int4_2d(as_rows(x), w, scales, group, bias), x);
+}
+
+// A float weight w [N, K] in either layout: the transposed one (w.t() contiguous, as
+// models/native.py keeps float32) through linear_t, a row-major one through linear_rows,
+// any other through a row-major copy.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2, "w must be a [N, K] tensor");
+  const at::Tensor rows = as_rows(x);
+  const at::Tensor wt = w.t();
+  if (wt.is_contiguous()) return like_rows(linear_t_2d(rows, wt, bias), x);
+  return like_rows(linear_rows_2d(rows, w.contiguous(), c10::nullopt, 0, bias), x);
+}
+
 int64_t isa_op() { return isa(); }
 
 }  // namespace
 
 TORCH_LIBRARY(decodekit, m) {
   m.def("isa() -> int", &isa_op);
+  m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_t(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? scales, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales, int group, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
+  m.impl("linear", &linear);
   m.impl("linear_t", &linear_t);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_int4", &linear_int4);
