@@ -593,14 +593,17 @@ at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at:
   const int64_t M = x_in.size(0), K = x_in.size(1);
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   // x rounded to bfloat16 (the AVX2 path rounds the same way, so both compute one thing), zero padded.
-  at::Tensor xb_t = at::zeros({M, Kp}, at::kShort), xr_t = at::zeros({M, Kp}, at::kFloat);  // 64-byte aligned
+  const bool wide = isa() == kAvx512;
+  at::Tensor xb_t = at::zeros({M, Kp}, at::kShort);  // 64-byte aligned
+  at::Tensor xr_t = wide ? at::Tensor() : at::zeros({M, Kp}, at::kFloat);  // the AVX2 path's x
   uint16_t* xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
-  float* xr = xr_t.data_ptr<float>();
+  float* xr = wide ? nullptr : xr_t.data_ptr<float>();
+  const float* xs = xf.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) {
-      uint16_t h = float_to_bf16(xf.data_ptr<float>()[m * K + k]);
+      const uint16_t h = float_to_bf16(xs[m * K + k]);
       xb[m * Kp + k] = h;
-      xr[m * Kp + k] = bf16_to_float(h);
+      if (xr) xr[m * Kp + k] = bf16_to_float(h);
     }
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
@@ -609,7 +612,6 @@ at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at:
   const int64_t G = s.size(1), block_bytes = 2 * Kp;  // 4 rows of Kp / 2 bytes
   const int64_t blocks = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * Kp));
-  const bool wide = isa() == kAvx512;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
