@@ -86,15 +86,28 @@ def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
     assert (native - unpacked).abs().max() <= 0.02 * unpacked.abs().max()
 
 
+WEIGHTS = ["float32", "bfloat16", "int8 g32", "int8 channel", "int4 channel", "int4 g64"]
+
+
 @needs_kernels
-@pytest.mark.parametrize("group", [None, 32, 64])
-def test_an_int4_row_computes_the_same_bits_whatever_rows_share_the_call(group):
-    # The int4 kernel decodes each weight block once for up to 4 x rows and runs each row's
-    # sum through the same operations either way. (linear_rows gives a lone row a second
-    # accumulator, so there one row and several differ by float rounding; the tests above
-    # compare both with the reference.)
-    x = torch.randn(17, 192, generator=torch.Generator().manual_seed(2))
-    layer = _quantized(4, group, 192, 13)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_a_row_computes_the_same_bits_whatever_rows_share_the_call(weight):
+    # The kernels decode each weight block once for up to 4 x rows; each row's sum must still
+    # run the same operations as when it is alone (a speculative verification span then
+    # scores a token exactly as a one-row step would).
+    x = torch.randn(17, 200, generator=torch.Generator().manual_seed(2))
+    if weight in ("float32", "bfloat16"):
+        dtype = getattr(torch, weight)
+        w = (torch.randn(13, 200) / 200**0.5).to(dtype)
+        x = x.to(dtype)
+
+        def layer(rows):
+            return kernels.float_linear(rows, w, None)
+    else:
+        bits = 8 if weight.startswith("int8") else 4
+        group = {"g32": 32, "g64": 64}.get(weight.split()[1])
+        layer = _quantized(bits, group, 192 if group else 200, 13)  # per channel: a 200-input tail
+        x = x[:, : layer.in_features]
     with torch.no_grad():
         together = layer(x)
         for count in (1, 2, 3, 5):

@@ -46,8 +46,9 @@ SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 BUILD_DIR = Path(__file__).with_name("_native")  # gitignored
 DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
 ISA_NAMES = {1: "avx2", 2: "avx512"}
-# Rows up to which the kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24).
-GEMV_MAX_ROWS = 4
+# Rows up to which the float kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24, round 2:
+# at 8 rows f32 1,231 against 1,685 us, bf16 394 against 635; at 12 bf16 is even).
+GEMV_MAX_ROWS = 8
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

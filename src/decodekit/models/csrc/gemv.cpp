@@ -137,22 +137,19 @@ AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
 // out[m * 4 + r] = sum_g scale[r, g] * (w[r, group g] . x[m, group g]) for a block of 4 weight
 // rows and MB <= 4 rows of x: each weight step is widened once and
 // used for every x row (rows past the block's end repeat its last row and are not stored by
-// the caller). For MB >= 2 each (r, m) sum runs the same operations whatever MB; a lone x row
-// sums in another order (float rounding only; the batch-invariant mode always calls with one).
+// the caller). Each (r, m) sum runs the same operations in the same order whatever MB, so a
+// row's result never depends on how many rows share the call. (A second accumulator for a lone
+// row, as the first kernels had, measured no faster once the prefetch reached 8 KiB ahead.)
 template <WT T, int MB>
 AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
                         const float* const* scales, int64_t group, int64_t ahead, float* out) {
-  // One x row: w1's products go to a second accumulator, so each step waits on one FMA, not
-  // two (measured ~10% faster at M = 1); several x rows have independent sums enough, and
-  // registers for only one accumulator each.
-  constexpr int S = MB == 1 ? 2 : 1;
-  __m512 tot[4][MB], acc[4][MB * S];
+  __m512 tot[4][MB], acc[4][MB];
   UNROLL for (int r = 0; r < 4; ++r)
     UNROLL for (int m = 0; m < MB; ++m) tot[r][m] = _mm512_setzero_ps();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
     UNROLL for (int r = 0; r < 4; ++r)
-      UNROLL for (int m = 0; m < MB * S; ++m) acc[r][m] = _mm512_setzero_ps();
+      UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
       UNROLL for (int r = 0; r < 4; ++r) {
@@ -160,8 +157,8 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
         const __m512 w0 = load16<T>(w[r], k), w1 = load16<T>(w[r], k + 16);
         UNROLL for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * K + k;
-          acc[r][m * S] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[r][m * S]);
-          acc[r][m * S + S - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[r][m * S + S - 1]);
+          acc[r][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[r][m]);
         }
       }
     }
@@ -172,15 +169,15 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
         UNROLL for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * K + k;
           __m512 x0 = _mm512_maskz_loadu_ps(__mmask16(mask), xm), x1 = _mm512_maskz_loadu_ps(__mmask16(mask >> 16), xm + 16);
-          acc[r][m * S] = _mm512_fmadd_ps(w0, x0, acc[r][m * S]);
-          acc[r][m * S + S - 1] = _mm512_fmadd_ps(w1, x1, acc[r][m * S + S - 1]);
+          acc[r][m] = _mm512_fmadd_ps(w0, x0, acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(w1, x1, acc[r][m]);
         }
       }
     }
     UNROLL for (int r = 0; r < 4; ++r)
       UNROLL for (int m = 0; m < MB; ++m) {
-        const __m512 sum = S == 2 ? _mm512_add_ps(acc[r][0], acc[r][1]) : acc[r][m];
-        tot[r][m] = scales ? _mm512_fmadd_ps(sum, _mm512_set1_ps(scales[r][g]), tot[r][m]) : _mm512_add_ps(tot[r][m], sum);
+        tot[r][m] = scales ? _mm512_fmadd_ps(acc[r][m], _mm512_set1_ps(scales[r][g]), tot[r][m])
+                           : _mm512_add_ps(tot[r][m], acc[r][m]);
       }
   }
   UNROLL for (int m = 0; m < MB; ++m)
