@@ -71,7 +71,7 @@ INT_CASES = [  # (bits, group, K, N): per channel and grouped, K and N not multi
 
 @needs_kernels
 @pytest.mark.parametrize(("bits", "group", "k", "n"), INT_CASES)
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])  # the kernels block x rows by 4
 def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
     layer = _quantized(bits, group, k, n)
     assert layer.kernel == ("int4gemv" if bits <= 4 else "int8gemv")
@@ -86,6 +86,35 @@ def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
     assert (native - unpacked).abs().max() <= 0.02 * unpacked.abs().max()
 
 
+WEIGHTS = ["float32", "bfloat16", "int8 g32", "int8 channel", "int4 channel", "int4 g64"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_a_row_computes_the_same_bits_whatever_rows_share_the_call(weight):
+    # The kernels decode each weight block once for up to 4 x rows; each row's sum must still
+    # run the same operations as when it is alone (a speculative verification span then
+    # scores a token exactly as a one-row step would).
+    x = torch.randn(17, 200, generator=torch.Generator().manual_seed(2))
+    if weight in ("float32", "bfloat16"):
+        dtype = getattr(torch, weight)
+        w = (torch.randn(13, 200) / 200**0.5).to(dtype)
+        x = x.to(dtype)
+
+        def layer(rows):
+            return kernels.float_linear(rows, w, None)
+    else:
+        bits = 8 if weight.startswith("int8") else 4
+        group = {"g32": 32, "g64": 64}.get(weight.split()[1])
+        layer = _quantized(bits, group, 192 if group else 200, 13)  # per channel: a 200-input tail
+        x = x[:, : layer.in_features]
+    with torch.no_grad():
+        together = layer(x)
+        for count in (1, 2, 3, 5):
+            parts = torch.cat([layer(x[i : i + count]) for i in range(0, 17, count)])
+            assert torch.equal(parts, together), count
+
+
 @needs_kernels
 def test_the_avx2_variant_gives_the_same_numbers():
     # The AVX2 code runs in a child process (the instruction set is chosen once per process).
@@ -98,7 +127,7 @@ def test_the_avx2_variant_gives_the_same_numbers():
         "from decodekit.models.qlinear import QuantizedLinear, QuantSpec;"
         "layers = [QuantizedLinear.from_linear(torch.nn.Linear(128, 21), QuantSpec(b, g))"
         " for b, g in ((8, None), (8, 32), (4, None), (4, 32), (4, 64))];"
-        "x2 = torch.randn(2, 128); out = [l(x2) for l in layers]; [l.set_kernel('unpack') for l in layers];"
+        "x2 = torch.randn(6, 128); out = [l(x2) for l in layers]; [l.set_kernel('unpack') for l in layers];"
         "print(max(float((o - l(x2.bfloat16().float() if l.spec.bits <= 4 else x2)).abs().max())"
         " for o, l in zip(out, layers)))"
     )

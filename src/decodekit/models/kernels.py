@@ -3,8 +3,10 @@
 Batch-1 decode is a matrix-vector product bound by memory bandwidth; PyTorch's CPU ops read
 float32 weights at ~2/3 of what one core can stream and have no kernel for grouped int8 at
 all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops under the
-`decodekit` namespace (TORCH_LIBRARY, so they dispatch like any aten op):
+`decodekit` namespace (TORCH_LIBRARY, so they dispatch like any aten op), each taking x
+[..., K] and returning [..., N]:
 
+- `linear(x, w, bias)`: a float weight [N, K] in either layout below (`float_linear`);
 - `linear_t(x, wt, bias)`: float32 (or bfloat16, float16) weights in the transposed layout
   models/native.py keeps for float32 (`transpose_weight_layout`), wt [K, N] contiguous;
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
@@ -12,6 +14,10 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
 - `linear_int4(x, w, scales, group, bias)`: int4 codes repacked by `pack_int4_blocks`, x
   rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums.
+
+Each kernel decodes a block of 4 weight rows once for up to 4 input rows at a time, so a few
+rows (batched decoding, a speculative verification span) cost far less than that many
+single-row calls.
 
 They are built ahead of time, never at run time: `python -m decodekit.models.kernels
 --build` (scripts/setup.sh runs it) compiles the source with g++ into `_native/` beside this
@@ -40,8 +46,9 @@ SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 BUILD_DIR = Path(__file__).with_name("_native")  # gitignored
 DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
 ISA_NAMES = {1: "avx2", 2: "avx512"}
-# Rows up to which the kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24).
-GEMV_MAX_ROWS = 4
+# Rows up to which the float kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24, round 2:
+# at 8 rows f32 1,231 against 1,685 us, bf16 394 against 635; at 12 bf16 is even).
+GEMV_MAX_ROWS = 8
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -85,39 +92,41 @@ def available() -> bool:
     return status().available
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
-    float16 row-major) on the kernels, or None where they do not apply."""
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if weight.t().is_contiguous():
-        y = torch.ops.decodekit.linear_t(rows, weight.t(), bias)  # weight.t(): [K, N] contiguous
-    elif weight.is_contiguous():
-        y = torch.ops.decodekit.linear_rows(rows, weight, None, 0, bias)
-    else:
-        return None
-    return y.view(*x.shape[:-1], weight.shape[0])
+    float16 row-major) on the kernels: one op call (`decodekit::linear` picks the layout and
+    reshapes in C++, no Python-side view per call)."""
+    return torch.ops.decodekit.linear(x, weight, bias)
 
 
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """int4 codes int8 [N, K] in [-8, 7] as the kernel reads them: padded with zero codes to
-    `width` (a multiple of 64) inputs, then per block of 64 inputs 32 bytes, byte i holding
-    input i + 8 in its low nibble and input 32 + i, + 8, in its high one. Returns uint8
-    [N, width / 2]."""
+    """int4 codes int8 [N, K] in [-8, 7] as the kernel reads them (csrc/gemv.cpp,
+    `int4_dot4_avx512`): padded with zero codes to `width` (a multiple of 128) inputs and to
+    a multiple of 4 rows, then per block of 4 rows and chunk of 128 inputs, each row's 64
+    bytes, read as 32 little-endian words: word j holds inputs j, 32 + j, 64 + j and 96 + j,
+    each + 8, in its nibbles 0..3. A block's rows lie side by side so the kernel reads one
+    stream. Returns uint8 [ceil(N / 4) * 4, width / 2]."""
     n, k = codes.shape
-    assert width % 64 == 0 and width >= k
-    q = (torch.nn.functional.pad(codes.to(torch.int16), (0, width - k)) + 8).reshape(n, width // 64, 2, 32)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(n, width // 2)
+    assert width % 128 == 0 and width >= k
+    rows = -(-n // 4) * 4
+    q = torch.nn.functional.pad(codes.to(torch.int16), (0, width - k, 0, rows - n)) + 8
+    q = q.reshape(rows // 4, 4, width // 128, 4, 32)  # [block, row, chunk, plane, word]
+    low = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # a word's low byte: nibbles 0 and 1
+    high = q[:, :, :, 2] | (q[:, :, :, 3] << 4)
+    words = torch.stack([low, high], dim=-1).to(torch.uint8)  # [block, row, chunk, 32, 2]
+    return words.permute(0, 2, 1, 3, 4).reshape(rows, width // 2).contiguous()
 
 
 def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, int] | None:
-    """(width, group) the int4 kernel runs a layer with: inputs padded to a multiple of 64 and
-    the kernel's group (32, a multiple of 64, or the padded width for one scale per channel);
-    None when the grid's group fits neither."""
-    width = -(-in_features // 64) * 64
+    """(width, group) the int4 kernel runs a layer with: inputs padded to a multiple of 128
+    and the kernel's group (32, a multiple of 64 dividing in_features, or the padded width for
+    one scale per channel); None when the grid's group fits neither. The kernel's scales have
+    ceil(width / group) columns."""
+    width = -(-in_features // 128) * 128
     if group_size is None:
         return width, width
     if group_size == 32 or (group_size % 64 == 0 and in_features % group_size == 0):
-        return -(-in_features // max(group_size, 64)) * max(group_size, 64), group_size
+        return width, group_size
     return None
 
 

@@ -377,8 +377,9 @@ class QuantizedLinear(nn.Module):
             layout = kernels.int4_kernel_layout(self.spec.group_size, self.in_features)
             assert layout is not None
             width, self.kernel_group = layout
-            weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [N, width / 2]
-            scales = F.pad(self.scales, (0, width // self.kernel_group - self.scales.shape[1]))
+            weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [4j >= N, width / 2]
+            columns = -(-width // self.kernel_group)  # the padded width's groups
+            scales = F.pad(self.scales, (0, columns - self.scales.shape[1]))
         elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
             self.kernel_group = self.in_features // self.scales.shape[1]
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
@@ -425,13 +426,10 @@ class QuantizedLinear(nn.Module):
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ + b on decodekit's kernels (models/kernels.py): int8 with x in float32,
         int4 with x rounded to bfloat16; float32 sums. Returns x's dtype."""
-        rows = x.reshape(-1, self.in_features)  # [M, K]
-        ops = torch.ops.decodekit
+        ops = torch.ops.decodekit  # the ops take x [..., K] and return [..., N]
         if self.kernel == "int8gemv":
-            y = ops.linear_rows(rows, self.qweight, self.kernel_scales, self.kernel_group, self.bias)
-        else:
-            y = ops.linear_int4(rows, self.kernel_weight, self.kernel_scales, self.kernel_group, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)  # [..., N]
+            return ops.linear_rows(x, self.qweight, self.kernel_scales, self.kernel_group, self.bias)
+        return ops.linear_int4(x, self.kernel_weight, self.kernel_scales, self.kernel_group, self.bias)
 
     def unpacked_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring)."""

@@ -12,11 +12,16 @@
 //   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
 //                            scale per row or per group of `group` inputs): 4 rows' dot
 //                            products with x in f32, weights widened to f32 in registers,
-//                            the next row block prefetched (prefetch_ahead).
-//   decodekit::linear_int4   int4 codes in blocks of 64 inputs per 32 bytes (byte i: input i
-//                            in the low nibble, input 32 + i in the high one, stored as
-//                            code + 8): nibbles -> bfloat16 through a 16-entry table
-//                            (vpermw), dot products with bf16 x by vdpbf16ps, f32 sums.
+//                            8 KiB ahead prefetched (prefetch_ahead).
+//   decodekit::linear_int4   int4 codes repacked (kernels.pack_int4_blocks): blocks of 4 rows
+//                            side by side in chunks of 128 inputs, 64 bytes a row, word j
+//                            holding inputs j, 32 + j, 64 + j, 96 + j as code + 8 in its 4
+//                            nibbles: nibbles -> bfloat16 through a 16-entry table (vpermw),
+//                            dot products with bf16 x by vdpbf16ps, f32 sums.
+//
+// The AVX-512 kernels decode each weight block once for up to 4 rows of x (dot4_avx512,
+// int4_dot4_avx512), so 2-64 rows (batched decoding, speculative verification) cost far
+// less than as many single-row calls.
 //
 // Each has an AVX-512 (F/BW/VL, BF16 for int4) and an AVX2 + FMA variant, picked once by
 // the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
@@ -36,6 +41,8 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+// Small loops over the register blocks unroll fully, so their accumulators stay in registers.
+#define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
@@ -60,8 +67,10 @@ int64_t isa() {
 
 // Work per parallel task: small layers run on one thread (a fork costs a few microseconds).
 constexpr int64_t kMinWeightsPerTask = 1 << 17;
-// How many row blocks ahead the dot-product kernels prefetch (prefetch_ahead).
-constexpr int64_t kAheadBlocks = 1;
+// How far ahead of each row's reads the dot-product kernels prefetch (prefetch_ahead): 8 KiB
+// measured best for bf16, int8 and int4 alike at 896 -> 4864 (one block of 4 rows ahead, the
+// first kernels' choice, was up to 20% slower for int8 and int4 once they decoded faster).
+constexpr int64_t kAheadBytes = 8192;
 
 enum class WT { F32, BF16, F16, I8 };
 
@@ -112,13 +121,11 @@ AVX512 inline __m512 load16_mask(const void* p, int64_t k, __mmask16 m) {
   }
 }
 
-// out[r] = sum_g scale[r, g] * (w[r, group g] . x[group g]) for 4 rows (rows past the
-// block's end repeat its last row and are not stored by the caller).
 constexpr int64_t elem_bytes(WT T) { return T == WT::F32 ? 4 : T == WT::I8 ? 1 : 2; }
 
 // A row block's 4 rows are short streams (K elements each), too short for the hardware
-// prefetcher to ramp up on; each step therefore prefetches the same bytes of the block
-// `ahead` bytes further on (the blocks lie one after another in memory).
+// prefetcher to ramp up on; each step therefore prefetches `ahead` bytes further on (the
+// same row further on, or a later block: the blocks lie one after another in memory).
 template <WT T>
 AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
   const char* a = p + k * elem_bytes(T) + ahead;
@@ -126,41 +133,55 @@ AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
   if constexpr (T == WT::F32) _mm_prefetch(a + 64, _MM_HINT_T0);
 }
 
-template <WT T>
-AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K, const float* const* scales,
-                        int64_t group, int64_t ahead, float* out) {
-  __m512 tot[4];
-  for (int r = 0; r < 4; ++r) tot[r] = _mm512_setzero_ps();
+
+// out[m * 4 + r] = sum_g scale[r, g] * (w[r, group g] . x[m, group g]) for a block of 4 weight
+// rows and MB <= 4 rows of x: each weight step is widened once and
+// used for every x row (rows past the block's end repeat its last row and are not stored by
+// the caller). Each (r, m) sum runs the same operations in the same order whatever MB, so a
+// row's result never depends on how many rows share the call. (A second accumulator for a lone
+// row, as the first kernels had, measured no faster once the prefetch reached 8 KiB ahead.)
+template <WT T, int MB>
+AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
+                        const float* const* scales, int64_t group, int64_t ahead, float* out) {
+  __m512 tot[4][MB], acc[4][MB];
+  UNROLL for (int r = 0; r < 4; ++r)
+    UNROLL for (int m = 0; m < MB; ++m) tot[r][m] = _mm512_setzero_ps();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
-    const int64_t k1 = k0 + group;
-    __m512 a[4], b[4];
-    for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + group);
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
-      for (int r = 0; r < 4; ++r) {
+      UNROLL for (int r = 0; r < 4; ++r) {
         if (ahead) prefetch_ahead<T>(w[r], k, ahead);
-        a[r] = _mm512_fmadd_ps(load16<T>(w[r], k), xa, a[r]);
-        b[r] = _mm512_fmadd_ps(load16<T>(w[r], k + 16), xb, b[r]);
+        const __m512 w0 = load16<T>(w[r], k), w1 = load16<T>(w[r], k + 16);
+        UNROLL for (int m = 0; m < MB; ++m) {
+          const float* xm = x + m * K + k;
+          acc[r][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[r][m]);
+        }
       }
     }
-    if (k < k1) {  // up to 31 inputs left: one full and one masked step, or one masked
-      __mmask16 m0 = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
-      __m512 xa = _mm512_maskz_loadu_ps(m0, x + k);
-      for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(load16_mask<T>(w[r], k, m0), xa, a[r]);
-      k += 16;
-      if (k < k1) {
-        __mmask16 m1 = __mmask16((1u << (k1 - k)) - 1);
-        __m512 xb = _mm512_maskz_loadu_ps(m1, x + k);
-        for (int r = 0; r < 4; ++r) b[r] = _mm512_fmadd_ps(load16_mask<T>(w[r], k, m1), xb, b[r]);
+    if (k < k1) {  // up to 31 inputs left: lanes past k1 read as zeros
+      const __mmask32 mask = __mmask32((1u << (k1 - k)) - 1);
+      UNROLL for (int r = 0; r < 4; ++r) {
+        const __m512 w0 = load16_mask<T>(w[r], k, __mmask16(mask)), w1 = load16_mask<T>(w[r], k + 16, __mmask16(mask >> 16));
+        UNROLL for (int m = 0; m < MB; ++m) {
+          const float* xm = x + m * K + k;
+          __m512 x0 = _mm512_maskz_loadu_ps(__mmask16(mask), xm), x1 = _mm512_maskz_loadu_ps(__mmask16(mask >> 16), xm + 16);
+          acc[r][m] = _mm512_fmadd_ps(w0, x0, acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(w1, x1, acc[r][m]);
+        }
       }
     }
-    for (int r = 0; r < 4; ++r) {
-      __m512 s = _mm512_add_ps(a[r], b[r]);
-      tot[r] = scales ? _mm512_fmadd_ps(s, _mm512_set1_ps(scales[r][g]), tot[r]) : _mm512_add_ps(tot[r], s);
-    }
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) {
+        tot[r][m] = scales ? _mm512_fmadd_ps(acc[r][m], _mm512_set1_ps(scales[r][g]), tot[r][m])
+                           : _mm512_add_ps(tot[r][m], acc[r][m]);
+      }
   }
-  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(tot[r]);
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
 }
 
 // y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight): four
@@ -214,53 +235,66 @@ AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, in
   }
 }
 
-// int4: 4 rows of blocks of 64 inputs in 32 bytes (file comment); x in bf16, padded to Kp.
-// group: 32, or a multiple of 64 (one scale per row: Kp).
-AVX512 void int4_dot4_avx512(const uint8_t* const* w, const uint16_t* x, int64_t Kp,
-                             const float* const* scales, int64_t group, int64_t ahead, float* out) {
-  // bfloat16 of q - 8 for q = 0..15, in the low 16 of 32 words (vpermw reads 5 index bits).
-  alignas(64) static const uint16_t table[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-                                                 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+// int4: a block of 4 weight rows, stored as chunks of 128 inputs x 4 rows, 64 bytes per row
+// (file comment); x rows in bf16, zero padded to Kp, row stride Kp. The 64 bytes are 32
+// words, word j holding inputs j, 32 + j, 64 + j and 96 + j in its nibbles 0..3 (as q + 8):
+// plane i (word >> 4i) becomes 32 bf16 weights through one vpermw, whose index is the word's
+// low 5 bits, so the table holds the 16 values twice and nothing needs masking. Group sizes
+// are multiples of 32 (one plane); a group's sum is scaled after its last plane. Each plane
+// is decoded once for all MB x rows, and each (r, m) sum runs the same operations whatever MB.
+template <int MB, bool G32>
+AVX512 void int4_dot4_avx512(const uint8_t* wb, const uint16_t* x, int64_t Kp, const float* const* scales,
+                             int64_t group, int64_t ahead, float* out) {
+  alignas(64) static const uint16_t table[32] = {
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
   const __m512i lut = _mm512_load_si512(table);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m512 tot[4];
-  for (int r = 0; r < 4; ++r) tot[r] = _mm512_setzero_ps();
-  const int64_t blocks = Kp / 64;
-  if (group == 32) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512bh xlo = (__m512bh)_mm512_loadu_si512(x + b * 64), xhi = (__m512bh)_mm512_loadu_si512(x + b * 64 + 32);
-      for (int r = 0; r < 4; ++r) {
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[r] + b * 32 + ahead), _MM_HINT_T0);
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b * 32));
-        __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), lut);
-        __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), lut);
-        __m512 slo = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, xlo);
-        __m512 shi = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)hi, xhi);
-        tot[r] = _mm512_fmadd_ps(slo, _mm512_set1_ps(scales[r][2 * b]), tot[r]);
-        tot[r] = _mm512_fmadd_ps(shi, _mm512_set1_ps(scales[r][2 * b + 1]), tot[r]);
-      }
-    }
-  } else {
-    const int64_t per_group = group / 64;
-    for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
-      __m512 a[4], c[4];
-      for (int r = 0; r < 4; ++r) a[r] = c[r] = _mm512_setzero_ps();
-      for (int64_t b = b0; b < b0 + per_group; ++b) {
-        __m512bh xlo = (__m512bh)_mm512_loadu_si512(x + b * 64), xhi = (__m512bh)_mm512_loadu_si512(x + b * 64 + 32);
-        for (int r = 0; r < 4; ++r) {
-          if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[r] + b * 32 + ahead), _MM_HINT_T0);
-          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b * 32));
-          __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), lut);
-          __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), lut);
-          a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)lo, xlo);
-          c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)hi, xhi);
+  __m512 tot[4][MB], acc[4][MB];
+  UNROLL for (int r = 0; r < 4; ++r)
+    UNROLL for (int m = 0; m < MB; ++m) tot[r][m] = acc[r][m] = _mm512_setzero_ps();
+  const int64_t planes = Kp / 32, per_group = group / 32;
+  for (int64_t b = 0; b < Kp / 128; ++b) {
+    const uint8_t* chunk = wb + b * 256;
+    if (ahead)
+      UNROLL for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(chunk + ahead + 64 * i), _MM_HINT_T0);
+    UNROLL for (int i = 0; i < 4; ++i) {
+      const int64_t c = b * 4 + i;
+      const __m128i shift = _mm_cvtsi32_si128(4 * i);
+      UNROLL for (int r = 0; r < 4; ++r) {
+        __m512i v = _mm512_srl_epi16(_mm512_loadu_si512(chunk + 64 * r), shift);
+        __m512bh wq = (__m512bh)_mm512_permutexvar_epi16(v, lut);
+        if constexpr (G32) {  // each plane its own group: its sum is scaled at once
+          const __m512 s = _mm512_set1_ps(scales[r][c]);
+          UNROLL for (int m = 0; m < MB; ++m) {
+            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
+            tot[r][m] = _mm512_fmadd_ps(d, s, tot[r][m]);
+          }
+        } else {
+          UNROLL for (int m = 0; m < MB; ++m)
+            acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
         }
       }
-      for (int r = 0; r < 4; ++r)
-        tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a[r], c[r]), _mm512_set1_ps(scales[r][g]), tot[r]);
+      if (!G32 && ((c + 1) % per_group == 0 || c + 1 == planes)) {
+        const int64_t g = c / per_group;
+        UNROLL for (int r = 0; r < 4; ++r)
+          UNROLL for (int m = 0; m < MB; ++m) {
+            tot[r][m] = _mm512_fmadd_ps(acc[r][m], _mm512_set1_ps(scales[r][g]), tot[r][m]);
+            acc[r][m] = _mm512_setzero_ps();
+          }
+      }
     }
   }
-  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(tot[r]);
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
+}
+
+template <bool G32>
+void int4_rows(int64_t mb, const uint8_t* wb, const uint16_t* x, int64_t Kp, const float* const* scales, int64_t group,
+               int64_t ahead, float* out) {
+  if (mb == 4) int4_dot4_avx512<4, G32>(wb, x, Kp, scales, group, ahead, out);
+  else if (mb == 3) int4_dot4_avx512<3, G32>(wb, x, Kp, scales, group, ahead, out);
+  else if (mb == 2) int4_dot4_avx512<2, G32>(wb, x, Kp, scales, group, ahead, out);
+  else int4_dot4_avx512<1, G32>(wb, x, Kp, scales, group, ahead, out);
 }
 
 // ---------------------------------------------------------------- AVX2 ----------------
@@ -346,37 +380,51 @@ AVX2 void axpy_avx2(const char* wt, int64_t K, int64_t N, const float* x, int64_
   }
 }
 
-AVX2 void int4_dot4_avx2(const uint8_t* const* w, const float* x, int64_t Kp, const float* const* scales,
-                         int64_t group, float* out) {
+// int4 on the AVX-512 kernel's layout (int4_dot4_avx512), x in f32 (bf16-rounded), one x row.
+AVX2 void int4_dot4_avx2(const uint8_t* wb, const float* x, int64_t Kp, const float* const* scales, int64_t group,
+                         float* out) {
   const __m256 eight = _mm256_set1_ps(8.0f);
-  float tot[4] = {0, 0, 0, 0};
-  const int64_t blocks = Kp / 64;
-  const int64_t half = group == 32 ? 1 : 0;  // group 32: each half block is its own group
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int r = 0; r < 4; ++r) {
-      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int j = 0; j < 4; ++j) {  // 8 bytes: inputs 8j.. (low nibbles) and 32 + 8j.. (high)
-        __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + b * 32 + 8 * j));
-        __m256i q = _mm256_cvtepu8_epi32(v);
-        __m256 lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), eight);
-        __m256 hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), eight);
-        acc[0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + b * 64 + 8 * j), acc[0]);
-        acc[half] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + b * 64 + 32 + 8 * j), acc[half]);
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const int64_t planes = Kp / 32, per_group = group / 32;
+  for (int r = 0; r < 4; ++r) {
+    float tot = 0, sum = 0;
+    for (int64_t c = 0; c < planes; ++c) {
+      const uint8_t* chunk = wb + (c / 4) * 256 + 64 * r;
+      const int i = int(c % 4);
+      __m256 acc = _mm256_setzero_ps();
+      for (int j = 0; j < 32; j += 8) {  // words j..j+7: inputs 32i + j.. in nibble i
+        __m256i q = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 2 * j)));
+        q = _mm256_and_si256(_mm256_srl_epi32(q, _mm_cvtsi32_si128(4 * i)), low4);
+        acc = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), eight), _mm256_loadu_ps(x + c * 32 + j), acc);
       }
-      if (half) {
-        tot[r] += hsum256(acc[0]) * scales[r][2 * b] + hsum256(acc[1]) * scales[r][2 * b + 1];
-      } else {
-        tot[r] += hsum256(acc[0]) * scales[r][b * 64 / group];
+      sum += hsum256(acc);
+      if ((c + 1) % per_group == 0 || c + 1 == planes) {
+        tot += sum * scales[r][c / per_group];
+        sum = 0;
       }
     }
+    out[r] = tot;
   }
-  for (int r = 0; r < 4; ++r) out[r] = tot[r];
 }
 
 // ---------------------------------------------------------------- ops -----------------
 
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, ", K, "] tensor");
+}
+
+// The ops take x [..., K] and return [..., N]: callers need no reshape (a decode step calls
+// them ~100 times, and each Python-side reshape and view costs about a microsecond).
+at::Tensor as_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
+  return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+}
+
+at::Tensor like_rows(const at::Tensor& y, const at::Tensor& x) {
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  return y.view(shape);
 }
 
 template <typename Out>
@@ -425,7 +473,7 @@ void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t 
   });
 }
 
-at::Tensor linear_t(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_t_2d(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
   TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.device().is_cpu(), "wt must be a contiguous CPU [K, N] tensor");
   const int64_t K = wt.size(0), N = wt.size(1);
@@ -444,6 +492,12 @@ at::Tensor linear_t(const at::Tensor& x_in, const at::Tensor& wt, const c10::opt
   return finish(y, bias, x_in.scalar_type());
 }
 
+// The x rows in blocks of up to 4, each weight block decoded once per x block (dot4_avx512).
+template <typename Block>
+void for_row_blocks(int64_t M, const Block& block) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) block(m0, std::min<int64_t>(4, M - m0));
+}
+
 template <WT T>
 void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const float* xp, int64_t M,
                  const float* sp, int64_t G, int64_t group, float* yp) {
@@ -460,20 +514,30 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
         w[r] = wp + n * row_bytes;
         s[r] = sp ? sp + n * G : nullptr;
       }
-      for (int64_t m = 0; m < M; ++m) {
-        float out[4];
-        if (wide)
-          dot4_avx512<T>(w, xp + m * K, K, sp ? s : nullptr, group, m == 0 ? kAheadBlocks * 4 * row_bytes : 0, out);
+      const float* const* sc = sp ? s : nullptr;
+      for_row_blocks(M, [&](int64_t m0, int64_t mb) {
+        float out[16];
+        const float* x = xp + m0 * K;
+        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
+        if (!wide)
+          for (int64_t m = 0; m < mb; ++m) dot4_avx2<T>(w, xp + (m0 + m) * K, K, sc, group, out + 4 * m);
+        else if (mb == 4)
+          dot4_avx512<T, 4>(w, x, K, sc, group, ahead, out);
+        else if (mb == 3)
+          dot4_avx512<T, 3>(w, x, K, sc, group, ahead, out);
+        else if (mb == 2)
+          dot4_avx512<T, 2>(w, x, K, sc, group, ahead, out);
         else
-          dot4_avx2<T>(w, xp + m * K, K, sp ? s : nullptr, group, out);
-        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
-      }
+          dot4_avx512<T, 1>(w, x, K, sc, group, ahead, out);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
+      });
     }
   });
 }
 
-at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                       int64_t group, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                          int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous CPU [N, K] tensor");
   const int64_t N = w.size(0), K = w.size(1);
@@ -508,57 +572,90 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& w, const c10::o
 
 inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round to nearest even
 
-at::Tensor linear_int4(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales_in, int64_t group,
-                       const c10::optional<at::Tensor>& bias) {
+// w: uint8 [ceil(N / 4) * 4, Kp / 2] as kernels.pack_int4_blocks lays it out (blocks of 4 rows,
+// chunks of 128 inputs); scales: f32 [N, ceil(Kp / group)].
+at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales_in, int64_t group,
+                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
-                  w.size(1) % 32 == 0,
-              "w must be a contiguous CPU uint8 [N, Kp / 2] tensor, Kp a multiple of 64");
-  const int64_t N = w.size(0), Kp = w.size(1) * 2;
-  TORCH_CHECK(group == 32 || (group > 0 && group % 64 == 0 && Kp % group == 0), "group must be 32 or 64j dividing Kp");
+                  w.size(0) % 4 == 0 && w.size(1) % 64 == 0,
+              "w must be a contiguous CPU uint8 [4j, Kp / 2] tensor, Kp a multiple of 128");
+  const int64_t Kp = w.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0, "group must be a multiple of 32");
   at::Tensor s = scales_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.size(1) == Kp / group, "scales must be [N, Kp / group]");
+  const int64_t N = s.size(0);
+  TORCH_CHECK(s.dim() == 2 && (N + 3) / 4 * 4 == w.size(0) && s.size(1) == (Kp + group - 1) / group,
+              "scales must be [N, ceil(Kp / group)] with w holding ceil(N / 4) * 4 rows");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.size(1) <= Kp, "x must be a CPU [M, K <= Kp] tensor");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   // x rounded to bfloat16 (the AVX2 path rounds the same way, so both compute one thing), zero padded.
-  std::vector<uint16_t> xb(M * Kp, 0);
-  std::vector<float> xr(M * Kp, 0.0f);
+  const bool wide = isa() == kAvx512;
+  at::Tensor xb_t = at::zeros({M, Kp}, at::kShort);  // 64-byte aligned
+  at::Tensor xr_t = wide ? at::Tensor() : at::zeros({M, Kp}, at::kFloat);  // the AVX2 path's x
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
+  float* xr = wide ? nullptr : xr_t.data_ptr<float>();
+  const float* xs = xf.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) {
-      uint16_t h = float_to_bf16(xf.data_ptr<float>()[m * K + k]);
+      const uint16_t h = float_to_bf16(xs[m * K + k]);
       xb[m * Kp + k] = h;
-      xr[m * Kp + k] = bf16_to_float(h);
+      if (xr) xr[m * Kp + k] = bf16_to_float(h);
     }
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
-  const int64_t G = s.size(1), row_bytes = Kp / 2;
+  const int64_t G = s.size(1), block_bytes = 2 * Kp;  // 4 rows of Kp / 2 bytes
   const int64_t blocks = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * Kp));
-  const bool wide = isa() == kAvx512;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
-      const uint8_t* wr[4];
+      const uint8_t* wb = wp + b * block_bytes;
       const float* sr[4];
-      for (int r = 0; r < 4; ++r) {
-        const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
-        wr[r] = wp + n * row_bytes;
-        sr[r] = sp + n * G;
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        float out[4];
-        if (wide)
-          int4_dot4_avx512(wr, xb.data() + m * Kp, Kp, sr, group, m == 0 ? kAheadBlocks * 4 * row_bytes : 0, out);
+      for (int r = 0; r < 4; ++r) sr[r] = sp + (n0 + std::min<int64_t>(r, rows - 1)) * G;
+      for_row_blocks(M, [&](int64_t m0, int64_t mb) {
+        float out[16];
+        const uint16_t* x = xb + m0 * Kp;
+        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;
+        if (!wide)
+          for (int64_t m = 0; m < mb; ++m) int4_dot4_avx2(wb, xr + (m0 + m) * Kp, Kp, sr, group, out + 4 * m);
+        else if (group == 32)
+          int4_rows<true>(mb, wb, x, Kp, sr, group, ahead, out);
         else
-          int4_dot4_avx2(wr, xr.data() + m * Kp, Kp, sr, group, out);
-        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
-      }
+          int4_rows<false>(mb, wb, x, Kp, sr, group, ahead, out);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
+      });
     }
   });
   return finish(y, bias, x_in.scalar_type());
+}
+
+at::Tensor linear_t(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
+  return like_rows(linear_t_2d(as_rows(x), wt, bias), x);
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                       int64_t group, const c10::optional<at::Tensor>& bias) {
+  return like_rows(linear_rows_2d(as_rows(x), w, scales, group, bias), x);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
+  return like_rows(linear_int4_2d(as_rows(x), w, scales, group, bias), x);
+}
+
+// A float weight w [N, K] in either layout: the transposed one (w.t() contiguous, as
+// models/native.py keeps float32) through linear_t, a row-major one through linear_rows,
+// any other through a row-major copy.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2, "w must be a [N, K] tensor");
+  const at::Tensor rows = as_rows(x);
+  const at::Tensor wt = w.t();
+  if (wt.is_contiguous()) return like_rows(linear_t_2d(rows, wt, bias), x);
+  return like_rows(linear_rows_2d(rows, w.contiguous(), c10::nullopt, 0, bias), x);
 }
 
 int64_t isa_op() { return isa(); }
@@ -567,12 +664,14 @@ int64_t isa_op() { return isa(); }
 
 TORCH_LIBRARY(decodekit, m) {
   m.def("isa() -> int", &isa_op);
+  m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_t(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? scales, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales, int group, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
+  m.impl("linear", &linear);
   m.impl("linear_t", &linear_t);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_int4", &linear_int4);
