@@ -22,8 +22,9 @@ and 23):
   the numbers of "unpack" up to summation order). int4gemv reads a copy of the codes in its
   own layout (`kernels.pack_int4_blocks`, built at load like int4pack's and never saved),
   one scale per channel or groups of 32 or 64j, with x rounded to bfloat16 as int4pack does.
-  Above PACKED_MAX_ROWS rows (a prefill) they take today's paths: the bfloat16 GEMM below,
-  or for grouped int8 the "unpack" float matmul. Where the kernels are not built, the layers
+  Above PACKED_MAX_ROWS rows (a prefill) they take the packed kernels' prefill path: one
+  bfloat16 GEMM over the weight dequantised per call (grouped int8 too: its float32
+  "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the kernels are not built, the layers
   choose among the paths below (`torch_kernel`).
 
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
@@ -403,10 +404,7 @@ class QuantizedLinear(nn.Module):
             rows = x.numel() // self.in_features
             if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:
                 return self.native_matmul(x)
-            if self.kernel == "int8gemv" and self.spec.group_size is not None:
-                y = self.unpacked_matmul(x)  # a prefill: today's float path (module docstring)
-            else:
-                y = self.packed_matmul(x)
+            y = self.packed_matmul(x)  # a prefill: one bfloat16 GEMM (module docstring)
         else:
             y = self.unpacked_matmul(x)
         if self.bias is not None:
