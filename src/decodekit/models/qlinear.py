@@ -24,8 +24,8 @@ and 23):
   one scale per channel or groups of 32 or 64j, with x rounded to bfloat16 as int4pack does.
   Above PACKED_MAX_ROWS rows (a prefill) they take the packed kernels' prefill path: one
   bfloat16 GEMM over the weight dequantised per call (grouped int8 too: its float32
-  "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the kernels are not built, the layers
-  choose among the paths below (`torch_kernel`).
+  "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the
+  kernels are not built, the layers choose among the paths below (`torch_kernel`).
 
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
   weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).
