@@ -346,11 +346,8 @@ class Engine:
         engine starts over with empty pools (`_reset`)."""
         for member in self.members.values():
             member.manager.rollback()
-        failed = [*self.scheduler.running, *self.programs]
-        for entry in failed:
-            self._end(entry, [], error)
-        if not failed:  # nothing ran: the error came with admission, so do not retry it forever
-            self._fail_queued(error)
+        if not self._fail_running(error):
+            self._fail_queued(error)  # nothing ran: the error came with admission; no retry loop
         try:
             self._check()
         except PoolCorrupted as problem:
@@ -641,9 +638,15 @@ class Engine:
     def fail_all(self, error: BaseException) -> None:
         """End every queued and running request with `error` (waits for a running step)."""
         with self._step_lock:
-            for entry in [*self.scheduler.running, *self.programs]:
-                self._end(entry, [], error)
+            self._fail_running(error)
             self._fail_queued(error)
+
+    def _fail_running(self, error: BaseException) -> int:
+        """End every admitted request and program with `error`; how many there were."""
+        running = [*self.scheduler.running, *self.programs]
+        for entry in running:
+            self._end(entry, [], error)
+        return len(running)
 
     def _fail_queued(self, error: BaseException) -> None:
         """End every request not yet admitted with `error`."""
