@@ -227,7 +227,7 @@ class Backend:
         from decodekit.engine.engine import EngineFull
 
         try:
-            return self.engine(name).add_program(program, f"req-{next(self._ids)}")
+            return self.engine(name).add(program, f"req-{next(self._ids)}")
         except EngineFull as error:
             raise QueueFull(str(error)) from None
 
