@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -29,6 +30,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
+from decodekit.engine.compiled import CompiledLanes, CompilePolicy, eligible
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
@@ -182,7 +184,8 @@ class Engine:
         self.batch_invariant = model.batch_invariant
         self.windows = c.layer_windows
         share = not (self.batch_invariant or c.layer_windows)
-        self.running_kv = RunningKV(self.pool, share_prefixes=share)
+        with torch.inference_mode():  # as it is regrown in steps (a compiled step's guards see one kind)
+            self.running_kv = RunningKV(self.pool, share_prefixes=share)
         # The KV of each model requests run on (program.py): this engine's own, then members.
         main = Member(model, self.pool, self.running_kv)
         self.members: dict[int, Member] = {id(model): main}
@@ -200,9 +203,18 @@ class Engine:
         self.peak_blocks_used = 0
         self.resets = 0  # times a failed step left books that disagreed (`_fail_step`)
         self._stepping = False
-        self._forward = paged_forward
-        if config.compile:
-            self._forward = torch.compile(paged_forward, dynamic=True)
+        self._forward = paged_forward  # the eager forward of every step that is not all decoding
+        # The compiled decode step (compiled.py), where this engine's model and modes allow it.
+        self.compile_refused = eligible(model, self.pool, self.batch_invariant)
+        self.lanes = None
+        if config.compile is not False and self.compile_refused is None:
+            self.lanes = CompiledLanes(model, CompilePolicy.for_model(model, config.compile))
+            if config.compile:  # compiled rows hold their whole sequence (no cascade prefix)
+                self.running_kv.share_prefixes = False
+        self.decode_tokens = 0  # rows decoded by eager decode-only steps (the policy's evidence)
+        self.eager_step_s = 0.0  # their mean time
+        self._eager_steps = 0
+        self.compiled_steps = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -494,11 +506,18 @@ class Engine:
         ordered = decoding + [w for w in works if w.seq.lane is None]
         if decoding:
             self.running_kv.grow(1)
-        items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
-        batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
         wants_hidden = any(row.request.wants_hidden for row in step.rows)  # align/qvalue.py
-        out = self._forward(self.model, *batch, self.batch_invariant, wants_hidden)
-        logits, hidden = out if wants_hidden else (out, None)
+        only_decoding = len(ordered) == len(decoding) and not wants_hidden and not step.forks
+        logits = self._compiled_forward(decoding) if only_decoding and self.lanes is not None else None
+        hidden = None
+        if logits is None:
+            start = time.perf_counter()
+            items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
+            batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
+            out = self._forward(self.model, *batch, self.batch_invariant, wants_hidden)
+            logits, hidden = out if wants_hidden else (out, None)
+            if only_decoding and self.lanes is not None:
+                self._count_eager(len(decoding), time.perf_counter() - start)
         sizes = [w.count if w.every else 1 for w in ordered]
         ends = dict(zip(map(id, ordered), itertools.accumulate(sizes), strict=True))
         by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True))
@@ -514,6 +533,37 @@ class Engine:
             kept = [ends[id(step.work[i])] - 1 for i in step.logit_rows]
             self._sample(step, logits[kept], None if hidden is None else hidden[kept])
         return [by_work[id(work)] for work in programs]
+
+    def _compiled_forward(self, works: list[Work]) -> torch.Tensor | None:
+        """Logits [B, V] of the decoding rows through the compiled step (compiled.py), their
+        new keys and values written into the rows and the pool; None when its bucket is not
+        compiled (yet) or a row continues a shared prefix."""
+        running_kv = self.running_kv
+        if any(prefix is not None for prefix in running_kv.prefixes):
+            return None
+        seqs = [work.seq for work in works]
+        tokens = torch.tensor([seq.tokens[seq.table.length - 1] for seq in seqs])  # [B]
+        positions = torch.tensor([seq.table.length - 1 for seq in seqs])
+        out = self.lanes.run(len(seqs), tokens, positions, running_kv)
+        if out is None:
+            return None
+        logits, keys, values = out  # [B, V], [N, B, H_kv, D]
+        rows = torch.arange(len(seqs))
+        running_kv.keys[:, rows, :, positions] = keys.transpose(0, 1)  # [B, N, H_kv, D]
+        running_kv.values[:, rows, :, positions] = values.transpose(0, 1)
+        slots = torch.tensor([work.slots[0] for work in works])
+        self.pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
+        self.compiled_steps += 1
+        return logits
+
+    def _count_eager(self, rows: int, seconds: float) -> None:
+        """An eager decode-only step: the compile policy's evidence (compiled.py)."""
+        self._eager_steps += 1
+        self.eager_step_s += (seconds - self.eager_step_s) / self._eager_steps
+        self.decode_tokens += rows
+        self.lanes.want(rows, self.decode_tokens, self.eager_step_s, self.running_kv)
+        if self.lanes.ready:
+            self.running_kv.share_prefixes = False  # compiled rows hold their whole sequence
 
     def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Sample one token for every row of the step (hidden: their final states, for the
