@@ -8,8 +8,8 @@ fuzzer (schemathesis, scripts/fuzz_server.sh) and generated clients use it.
 
 The published request schemas close the objects (`additionalProperties: false`) over the
 fields the server knows: OpenAI's, decodekit's strategy fields and the sampling
-extensions (protocol.SAMPLING_EXTENSIONS, any JSON value: their checks are SamplingParams');
-the parser accepts exactly these and answers 400 to any other key.
+extensions (extensions.py: typed, bounded and described from SamplingParams); the parser
+accepts exactly these and answers 400 to any other key.
 """
 
 from __future__ import annotations
@@ -96,8 +96,6 @@ def constrain_request(schema: dict, models: list[str], config) -> None:
         option.update({"minLength": 1} if option["type"] == "string" else {"minItems": 1})
         if option["type"] == "array" and option["items"].get("type") == "string":
             option["items"]["minLength"] = 1
-    for name in (*p.SAMPLING_EXTENSIONS, *p.RENAMED):
-        schema["properties"].setdefault(name, {"title": name, "description": "SamplingParams extension"})
 
 
 def json_content(schema: dict) -> dict:

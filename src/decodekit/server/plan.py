@@ -55,12 +55,13 @@ class Plan:
     score_only: bool = False  # echo with max_tokens 0: the prompt's log-probs, nothing generated
 
 
-def api_error(error: Exception, default_param: str | None = None) -> APIError:
-    """A library ValueError/TypeError as a 400 whose param is the field its message names."""
-    message = str(error)
+def api_error(error: Exception, default_param: str | None = None,
+              names: dict[str, str] = FIELD_NAMES) -> APIError:
+    """A library ValueError/TypeError as a 400 whose param is the field its message names, in the
+    request's words (`names`: decodekit's name -> the field the request sent)."""
+    message = re.sub(r"\b[a-z_]+\b", lambda word: names.get(word.group(0), word.group(0)), str(error))
     match = re.match(r"[a-z_]+", message)
     name = match.group(0) if match else ""
-    name = FIELD_NAMES.get(name, name)
     param = name if name in GenerationRequest.model_fields or name in SamplingParams.field_names() \
         else default_param
     return APIError(400, message, param, "invalid_value")
@@ -152,7 +153,7 @@ def constraint_of(req: GenerationRequest):
 
 
 def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, max_field: str = "max_tokens") -> SamplingParams:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not re.fullmatch(r"\d+", key) or int(key) >= vocab_size:
@@ -167,14 +168,15 @@ def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logpr
                   n=samples, stop=tuple(stop), seed=req.seed, presence_penalty=req.presence_penalty,
                   frequency_penalty=req.frequency_penalty, logit_bias=bias,
                   logprobs=logprobs or None)
-    extensions = req.extensions()
-    if extensions.get("top_k") == -1:
-        extensions["top_k"] = 0  # vLLM's "off"
-    values.update(extensions)
+    values.update(req.extensions())
+    min_field = "min_new_tokens" if "min_new_tokens" in req.model_fields_set else "min_tokens"
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
+        params.check_vocab(vocab_size)
     except (ValueError, TypeError) as error:
-        raise api_error(error) from None
+        raise api_error(error, names={**FIELD_NAMES, "max_new_tokens": max_field,
+                                      "min_new_tokens": min_field}) from None
+    return params
 
 
 def preset_of(req: GenerationRequest) -> tuple[float, float]:
@@ -298,7 +300,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if constraint is not None and decoder == "speculative":
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
-    params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size)
+    params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size, max_field)
     if selection is not None and decoder == "beam":
         raise APIError(400, "best_of selection cannot be combined with beam search", "best_of")
     if echo and max_tokens == 0 and req.stream:
