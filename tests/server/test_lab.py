@@ -242,3 +242,14 @@ def test_the_page_needs_no_network():
         assert not urls, (name, urls)
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert '"server/lab/*"' in pyproject  # shipped in the wheel
+
+
+def test_the_top_k_bound_is_the_servers(lab):
+    """-1 is off in the lab as on the server (SamplingParams' one range); -2 is refused by both
+    with one message."""
+    off = post(lab, "sampler", {"model": "tiny", "prompt": "hello", "params": {"top_k": -1}})
+    assert "top_k" not in [s["name"] for s in off["stages"]]
+    lab_error = post(lab, "sampler", {"model": "tiny", "prompt": "hello", "params": {"top_k": -2}}, 400)
+    server_error = lab.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "top_k": -2}).json()
+    assert lab_error["error"]["message"] == server_error["error"]["message"] == \
+        "top_k must be an integer >= -1, got -2"
