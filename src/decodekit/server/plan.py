@@ -93,6 +93,20 @@ def encode(model: LanguageModel, prompt, param: str) -> list[int]:
         raise APIError(400, str(error), param, code) from None
 
 
+def template_ids(model: LanguageModel, text: str) -> list[int]:
+    """The ids of a chat template's text (which wrote its own special tokens), refused without
+    encoding it whole when it is far past the context (request.py `encode_text`)."""
+    from decodekit.request import encode_text
+
+    def plain(part: str) -> list[int]:
+        return list(model.tokenizer.encode(part, add_special_tokens=False))
+
+    try:
+        return encode_text(plain, text, model.max_context)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages", "context_length_exceeded") from None
+
+
 def check_max_tokens(value: int | None, default: int | None, longest: int, context: int, backend: Backend,
                      field_name: str, allow_zero: bool = False) -> int:
     """max_tokens within the server's bound and the context left after the longest prompt."""
@@ -260,7 +274,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     check_count(n, "n", backend)
     if chat:
         text, templated = chat_text(model, req.messages)
-        ids = list(model.tokenizer.encode(text, add_special_tokens=False)) if templated else None
+        ids = template_ids(model, text) if templated else None
         prompts = [encode(model, ids if ids is not None else text, "messages")]
         texts = [text]
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
