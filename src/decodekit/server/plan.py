@@ -248,27 +248,31 @@ def decoder_of(req: GenerationRequest, backend: Backend, n: int) -> tuple[str, d
     if req.draft_model is not None:
         if req.amateur_model is not None:
             raise APIError(400, "draft_model cannot be combined with amateur_model", "draft_model")
-        if req.draft_model != "prompt-lookup":
-            served_model(req.draft_model, backend, "draft_model")
+        draft = req.draft_model
+        if draft != "prompt-lookup":
+            draft = served_name(draft, backend, "draft_model")
         k = req.num_draft_tokens if req.num_draft_tokens is not None else 4
         if not 1 <= k <= 64:
             raise APIError(400, f"num_draft_tokens must be in [1, 64], got {k}", "num_draft_tokens")
-        return "speculative", {"draft": req.draft_model, "num_draft_tokens": k}
+        return "speculative", {"draft": draft, "num_draft_tokens": k}
     if req.num_draft_tokens is not None:
         raise APIError(400, "num_draft_tokens needs draft_model", "num_draft_tokens")
     return "sample", {}
 
 
-def served_model(name: str, backend: Backend, param: str = "model") -> LanguageModel:
-    if name not in backend.models:
+def served_name(name: str, backend: Backend, param: str = "model") -> str:
+    """The served model's name that `name` means (its own, or an alias: a directory's full path)."""
+    served = backend.served_name(name)
+    if served is None:
         raise APIError(404, f"The model '{name}' does not exist; served: {', '.join(backend.models)}",
                        param, "model_not_found")
-    return backend.models[name]
+    return served
 
 
 def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     """The plan of a completions or chat request (validation included)."""
-    model = served_model(req.model, backend)
+    name = served_name(req.model, backend)
+    model = backend.models[name]
     chat = isinstance(req, ChatRequest)
     n = req.n
     check_count(n, "n", backend)
@@ -305,8 +309,9 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
                                   allow_zero=echo)
     selection = selection_of(req, n, backend)
     decoder, options = decoder_of(req, backend, n)
+    amateur = None
     if req.amateur_model is not None:
-        served_model(req.amateur_model, backend, "amateur_model")
+        amateur = served_name(req.amateur_model, backend, "amateur_model")
         options.update({"alpha": req.contrastive_alpha, "amateur_temperature": req.amateur_temperature})
     elif req.contrastive_alpha is not None or req.amateur_temperature is not None:
         raise APIError(400, "contrastive_alpha and amateur_temperature need amateur_model", "amateur_model")
@@ -320,7 +325,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if echo and max_tokens == 0 and req.stream:
         raise APIError(400, "max_tokens 0 (scoring the prompt) cannot be streamed", "stream")
     include_usage = req.stream_options.include_usage if req.stream_options else False
-    return Plan(req.model, prompts, texts, params, n, decoder, options, req.amateur_model, constraint,
+    return Plan(name, prompts, texts, params, n, decoder, options, amateur, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
                 score_only=echo and max_tokens == 0)
 
