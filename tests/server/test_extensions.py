@@ -120,3 +120,33 @@ def test_the_document_types_every_extension(server):
     assert properties["order"]["uniqueItems"] is True
     bounded = {name for name in RANGES if name in properties and name in EXTENSIONS}
     assert bounded == {name for name in EXTENSIONS if name in RANGES}
+
+
+def schema_values(schema: dict) -> list:
+    """Values the published schema allows for a field: its default, its bounds (an open bound
+    nudged inside), and null where it is nullable."""
+    values = [schema["default"]]
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") == "null":
+            values.append(None)
+        for key, nudge in (("minimum", 0), ("maximum", 0), ("exclusiveMinimum", 1e-3),
+                           ("exclusiveMaximum", -1e-3)):
+            if key in option:
+                values.append(option[key] + nudge)
+        if option.get("type") == "array" and "minItems" not in option:
+            values.append([])
+    return values
+
+
+def test_values_the_document_allows_are_accepted(server, app_client):
+    """Positive data acceptance for every extension: each value its schema allows is a 200."""
+    thread, _ = server
+    document = httpx.get(thread.url + "/openapi.json").json()
+    properties = document["components"]["schemas"]["CompletionRequest"]["properties"]
+    refused = []
+    for name in (*EXTENSIONS, *RENAMED):
+        for value in schema_values(properties[name]):
+            response = app_client.post("/v1/completions", json={**OK, name: value})
+            if response.status_code != 200:
+                refused.append((name, value, response.json()["error"]["message"]))
+    assert refused == []
