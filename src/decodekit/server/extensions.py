@@ -16,7 +16,14 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 from pydantic import ConfigDict, Field, create_model
 
-from decodekit.params import DEFAULT_ORDER, DESCRIPTIONS, RANGES, SamplingParams
+from decodekit.params import (
+    DEFAULT_ORDER,
+    DESCRIPTIONS,
+    INTEGER_FIELDS,
+    NULLABLE_FIELDS,
+    RANGES,
+    SamplingParams,
+)
 
 EXTENSIONS = (
     "top_k", "min_p", "typical_p", "epsilon", "eta", "top_n_sigma", "min_tokens_to_keep",
@@ -31,6 +38,10 @@ TokenId = Annotated[int, Field(ge=0)]
 Word = Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
 # Items whose type the annotation does not say exactly.
 ITEMS: dict[str, Any] = {"order": Literal[DEFAULT_ORDER], "bad_words": Word}
+LIST_BOUNDS: dict[str, dict[str, Any]] = {
+    "order": {"json_schema_extra": {"uniqueItems": True}},  # SamplingParams refuses a repeat
+    "allowed_token_ids": {"min_length": 1},  # null, not [], means all
+}
 # What a list field allows, in words (error messages).
 LISTS = {
     "dry_sequence_breakers": "a list of strings",
@@ -72,19 +83,14 @@ def bounds(name: str) -> dict[str, float]:
     return found
 
 
-def nullable(name: str) -> bool:
-    return type(None) in get_args(_TYPES[name])
-
-
 def allowed(name: str) -> str:
     """What field `name` of a request allows, in words."""
     sampled = sampling_name(name)
     if sampled in LISTS:
         return LISTS[sampled]
-    kind = _TYPES[sampled]
-    if kind is bool:
+    if _TYPES[sampled] is bool:
         return "true or false"
-    integer = int in (kind, *get_args(kind))
+    integer = sampled in INTEGER_FIELDS
     words = "an integer" if integer else "a number"
     low, high, low_open, high_open = RANGES[sampled]
     if high == math.inf:
@@ -93,7 +99,7 @@ def allowed(name: str) -> str:
         words += f" in [{low:g}, {high:g}]"
     else:
         words += f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    return f"null or {words}" if nullable(sampled) else words
+    return f"null or {words}" if sampled in NULLABLE_FIELDS else words
 
 
 def _default(name: str) -> Any:
@@ -109,14 +115,9 @@ def request_field(name: str) -> tuple[Any, Any]:
     described = DESCRIPTIONS[sampled] + f". Allowed: {allowed(name)}."
     if name != sampled:
         described = f"vLLM's name for {sampled}: {described}"
-    extra: dict[str, Any] = {}
-    if sampled == "order":
-        extra = {"json_schema_extra": {"uniqueItems": True}}
-    if sampled == "allowed_token_ids":
-        extra = {"min_length": 1}
     numeric = {"allow_inf_nan": False} if kind is float or float in get_args(kind) else {}
     return kind, Field(default=_default(sampled), description=described, **bounds(sampled), **numeric,
-                       **extra)
+                       **LIST_BOUNDS.get(sampled, {}))
 
 
 # The request's typed sampling fields; the body's other keys are checked by protocol.py.
