@@ -21,6 +21,7 @@ from decodekit.engine import compiled
 from decodekit.engine.compiled import CompilePolicy, bucket
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
+from decodekit.models.native import NativeLM
 from decodekit.request import make_requests
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
@@ -33,6 +34,12 @@ SEEDED = dk.SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=5
 @pytest.fixture(autouse=True)
 def fast_backend(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
+def fresh(model: NativeLM) -> NativeLM:
+    """Another model object over the same weights: no compiled steps yet (`lanes_for` keeps
+    them on the model object)."""
+    return NativeLM(model.net, model.config, tokenizer=model.tokenizer, name=model.name)
 
 
 def run(model, items, mode):
@@ -58,7 +65,7 @@ def test_greedy_tokens_equal_the_eager_engine(sharp_lm, rows):
     want, _ = run(sharp_lm, PROMPTS[:rows], False)
     got, engine = run(sharp_lm, PROMPTS[:rows], True)
     assert got == want
-    assert set(engine.lanes.ready) == {bucket(rows)}  # 3 rows: the bucket of 4, one padded
+    assert bucket(rows) in engine.lanes.ready  # 3 rows: the bucket of 4, one padded
     assert engine.compiled_steps >= GREEDY.max_new_tokens - 2  # all but the prompt's steps
 
 
@@ -107,9 +114,10 @@ def test_a_failed_compilation_leaves_the_engine_eager_with_one_warning(sharp_lm,
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(compiled, "BACKEND", broken)
-    want, _ = run(sharp_lm, PROMPTS[:1], False)
+    model = fresh(sharp_lm)
+    want, _ = run(model, PROMPTS[:1], False)
     with pytest.warns(RuntimeWarning, match="stays eager") as caught:
-        got, engine = run(sharp_lm, PROMPTS[:1], True)
+        got, engine = run(model, PROMPTS[:1], True)
     assert got == want and engine.compiled_steps == 0 and "no compiler here" in engine.lanes.failed
     assert len([w for w in caught if "stays eager" in str(w.message)]) == 1
 
@@ -123,13 +131,13 @@ def test_the_automatic_policy_compiles_only_when_the_tokens_so_far_repay_it(shar
     policy.record(sharp_lm, 3.5)
     again = CompilePolicy.for_model(sharp_lm, None)  # DECODEKIT_CACHE_DIR: the session's (conftest)
     assert again.cache_file != policy.cache_file or again.warmup_s == 3.5
-    _, engine = run(sharp_lm, PROMPTS, None)  # a short run: eager, nothing compiled or compiling
+    _, engine = run(fresh(sharp_lm), PROMPTS, None)  # a short run: eager, nothing compiled or compiling
     assert engine.compiled_steps == 0 and not engine.lanes.ready and not engine.lanes._threads
 
 
 def test_a_warm_up_is_recorded_and_read_back(sharp_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
-    _, engine = run(sharp_lm, PROMPTS[:1], True)
+    run(fresh(sharp_lm), PROMPTS[:1], True)
     recorded = CompilePolicy.for_model(sharp_lm, None)
     assert recorded.measured and 0 < recorded.warmup_s < 600
 
@@ -144,8 +152,42 @@ def test_engines_that_cannot_compile_say_why(tiny_llama_dir):
 
 def test_inductor_compiles_the_step_and_its_tokens_equal_eager(sharp_lm, monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "inductor")
-    want, _ = run(sharp_lm, PROMPTS[:1], False)
-    got, engine = run(sharp_lm, PROMPTS[:1], True)
+    model = fresh(sharp_lm)
+    want, _ = run(model, PROMPTS[:1], False)
+    got, engine = run(model, PROMPTS[:1], True)
     assert got == want and engine.compiled_steps > 0
     with torch.inference_mode():
         engine.check()
+
+
+def test_the_automatic_policy_compiles_in_the_background_and_switches_over(sharp_lm, tmp_path, monkeypatch):
+    """A recorded warm-up of a millisecond: the first decode step asks for its bucket, the
+    engine goes on eager while a thread compiles it, and then runs it; tokens as eager."""
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    CompilePolicy(None, tmp_path / "compile-times.json").record(sharp_lm, 0.001)
+    long = dk.SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    model = fresh(sharp_lm)
+    want, _ = run(model, [(PROMPTS[1], long)], False)
+    engine = Engine(model, EngineConfig(compile=None, block_size=4, num_blocks=512))
+    handle = engine.submit(PROMPTS[1], long)
+    engine.step()
+    engine.step()  # the first decode step: eager, and the bucket of 1 starts compiling
+    assert engine.lanes._threads and engine.compiled_steps == 0
+    engine.lanes.wait()
+    while engine.has_work():
+        engine.step()
+    assert [c.token_ids for c in handle.result(0)] == want[0] and engine.compiled_steps > 0
+
+
+def test_a_models_engines_share_its_compiled_steps(sharp_lm):
+    """Compiled once: a later engine of the same model (automatic policy, short run) uses
+    the buckets an earlier one compiled; a model whose weights changed gets new ones."""
+    model = fresh(sharp_lm)
+    run(model, PROMPTS[:1], True)
+    want, _ = run(model, PROMPTS[:1], False)
+    got, engine = run(model, PROMPTS[:1], None)
+    assert got == want and engine.compiled_steps > 0
+    assert compiled.lanes_for(model) is engine.lanes
+    with torch.no_grad():
+        model.net.norm.weight.mul_(1.0)  # an in-place change: a new weights stamp
+    assert compiled.lanes_for(model) is not engine.lanes

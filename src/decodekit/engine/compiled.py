@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from decodekit.models import kernels
+from decodekit.models.base import weights_stamp
 from decodekit.models.dtype_probe import cache_dir
 from decodekit.models.native import NativeLM
 
@@ -182,31 +183,32 @@ def _read_json(path: Path) -> dict:
 
 @dataclass
 class CompiledLanes:
-    """The engine's compiled decode steps, one per bucket, compiled in a background thread
-    when `policy` says so; `run` uses a bucket once it is ready."""
+    """A model's compiled decode steps, one per bucket, shared by its engines (`lanes_for`);
+    compiled when an engine's policy says so; `run` uses a bucket once it is ready."""
 
     model: NativeLM
-    policy: CompilePolicy
     ready: dict[int, object] = field(default_factory=dict)  # bucket -> compiled step
     failed: str | None = None
     _pending: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
 
-    def want(self, rows: int, decode_tokens: int, eager_step_s: float, running_kv) -> None:
-        """Ask for the bucket of `rows` if the policy says it pays (compiles in the background;
-        with mode True, at once in this thread)."""
+    def want(self, rows: int, policy: CompilePolicy, decode_tokens: int, eager_step_s: float,
+             running_kv) -> None:  # fmt: skip
+        """Ask for the bucket of `rows` if `policy` says it pays: compiled in a background
+        thread (with `policy.mode` True, at once in this one)."""
         size = bucket(rows)
-        if size is None or self.failed or size in self.ready or size in self._pending:
-            return
-        if not self.policy.pays(decode_tokens, eager_step_s):
-            return
-        self._pending.add(size)
+        with self._lock:
+            if size is None or self.failed or size in self.ready or size in self._pending:
+                return
+            if not policy.pays(decode_tokens, eager_step_s):
+                return
+            self._pending.add(size)
         example = _example_inputs(self.model, size, running_kv)
-        if self.policy.mode:
-            self._compile(size, example)
+        if policy.mode:
+            self._compile(size, example, policy)
             return
-        thread = threading.Thread(target=self._compile, args=(size, example), daemon=True,
+        thread = threading.Thread(target=self._compile, args=(size, example, policy), daemon=True,
                                   name=f"decodekit-compile-{size}")  # fmt: skip
         self._threads.append(thread)
         thread.start()
@@ -216,7 +218,7 @@ class CompiledLanes:
         for thread in list(self._threads):
             thread.join()
 
-    def _compile(self, size: int, example) -> None:
+    def _compile(self, size: int, example, policy: CompilePolicy) -> None:
         start = time.perf_counter()
         try:
             kernels.register_fakes()
@@ -234,7 +236,7 @@ class CompiledLanes:
         with self._lock:
             self.ready[size] = compiled
             self._pending.discard(size)
-        self.policy.record(self.model, elapsed)
+        policy.record(self.model, elapsed)
         _log.info("compiled the decode step for %d rows in %.1f s", size, elapsed)
 
     def run(self, rows: int, tokens, positions, running_kv):
@@ -256,6 +258,21 @@ class CompiledLanes:
         _mark_dynamic(keys, values, visible)
         logits, new_keys, new_values = compiled(tokens[:, None], positions, keys, values, visible)
         return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
+
+
+def lanes_for(model: NativeLM) -> CompiledLanes:
+    """The model's compiled steps, kept on the model (every engine of it, and a later one,
+    reuses them); new ones when its weights changed (a compressed or reloaded model)."""
+    stamp = weights_stamp(model)
+    with _LANES_LOCK:
+        built_on, lanes = model.__dict__.get("_decodekit_lanes", (None, None))
+        if lanes is None or built_on != stamp:
+            lanes = CompiledLanes(model)
+            model.__dict__["_decodekit_lanes"] = (stamp, lanes)
+        return lanes
+
+
+_LANES_LOCK = threading.Lock()
 
 
 def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:

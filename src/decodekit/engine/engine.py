@@ -30,7 +30,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
-from decodekit.engine.compiled import CompiledLanes, CompilePolicy, eligible
+from decodekit.engine.compiled import CompilePolicy, eligible, lanes_for
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
@@ -208,7 +208,8 @@ class Engine:
         self.compile_refused = eligible(model, self.pool, self.batch_invariant)
         self.lanes = None
         if config.compile is not False and self.compile_refused is None:
-            self.lanes = CompiledLanes(model, CompilePolicy.for_model(model, config.compile))
+            self.lanes = lanes_for(model)
+            self.compile_policy = CompilePolicy.for_model(model, config.compile)
             if config.compile:  # compiled rows hold their whole sequence (no cascade prefix)
                 self.running_kv.share_prefixes = False
         self.decode_tokens = 0  # rows decoded by eager decode-only steps (the policy's evidence)
@@ -561,7 +562,7 @@ class Engine:
         self._eager_steps += 1
         self.eager_step_s += (seconds - self.eager_step_s) / self._eager_steps
         self.decode_tokens += rows
-        self.lanes.want(rows, self.decode_tokens, self.eager_step_s, self.running_kv)
+        self.lanes.want(rows, self.compile_policy, self.decode_tokens, self.eager_step_s, self.running_kv)
         if self.lanes.ready:
             self.running_kv.share_prefixes = False  # compiled rows hold their whole sequence
 

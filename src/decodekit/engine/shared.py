@@ -34,7 +34,7 @@ from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine, EngineFull, RequestHandle
 from decodekit.engine.program import Program
 from decodekit.engine.scheduler import entry_for
-from decodekit.models.base import LanguageModel
+from decodekit.models.base import LanguageModel, weights_stamp
 from decodekit.request import Delta, Request
 
 _ATTRIBUTE = "_decodekit_engine"
@@ -43,13 +43,6 @@ _LOCK = threading.Lock()
 # prompts x n samples runs them all in one batch, as the engine per call did (arith, 32
 # prompts x 16 samples: 1.12 s, against 1.38 s at EngineConfig's default 64: BENCHMARKS.md).
 DEFAULT_CONFIG = EngineConfig(max_running=1024)
-
-
-def weights_stamp(model: LanguageModel) -> tuple:
-    """Identity, storage and in-place version of every weight: changes when they change."""
-    net = getattr(model, "net", None)
-    tensors = [*net.parameters(), *net.buffers()] if net is not None else []
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
 
 
 def engine_for(model: LanguageModel, config: EngineConfig | None = None) -> Engine:
