@@ -71,7 +71,7 @@ class LaneAttention:
     """The cache `LlamaNet.forward` attends through in a compiled step: B rows of one new
     token each over their RunningKV rows (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, scale: float):
+    def __init__(self, keys, values, visible, scale: float):  # visible [B, 1, 1, C] bool
         self.keys, self.values, self.visible, self.scale = keys, values, visible, scale
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
@@ -94,8 +94,9 @@ class LaneAttention:
 
 
 def lanes_step(model: NativeLM, name: str = "decode_step"):
-    """step(tokens [B, 1], positions [B], keys, values [N, R, H_kv, C, D], visible [B, 1, 1, C])
-    -> logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring).
+    """step(tokens [B, 1], positions [B], keys, values [N, R, H_kv, C, D]) -> logits [B, V]
+    float32, new keys and values [N, B, H_kv, D] (module docstring). A row's stored positions
+    are those before its token's (a padded row: position 0, it sees only its own key).
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -105,7 +106,9 @@ def lanes_step(model: NativeLM, name: str = "decode_step"):
     scale = config.head_dim**-0.5
     masks = [(None, False)] * config.num_layers
 
-    def step(tokens, positions, keys, values, visible):
+    def step(tokens, positions, keys, values):
+        columns = torch.arange(keys.shape[3], device=keys.device)
+        visible = (columns[None, :] < positions[:, None])[:, None, None]  # [B, 1, 1, C]
         cos = cos_table.index_select(0, positions)[:, None, None]  # [B, 1, 1, D]
         sin = sin_table.index_select(0, positions)[:, None, None]
         cache = LaneAttention(keys, values, visible, scale)
@@ -191,6 +194,7 @@ class CompiledLanes:
     failed: str | None = None
     _pending: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _marked: object = None  # the RunningKV keys last marked dynamic
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def want(self, rows: int, policy: CompilePolicy, decode_tokens: int, eager_step_s: float,
@@ -248,15 +252,14 @@ class CompiledLanes:
             return None
         running_kv.reserve_rows(size)
         keys, values = running_kv.keys, running_kv.values
-        lengths = torch.tensor(running_kv.lengths[:rows] + [1] * (size - rows))  # [B] after `grow`
-        columns = torch.arange(keys.shape[3])
-        visible = (columns[None, :] < lengths[:, None] - 1)[:, None, None]  # [B, 1, 1, C]
         pad = size - rows
         if pad:
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
-        _mark_dynamic(keys, values, visible)
-        logits, new_keys, new_values = compiled(tokens[:, None], positions, keys, values, visible)
+        if self._marked is not keys:  # regrown since the last step
+            _mark_dynamic(keys, values)
+            self._marked = keys
+        logits, new_keys, new_values = compiled(tokens[:, None], positions, keys, values)
         return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
 
 
@@ -275,12 +278,11 @@ def lanes_for(model: NativeLM) -> CompiledLanes:
 _LANES_LOCK = threading.Lock()
 
 
-def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor) -> None:
     """The RunningKV capacity (rows, positions) is dynamic: one graph per bucket."""
     for tensor in (keys, values):
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
         torch._dynamo.maybe_mark_dynamic(tensor, 3)
-    torch._dynamo.maybe_mark_dynamic(visible, 3)
 
 
 def _example_inputs(model: NativeLM, size: int, running_kv):
@@ -290,8 +292,7 @@ def _example_inputs(model: NativeLM, size: int, running_kv):
     n, _, kv_heads, _, dim = keys.shape
     shape = (n, max(size, 2) + 1, kv_heads, 64 + 1, dim)  # not 0/1-specialised sizes
     example_keys = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
-    visible = torch.ones((size, 1, 1, shape[3]), dtype=torch.bool, device=keys.device)
     tokens = torch.zeros((size, 1), dtype=torch.long, device=keys.device)
     positions = torch.zeros(size, dtype=torch.long, device=keys.device)
-    return tokens, positions, example_keys, example_keys.clone(), visible
+    return tokens, positions, example_keys, example_keys.clone()
 
