@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from decodekit.cli.common import add_dtype, add_threads, set_threads
+from decodekit.cli.common import add_dtype, add_threads, model_options, set_threads
 
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
     p.add_argument("--model", action="append", default=None,
                    help="embedded name, directory or ALIAS=PATH; repeatable (default shakespeare)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-tokens", type=int, default=2048, help="bound on a request's max_tokens")
     p.add_argument("--max-n", type=int, default=64, help="bound on a request's n, best_of and num_beams")
     p.add_argument("--max-queued", type=int, default=256, help="queued requests per model before 503")
@@ -46,6 +46,6 @@ def run_serve(args) -> None:
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
                           cors_origins=tuple(args.cors_origin))
-    models = load_models(args.model or ["shakespeare"], dtype=args.dtype, device=args.device)
+    models = load_models(args.model or ["shakespeare"], **model_options(args))
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
     serve(Backend(models, config), args.host, args.port)
