@@ -306,3 +306,42 @@ def test_models_shows_what_dtype_auto_does_on_this_cpu(capsys, tmp_path, monkeyp
     main(["models", "--dtype-report"])
     report = json.loads(capsys.readouterr().out)
     assert report["bfloat16_checkpoint"] == "float32" and report["cached"]
+
+
+def test_ctrl_c_while_streaming_is_a_newline_and_one_line(capsys, monkeypatch):
+    """In process: the stream raises KeyboardInterrupt after two chunks."""
+    import decodekit.decode.sample as sample
+
+    def interrupted_stream(*args, **kwargs):
+        class Delta:
+            text, completion = "But", None
+
+        yield Delta()
+        yield Delta()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "stream_events", interrupted_stream)
+    assert main(["generate", "ROMEO:", "--stream", "--max-new-tokens", "8"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "ROMEO:ButBut\n"  # the streamed line ended
+    assert out.err == "decodekit generate: interrupted\n"
+
+
+def test_ctrl_c_in_a_real_stream_exits_130_without_a_traceback():
+    """A subprocess streaming 500 tokens gets SIGINT once its first chunk is out."""
+    import os
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "generate", "ROMEO:", "--stream",
+                                "--max-new-tokens", "500", "--seed", "0", "--threads", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+    try:
+        first = process.stdout.read(len("ROMEO:") + 1)  # the prompt, then a generated character
+        process.send_signal(signal.SIGINT)
+        rest, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    out = (first + rest).decode()
+    assert process.returncode == 130, err.decode()
+    assert err.decode() == "decodekit generate: interrupted\n"
+    assert out.startswith("ROMEO:") and out.endswith("\n") and len(out) < 1400  # cut short
