@@ -207,7 +207,7 @@ def test_a_missing_optional_dependency_names_the_install_command(capsys, monkeyp
     assert "the server needs fastapi" in err and "[server]" in err and err.count("\n") == 1
 
 
-def test_progress_bars_on_a_terminal_only_and_never_with_json(monkeypatch, capsys, tmp_path):
+def test_progress_on_a_terminal_or_off_it_and_never_with_json(monkeypatch, capsys, tmp_path):
     import io
     import sys
 
@@ -226,7 +226,7 @@ def test_progress_bars_on_a_terminal_only_and_never_with_json(monkeypatch, capsy
             return True
 
     for stderr, flags, expected in [(Terminal(), [], True), (Terminal(), ["--json"], False),
-                                    (io.StringIO(), [], False)]:
+                                    (io.StringIO(), [], True), (io.StringIO(), ["--json"], False)]:
         monkeypatch.setattr(sys, "stderr", stderr)
         seen.clear()
         assert main(["eval", "arith", *flags]) == 0

@@ -88,8 +88,9 @@ def set_threads(args, model=None) -> int:
 
 
 def show_progress(args) -> bool:
-    """Progress bars on stderr: on a terminal, and not with --json."""
-    return not getattr(args, "json", False) and sys.stderr.isatty()
+    """Progress on stderr unless --json: a bar on a terminal, off one a line every few
+    seconds (runtime.progress), so a long command never looks hung."""
+    return not getattr(args, "json", False)
 
 
 def quiet_model_loading() -> None:
