@@ -133,7 +133,7 @@ def add_bench(sub) -> None:
     p.set_defaults(run=run_bench)
 
 
-def resolve(args) -> None:
+def settle(args) -> None:
     """Refuse the flags `args.which` does not take; fill in the defaults of those not given."""
     refuse_others(args, TAKES, args.which, "bench")
     if args.shape is not None and args.model is not None:
@@ -153,7 +153,7 @@ def resolve(args) -> None:
 
 
 def run_bench(args) -> None:
-    resolve(args)
+    settle(args)
     if args.which in ("latency", "presets", "kv"):
         run_seed_bench(args)
         return
