@@ -229,6 +229,7 @@ ROWS = [
     ("bench --fail-p", ["bench", "soak", "--fail-p", "0.2"], "bench_soak", "fail_p", 0.2),
     ("bench --seed", ["bench", "soak", "--seed", "5"], "bench_soak", "seed", 5),
     ("bench --repeats", ["bench", "kv", "--repeats", "1"], "bench_kv", "repeats", 1),
+    ("bench --repeats", ["bench", "speculative", "--repeats", "2"], "bench_speculative", "repeats", 2),
     ("bench --batch-sizes", ["bench", "latency", "--batch-sizes", "1,3"], "bench_latency", "batch_sizes",
      [1, 3]),
     ("bench --tokens", ["bench", "latency", "--tokens", "2"], "bench_latency", "new_tokens", [2]),

@@ -141,6 +141,8 @@ def settle(args) -> None:
     if args.quick and args.clients is not None:
         raise UsageError("--quick shortens the sweep of bench speculative; --clients runs the concurrent "
                          "comparison instead")
+    if args.hardening and (args.clients is not None or args.repeats is not None):
+        raise UsageError("bench server --hardening runs its own fixed load: no --clients or --repeats")
     which = "hardening" if args.hardening else args.which
     for name in dict.fromkeys(name for name, _ in DEFAULTS):
         if getattr(args, name) is None:
@@ -192,7 +194,7 @@ def run_bench(args) -> None:
         from decodekit.bench.speculative import bench_speculative, markdown_table
 
         result = bench_speculative(args.model, args.draft_model, new_tokens=args.new_tokens, quick=args.quick,
-                                   threads=threads, progress=progress)
+                                   threads=threads, repeats=args.repeats, progress=progress)
         if not args.json:
             print(markdown_table(result))
             return

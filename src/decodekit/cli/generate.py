@@ -105,7 +105,7 @@ def add_structure_flags(p) -> None:
     """Contrastive decoding, constraints and token healing (decode/contrastive.py, constrained.py,
     healing.py)."""
     cd = p.add_argument_group("contrastive decoding: --strategy contrastive (greedy on CD scores), "
-                              "or --amateur with any strategy")
+                              "or --amateur-model with any strategy")
     cd.add_argument("--amateur-model", "--amateur", action=Renamed, default=None, metavar="AMATEUR",
                     help="amateur model (default: shakespeare-draft; --amateur: deprecated)")
     cd.add_argument("--contrastive-alpha", "--alpha", action=Renamed, type=float, default=None,
