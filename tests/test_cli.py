@@ -278,6 +278,8 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
     (["bench", "dtype", "--dtype", "bfloat16"], "--dtype applies to bench decode, engine and latency"),
     (["bench", "speculative", "--quick", "--clients", "4"], "--quick shortens the sweep"),
     (["bench", "server", "--hardening", "--repeats", "2"], "--hardening runs its own fixed load"),
+    (["compress", "m", "--method", "rtn", "--calib", "8", "--out", "o"],
+     "--calib applies to the methods that calibrate (gptq, sparsegpt), not rtn"),
     (["eval", "alignment", "--model", "arith"], "--model applies to eval arith and perplexity"),
     (["eval", "perplexity", "--width", "3"], "--width applies to eval arith, not eval perplexity"),
     (["eval", "perplexity", "--text", "README.md", "--split", "val"], "give --text or --split, not both"),
