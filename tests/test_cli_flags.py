@@ -453,3 +453,18 @@ def test_a_deprecated_name_prints_one_line_and_works_as_the_new_one(capsys):
     assert args.draft_model == "auto"
     assert build_parser().parse_args(["eval", "arith", "--n", "1,2"]).budgets == "1,2"
     assert "--n is deprecated; use --budgets" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, sink, expected", [
+    (["bench", "beam"], "bench_beam", {"new_tokens": 32, "clients": 16, "repeats": 3}),
+    (["bench", "server"], "bench_server", {"new_tokens": 256, "levels": [1, 8, 32, 64]}),
+    (["bench", "server", "--hardening"], "bench_hardening", {"new_tokens": 64}),
+    (["bench", "soak"], "bench_soak", {"requests": 500, "concurrency": 64, "fail_p": 0.05, "seed": 0}),
+    (["bench", "speculative"], "bench_speculative", {"new_tokens": 256, "draft_name": "shakespeare-draft"}),
+])
+def test_a_benchmark_without_a_flag_gets_its_own_default(sinks, capsys, argv, sink, expected):
+    """Not given is None and becomes the benchmark's default; a value equal to another
+    benchmark's default is still the user's (bench beam --new-tokens 256 runs 256, above)."""
+    assert main([*argv, "--json"]) == 0
+    arguments = sinks[sink][-1]
+    assert {name: arguments[name] for name in expected} == expected
