@@ -36,7 +36,7 @@ LONG = {
     "two tiny sizes",
     "decodekit eval perplexity": "about 20 s over the 75k held-out tokens; "
     "tests/compress/test_cli_compress.py runs the command on a short text",
-    "decodekit eval alignment": "minutes (4,096 base samples, two value trainings, a dozen decoding "
+    "decodekit eval alignment": "3.5 minutes (4,096 base samples, two value trainings, a dozen decoding "
     "runs); tests/align/test_frontier.py runs the same code on a tiny configuration",
     "decodekit compress": "GPTQ calibration, about 20 s; tests/compress/test_cli_compress.py "
     "compresses a tiny checkpoint through the same command",
