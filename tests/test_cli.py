@@ -207,7 +207,7 @@ def test_a_missing_optional_dependency_names_the_install_command(capsys, monkeyp
     assert "the server needs fastapi" in err and "[server]" in err and err.count("\n") == 1
 
 
-def test_progress_bars_on_a_terminal_only_and_never_with_json(monkeypatch, capsys, tmp_path):
+def test_progress_on_a_terminal_or_off_it_and_never_with_json(monkeypatch, capsys, tmp_path):
     import io
     import sys
 
@@ -226,7 +226,7 @@ def test_progress_bars_on_a_terminal_only_and_never_with_json(monkeypatch, capsy
             return True
 
     for stderr, flags, expected in [(Terminal(), [], True), (Terminal(), ["--json"], False),
-                                    (io.StringIO(), [], False)]:
+                                    (io.StringIO(), [], True), (io.StringIO(), ["--json"], False)]:
         monkeypatch.setattr(sys, "stderr", stderr)
         seen.clear()
         assert main(["eval", "arith", *flags]) == 0
@@ -255,12 +255,12 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
 @pytest.mark.parametrize("args, message", [
     (["generate", "x", "--dtype", "bf16"],
      "dtype must be one of 'auto', 'float32', 'bfloat16', 'float16' (or the torch dtype), got 'bf16'"),
-    (["eval", "arith", "--dtype", "bfloat16"], "--dtype applies to eval perplexity only, not eval arith"),
+    (["eval", "arith", "--dtype", "bfloat16"], "--dtype applies to eval perplexity, not eval arith"),
     (["bench", "constrained", "--dtype", "bfloat16"],
-     "--dtype applies to bench decode, engine and dtype, not bench constrained"),
+     "--dtype applies to bench decode, engine and latency, not bench constrained"),
     (["generate", "x", "--device", "gpu"],
      "device must be one of 'auto', 'cpu', 'cuda', 'mps' (or 'cuda:N'), got 'gpu'"),
-    (["eval", "arith", "--device", "cpu:0"], "--device applies to eval perplexity only, not eval arith"),
+    (["eval", "arith", "--device", "cpu:0"], "--device applies to eval perplexity, not eval arith"),
     (["bench", "server", "--device", "cuda"],
      "--device applies to bench decode, engine and dtype, not bench server"),
     (["bench", "speculative", "--shape", "llama-3.2-1b"],
@@ -269,9 +269,22 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
     (["bench", "dtype", "--batches", "0,4"], "--batches must be comma-separated positive integers"),
     (["generate", "x", "--model", "shakespeare-5gram", "--dtype", "bfloat16"],
      "ngram model 'shakespeare-5gram' runs in float32 only"),
-    (["bench", "decode", "--concurrent", "16"],
-     "--concurrent applies to bench speculative, not bench decode"),
-    (["bench", "speculative", "--concurrent", "0"], "--concurrent must be >= 1, got 0"),
+    (["bench", "decode", "--clients", "16"],
+     "--clients applies to bench speculative, server, beam and soak, not bench decode"),
+    (["bench", "speculative", "--clients", "0"],
+     "--clients must be comma-separated positive integers, got '0'"),
+    (["bench", "beam", "--clients", "8,16"], "--clients must be one positive integer here, got '8,16'"),
+    (["bench", "kv", "--new-tokens", "16"], "--new-tokens applies to bench decode, engine, dtype, compress"),
+    (["bench", "dtype", "--dtype", "bfloat16"], "--dtype applies to bench decode, engine and latency"),
+    (["bench", "speculative", "--quick", "--clients", "4"], "--quick shortens the sweep"),
+    (["bench", "server", "--hardening", "--repeats", "2"], "--hardening runs its own fixed load"),
+    (["compress", "m", "--method", "rtn", "--calib", "8", "--out", "o"],
+     "--calib applies to the methods that calibrate (gptq, sparsegpt), not rtn"),
+    (["eval", "alignment", "--model", "arith"], "--model applies to eval arith and perplexity"),
+    (["eval", "perplexity", "--width", "3"], "--width applies to eval arith, not eval perplexity"),
+    (["eval", "perplexity", "--text", "README.md", "--split", "val"], "give --text or --split, not both"),
+    (["generate", "x", "--num-beams", "3"], "--num-beams applies to --strategy beam, not sample"),
+    (["generate", "x", "--num-draft-tokens", "3"], "--num-draft-tokens applies to speculative decoding"),
     (["bench", "latency", "--peer", "llamacpp"], "--peer applies to bench packed, not bench latency"),
     (["bench", "engine", "--peer", "llamacpp"], "--peer applies to bench packed, not bench engine"),
 ])  # fmt: skip
@@ -296,3 +309,42 @@ def test_models_shows_what_dtype_auto_does_on_this_cpu(capsys, tmp_path, monkeyp
     main(["models", "--dtype-report"])
     report = json.loads(capsys.readouterr().out)
     assert report["bfloat16_checkpoint"] == "float32" and report["cached"]
+
+
+def test_ctrl_c_while_streaming_is_a_newline_and_one_line(capsys, monkeypatch):
+    """In process: the stream raises KeyboardInterrupt after two chunks."""
+    import decodekit.decode.sample as sample
+
+    def interrupted_stream(*args, **kwargs):
+        class Delta:
+            text, completion = "But", None
+
+        yield Delta()
+        yield Delta()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "stream_events", interrupted_stream)
+    assert main(["generate", "ROMEO:", "--stream", "--max-new-tokens", "8"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "ROMEO:ButBut\n"  # the streamed line ended
+    assert out.err == "decodekit generate: interrupted\n"
+
+
+def test_ctrl_c_in_a_real_stream_exits_130_without_a_traceback():
+    """A subprocess streaming 500 tokens gets SIGINT once its first chunk is out."""
+    import os
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "generate", "ROMEO:", "--stream",
+                                "--max-new-tokens", "500", "--seed", "0", "--threads", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+    try:
+        first = process.stdout.read(len("ROMEO:") + 1)  # the prompt, then a generated character
+        process.send_signal(signal.SIGINT)
+        rest, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    out = (first + rest).decode()
+    assert process.returncode == 130, err.decode()
+    assert err.decode() == "decodekit generate: interrupted\n"
+    assert out.startswith("ROMEO:") and out.endswith("\n") and len(out) < 1400  # cut short

@@ -56,10 +56,10 @@ def test_heal_and_contrastive_flags(capsys, tiny_llama_dir, amateur_dir):
     model = ("--model", tiny_llama_dir, "--max-new-tokens", 6)
     code, out, _ = run(capsys, "JULIET: O Ro", *model, "--heal", "--seed", 2)
     assert code == 0 and out.startswith("JULIET: O Ro")
-    code, out, _ = run(capsys, "ROMEO:", *model, "--strategy", "contrastive", "--amateur", amateur_dir,
-                       "--alpha", 0.2, "--amateur-window", 4, "--json")
+    code, out, _ = run(capsys, "ROMEO:", *model, "--strategy", "contrastive", "--amateur-model", amateur_dir,
+                       "--contrastive-alpha", 0.2, "--amateur-window", 4, "--json")
     assert code == 0 and len(json.loads(out)["token_ids"]) <= 6
-    code, out, _ = run(capsys, "ROMEO:", *model, "--strategy", "sample", "--amateur", amateur_dir,
+    code, out, _ = run(capsys, "ROMEO:", *model, "--strategy", "sample", "--amateur-model", amateur_dir,
                        "--amateur-temperature", 0.5, "--n", 2, "--seed", 0, "--json")
     assert code == 0 and len(json_lines(out)) == 2
 
@@ -68,7 +68,7 @@ def test_heal_and_contrastive_flags(capsys, tiny_llama_dir, amateur_dir):
     (["--choices", ""], "choices must contain at least one option"),
     (["--choices", "a,b", "--regex", "x"], "at most one of"),
     (["--regex", "a(b"], "invalid regex"),
-    (["--alpha", "0.3"], "--alpha needs --amateur or --strategy contrastive"),
+    (["--contrastive-alpha", "0.3"], "--contrastive-alpha needs --amateur-model or --strategy contrastive"),
     (["--strategy", "contrastive", "--temperature", "0.7"], "takes no --temperature"),
     (["--json-schema", "/no/such/schema.json"], "No such file"),
     (["--regex", "[0-9]", "--heal"], "heal cannot be combined with a constraint"),

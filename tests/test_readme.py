@@ -29,16 +29,16 @@ BIN = Path(sys.executable).parent  # the environment's bin/: `decodekit` lives b
 # Prefix of a README command -> why the test does not run it.
 LONG = {
     "bash scripts/setup.sh": "builds the environment: CI runs command 2 (.ci/run) on every submission",
-    "decodekit eval arith --strategies": "about a minute (2 seeds x 3 strategies x 50 problems); "
+    "decodekit eval arith --strategies": "about 35 s (2 seeds x 3 strategies x 50 problems); "
     "tests/meta/test_evaluate.py runs the same code on a small budget",
-    "decodekit eval arith --model arith-small": "tens of minutes (3 sizes x 2 seeds x 100 problems, "
+    "decodekit eval arith --model arith-small": "about 9 minutes (3 sizes x 2 seeds x 100 problems, "
     "REBASE at every N to 64); tests/scripts/test_train_arith_smoke.py runs the same command on "
     "two tiny sizes",
     "decodekit eval perplexity": "about 20 s over the 75k held-out tokens; "
     "tests/compress/test_cli_compress.py runs the command on a short text",
-    "decodekit eval alignment": "minutes (4,096 base samples, two value trainings, a dozen decoding "
+    "decodekit eval alignment": "3.5 minutes (4,096 base samples, two value trainings, a dozen decoding "
     "runs); tests/align/test_frontier.py runs the same code on a tiny configuration",
-    "decodekit compress": "GPTQ calibration, about 45 s; tests/compress/test_cli_compress.py "
+    "decodekit compress": "GPTQ calibration, about 20 s; tests/compress/test_cli_compress.py "
     "compresses a tiny checkpoint through the same command",
     "decodekit bench": "a benchmark: half a minute (decode) to minutes (the others) by design",
     "decodekit serve --model shakespeare --port": "the Server section's serve command (a superset) "
@@ -84,7 +84,7 @@ CHECKS = {
     "decodekit generate \"ROMEO:\" --stream --stop": lambda out, err: "\n\n" not in out.rstrip("\n"),
     "decodekit generate \"ROMEO:\" --strategy beam": lambda out, err: out.count("--- sample") == 3,
     "decodekit generate \"Data: \" --json-schema": check_json_schema,
-    "decodekit generate \"ROMEO:\" --speculative": lambda out, err: "acceptance" in err,
+    "decodekit generate \"ROMEO:\" --draft-model": lambda out, err: "acceptance" in err,
     "decodekit align bon": lambda out, err: "win rate" in out,
 }
 
@@ -106,6 +106,7 @@ def test_command(command):
     result = shell(command)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
+    assert "is deprecated" not in result.stderr  # the README speaks the current vocabulary
     if command.startswith("decodekit generate") and "--json" not in command:
         prompt = re.match(r'decodekit generate "([^"]*)"', command).group(1)
         assert result.stdout.startswith(prompt) or result.stdout.startswith("--- sample 0")

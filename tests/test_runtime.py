@@ -1,5 +1,9 @@
 """runtime.py: the automatic thread count, set_threads' checks, and progress bars on stderr."""
 
+import re
+import sys
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -86,10 +90,28 @@ def test_progress_disabled_iterates_silently(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_progress_enabled_writes_a_bar_to_stderr(capsys):
+def test_progress_enabled_writes_a_bar_to_a_terminal(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert list(runtime.progress(range(3), desc="work", enabled=True)) == [0, 1, 2]
     err = capsys.readouterr().err
-    assert "work" in err and "3/3" in err
+    assert "work" in err and "3/3" in err and "\r" in err  # tqdm's bar, redrawn in place
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds(capsys):
+    """Issue 26: a long command off a terminal prints done/total and the rate now and then."""
+    assert isinstance(runtime.progress(total=2, enabled=True), runtime.ProgressLines)  # capsys: no TTY
+    assert list(runtime.progress(range(3), desc="quick", enabled=True)) == [0, 1, 2]
+    assert capsys.readouterr().err == ""  # done before the first line is due: nothing
+    bar = runtime.ProgressLines(total=4, desc="bench kv", interval=0.2)
+    bar.update(1)
+    time.sleep(0.5)  # a long step: the timer still reports
+    bar.set_postfix_str("sinks_recent")
+    bar.update(3)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(line.startswith("bench kv: ") for line in lines)
+    assert re.fullmatch(r"bench kv: 1/4 \(25%\), \d+\.\d\d/s, 0 s", lines[0])
+    assert re.fullmatch(r"bench kv: 4/4 \(100%\), \d+\.\d\d/s, done in \d s, sinks_recent", lines[-1])
 
 
 def two_layers() -> nn.Module:
@@ -104,7 +126,8 @@ def two_layers() -> nn.Module:
         model, "sparsegpt", 0.5, calib_batches=[torch.randn(16, 8)], skip=(), progress=progress),
     lambda model, progress: quantize_model(model, "rtn", 8, skip=(), progress=progress),
 ])
-def test_compression_progress_goes_to_stderr_only_when_asked(capsys, compress):
+def test_compression_progress_goes_to_stderr_only_when_asked(capsys, monkeypatch, compress):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a bar (off a terminal: a line now and then)
     compress(two_layers(), progress=False)
     assert capsys.readouterr().err == ""
     summary = compress(two_layers(), progress=True)

@@ -116,9 +116,73 @@ def progress(
     desc: str | None = None,
     enabled: bool | None = None,
 ):
-    """A tqdm bar on stderr; `enabled=None` means "stderr is a terminal". Disabled, it only iterates."""
-    from tqdm import tqdm
-
+    """Progress on stderr: a tqdm bar on a terminal, else (when `enabled`) a `ProgressLines`
+    line every few seconds, so a long command run off a terminal (a log, CI, a pipe) does not
+    look hung (issue 26). `enabled=None` means "stderr is a terminal". Disabled, it only iterates."""
     if enabled is None:
         enabled = sys.stderr.isatty()
+    if enabled and not sys.stderr.isatty():
+        return ProgressLines(iterable, total=total, desc=desc)
+    from tqdm import tqdm
+
     return tqdm(iterable, total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+class ProgressLines:
+    """tqdm's interface (iterate, update, set_postfix_str, close, with) writing a line
+    `desc: done/total (pct), rate/s, elapsed s` to stderr every `interval` seconds while it
+    runs, from a timer thread so that a long step still shows the command is alive, and a
+    last line when it closes if it printed any."""
+
+    def __init__(self, iterable: Iterable | None = None, *, total: int | None = None,
+                 desc: str | None = None, interval: float = 10.0):
+        import threading
+
+        if total is None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self.iterable, self.total, self.desc, self.interval = iterable, total, desc or "progress", interval
+        self.n, self.postfix, self.start, self.printed = 0, "", time.monotonic(), False
+        self._done = threading.Event()
+        self._timer = threading.Thread(target=self._tick, daemon=True, name=f"progress {self.desc}")
+        self._timer.start()
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.interval):
+            self._line()
+
+    def _line(self, last: bool = False) -> None:
+        elapsed = time.monotonic() - self.start
+        done = f"{self.n}/{self.total} ({self.n / self.total:.0%})" if self.total else f"{self.n}"
+        rate = f"{self.n / elapsed:.2f}/s" if elapsed > 0 else "-"
+        postfix = f", {self.postfix}" if self.postfix else ""
+        state = f"done in {elapsed:.0f} s" if last else f"{elapsed:.0f} s"
+        print(f"{self.desc}: {done}, {rate}, {state}{postfix}", file=sys.stderr, flush=True)
+        self.printed = True
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        self.postfix = text
+
+    def close(self) -> None:
+        if self._done.is_set():
+            return
+        self._done.set()
+        self._timer.join()
+        if self.printed:
+            self._line(last=True)
+
+    def __iter__(self):
+        try:
+            for item in self.iterable:
+                yield item
+                self.n += 1
+        finally:
+            self.close()
+
+    def __enter__(self) -> ProgressLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

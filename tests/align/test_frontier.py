@@ -76,7 +76,7 @@ def test_cli_alignment_flags_reach_the_config(report, monkeypatch, capsys):
     assert main(["eval", "alignment", "--samples", "0"]) == 2
     capsys.readouterr()
     assert main(["eval", "arith", "--value", "hidden"]) == 2
-    assert "--value applies to eval alignment only" in capsys.readouterr().err
+    assert "--value applies to eval alignment, not eval arith" in capsys.readouterr().err
     with pytest.raises(ValueError, match="^value must be one of bag, hidden, got 'tree'"):
         frontier.FrontierConfig(value="tree")
     with pytest.raises(ValueError, match="^reward must be one of"):

@@ -23,4 +23,4 @@ def test_cli_errors(capsys):
     from decodekit.cli import main
 
     assert main(["bench", "kv", "--dtype", "bfloat16"]) == 2
-    assert "bench kv takes no --dtype or --plot" in capsys.readouterr().err
+    assert "--dtype applies to bench decode, engine and latency, not bench kv" in capsys.readouterr().err

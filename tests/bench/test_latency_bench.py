@@ -59,7 +59,7 @@ def test_cli(tiny_llama_dir, capsys):
     assert main(["bench", "latency", "--batch-sizes", "1,x"]) == 2
     assert "--batch-sizes must be comma-separated positive integers, got '1,x'" in capsys.readouterr().err
     assert main(["bench", "presets", "--plot", "p.png"]) == 2
-    assert "bench presets takes no --dtype or --plot" in capsys.readouterr().err
+    assert "--plot applies to bench latency, not bench presets" in capsys.readouterr().err
 
 
 def test_bench_presets_rows(tiny_llama_dir, one_thread):

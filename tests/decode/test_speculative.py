@@ -505,15 +505,15 @@ def test_cli_speculative_equals_plain_greedy(tiny_llama_dir, capsys):
             "--max-new-tokens", "10", "--json"]  # fmt: skip
     assert main(base) == 0
     plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # one per line
-    for extra in (["--speculative", "prompt-lookup", "--gamma", "3", "--verify", "token"],
-                  ["--speculative", str(tiny_llama_dir), "--adaptive-gamma"]):
+    for extra in (["--draft-model", "prompt-lookup", "--num-draft-tokens", "3", "--verify", "token"],
+                  ["--draft-model", str(tiny_llama_dir), "--adaptive"]):
         assert main(base + extra) == 0
         out = capsys.readouterr()
         assert json.loads(out.out)["token_ids"] == plain[0]["token_ids"]
         stats = json.loads(out.err)["speculative"]
         assert stats["emitted_tokens"] == len(plain[0]["token_ids"])
     assert stats["acceptance_rate"] == 1.0  # the target drafting for itself
-    assert main(base + ["--speculative", "prompt-lookup", "--strategy", "beam"]) == 2
+    assert main(base + ["--draft-model", "prompt-lookup", "--strategy", "beam"]) == 2
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_lm):

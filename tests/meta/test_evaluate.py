@@ -98,5 +98,5 @@ def test_eval_config_and_cli_errors(capsys):
         EvalConfig(aggregate="mean")
     assert main(["eval", "arith", "--strategies", "majority,mcts"]) == 2
     assert "unknown strategies ['mcts']" in capsys.readouterr().err
-    assert main(["eval", "arith", "--n", "1,two"]) == 2
-    assert "--n must be comma-separated integers" in capsys.readouterr().err
+    assert main(["eval", "arith", "--budgets", "1,two"]) == 2
+    assert "--budgets must be comma-separated integers" in capsys.readouterr().err

@@ -93,3 +93,40 @@ def test_compressed_weights_count_as_stored(tiny_llama_dir, tmp_path):
     assert plan["kv_bytes"] == 38_400 and plan["parameters"] is None  # the cache stays float32
     with pytest.raises(ValueError, match="runs in float32 only, got dtype 'bfloat16'"):
         plan_memory(str(tmp_path / "int8"), context=8, dtype="bfloat16")
+
+
+def test_gpt2_config_is_read_through_transformers_attribute_map(tmp_path, capsys):
+    """GPT-2 spells the heads n_head, the layers n_layer, the width n_embd (issue 26)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=50)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    assert "n_head" in json.loads((tmp_path / "config.json").read_text())
+    assert main(["plan", str(tmp_path), "--context", "64", "--batch", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["num_layers"], plan["num_heads"], plan["num_kv_heads"], plan["head_dim"]) == (3, 4, 4, 8)
+    assert plan["kv_bytes"] == kv_cache_bytes(2, 64, 3, 4, 8, 4)
+    assert main(["plan", str(tmp_path), "--context", "65"]) == 2  # n_positions is the context
+    assert "context must be <= 64" in capsys.readouterr().err
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_head"}))
+    assert main(["plan", str(tmp_path), "--context", "8"]) == 2  # not GPT2Config's default of 12 heads
+    err = capsys.readouterr().err
+    assert "config.json has no 'num_attention_heads'" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "no-such-type"}))
+    assert main(["plan", str(tmp_path), "--context", "8"]) == 2  # no map: n_layer is no known name
+    assert "config.json has no 'num_hidden_layers'" in capsys.readouterr().err
+
+
+def test_a_hub_id_says_nothing_is_downloaded_and_names_the_directory_form(capsys):
+    hub = "Qwen/Qwen2.5-0.5B"
+    for argv in (["plan", hub, "--context", "8"], ["generate", "x", "--model", hub],
+                 ["eval", "perplexity", hub]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "looks like a Hugging Face hub ID: nothing is downloaded" in err
+        assert "--local-dir ./Qwen2.5-0.5B) and give the directory (./Qwen2.5-0.5B)" in err
+    assert main(["plan", "./no/such/dir", "--context", "8"]) == 2  # a path, not an ID
+    assert "model path './no/such/dir' does not exist" in capsys.readouterr().err

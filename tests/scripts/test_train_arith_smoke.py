@@ -92,7 +92,7 @@ def test_eval_sizes_end_to_end_on_two_random_sizes(train_arith, tmp_path, capsys
     png = tmp_path / "sizes.png"
     capsys.readouterr()  # install's lines
     assert main(["eval", "arith", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b"),
-                 "--n", "1,2", "--seeds", "1", "--problems", "2", "--json", "--plot", str(png)]) == 0
+                 "--budgets", "1,2", "--seeds", "1", "--problems", "2", "--json", "--plot", str(png)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [s["parameters"] for s in report["models"]] == [parameters["a"], parameters["b"]]
     for size in report["models"]:
@@ -113,5 +113,5 @@ def test_eval_sizes_end_to_end_on_two_random_sizes(train_arith, tmp_path, capsys
         assert all(b["strategy"] == strategy for b in budgets)
     assert png.stat().st_size > 10_000
     assert main(["eval", "arith", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b"),
-                 "--n", "1", "--seeds", "1", "--problems", "1", "--strategies", "majority"]) == 0
+                 "--budgets", "1", "--seeds", "1", "--problems", "1", "--strategies", "majority"]) == 0
     assert "best within each budget, majority" in capsys.readouterr().out

@@ -3,7 +3,8 @@
 Heavy modules (torch, transformers) are imported inside the command functions so
 that `decodekit --help` answers at once. User errors print one line to stderr and
 exit with status 2; a missing optional dependency prints one line naming the command
-that installs it and exits with status 1; no traceback.
+that installs it and exits with status 1; Ctrl-C ends the line, prints "interrupted" and
+exits with status 130; no traceback.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError, TypeError, FileNotFoundError) as error:
         print(f"decodekit {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: end a streamed line, say so in one line, 128 + SIGINT
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"decodekit {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
     return 0

@@ -4,52 +4,128 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
+from decodekit.cli.common import (
+    Renamed,
+    UsageError,
+    add_dtype,
+    add_threads,
+    check_plot,
+    model_options,
+    refuse_others,
+    set_threads,
+    show_progress,
+)
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
            "latency", "presets", "dtype", "packed", "kv", "soak")
-SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
+SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
+TIMED = ("constrained", "compress", "speculative", "server", "engine", "beam", "latency", "dtype", "packed",
+         "kv", "decode")  # the benchmarks that take --repeats
+
+# A flag's name -> the benchmarks that take it. Every such flag defaults to None (not given),
+# so a benchmark that does not take it refuses it (refuse_others) and one that does gets
+# DEFAULTS' value: no flag is compared with its default, none is silently ignored.
+TAKES: dict[str, tuple[str, ...]] = {
+    "shape": SHAPED,
+    "dtype": ("decode", "engine", "latency"),
+    "device": ("decode", "engine", "dtype"),
+    "dtypes": ("dtype",),
+    "batches": ("dtype",),
+    "amateur_model": ("contrastive",),
+    "draft_model": ("speculative", "soak"),
+    "judge_model": ("presets",),
+    "peer": ("packed",),
+    "quick": ("speculative",),
+    "clients": ("speculative", "server", "beam", "soak"),
+    "hardening": ("server",),
+    "new_tokens": ("decode", "engine", "dtype", "compress", "speculative", "server", "beam", "soak",
+                   "packed"),
+    "requests": ("soak",),
+    "fail_p": ("soak",),
+    "seed": ("soak",),
+    "repeats": TIMED,
+    "batch_sizes": ("latency",),
+    "tokens": ("latency",),
+    "context": ("latency",),
+    "plot": ("latency",),
+}
+# Values of the flags not given: (flag, benchmark) first ("hardening": bench server --hardening),
+# then (flag, None) for all of them; a flag with neither stays None (bench speculative's
+# --clients: not given, the sweep runs).
+DEFAULTS: dict[tuple[str, str | None], object] = {
+    ("model", None): "shakespeare",
+    ("dtypes", None): "float32,bfloat16",
+    ("batches", None): "16,64",
+    ("amateur_model", None): "shakespeare-draft",
+    ("draft_model", None): "shakespeare-draft",
+    ("judge_model", None): "shakespeare-draft",
+    ("clients", "server"): "1,8,32,64",
+    ("clients", "beam"): "16",
+    ("clients", "soak"): "64",
+    ("new_tokens", None): 256,
+    ("new_tokens", "beam"): 32,
+    ("new_tokens", "hardening"): 64,
+    ("requests", None): 500,
+    ("fail_p", None): 0.05,
+    ("seed", None): 0,
+    ("repeats", None): 3,
+    ("batch_sizes", None): "1,2,4,8,16,32,64",
+    ("tokens", None): "1,2,4,8,16",
+    ("context", None): 256,
+}
 
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("which", choices=BENCHES)
-    p.add_argument("--model", default="shakespeare",
-                   help="a model name or directory; bench packed also takes qwen2.5-0.5b-16l (random)")
+    p.add_argument("which", choices=BENCHES, help="the benchmark (README, Command line; BENCHMARKS.md)")
+    p.add_argument("--model", default=None,
+                   help="a model name or directory (default shakespeare); bench packed also takes "
+                   "qwen2.5-0.5b-16l (random)")
     p.add_argument("--shape", choices=SHAPES, default=None,
                    help="bench decode/engine/dtype: a random-weight model with these layer shapes "
                    "(vocabulary cut to the embedded tokenizer's 2,048) instead of --model")
-    p.add_argument("--dtypes", default="float32,bfloat16",
+    p.add_argument("--dtypes", default=None,
                    help="bench dtype: the dtypes compared, and compressed copies of the float32 model "
-                        "(int8-rtn, int8-gptq, int4-gptq)")
-    p.add_argument("--batches", default="16,64", help="bench dtype: engine batch sizes")
-    p.add_argument("--amateur", default="shakespeare-draft", help="bench contrastive: the amateur")
-    p.add_argument("--draft", default="shakespeare-draft",
-                   help="bench speculative: the draft model; bench presets: the second scorer")
+                        "(int8-rtn, int8-gptq, int4-gptq; default float32,bfloat16)")
+    p.add_argument("--batches", default=None, help="bench dtype: engine batch sizes (default 16,64)")
+    p.add_argument("--amateur-model", "--amateur", action=Renamed, default=None, metavar="AMATEUR",
+                   help="bench contrastive: the amateur (default shakespeare-draft; --amateur: deprecated)")
+    p.add_argument("--draft-model", "--draft", action=Renamed, default=None, metavar="DRAFT",
+                   help="bench speculative and soak: the draft model (default shakespeare-draft; "
+                   "--draft: deprecated)")
+    p.add_argument("--judge-model", default=None, metavar="JUDGE",
+                   help="bench presets: the second model that scores the samples (default shakespeare-draft)")
     p.add_argument("--peer", choices=("llamacpp",), default=None,
                    help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model in "
                    "the same rounds and with the same --threads (built by scripts/peers.sh into .peers/ or "
                    "$DECODEKIT_PEERS; reported absent without it)")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
-    p.add_argument("--concurrent", type=int, default=None, metavar="N",
-                   help="bench speculative: N concurrent requests on the engine against N plain ones")
-    p.add_argument("--concurrency", default="1,8,32,64",
-                   help="bench server: client counts; bench beam: one count (default 16)")
+    p.add_argument("--clients", "--concurrent", "--concurrency", action=Renamed, default=None,
+                   metavar="N[,N...]",
+                   help="requests in flight at once: bench server, a comma-separated list of levels "
+                   "(default 1,8,32,64); bench beam (default 16) and soak (default 64), one count; "
+                   "bench speculative, N concurrent requests batched on the engine against N plain ones "
+                   "instead of the sweep over the draft length (--concurrent, --concurrency: deprecated)")
     p.add_argument("--hardening", action="store_true", help="bench server: /health under a huge prompt "
                    "and 64 streams, a 100 MB body's 413, best-of-16 on a pool of two servers "
                    "(bench/hardening.py)")
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="tokens generated per request, EOS ignored (default 256; bench beam 32, "
+                   "bench server --hardening 64)")
     soak = p.add_argument_group("bench soak (the engine under random faults: bench/soak.py)")
-    soak.add_argument("--requests", type=int, default=500, help="requests run in all")
-    soak.add_argument("--clients", type=int, default=64, help="requests in flight at once")
-    soak.add_argument("--fail-p", type=float, default=0.05, help="probability that a step's forward fails")
-    soak.add_argument("--seed", type=int, default=0, help="the request mix's and the faults' seed")
-    p.add_argument("--repeats", type=int, default=3)
+    soak.add_argument("--requests", type=int, default=None, help="requests run in all (default 500)")
+    soak.add_argument("--fail-p", type=float, default=None,
+                      help="probability that a step's forward fails (default 0.05)")
+    soak.add_argument("--seed", type=int, default=None,
+                      help="the request mix's and the faults' seed (default 0)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3)")
     latency = p.add_argument_group("bench latency (seed 000's latency table)")
-    latency.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
-    latency.add_argument("--tokens", default="1,2,4,8,16", help="comma-separated new tokens per row")
-    latency.add_argument("--context", type=int, default=256, help="positions in the KV cache")
+    latency.add_argument("--batch-sizes", default=None,
+                         help="comma-separated batch sizes (default 1,2,4,8,16,32,64)")
+    latency.add_argument("--tokens", default=None,
+                         help="comma-separated new tokens per row (default 1,2,4,8,16)")
+    latency.add_argument("--context", type=int, default=None, help="positions in the KV cache (default 256)")
     latency.add_argument("--plot", default=None, metavar="FILE", help="a heat map (needs matplotlib)")
     add_dtype(p)
     add_threads(p)
@@ -57,20 +133,32 @@ def add_bench(sub) -> None:
     p.set_defaults(run=run_bench)
 
 
+def settle(args) -> None:
+    """Refuse the flags `args.which` does not take; fill in the defaults of those not given."""
+    refuse_others(args, TAKES, args.which, "bench")
+    if args.shape is not None and args.model is not None:
+        raise UsageError("give --model or --shape, not both")
+    if args.quick and args.clients is not None:
+        raise UsageError("--quick shortens the sweep of bench speculative; --clients runs the concurrent "
+                         "comparison instead")
+    if args.hardening and (args.clients is not None or args.repeats is not None):
+        raise UsageError("bench server --hardening runs its own fixed load: no --clients or --repeats")
+    which = "hardening" if args.hardening else args.which
+    for name in dict.fromkeys(name for name, _ in DEFAULTS):
+        if getattr(args, name) is None:
+            for key in ((name, which), (name, args.which), (name, None)):
+                if key in DEFAULTS:
+                    setattr(args, name, DEFAULTS[key])
+                    break
+    if args.clients is not None and args.which != "server":
+        [args.clients] = int_list("--clients", args.clients, one=True)
+
+
 def run_bench(args) -> None:
-    if args.peer is not None and args.which != "packed":
-        raise UsageError(f"--peer applies to bench packed, not bench {args.which}")
+    settle(args)
     if args.which in ("latency", "presets", "kv"):
         run_seed_bench(args)
         return
-    for flag, value, default in (("--dtype", args.dtype, "auto"), ("--device", args.device, "cpu"),
-                                 ("--shape", args.shape, None)):  # fmt: skip
-        if value != default and args.which not in SHAPED:
-            raise UsageError(f"{flag} applies to bench decode, engine and dtype, not bench {args.which}")
-    if args.shape is not None and args.model != "shakespeare":
-        raise UsageError("give --model or --shape, not both")
-    if args.concurrent is not None and args.which != "speculative":
-        raise UsageError(f"--concurrent applies to bench speculative, not bench {args.which}")
     if args.which in SHAPED:
         from decodekit.bench.decode import model_or_shape
 
@@ -89,7 +177,7 @@ def run_bench(args) -> None:
     elif args.which == "contrastive":
         from decodekit.bench.contrastive import bench_contrastive
 
-        result = bench_contrastive(args.model, args.amateur, progress=progress)
+        result = bench_contrastive(args.model, args.amateur_model, progress=progress)
     elif args.which == "compress":
         from decodekit.bench.compress import bench_compress, table
 
@@ -97,25 +185,23 @@ def run_bench(args) -> None:
         if not args.json:
             print(table(result))
             return
-    elif args.which == "speculative" and args.concurrent is not None:
+    elif args.which == "speculative" and args.clients is not None:
         from decodekit.bench.speculative import bench_concurrent
 
-        if args.concurrent < 1:
-            raise UsageError(f"--concurrent must be >= 1, got {args.concurrent}")
-        result = bench_concurrent(args.model, args.draft, args.concurrent, args.new_tokens,
+        result = bench_concurrent(args.model, args.draft_model, args.clients, args.new_tokens,
                                   repeats=args.repeats, threads=threads)
     elif args.which == "speculative":
         from decodekit.bench.speculative import bench_speculative, markdown_table
 
-        result = bench_speculative(args.model, args.draft, new_tokens=args.new_tokens, quick=args.quick,
-                                   threads=threads, progress=progress)
+        result = bench_speculative(args.model, args.draft_model, new_tokens=args.new_tokens, quick=args.quick,
+                                   threads=threads, repeats=args.repeats, progress=progress)
         if not args.json:
             print(markdown_table(result))
             return
     elif args.which == "server" and args.hardening:
         from decodekit.bench.hardening import bench_hardening
 
-        result = bench_hardening(args.model, min(args.new_tokens, 64))
+        result = bench_hardening(args.model, args.new_tokens)
     elif args.which == "server":
         from decodekit.bench.server import bench_server, table
         from decodekit.optional import require
@@ -123,7 +209,7 @@ def run_bench(args) -> None:
         for module in ("fastapi", "uvicorn", "httpx"):
             require(module, "server", "bench server")
 
-        levels = [int(c) for c in args.concurrency.split(",")]
+        levels = int_list("--clients", args.clients)
         result = bench_server(args.model, args.new_tokens, levels, args.repeats, progress=progress)
         if not args.json:
             print(table(result))
@@ -134,17 +220,15 @@ def run_bench(args) -> None:
 
         for module in ("fastapi", "uvicorn", "httpx"):
             require(module, "server", "bench beam")
-        clients = 16 if args.concurrency == "1,8,32,64" else int(args.concurrency)
-        new_tokens = 32 if args.new_tokens == 256 else args.new_tokens
-        result = bench_beam(args.model, clients, new_tokens=new_tokens, repeats=args.repeats,
+        result = bench_beam(args.model, args.clients, new_tokens=args.new_tokens, repeats=args.repeats,
                             progress=progress)
     elif args.which == "soak":
         from decodekit.bench.soak import bench_soak
 
-        if args.requests < 1 or args.clients < 1 or not 0 <= args.fail_p < 1:
-            raise UsageError(f"bench soak needs --requests >= 1, --clients >= 1 and --fail-p in [0, 1), got "
-                             f"{args.requests}, {args.clients} and {args.fail_p}")
-        result = bench_soak(args.model, args.draft, args.requests, args.clients, args.fail_p, args.seed,
+        if args.requests < 1 or not 0 <= args.fail_p < 1:
+            raise UsageError(f"bench soak needs --requests >= 1 and --fail-p in [0, 1), got "
+                             f"{args.requests} and {args.fail_p}")
+        result = bench_soak(args.model, args.draft_model, args.requests, args.clients, args.fail_p, args.seed,
                             args.new_tokens, progress=progress)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
@@ -162,35 +246,27 @@ def _run_shaped(args, model: str) -> dict:
         from decodekit.bench.engine import bench_engine
 
         return bench_engine(model, args.new_tokens, args.repeats, threads, progress=progress,
-                            dtype=args.dtype, device=args.device)  # fmt: skip
+                            **model_options(args))
     if args.which == "dtype":
         from decodekit.bench.dtype import bench_dtype
 
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
         batches = tuple(int_list("--batches", args.batches))
         return bench_dtype(model, dtypes, args.new_tokens, batches=batches, repeats=args.repeats,
-                           device=args.device, progress=progress)  # fmt: skip
+                           progress=progress, **model_options(args))
     from decodekit.bench.decode import bench_decode
 
-    return bench_decode(model, args.new_tokens, args.repeats, progress=progress, dtype=args.dtype,
-                        device=args.device)  # fmt: skip
+    return bench_decode(model, args.new_tokens, args.repeats, progress=progress, **model_options(args))
 
 
 def run_seed_bench(args) -> None:
     """bench latency, presets and kv (issue 17): a table, or JSON with --json."""
-    if args.shape is not None or args.device != "cpu":
-        raise UsageError(f"--shape and --device apply to bench decode, engine and dtype, "
-                         f"not bench {args.which}")
     if args.which == "presets":
-        if args.dtype != "auto" or args.plot:
-            raise UsageError("bench presets takes no --dtype or --plot")
         from decodekit.bench.presets import bench_presets, table
 
         set_threads(args)
-        result = bench_presets(args.model, args.draft, progress=show_progress(args))
+        result = bench_presets(args.model, args.judge_model, progress=show_progress(args))
     elif args.which == "kv":
-        if args.dtype != "auto" or args.plot:
-            raise UsageError("bench kv takes no --dtype or --plot")
         from decodekit.bench.kv import bench_kv, table
 
         set_threads(args)
@@ -201,19 +277,22 @@ def run_seed_bench(args) -> None:
 
         set_threads(args)
         result = bench_latency(args.model, int_list("--batch-sizes", args.batch_sizes),
-                               int_list("--tokens", args.tokens), args.context, args.repeats, args.dtype,
-                               progress=show_progress(args))
+                               int_list("--tokens", args.tokens), args.context, args.repeats,
+                               progress=show_progress(args), **model_options(args))
         if args.plot:
             plot(result, args.plot)
     print(json.dumps(result) if args.json else table(result))
 
 
-def int_list(flag: str, text: str) -> list[int]:
-    """A comma-separated list of positive integers, or a UsageError naming the flag."""
+def int_list(flag: str, text: str, one: bool = False) -> list[int]:
+    """A comma-separated list of positive integers (`one`: a single one), or a UsageError
+    naming the flag."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
+    if one and len(values) != 1:
+        raise UsageError(f"{flag} must be one positive integer here, got {text!r}")
     if not values or min(values) < 1:
         raise UsageError(f"{flag} must be comma-separated positive integers, got {text!r}")
     return values

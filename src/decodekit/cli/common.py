@@ -23,6 +23,34 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class Renamed(argparse.Action):
+    """An option whose first name is current and whose later names are old ones, kept as
+    deprecated aliases (issue 26: one name per thing): using one prints one warning line.
+    nargs=0 with const=True is a switch; otherwise the value is stored (or const, for nargs="?")."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.option_strings[1:]:
+            print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.option_strings[0]}",
+                  file=sys.stderr, flush=True)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def given(args, name: str) -> bool:
+    """Whether the flag of `name` was given: every flag a check depends on defaults to None
+    (or False for a switch), so a value equal to the default counts as given too."""
+    return getattr(args, name) not in (None, False)
+
+
+def refuse_others(args, takes: dict[str, tuple[str, ...]], kind: str, label: str) -> None:
+    """A flag given to a `label KIND` that does not take it (not in takes[flag]) is an error
+    naming the ones that do: no flag is silently ignored."""
+    for name, kinds in takes.items():
+        if given(args, name) and kind not in kinds:
+            flag = "--" + name.replace("_", "-")
+            listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
+            raise UsageError(f"{flag} applies to {label} {listed}, not {label} {kind}")
+
+
 def warn(args, message: str) -> None:
     """One line on stderr: `decodekit COMMAND: warning: message`."""
     print(f"decodekit {args.command}: warning: {message}", file=sys.stderr, flush=True)
@@ -36,13 +64,20 @@ def add_threads(p) -> None:
 
 def add_dtype(p) -> None:
     # Checked by load_model (models/registry.py DTYPES), which names the allowed values.
-    p.add_argument("--dtype", default="auto", metavar="DTYPE",
+    # None when not given (model_options), so a command that takes neither can refuse them.
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
                    help="weights, activations and KV cache: auto (the checkpoint's; float32 for the "
                    "shipped models), float32, bfloat16 or float16; logits stay float32")
     # Checked by load_model too (models/registry.py resolve_device).
-    p.add_argument("--device", default="cpu", metavar="DEVICE",
+    p.add_argument("--device", default=None, metavar="DEVICE",
                    help="where the weights, activations, KV cache and logits live: cpu (default), "
                    "cuda, cuda:N, mps or auto (cuda if available, else cpu)")
+
+
+def model_options(args) -> dict:
+    """load_model's dtype and device, where --dtype and --device were given (its defaults:
+    "auto" and "cpu")."""
+    return {name: getattr(args, name) for name in ("dtype", "device") if getattr(args, name) is not None}
 
 
 def set_threads(args, model=None) -> int:
@@ -53,8 +88,9 @@ def set_threads(args, model=None) -> int:
 
 
 def show_progress(args) -> bool:
-    """Progress bars on stderr: on a terminal, and not with --json."""
-    return not getattr(args, "json", False) and sys.stderr.isatty()
+    """Progress on stderr unless --json: a bar on a terminal, off one a line every few
+    seconds (runtime.progress), so a long command never looks hung."""
+    return not getattr(args, "json", False)
 
 
 def quiet_model_loading() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import add_threads, check_out_dir, set_threads, show_progress
+from decodekit.cli.common import UsageError, add_threads, check_out_dir, set_threads, show_progress
 
 
 def add_compress(sub) -> None:
@@ -16,7 +16,8 @@ def add_compress(sub) -> None:
     p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing Hessian diag")
     p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
     p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
-    p.add_argument("--calib", type=int, default=128, help="calibration windows (gptq, sparsegpt)")
+    p.add_argument("--calib", type=int, default=None,
+                   help="calibration windows (gptq, sparsegpt; default 128)")
     p.add_argument("--calib-len", type=int, default=None, help="tokens per window (default: context)")
     p.add_argument("--calib-file", default=None, help="calibration text (default: Shakespeare val)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
@@ -28,10 +29,16 @@ def add_compress(sub) -> None:
 def run_compress(args) -> None:
     from decodekit.compress.recipe import CompressConfig, compress_to_dir
 
+    calibration = {"calib_windows": args.calib, "calib_length": args.calib_len}
     config = CompressConfig(
         args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
-        sparsity=args.sparsity, n_m=args.n_m, calib_windows=args.calib, calib_length=args.calib_len,
+        sparsity=args.sparsity, n_m=args.n_m, **{k: v for k, v in calibration.items() if v is not None},
     )
+    given = [flag for flag, value in (("--calib", args.calib), ("--calib-len", args.calib_len),
+                                      ("--calib-file", args.calib_file)) if value is not None]
+    if given and not config.needs_calibration:
+        raise UsageError(f"{given[0]} applies to the methods that calibrate (gptq, sparsegpt), "
+                         f"not {args.method}")
     check_out_dir(args.out)  # before minutes of calibration, not after
     set_threads(args)  # the model loads inside compress_to_dir; None picks for a small model
     report = compress_to_dir(args.model, config, args.out, args.calib_file, progress=show_progress(args))

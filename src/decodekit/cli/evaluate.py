@@ -5,39 +5,69 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
+from decodekit.cli.common import (
+    Renamed,
+    UsageError,
+    add_dtype,
+    add_threads,
+    check_plot,
+    model_options,
+    refuse_others,
+    set_threads,
+    show_progress,
+)
+
+ARITH = ("strategies", "budgets", "seeds", "problems", "orm", "prm", "temperature", "width", "tau",
+         "aggregate", "tree_final", "tree_max_n", "endpoint")
+# A flag's name -> the tasks that take it; every one defaults to None, so another task refuses
+# it (refuse_others) and a task that takes it gets its own default (EvalConfig's for arith).
+TAKES: dict[str, tuple[str, ...]] = {
+    **{name: ("perplexity",) for name in ("text", "split", "window", "stride", "dtype", "device")},
+    **{name: ("arith",) for name in ARITH},
+    **{name: ("alignment",) for name in ("value", "reward", "base_samples", "samples")},
+    "model": ("arith", "perplexity"),
+    "plot": ("arith", "alignment"),
+}
 
 
 def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluations: accuracy against compute (prints a table or JSON)")
-    p.add_argument("task", choices=sorted(EVAL_TASKS))
+    p.add_argument("task", choices=sorted(EVAL_TASKS), help="arith (accuracy against compute), perplexity "
+                   "(held-out text) or alignment (reward-KL frontier)")
     p.add_argument("target", nargs="?", metavar="MODEL", help="perplexity: model (default shakespeare)")
     p.add_argument("--text", default=None, help="perplexity: text file (default: the held-out "
                    "Shakespeare plays of --split)")
-    p.add_argument("--split", default="test", choices=["test", "val"],
+    p.add_argument("--split", default=None, choices=["test", "val"],
                    help="perplexity: which shipped held-out plays (default test)")
     p.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (context)")
     p.add_argument("--stride", type=int, default=None, help="perplexity: window step (window / 2)")
     p.add_argument("--strategies", default=None,
-                   help="comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all; "
+                   help="arith: comma-separated, e.g. majority,bon-orm,beam-prm,rebase-oracle (default all; "
                    "with several --model: majority,weighted-orm,rebase-prm)")
-    p.add_argument("--n", default=None, help="budgets N, comma-separated (default 1,2,4,8,16,32; "
-                   "with several --model: 1,2,4,8,16,32,64)")
-    p.add_argument("--seeds", type=int, default=3, help="sampling seeds (bands in the plot)")
-    p.add_argument("--problems", type=int, default=50, help="held-out problems")
+    p.add_argument("--budgets", "--n", action=Renamed, default=None, metavar="N[,N...]",
+                   help="arith: the budgets N (samples per problem), comma-separated (default "
+                   "1,2,4,8,16,32; with several --model: 1,2,4,8,16,32,64; --n: deprecated)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="arith: sampling seeds (bands in the plot; default 3)")
+    p.add_argument("--problems", type=int, default=None, help="arith: held-out problems (default 50)")
     p.add_argument("--model", action="append", default=None,
                    help="arith: the policy (default arith); repeat it to compare sizes by accuracy "
-                   "against inference FLOPs (meta/compute_optimal.py)")
-    p.add_argument("--orm", action="append", default=None, help="outcome reward model (name or "
+                   "against inference FLOPs (meta/compute_optimal.py); perplexity: the model")
+    p.add_argument("--orm", action="append", default=None, help="arith: outcome reward model (name or "
                    "directory), one per --model in order (default: MODEL-orm)")
-    p.add_argument("--prm", action="append", default=None, help="process reward model (name or "
+    p.add_argument("--prm", action="append", default=None, help="arith: process reward model (name or "
                    "directory), one per --model in order (default: MODEL-prm)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--width", type=int, default=4, help="tree search: children per expanded node")
-    p.add_argument("--tau", type=float, default=0.2, help="REBASE softmax temperature")
-    p.add_argument("--aggregate", default="last", help="step scores: last|min|product")
-    p.add_argument("--tree-final", default="weighted_vote", help="best|vote|weighted_vote")
-    p.add_argument("--tree-max-n", type=int, default=None, help="run tree search only up to this N")
+    p.add_argument("--temperature", type=float, default=None, help="arith: sampling temperature (default 1)")
+    p.add_argument("--width", type=int, default=None, help="arith: tree search's children per expanded node "
+                   "(default 4)")
+    p.add_argument("--tau", type=float, default=None,
+                   help="arith: REBASE's softmax temperature (default 0.2)")
+    p.add_argument("--aggregate", default=None,
+                   help="arith: a solution's score from its step scores: last (default), min or product")
+    p.add_argument("--tree-final", default=None,
+                   help="arith: tree search's answer: best, vote or weighted_vote (default)")
+    p.add_argument("--tree-max-n", type=int, default=None,
+                   help="arith: run tree search only up to this N (default: every N)")
     p.add_argument("--value", default=None, choices=["bag", "hidden"],
                    help="alignment: the controlled-decoding value: an embedding bag on token ids (bag, "
                    "the default) or a Q head on the model's hidden states (hidden)")
@@ -52,9 +82,10 @@ def add_eval(sub) -> None:
     add_threads(p)
     add_dtype(p)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--plot", default=None, help="write accuracy against tokens to FILE.png")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="arith: accuracy against compute, alignment: the frontier, as a PNG to FILE")
     p.add_argument("--endpoint", action="append", default=None, metavar="URL",
-                   help="generate on an OpenAI-compatible server serving --model (meta/remote.py); "
+                   help="arith: generate on an OpenAI-compatible server serving --model (meta/remote.py); "
                    "repeat it to spread the samples over a pool of servers")
     p.set_defaults(run=run_eval)
 
@@ -62,16 +93,9 @@ def add_eval(sub) -> None:
 def run_eval(args) -> None:
     if args.target is not None and args.task != "perplexity":
         raise UsageError(f"eval {args.task} takes no MODEL argument (use --model), got {args.target!r}")
-    if args.dtype != "auto" and args.task != "perplexity":
-        raise UsageError(f"--dtype applies to eval perplexity only, not eval {args.task}")
-    if args.device != "cpu" and args.task != "perplexity":
-        raise UsageError(f"--device applies to eval perplexity only, not eval {args.task}")
+    refuse_others(args, TAKES, args.task, "eval")
     if args.model and len(args.model) > 1 and args.task != "arith":
         raise UsageError(f"several --model compare sizes in eval arith only, not eval {args.task}")
-    for flag in ("value", "reward", "base_samples", "samples"):
-        if getattr(args, flag) is not None and args.task != "alignment":
-            name = flag.replace("_", "-")
-            raise UsageError(f"--{name} applies to eval alignment only, not eval {args.task}")
     EVAL_TASKS[args.task](args)
 
 
@@ -82,19 +106,19 @@ def run_eval_arith(args) -> None:
     several = len(models) > 1
     if several and args.endpoint:
         raise UsageError(f"--endpoint serves one model; got {len(models)} --model")
-    budgets = args.n or ("1,2,4,8,16,32,64" if several else "1,2,4,8,16,32")
-    try:
-        ns = tuple(int(x) for x in budgets.split(","))
-    except ValueError:
-        raise UsageError(f"--n must be comma-separated integers, got {args.n!r}") from None
+    options = {name: getattr(args, name) for name in ("seeds", "problems", "temperature", "width", "tau",
+                                                      "aggregate", "tree_final", "tree_max_n")
+               if getattr(args, name) is not None}  # the others: EvalConfig's defaults
+    if args.budgets is not None or several:
+        budgets = args.budgets or "1,2,4,8,16,32,64"
+        try:
+            options["ns"] = tuple(int(x) for x in budgets.split(","))
+        except ValueError:
+            raise UsageError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
     strategies = args.strategies or ("majority,weighted-orm,rebase-prm" if several else "all")
     names = STRATEGIES if strategies == "all" else tuple(s.strip() for s in strategies.split(","))
     (model, orm, prm) = models[0]
-    config = EvalConfig(
-        strategies=names, ns=ns, seeds=args.seeds, problems=args.problems,
-        temperature=args.temperature, width=args.width, tau=args.tau, aggregate=args.aggregate,
-        tree_final=args.tree_final, tree_max_n=args.tree_max_n, model=model, orm=orm, prm=prm,
-    )
+    config = EvalConfig(strategies=names, model=model, orm=orm, prm=prm, **options)
     check_plot(args.plot)
     set_threads(args)  # the models load inside evaluate_arith; None picks for a small model
     if several:
@@ -158,8 +182,10 @@ def run_eval_perplexity(args) -> None:
     from decodekit.compress.evaluate import HELD_OUT, text_perplexity
 
     name = args.target or (args.model[0] if args.model else "shakespeare")
-    text_path = Path(args.text) if args.text else HELD_OUT[args.split]
-    model = dk.load_model(name, dtype=args.dtype, device=args.device)
+    if args.text is not None and args.split is not None:
+        raise UsageError("give --text or --split, not both")
+    text_path = Path(args.text) if args.text else HELD_OUT[args.split or "test"]
+    model = dk.load_model(name, **model_options(args))
     set_threads(args, model)
     result = text_perplexity(model, text_path.read_text(), args.window, args.stride)
     if args.json:
@@ -202,7 +228,7 @@ def add_align(sub) -> None:
     p = sub.add_parser("align", help="inference-time alignment calculators")
     align = p.add_subparsers(dest="align_command", required=True)
     bon = align.add_parser("bon", help="best-of-n: exact KL, bound, estimate and win rate")
-    bon.add_argument("--n", type=int, required=True, help="number of samples")
+    bon.add_argument("--n", type=int, required=True, help="number of samples (best of n)")
     bon.add_argument("--p", required=True, help="base probabilities, comma-separated")
     bon.add_argument("--r", required=True, help="rewards, comma-separated (ties allowed)")
     bon.add_argument("--json", action="store_true", help="print JSON (with the curve 1..n)")

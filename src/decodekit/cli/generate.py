@@ -6,35 +6,46 @@ from __future__ import annotations
 import json
 import sys
 
-from decodekit.cli.common import UsageError, add_dtype, add_threads, set_threads, unescape, warn
+from decodekit.cli.common import (
+    Renamed,
+    UsageError,
+    add_dtype,
+    add_threads,
+    given,
+    model_options,
+    set_threads,
+    unescape,
+    warn,
+)
 from decodekit.params import PRESETS, SamplingParams, preset_values
 
-# SamplingParams fields exposed as flags: name -> type of one value.
-SAMPLING_FLAGS: dict[str, type] = {
-    "max_new_tokens": int,
-    "min_new_tokens": int,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "typical_p": float,
-    "epsilon": float,
-    "eta": float,
-    "top_n_sigma": float,
-    "min_tokens_to_keep": int,
-    "mirostat_tau": float,
-    "mirostat_eta": float,
-    "xtc_threshold": float,
-    "xtc_probability": float,
-    "dry_multiplier": float,
-    "dry_base": float,
-    "dry_allowed_length": int,
-    "repetition_penalty": float,
-    "frequency_penalty": float,
-    "presence_penalty": float,
-    "no_repeat_ngram_size": int,
-    "seed": int,
-    "logprobs": int,
+# SamplingParams fields exposed as flags: name -> (type of one value, help). Each flag is the
+# field's name (and the server's, README "Server"); None (not given) leaves the field's default.
+SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
+    "max_new_tokens": (int, "most tokens generated per sample (default 64)"),
+    "min_new_tokens": (int, "EOS and stop tokens masked until this many (default 0)"),
+    "temperature": (float, "divide the logits by T; 0 is greedy (default 1)"),
+    "top_k": (int, "keep the K most likely tokens; 0 is off (default)"),
+    "top_p": (float, "nucleus: the smallest set with probability >= P, in (0, 1]; 1 is off (default)"),
+    "min_p": (float, "drop tokens below P times the top probability; 0 is off (default)"),
+    "typical_p": (float, "locally typical sampling's mass, in (0, 1]; 1 is off (default)"),
+    "epsilon": (float, "drop tokens with probability below E, in [0, 1); 0 is off (default)"),
+    "eta": (float, "eta sampling's entropy-scaled cut, in [0, 1); 0 is off (default)"),
+    "top_n_sigma": (float, "keep logits within N standard deviations of the top one (default off)"),
+    "min_tokens_to_keep": (int, "every truncation keeps at least this many tokens (default 1)"),
+    "mirostat_tau": (float, "mirostat v2's target surprise in bits (default off)"),
+    "mirostat_eta": (float, "mirostat's learning rate (default 0.1)"),
+    "xtc_threshold": (float, "XTC: tokens above this probability may be excluded (default 0.1)"),
+    "xtc_probability": (float, "XTC: chance per step of excluding them; 0 is off (default)"),
+    "dry_multiplier": (float, "DRY repetition penalty's strength; 0 is off (default)"),
+    "dry_base": (float, "DRY's base, >= 1 (default 1.75)"),
+    "dry_allowed_length": (int, "DRY: repeats up to this length are free (default 2)"),
+    "repetition_penalty": (float, "divide the logits of seen tokens by this (CTRL); 1 is off (default)"),
+    "frequency_penalty": (float, "subtract this times a token's count so far, in [-2, 2] (default 0)"),
+    "presence_penalty": (float, "subtract this from every token seen so far, in [-2, 2] (default 0)"),
+    "no_repeat_ngram_size": (int, "never repeat an n-gram of this size; 0 is off (default)"),
+    "seed": (int, "the samples' random seed (default: unseeded)"),
+    "logprobs": (int, "with --json: the top K alternatives' log-probabilities per token, 0..20"),
 }
 STRATEGIES = ("greedy", "sample", "beam", "contrastive")
 CONSTRAINT_FLAGS = ("json_schema", "regex", "grammar", "choices")
@@ -42,23 +53,26 @@ CONSTRAINT_FLAGS = ("json_schema", "regex", "grammar", "choices")
 
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt text")
     p.add_argument("--model", default="shakespeare", help="embedded model name or local directory")
-    p.add_argument("--strategy", default="sample", help="|".join(STRATEGIES))
-    p.add_argument("--n", type=int, default=1, help="samples (or beams returned) per prompt")
+    p.add_argument("--strategy", default="sample", help="|".join(STRATEGIES) + " (default sample)")
+    p.add_argument("--n", type=int, default=None,
+                   help="samples (or beams returned) per prompt (SamplingParams.n; default 1)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help=f"use case's temperature and top-p (seed 003): {', '.join(PRESETS)}; "
                    "--temperature and --top-p override it")
-    for name, kind in SAMPLING_FLAGS.items():
-        if name != "seed":
-            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    for name, (kind, text) in SAMPLING_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
     p.add_argument("--stop", action="append", default=None,
                    help=r"stop string (repeatable); escapes are interpreted: \n \t \r \\ \xHH \uHHHH, "
                    r"so --stop '\n\n' stops at a blank line")
-    p.add_argument("--order", default=None, help="comma-separated adapter order")
-    p.add_argument("--num-beams", type=int, default=4)
-    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--order", default=None,
+                   help="comma-separated adapter order (default: penalties, temperature, truncation; "
+                   "README, Sampling adapters)")
+    beam = p.add_argument_group("beam search: --strategy beam (decode/beam.py)")
+    beam.add_argument("--num-beams", type=int, default=None, help="beams kept per step (default 4)")
+    beam.add_argument("--length-penalty", type=float, default=None,
+                      help="a finished beam's score is its log-probability / length^L (default 1)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print each completion as one JSON line")
     p.add_argument("--static-decode", action="store_true",
@@ -73,24 +87,33 @@ def add_generate(sub) -> None:
 
 def add_speculative_flags(p) -> None:
     spec = p.add_argument_group("speculative decoding (decode/speculative.py)")
-    spec.add_argument("--speculative", nargs="?", const="auto", default=None, metavar="DRAFT",
+    spec.add_argument("--draft-model", "--speculative", action=Renamed, nargs="?", const="auto", default=None,
+                      metavar="DRAFT",
                       help="draft with DRAFT: a model name or directory, 'prompt-lookup', or 'self-int4' "
-                      "(the target's own int4 copy); "
-                      "alone (after the prompt): the target's '-draft' model")
-    spec.add_argument("--gamma", type=int, default=4, help="draft tokens per target call")
-    spec.add_argument("--verify", choices=["block", "token"], default="block")
-    spec.add_argument("--adaptive-gamma", action="store_true",
-                      help="gamma +2 after a fully accepted draft, -1 otherwise")
+                      "(the target's own int4 copy); alone (after the prompt) or 'auto': the target's "
+                      "'-draft' model (--speculative: deprecated)")
+    spec.add_argument("--num-draft-tokens", "--gamma", action=Renamed, type=int, default=None, metavar="K",
+                      help="draft tokens per target call (default 4; --gamma: deprecated)")
+    spec.add_argument("--verify", choices=["block", "token"], default=None,
+                      help="block (default) or token verification; both exact")
+    spec.add_argument("--adaptive", "--adaptive-gamma", action=Renamed, nargs=0, const=True, default=False,
+                      help="--num-draft-tokens +2 after a fully accepted draft, -1 otherwise "
+                      "(--adaptive-gamma: deprecated)")
 
 
 def add_structure_flags(p) -> None:
     """Contrastive decoding, constraints and token healing (decode/contrastive.py, constrained.py,
     healing.py)."""
     cd = p.add_argument_group("contrastive decoding: --strategy contrastive (greedy on CD scores), "
-                              "or --amateur with any strategy")
-    cd.add_argument("--amateur", default=None, help="amateur model (default: shakespeare-draft)")
-    cd.add_argument("--alpha", type=float, default=None, help="plausibility cut (default 0.1)")
-    cd.add_argument("--amateur-temperature", type=float, default=None)
+                              "or --amateur-model with any strategy")
+    cd.add_argument("--amateur-model", "--amateur", action=Renamed, default=None, metavar="AMATEUR",
+                    help="amateur model (default: shakespeare-draft; --amateur: deprecated)")
+    cd.add_argument("--contrastive-alpha", "--alpha", action=Renamed, type=float, default=None,
+                    metavar="ALPHA",
+                    help="plausibility cut: keep tokens with p_e >= ALPHA max p_e (default 0.1; "
+                    "--alpha: deprecated)")
+    cd.add_argument("--amateur-temperature", type=float, default=None,
+                    help="the amateur's temperature (default 1)")
     cd.add_argument("--amateur-window", type=int, default=None, help="amateur sees the last W tokens")
     cd.add_argument("--amateur-weight", type=float, default=None, help="beta: p_e / p_a^beta")
     structure = p.add_argument_group("structured output (at most one; a completion that runs out of "
@@ -106,13 +129,14 @@ def generation_model(args):
     """The model, or a ContrastiveLM of it against --amateur for contrastive decoding."""
     import decodekit as dk
 
-    knobs = {"alpha": args.alpha, "amateur_temperature": args.amateur_temperature,
+    knobs = {"alpha": args.contrastive_alpha, "amateur_temperature": args.amateur_temperature,
              "amateur_window": args.amateur_window, "amateur_weight": args.amateur_weight}
+    flags = {"alpha": "--contrastive-alpha", "amateur_temperature": "--amateur-temperature",
+             "amateur_window": "--amateur-window", "amateur_weight": "--amateur-weight"}
     knobs = {k: v for k, v in knobs.items() if v is not None}
-    if args.amateur is None and args.strategy != "contrastive" and knobs:
-        raise UsageError(f"--{next(iter(knobs)).replace('_', '-')} needs --amateur or "
-                         "--strategy contrastive")
-    model = dk.load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.amateur_model is None and args.strategy != "contrastive" and knobs:
+        raise UsageError(f"{flags[next(iter(knobs))]} needs --amateur-model or --strategy contrastive")
+    model = dk.load_model(args.model, **model_options(args))
     if args.static_decode:
         from decodekit.models.native import NativeLM
         from decodekit.models.static import StaticDecodeLM
@@ -121,9 +145,9 @@ def generation_model(args):
             raise UsageError(f"--static-decode runs Llama-family models on decodekit's own forward; "
                              f"{args.model!r} loads as {type(model).__name__}")
         return StaticDecodeLM(model)
-    if args.amateur is None and args.strategy != "contrastive":
+    if args.amateur_model is None and args.strategy != "contrastive":
         return model
-    amateur = dk.load_model(args.amateur or "shakespeare-draft", dtype=args.dtype, device=args.device)
+    amateur = dk.load_model(args.amateur_model or "shakespeare-draft", **model_options(args))
     return dk.ContrastiveLM(model, amateur, **knobs)
 
 
@@ -156,7 +180,8 @@ def sampling_params(args) -> SamplingParams:
         values["stop"] = tuple(unescape("--stop", stop) for stop in args.stop)
     if args.order:
         values["order"] = tuple(s.strip() for s in args.order.split(","))
-    values["n"] = args.n
+    if args.n is not None:
+        values["n"] = args.n
     if args.strategy not in STRATEGIES:
         raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
     if args.strategy in ("greedy", "contrastive"):
@@ -177,17 +202,15 @@ def run_generate(args) -> None:
     model = generation_model(args)
     set_threads(args, model)
     warn_beyond_context(args, model, params)
-    if args.speculative is not None:
-        result = dk.speculative_generate(model, args.speculative, args.prompt, params,
-                                         num_draft_tokens=args.gamma, verify=args.verify,
-                                         adaptive=args.adaptive_gamma)
+    if args.draft_model is not None:
+        options = {name: getattr(args, name) for name in ("num_draft_tokens", "verify", "adaptive")
+                   if given(args, name)}
+        result = dk.speculative_generate(model, args.draft_model, args.prompt, params, **options)
         print(json.dumps({"speculative": result.stats.as_dict()}), file=sys.stderr)
         completions = result.completions
     elif args.strategy == "beam":
-        completions = dk.beam_search(
-            model, args.prompt, params, num_beams=args.num_beams, length_penalty=args.length_penalty,
-            **mask,
-        )
+        options = {name: getattr(args, name) for name in ("num_beams", "length_penalty") if given(args, name)}
+        completions = dk.beam_search(model, args.prompt, params, **options, **mask)
     elif args.stream and not args.json:
         completions = [stream_one(model, args.prompt, params, mask)]
     else:
@@ -207,15 +230,22 @@ def run_generate(args) -> None:
 
 def check_combination(args, params: SamplingParams, mask: dict) -> None:
     """Flags that cannot go together, refused before any model is loaded."""
-    if args.speculative is not None and (
+    for name in ("num_draft_tokens", "verify", "adaptive"):
+        if given(args, name) and args.draft_model is None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} applies to speculative decoding: give --draft-model")
+    for name in ("num_beams", "length_penalty"):
+        if given(args, name) and args.strategy != "beam":
+            raise UsageError(f"--{name.replace('_', '-')} applies to --strategy beam, not {args.strategy}")
+    if args.draft_model is not None and (
         args.stream or args.strategy not in ("greedy", "sample") or any(mask.values())
     ):
-        raise UsageError("--speculative works with --strategy greedy or sample, without --stream, "
+        raise UsageError("--draft-model works with --strategy greedy or sample, without --stream, "
                          "constraints or --heal")
-    if args.static_decode and (args.speculative is not None or args.amateur is not None
+    if args.static_decode and (args.draft_model is not None or args.amateur_model is not None
                                or args.strategy not in ("greedy", "sample")):
         raise UsageError("--static-decode works with --strategy greedy or sample, without "
-                         "--speculative or --amateur")
+                         "--draft-model or --amateur-model")
     if args.stream and args.strategy == "beam":
         raise UsageError("--stream works with --strategy greedy or sample, not beam")
     if args.stream and not args.json and params.n != 1:

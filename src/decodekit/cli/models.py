@@ -8,7 +8,7 @@ import json
 
 def add_models(sub) -> None:
     p = sub.add_parser("models", help="list the embedded models")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the registry as JSON")
     p.add_argument(
         "--dtype-report",
         action="store_true",

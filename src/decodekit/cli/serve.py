@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decodekit.cli.common import add_dtype, add_threads, set_threads
+from decodekit.cli.common import add_dtype, add_threads, model_options, set_threads
 
 
 def port_number(text: str) -> int:
@@ -23,7 +23,7 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
     p.add_argument("--model", action="append", default=None,
                    help="embedded name, directory or ALIAS=PATH; repeatable (default shakespeare)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000,
                    help="TCP port, 1-65535; 0 picks a free one and prints it (default 8000)")
     p.add_argument("--max-tokens", type=int, default=2048, help="bound on a request's max_tokens")
@@ -61,7 +61,7 @@ def run_serve(args) -> None:
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
                           cors_origins=tuple(args.cors_origin))
-    models, sources = load_served(args.model or ["shakespeare"], dtype=args.dtype, device=args.device)
+    models, sources = load_served(args.model or ["shakespeare"], **model_options(args))
     aliases = directory_aliases(sources)
     for name, source in sources.items():
         also = [alias for alias, served in aliases.items() if served == name]

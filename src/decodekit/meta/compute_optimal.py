@@ -89,8 +89,10 @@ def budget_winners(points: list[dict], per_decade: int = 2) -> list[dict]:
     return out
 
 
-def evaluate_size(config: EvalConfig, model: str, orm: str, prm: str, problems) -> dict:
-    """One model's points: `evaluate_arith` with its own reward models, FLOPs per point."""
+def evaluate_size(config: EvalConfig, model: str, orm: str, prm: str, problems,
+                  progress: bool = False) -> dict:
+    """One model's points: `evaluate_arith` with its own reward models, FLOPs per point;
+    `progress`: evaluate_arith's, named after the model."""
     from decodekit.meta.generator import LocalGenerator
     from decodekit.meta.tasks.arith import format_prompt
     from decodekit.models.registry import load_model
@@ -99,7 +101,8 @@ def evaluate_size(config: EvalConfig, model: str, orm: str, prm: str, problems) 
     parameters = lm.num_parameters()
     prompt_tokens = statistics.fmean(len(lm.encode(format_prompt(p))) for p in problems)
     report = evaluate_arith(replace(config, model=model, orm=orm, prm=prm),
-                            generator=LocalGenerator(lm), problems=problems)
+                            generator=LocalGenerator(lm), problems=problems, progress=progress,
+                            desc=f"eval arith {model}")
     points = [{**p, "model": model}
               for p in size_points(report["summary"], report["rows"], parameters, prompt_tokens)]
     return {"model": model, "orm": orm, "prm": prm, "parameters": parameters, "points": points}
@@ -121,15 +124,13 @@ def compare_sizes(config: EvalConfig, sizes: list[dict], problems: int) -> dict:
 def evaluate_sizes(config: EvalConfig, models: Sequence[tuple[str, str, str]],
                    problems=None, progress: bool = False) -> dict:
     """`evaluate_size` for each (model, orm, prm) on the same problems, then `compare_sizes`;
-    `progress` shows a bar over the models."""
-    from decodekit.runtime import progress as progress_bar
-
+    `progress` shows each model's progress in turn."""
     if not models:
         raise ValueError("evaluate_sizes needs at least one (model, orm, prm)")
     problems = problems if problems is not None else eval_problems(config.problems)
     sizes = []
-    for model, orm, prm in progress_bar(models, desc="eval sizes", enabled=progress):
-        sizes.append(evaluate_size(config, model, orm, prm, problems))
+    for model, orm, prm in models:
+        sizes.append(evaluate_size(config, model, orm, prm, problems, progress))
     return compare_sizes(config, sizes, len(problems))
 
 

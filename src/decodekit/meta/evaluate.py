@@ -253,11 +253,12 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = None, problems=None,
-                   progress: bool = False) -> dict:
+                   progress: bool = False, desc: str = "eval arith") -> dict:
     """Run the configured strategies; returns {"config", "problems", "rows", "summary"}.
     generator, scorers (as `arith_scorers` returns) and problems default to the embedded
     model, its reward models and `eval_problems(config.problems)`. `progress` shows a bar
-    on stderr over seeds x parts (parallel, tree, chain), each part's time beside it."""
+    on stderr (named `desc`) over seeds x parts (parallel, tree, chain), each part's time
+    beside it."""
     if generator is None:
         from decodekit.models.registry import load_model
 
@@ -266,7 +267,7 @@ def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = No
     problems = problems if problems is not None else eval_problems(config.problems)
     rows = []
     parts = (evaluate_parallel, evaluate_tree, evaluate_chain)
-    with progress_bar(total=config.seeds * len(parts), desc="eval arith", enabled=progress) as bar:
+    with progress_bar(total=config.seeds * len(parts), desc=desc, enabled=progress) as bar:
         for seed in range(config.seeds):
             for part in parts:
                 start = time.perf_counter()

@@ -40,22 +40,43 @@ def kv_cache_bytes(batch_size: int, context: int, num_layers: int, num_kv_heads:
 
 def attention_shape(config: dict[str, Any]) -> dict[str, int]:
     """Layers, KV heads, head size and context of a config.json (NativeLM's reading where it
-    supports the architecture: RoPE scaling stretches the context)."""
+    supports the architecture: RoPE scaling stretches the context); another decoder's names
+    through transformers' attribute map of its model_type (GPT-2's n_head, n_layer, n_embd)."""
     from decodekit.models.native import NativeConfig, NativeLM
 
     if NativeLM.supports(config):
         c = NativeConfig.from_dict(config)
         return {"num_layers": c.num_layers, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
                 "head_dim": c.head_dim, "max_context": c.context_length}
+    aliases = attribute_map(config.get("model_type"))
+
+    def value(name: str):  # config.json's own value: never a default of transformers' class
+        found = config.get(name, config.get(aliases.get(name, name)))
+        return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+    required = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    missing = [name for name in required if value(name) is None]
+    if missing:
+        raise ValueError(f"config.json has no {missing[0]!r} (nor the name model_type "
+                         f"{config.get('model_type')!r} gives it in transformers, as GPT-2's n_head): "
+                         "not a transformer decoder whose KV cache this can size")
+    heads = value("num_attention_heads")
+    return {"num_layers": value("num_hidden_layers"), "num_heads": heads,
+            "num_kv_heads": value("num_key_value_heads") or heads,
+            "head_dim": value("head_dim") or value("hidden_size") // heads,
+            "max_context": value("max_position_embeddings") or 0}
+
+
+def attribute_map(model_type: str | None) -> dict[str, str]:
+    """transformers' common config names -> this model_type's spelling (GPT-2: num_attention_heads
+    -> n_head, num_hidden_layers -> n_layer, hidden_size -> n_embd, max_position_embeddings ->
+    n_positions), read from its config class locally; {} for a model_type it does not know."""
+    from transformers import CONFIG_MAPPING
+
     try:
-        heads = int(config["num_attention_heads"])
-        return {"num_layers": int(config["num_hidden_layers"]), "num_heads": heads,
-                "num_kv_heads": int(config.get("num_key_value_heads") or heads),
-                "head_dim": int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                "max_context": int(config.get("max_position_embeddings") or 0)}
-    except KeyError as missing:
-        raise ValueError(f"config.json has no {missing.args[0]!r}: not a transformer decoder "
-                         "whose KV cache this can size") from None
+        return dict(CONFIG_MAPPING[model_type].attribute_map)
+    except KeyError:
+        return {}
 
 
 def stored_tensors(path: Path) -> list[tuple[str, int]]:

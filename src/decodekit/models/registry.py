@@ -9,6 +9,7 @@ directory is a `ValueError`, never a hub lookup.
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def embedded_models() -> dict[str, dict]:
     return {name: entry for name, entry in entries.items() if (ASSETS / entry["dir"]).exists()}
 
 
+# A hub ID as Hugging Face spells it ("Qwen/Qwen2.5-0.5B"): one slash, no leading "." or "~".
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
     """(name, directory, kind) of an embedded name or a local directory."""
     text = str(name_or_path)
@@ -104,6 +109,13 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
         return path.name, path, kind
     if path.exists():
         raise ValueError(f"model path {text!r} is a file; expected a checkpoint directory")
+    if HUB_ID.fullmatch(text):  # "org/name": a Hugging Face hub ID, not a directory here
+        local = "./" + text.rsplit("/", 1)[1]
+        raise ValueError(
+            f"model {text!r} is not a local directory and looks like a Hugging Face hub ID: nothing is "
+            f"downloaded; fetch it first (huggingface-cli download {text} --local-dir {local}) "
+            f"and give the directory ({local})"
+        )
     looks_like_path = "/" in text or text.startswith(".") or text.startswith("~")
     if looks_like_path:
         raise ValueError(f"model path {text!r} does not exist")
