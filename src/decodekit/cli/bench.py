@@ -36,6 +36,7 @@ TAKES: dict[str, tuple[str, ...]] = {
     "draft_model": ("speculative", "soak"),
     "judge_model": ("presets",),
     "peer": ("packed",),
+    "compile": ("engine", "packed"),
     "quick": ("speculative",),
     "clients": ("speculative", "server", "beam", "soak"),
     "hardening": ("server",),
@@ -101,6 +102,9 @@ def add_bench(sub) -> None:
                    "the same rounds and with the same --threads (built by scripts/peers.sh into .peers/ or "
                    "$DECODEKIT_PEERS; reported absent without it)")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
+    p.add_argument("--compile", action="store_true",
+                   help="bench engine/packed: decodekit runs the engine's compiled decode step "
+                   "(engine/compiled.py), compiled in the warm-up; default the eager step")
     p.add_argument("--clients", "--concurrent", "--concurrency", action=Renamed, default=None,
                    metavar="N[,N...]",
                    help="requests in flight at once: bench server, a comma-separated list of levels "
@@ -234,7 +238,7 @@ def run_bench(args) -> None:
         from decodekit.bench.packed import bench_packed
 
         result = bench_packed(args.model, args.new_tokens, args.repeats, threads=threads or 1,
-                              progress=progress, peer=args.peer)
+                              progress=progress, peer=args.peer, compile=args.compile)
     print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -246,7 +250,7 @@ def _run_shaped(args, model: str) -> dict:
         from decodekit.bench.engine import bench_engine
 
         return bench_engine(model, args.new_tokens, args.repeats, threads, progress=progress,
-                            **model_options(args))
+                            compile=args.compile, **model_options(args))
     if args.which == "dtype":
         from decodekit.bench.dtype import bench_dtype
 

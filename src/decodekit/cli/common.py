@@ -56,6 +56,27 @@ def warn(args, message: str) -> None:
     print(f"decodekit {args.command}: warning: {message}", file=sys.stderr, flush=True)
 
 
+def add_compile(p) -> None:
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's compiled decode step (engine/compiled.py): --compile compiles it "
+                   "on the first decode step, --no-compile never; default: automatic, once the "
+                   "tokens decoded would have repaid the compilation (a short command never waits)")
+
+
+def apply_compile(args, model) -> None:
+    """--compile / --no-compile: the model's persistent engine (engine/shared.py) with the
+    compiled decode step on or off; a contrastive pair's expert's."""
+    if args.compile is None:
+        return
+    import dataclasses
+
+    from decodekit.engine.shared import DEFAULT_CONFIG, engine_for
+
+    model = getattr(model, "expert", model)
+    if model.supports_paged_kv:
+        engine_for(model, dataclasses.replace(DEFAULT_CONFIG, compile=args.compile))
+
+
 def add_threads(p) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads (default: automatic, from the model's size and the free cores: "

@@ -9,8 +9,10 @@ import sys
 from decodekit.cli.common import (
     Renamed,
     UsageError,
+    add_compile,
     add_dtype,
     add_threads,
+    apply_compile,
     given,
     model_options,
     set_threads,
@@ -79,6 +81,7 @@ def add_generate(sub) -> None:
                    help="one compiled static-shape decode step for a single row (models/static.py; "
                         "compiles on the first step)")
     add_dtype(p)
+    add_compile(p)
     add_threads(p)
     add_structure_flags(p)
     add_speculative_flags(p)
@@ -201,6 +204,7 @@ def run_generate(args) -> None:
     check_combination(args, params, mask)
     model = generation_model(args)
     set_threads(args, model)
+    apply_compile(args, model)
     warn_beyond_context(args, model, params)
     if args.draft_model is not None:
         options = {name: getattr(args, name) for name in ("num_draft_tokens", "verify", "adaptive")

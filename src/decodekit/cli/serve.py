@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decodekit.cli.common import add_dtype, add_threads, model_options, set_threads
+from decodekit.cli.common import (
+    add_compile,
+    add_dtype,
+    add_threads,
+    apply_compile,
+    model_options,
+    set_threads,
+)
 
 
 def port_number(text: str) -> int:
@@ -32,6 +39,7 @@ def add_serve(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before 504")
     p.add_argument("--reward-model", action="append", default=[], help="scorer requests may name")
     add_dtype(p)
+    add_compile(p)
     p.add_argument("--api-key", default=None,
                    help="require Authorization: Bearer KEY on every route but /health "
                    "(default: $DECODEKIT_API_KEY, else no key)")
@@ -68,4 +76,6 @@ def run_serve(args) -> None:
         print(f"decodekit serve: model {name!r} from {source}" + (f" (also as {also[0]!r})" if also else ""),
               file=sys.stderr, flush=True)
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
+    for model in models.values():
+        apply_compile(args, model)
     serve(Backend(models, config, aliases), args.host, args.port)
