@@ -27,6 +27,28 @@ def test_help_is_fast_and_lazy():
     assert probe.stdout.strip() == "False"
 
 
+HELLO_WORLD = {
+    "cli": "from decodekit.cli import main\n"
+           "assert main(['generate', 'ROMEO:', '--max-new-tokens', '4', '--seed', '0']) == 0",
+    "api": "import decodekit as dk\n"
+           "model = dk.load_model('shakespeare')\n"
+           "[[c]] = dk.generate(model, ['ROMEO:'], dk.SamplingParams(max_new_tokens=4))\n"
+           "assert len(c.token_ids) == 4 and c.text",
+}
+
+
+@pytest.mark.parametrize("path", sorted(HELLO_WORLD))
+def test_hello_world_imports_neither_transformers_nor_dynamo_nor_dtensor(path):
+    """Issue 26: importing transformers (for AutoTokenizer) cost the hello world 1.1 s of CPU, as
+    it pulls torch.distributed.tensor and torch._dynamo; the shipped models need none of them."""
+    heavy = ("transformers", "torch._dynamo", "torch.distributed.tensor")
+    probe = HELLO_WORLD[path] + "\nimport sys\n" + \
+        f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

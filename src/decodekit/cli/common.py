@@ -46,7 +46,8 @@ def add_dtype(p) -> None:
 
 
 def set_threads(args, model=None) -> int:
-    """Apply --threads (None: the automatic choice for `model`), once per command (runtime.py)."""
+    """Apply --threads (None: the automatic choice for `model`, one thread without one), before
+    a command's work and again once its model is loaded (runtime.py)."""
     from decodekit.runtime import set_threads as runtime_set_threads
 
     return runtime_set_threads(args.threads, model)
@@ -55,14 +56,6 @@ def set_threads(args, model=None) -> int:
 def show_progress(args) -> bool:
     """Progress bars on stderr: on a terminal, and not with --json."""
     return not getattr(args, "json", False) and sys.stderr.isatty()
-
-
-def quiet_model_loading() -> None:
-    """Silence transformers' progress bars ("Loading weights" of every from_pretrained):
-    decodekit's own output is the command's answer, not a loading log."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
 
 
 def check_plot(path: str | None) -> None:
