@@ -7,7 +7,7 @@ import json
 from decodekit.cli.common import UsageError, add_dtype, add_threads, check_plot, set_threads, show_progress
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
-           "latency", "presets", "dtype", "packed", "kv", "soak")
+           "latency", "presets", "dtype", "packed", "kv", "soak", "startup")
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape, --dtype and --device
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 
@@ -146,6 +146,10 @@ def run_bench(args) -> None:
                              f"{args.requests}, {args.clients} and {args.fail_p}")
         result = bench_soak(args.model, args.draft, args.requests, args.clients, args.fail_p, args.seed,
                             args.new_tokens, progress=progress)
+    elif args.which == "startup":
+        from decodekit.bench.startup import bench_startup
+
+        result = bench_startup(args.model, args.repeats, progress=progress)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
 
