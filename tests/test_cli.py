@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -168,11 +169,26 @@ def test_threads_flag_on_every_command_that_runs_a_model(tiny_llama_dir, capsys)
     assert "threads must be a positive integer, got 0" in capsys.readouterr().err
 
 
-def test_model_loading_prints_no_progress_bars(tiny_llama_dir, capsys):
-    from transformers.utils import logging
+def test_model_loading_prints_no_progress_bars(tmp_path, capfd):
+    """A model on the transformers path (a GPT-2) loads without transformers' "Loading weights"
+    bars, and its forward raises no FutureWarning (its old `past_key_values` argument did)."""
+    import shutil
 
-    assert main(["generate", "x", "--model", str(tiny_llama_dir), "--max-new-tokens", "2"]) == 0
-    assert not logging.is_progress_bar_enabled()  # "Loading weights" bars of from_pretrained
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from decodekit.models.registry import ASSETS
+
+    config = GPT2Config(vocab_size=2048, n_embd=16, n_layer=1, n_head=2, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ASSETS / "shakespeare" / name, tmp_path / name)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["generate", "x", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 0
+    assert "Loading weights" not in capfd.readouterr().err
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
 
 
 def test_compress_checks_its_output_directory_first(tmp_path, capsys, monkeypatch):
