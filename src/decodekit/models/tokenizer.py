@@ -104,7 +104,11 @@ class FastTokenizer:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, as transformers calls it: unlike `encode` it releases the GIL, so a
+        # server's event loop keeps answering while a huge prompt is tokenised
+        # (tests/server/test_guard.py, test_a_huge_prompt_does_not_stall_health).
+        [encoding] = self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
