@@ -101,6 +101,8 @@ def copy_tokenizer(tmp_path, name="shakespeare", **config):
     {"add_prefix_space": True},
     {"clean_up_tokenization_spaces": True},
     {"eos_token": "</s>"},  # not among tokenizer.json's added tokens: transformers would add it
+    {"extra_special_tokens": {"image_token": "<image>"}},  # the same, named in a dict
+    {"additional_special_tokens": ["<image>"]},
     {"added_tokens_decoder": {"0": {"content": "<|endoftext|>", "special": False}}},
 ])  # fmt: skip
 def test_what_transformers_would_change_falls_back_to_it(tmp_path, config):

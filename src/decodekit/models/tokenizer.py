@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer.json through the `tokenizers` library, without transformers.
 
 Importing transformers for `AutoTokenizer` cost about 1.1 s of CPU per start (issue 26: it
-pulls `torch.distributed.tensor` and `torch._dynamo`), more than everything else a
+pulls `torch.distributed.tensor` and, through `torch.fx`, sympy), more than everything else a
 `decodekit generate` does after importing torch. `FastTokenizer` is the part of
 transformers' fast tokenizer that decodekit uses (encode, decode, the vocabulary, special
 tokens), over the same Rust tokenizer that transformers wraps, so its ids and text are
@@ -58,8 +58,9 @@ def plain_tokenizer_config(path: Path) -> dict[str, Any] | None:
     added = {token["content"]: token for token in json.loads((path / "tokenizer.json").read_text())
              .get("added_tokens") or []}  # fmt: skip
     named = [_content(config.get(key)) for key in SPECIAL_KEYS]
+    extra = config.get("extra_special_tokens") or []  # a list, or in transformers 5 a dict
     named += [_content(t) for t in config.get("additional_special_tokens") or []]
-    named += [_content(t) for t in config.get("extra_special_tokens") or []]
+    named += [_content(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
     if any(name is not None and not added.get(name, {}).get("special") for name in named):
         return None  # transformers would add it as a special token, changing how text splits
     for index, token in (config.get("added_tokens_decoder") or {}).items():
