@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -69,3 +71,26 @@ def test_missing_path_and_unknown_name():
 def test_reward_model_names_are_not_language_models():
     with pytest.raises(ValueError, match="'arith-orm' is a reward model"):
         load_model("arith-orm")
+
+
+def test_forward_uses_transformers_current_cache_argument(hf_pair):
+    """transformers 5 renamed forward's `past_key_values` to `cache`; the old name raised a
+    FutureWarning on every run of a model on this path (issue 26)."""
+    ours, _ = hf_pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        last, cache = prefill(ours, [ours.encode("ROMEO: But soft")])
+        ours.forward(torch.tensor([[5]]), cache)
+    assert cache.length == len(ours.encode("ROMEO: But soft")) + 1
+
+
+def test_loading_bars_only_when_asked(tiny_llama_dir, capfd):
+    from transformers.utils import logging
+
+    from decodekit.models.hf import HFModelLM
+
+    HFModelLM.from_pretrained(tiny_llama_dir)
+    assert "Loading weights" not in capfd.readouterr().err
+    HFModelLM.from_pretrained(tiny_llama_dir, progress=True)
+    assert "Loading weights" in capfd.readouterr().err
+    assert logging.is_progress_bar_enabled()  # transformers' own setting is left as it was

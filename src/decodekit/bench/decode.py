@@ -62,17 +62,27 @@ def model_or_shape(model_name: str, shape: str | None = None) -> Iterator[str]:
 def load_pair(model_name: str, dtype: str = "auto", device: str = "cpu", hf_dtype: str | None = None):
     """decodekit's `load_model` of `model_name` and the transformers model beside it, both in
     `dtype` (transformers' in `hf_dtype` when given) on `device`."""
-    import transformers
-
     import decodekit as dk
     from decodekit.models.checkpoint import read_config
+    from decodekit.models.hf import load_causal_lm
     from decodekit.models.registry import resolve, resolve_device, resolve_dtype
 
     model = dk.load_model(model_name, dtype=dtype, device=device)
     path = resolve(model_name)[1]
     torch_dtype = resolve_dtype(hf_dtype or dtype, read_config(path), resolve_device(device))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    return model, hf.to(resolve_device(device))
+    return model, load_causal_lm(path, torch_dtype).to(resolve_device(device))
+
+
+def hf_generation(new_tokens: int, sample: bool, pad_token_id: int, **fields):
+    """transformers' GenerationConfig for exactly `new_tokens` tokens, greedy or plain sampling
+    (temperature 1, no top-k or top-p), built clean rather than over the checkpoint's: the
+    sampling fields only when sampling (on greedy, transformers warns that `top_k` "may be
+    ignored"). `fields`: more GenerationConfig fields."""
+    from transformers import GenerationConfig
+
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
+    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            pad_token_id=pad_token_id, **sampling, **fields)  # fmt: skip
 
 
 def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats: int = 3,
@@ -97,10 +107,8 @@ def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats
 
         def theirs(temperature=temperature):
             with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids),
-                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=temperature > 0, top_k=0, top_p=1.0,
-                                  pad_token_id=model.eos_token_ids[0])
+                config = hf_generation(new_tokens, temperature > 0, model.eos_token_ids[0])
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             assert out.shape[1] - ids.shape[1] == new_tokens
 
         bar.set_postfix_str(f"decodekit {mode}")

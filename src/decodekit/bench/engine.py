@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from decodekit.bench.decode import load_pair, machine
+from decodekit.bench.decode import hf_generation, load_pair, machine
 from decodekit.runtime import progress as progress_bar
 
 SCENARIOS = ("single", "shared_prefix", "concurrent", "memory")
@@ -108,9 +108,8 @@ def run_hf(hf, prompts, new_tokens: int, sample: bool, num_return_sequences: int
 
     tokens, mask = (t.to(hf.device) for t in left_pad(prompts, pad))
     with torch.inference_mode():
-        out = hf.generate(tokens, attention_mask=mask.long(), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=sample, top_k=0, top_p=1.0,
-                          num_return_sequences=num_return_sequences, pad_token_id=pad)  # fmt: skip
+        config = hf_generation(new_tokens, sample, pad, num_return_sequences=num_return_sequences)
+        out = hf.generate(tokens, attention_mask=mask.long(), generation_config=config)
     assert out.shape == (len(prompts) * num_return_sequences, tokens.shape[1] + new_tokens)
 
 

@@ -16,6 +16,10 @@ decodekit), by file path (bench/llamacpp.py drives it):
   {"do": "info"}: {"system_info": str}.
   The caller times rounds of these interleaved with its own (bench/packed.py), so a change of
   load on a shared machine moves both alike.
+- `answer`: {"op": "answer", "gguf": GGUF, "prompt": str, "new_tokens": n, "context": n,
+  "threads": t}: load the model, tokenise the prompt, n greedy tokens, their text; answered
+  with {"text": str, "tokens": [ids]}. bench/startup.py times the whole process: a user's
+  start-to-answer.
 """
 
 from __future__ import annotations
@@ -131,6 +135,13 @@ class Session:
         self.reset()
         self.eval(ids)
 
+    def detokenize(self, ids: list[int]) -> str:
+        piece, pieces = ctypes.create_string_buffer(256), b""
+        for token in ids:
+            count = llama_cpp.llama_token_to_piece(self.vocab, token, piece, len(piece), 0, False)
+            pieces += piece.raw[:count]
+        return pieces.decode(errors="replace")
+
     def tokenize(self, text: str) -> list[int]:
         data = text.encode()
         out = (llama_cpp.llama_token * (len(data) + 8))()
@@ -168,9 +179,17 @@ def serve(task: dict) -> None:
         print(json.dumps(answer(session, json.loads(line))), flush=True)
 
 
+def answer_once(task: dict) -> dict:
+    session = Session(task["gguf"], task["context"], task.get("threads", 1))
+    tokens = session.greedy(session.tokenize(task["prompt"]), task["new_tokens"])
+    return {"text": session.detokenize(tokens), "tokens": tokens}
+
+
 if __name__ == "__main__":
     request = json.loads(sys.stdin.readline())
     if request["op"] == "session":
         serve(request)
+    elif request["op"] == "answer":
+        print(json.dumps(answer_once(request)))
     else:
         print(json.dumps(quantize(request["source"], request["out"], request["ftype"])))

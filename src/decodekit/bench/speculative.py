@@ -141,19 +141,19 @@ def paired_block_efficiency(target, draft, prompts, params, gamma) -> dict:
 
 def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma, repeats=1) -> dict:
     """tokens/s of HF plain generate(), assisted generation at HF's defaults, and at γ."""
-    from transformers import AutoModelForCausalLM
-
+    from decodekit.bench.decode import hf_generation
+    from decodekit.models.checkpoint import load_tokenizer
+    from decodekit.models.hf import load_causal_lm
     from decodekit.models.registry import resolve
 
     def load(name):
         path = resolve(name)[1]
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path
+        return load_causal_lm(path, torch.float32), path
 
     target, path = load(target_name)
     assistant, _ = load(draft_name)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    generation = hf_generation(new_tokens, temperature > 0, tokenizer.eos_token_id)
     defaults = assistant.generation_config
     settings = {"plain": None, "assisted_default": {},
                 f"assisted_gamma{gamma}": {"num_assistant_tokens": gamma,
@@ -167,14 +167,11 @@ def hf_runs(target_name, draft_name, prompts, new_tokens, temperature, gamma, re
 
         def go(config=config):
             for prompt in prompts:
-                ids = tokenizer(prompt, return_tensors="pt").input_ids
+                ids = torch.tensor([tokenizer.encode(prompt)])
                 extra = {} if config is None else {"assistant_model": assistant}
                 with torch.inference_mode():
-                    result = target.generate(
-                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=temperature > 0, top_k=0, top_p=1.0,
-                        pad_token_id=tokenizer.eos_token_id, **extra,
-                    )
+                    result = target.generate(ids, attention_mask=torch.ones_like(ids),
+                                             generation_config=generation, **extra)  # fmt: skip
                 assert result.shape[1] - ids.shape[1] == new_tokens
 
         go()  # warm-up
@@ -187,21 +184,21 @@ def tokens_per_second(tokens: int, timing: Timing) -> dict:
 
 
 def hf_prompt_lookup(target_name, prompts, new_tokens, gamma, repeats=1) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from decodekit.bench.decode import hf_generation
+    from decodekit.models.checkpoint import load_tokenizer
+    from decodekit.models.hf import load_causal_lm
     from decodekit.models.registry import resolve
 
     path = resolve(target_name)[1]
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    target = load_causal_lm(path, torch.float32)
+    tokenizer = load_tokenizer(path)
+    generation = hf_generation(new_tokens, False, tokenizer.eos_token_id, prompt_lookup_num_tokens=gamma)
 
     def go():
         for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            ids = torch.tensor([tokenizer.encode(prompt)])
             with torch.inference_mode():
-                target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.eos_token_id, prompt_lookup_num_tokens=gamma)
+                target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation)
 
     go()
     return tokens_per_second(new_tokens * len(prompts), timed(go, repeats))

@@ -9,10 +9,11 @@ exits with status 130; no traceback.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from decodekit.cli.bench import add_bench
-from decodekit.cli.common import Parser, UsageError, quiet_model_loading
+from decodekit.cli.common import Parser, UsageError
 from decodekit.cli.compress import add_compress
 from decodekit.cli.evaluate import add_align, add_eval
 from decodekit.cli.generate import add_generate
@@ -22,7 +23,7 @@ from decodekit.cli.serve import add_serve
 
 __all__ = ["UsageError", "build_parser", "main"]
 
-# Commands that load a model (and so get --threads and quiet model loading).
+# Commands that load a model (and so get --threads).
 RUNS_A_MODEL = ("generate", "bench", "eval", "compress", "serve")
 
 
@@ -36,9 +37,20 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class VersionAction(argparse.Action):
+    """--version, looked up only when asked (importlib.metadata costs every start 40 ms)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"decodekit {version()}")
+        parser.exit()
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="decodekit", description="Language-model decoding, meta-generation and alignment.")
-    parser.add_argument("--version", action="version", version=f"decodekit {version()}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
     add_models(sub)
@@ -57,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command in RUNS_A_MODEL:
-            quiet_model_loading()
         args.run(args)
     except MissingDependency as error:
         print(f"decodekit {args.command}: error: {error}", file=sys.stderr)

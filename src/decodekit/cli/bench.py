@@ -17,11 +17,11 @@ from decodekit.cli.common import (
 )
 
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
-           "latency", "presets", "dtype", "packed", "kv", "soak")
+           "latency", "presets", "dtype", "packed", "kv", "soak", "startup")
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
 TIMED = ("constrained", "compress", "speculative", "server", "engine", "beam", "latency", "dtype", "packed",
-         "kv", "decode")  # the benchmarks that take --repeats
+         "kv", "decode", "startup")  # the benchmarks that take --repeats
 
 # A flag's name -> the benchmarks that take it. Every such flag defaults to None (not given),
 # so a benchmark that does not take it refuses it (refuse_others) and one that does gets
@@ -234,6 +234,10 @@ def run_bench(args) -> None:
                              f"{args.requests} and {args.fail_p}")
         result = bench_soak(args.model, args.draft_model, args.requests, args.clients, args.fail_p, args.seed,
                             args.new_tokens, progress=progress)
+    elif args.which == "startup":
+        from decodekit.bench.startup import bench_startup
+
+        result = bench_startup(args.model, args.repeats, progress=progress)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
 

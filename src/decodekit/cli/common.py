@@ -102,7 +102,8 @@ def model_options(args) -> dict:
 
 
 def set_threads(args, model=None) -> int:
-    """Apply --threads (None: the automatic choice for `model`), once per command (runtime.py)."""
+    """Apply --threads (None: the automatic choice for `model`, one thread without one), before
+    a command's work and again once its model is loaded (runtime.py)."""
     from decodekit.runtime import set_threads as runtime_set_threads
 
     return runtime_set_threads(args.threads, model)
@@ -112,14 +113,6 @@ def show_progress(args) -> bool:
     """Progress on stderr unless --json: a bar on a terminal, off one a line every few
     seconds (runtime.progress), so a long command never looks hung."""
     return not getattr(args, "json", False)
-
-
-def quiet_model_loading() -> None:
-    """Silence transformers' progress bars ("Loading weights" of every from_pretrained):
-    decodekit's own output is the command's answer, not a loading log."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
 
 
 def check_plot(path: str | None) -> None:

@@ -22,11 +22,12 @@ hand-written state machine.
   is an unfinished prefix of a valid output.
 
 Needs the `constrained` extra (`pip install decodekit[constrained]`) and a model with a
-Hugging Face fast tokenizer.
+fast tokenizer (a tokenizer.json: decodekit's `FastTokenizer` or transformers' fast one).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -164,13 +165,17 @@ def ll_tokenizer(model: LanguageModel):
     if key not in per_tokenizer:
         if not model.eos_token_ids:
             raise ValueError(f"model {model.name!r} has no EOS token; constraints need one")
-        hf = require("llguidance.hf", "constrained", "constrained decoding (and token healing)")
-        try:
-            per_tokenizer[key] = hf.from_tokenizer(
-                tokenizer, n_vocab=model.vocab_size, eos_token=list(model.eos_token_ids)
-            )
-        except ValueError as error:
-            raise TypeError(f"model {model.name!r}: {error}") from None
+        llg = require("llguidance", "constrained", "constrained decoding (and token healing)")
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"model {model.name!r}: constraints need a fast tokenizer (tokenizer.json)")
+        # What llguidance.hf.from_tokenizer does, without its import of transformers: the Rust
+        # tokenizer serialised (with transformers' added tokens), unpadded and untruncated.
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        per_tokenizer[key] = llg.LLTokenizer(backend.to_str(), n_vocab=model.vocab_size,
+                                             eos_token=list(model.eos_token_ids))  # fmt: skip
     return per_tokenizer[key]
 
 

@@ -138,17 +138,16 @@ class ProbeRewardModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, name: str | None = None) -> ProbeRewardModel:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from decodekit.models.checkpoint import load_tokenizer
+        from decodekit.models.hf import load_causal_lm
 
         path = Path(path)
         meta = json.loads((path / PROBE_FILE).read_text())
         if meta.get("format") != "decodekit-probe-reward":
             raise ValueError(f"{path / PROBE_FILE} is not a decodekit probe reward model")
         policy_dir = (path / meta["policy"]).resolve()
-        policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
-                                                      local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
-        return cls(policy, tokenizer, meta, name or path.name)
+        policy = load_causal_lm(policy_dir, torch.float32)
+        return cls(policy, load_tokenizer(policy_dir), meta, name or path.name)
 
 
 def load_reward_model(name_or_path: str | Path) -> ProbeRewardModel:

@@ -57,8 +57,9 @@ class Cache(ABC):
 class LanguageModel(ABC):
     """A causal language model over token ids.
 
-    Attributes: `name`, `vocab_size`, `eos_token_ids`, `tokenizer` (a Hugging Face
-    tokenizer, or None for models with their own `encode`/`decode`) and
+    Attributes: `name`, `vocab_size`, `eos_token_ids`, `tokenizer` (transformers' fast
+    tokenizer surface: models/tokenizer.py's FastTokenizer or transformers' own; None for
+    models with their own `encode`/`decode`) and
     `max_context` (positions the model can attend over); capabilities as in the module
     docstring.
     """

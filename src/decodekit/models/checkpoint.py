@@ -38,9 +38,16 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(path: Path) -> Any | None:
-    """The directory's Hugging Face tokenizer, or None if it has no tokenizer files."""
+    """The directory's tokenizer, or None if it has no tokenizer files: a `FastTokenizer`
+    (models/tokenizer.py: tokenizer.json without importing transformers) where that computes
+    what transformers would, else transformers' AutoTokenizer."""
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
+    from decodekit.models.tokenizer import FastTokenizer
+
+    fast = FastTokenizer.from_directory(path)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

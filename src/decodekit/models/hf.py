@@ -3,12 +3,18 @@
 The fallback for architectures `NativeLM` does not implement. The cache wraps a
 transformers `DynamicCache` together with the attention mask of every position
 seen so far, so left-padded rows keep their own position ids.
+
+`load_causal_lm` is how decodekit loads every transformers model (here, the reward models'
+policies, the benchmarks' baselines): without transformers' "Loading weights" bars unless
+asked for.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,6 +59,10 @@ class HFModelLM(LanguageModel):
 
     def __init__(self, model, tokenizer, name: str):
         self.model = model.eval()
+        # transformers 5 renamed forward's `past_key_values` to `cache` (the old name warns,
+        # FutureWarning, to be removed in 5.40); earlier versions know only the old one.
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self.tokenizer = tokenizer
         self.name = name
         config = model.config
@@ -68,14 +78,15 @@ class HFModelLM(LanguageModel):
         name: str | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        progress: bool = False,
     ) -> HFModelLM:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """The checkpoint directory `path` in `dtype` on `device`; `progress`: transformers'
+        loading bars."""
+        from decodekit.models.checkpoint import load_tokenizer
 
         path = Path(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        model = model.to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(model, tokenizer, name or path.name)
+        model = load_causal_lm(path, dtype, progress).to(device)
+        return cls(model, load_tokenizer(path), name or path.name)
 
     def new_cache(self, batch_size: int) -> HFCache:
         return HFCache(batch_size, self.device)
@@ -91,14 +102,37 @@ class HFModelLM(LanguageModel):
             input_ids=tokens,
             attention_mask=full_mask.long(),
             position_ids=positions.clamp(min=0),
-            past_key_values=cache.kv,
             use_cache=True,
+            **{self.cache_argument: cache.kv},
         )
         cache.mask = full_mask
         return out.logits.float()  # [B, T, V]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+
+@contextmanager
+def loading_bars(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") on or off for the block, then as before."""
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()
+    (logging.enable_progress_bar if enabled else logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (logging.enable_progress_bar if before else logging.disable_progress_bar)()
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False):
+    """transformers' AutoModelForCausalLM of a local directory, in eval mode; `progress`:
+    its loading bars (off: decodekit's output is the answer, not a loading log)."""
+    from transformers import AutoModelForCausalLM
+
+    with loading_bars(progress):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.eval()
 
 
 def eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -88,15 +88,18 @@ def status() -> Status:
     return Status(True, ISA_NAMES[level], path)
 
 
-@torch.compiler.assume_constant_result  # a compiled graph reads it once, as a constant
 def available() -> bool:
     return status().available
+
+
+_TRACEABLE = False  # set by `register_fakes`; a module global, so a traced graph reads a constant
 
 
 @functools.cache
 def register_fakes() -> None:
     """Shape functions of the ops, so that `torch.compile` can trace graphs that call them
     (engine/compiled.py): each returns x's dtype, [..., N]."""
+    global _TRACEABLE
     if not available():
         return
 
@@ -111,12 +114,13 @@ def register_fakes() -> None:
     torch.library.register_fake("decodekit::linear_int4")(
         lambda x, w, scales, group, bias: out(x, scales.shape[0])
     )
+    _TRACEABLE = True
 
 
-@torch.compiler.assume_constant_result
 def traceable() -> bool:
-    """Whether a graph being compiled may call the ops (`register_fakes` has run)."""
-    return register_fakes.cache_info().currsize > 0 and available()
+    """Whether a graph being compiled may call the ops (`register_fakes` has run); read while
+    tracing instead of `available`, whose first call loads the library."""
+    return _TRACEABLE
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

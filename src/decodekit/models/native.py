@@ -219,8 +219,7 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     weight = getattr(layer, "weight", None)
     if (type(layer) is nn.Linear and x.numel() <= kernels.GEMV_MAX_ROWS * x.shape[-1] and weight.is_cpu
             and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES
-            and kernels.available()
-            and (not torch.compiler.is_compiling() or kernels.traceable())):  # fmt: skip
+            and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
         return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV (models/kernels.py)
     if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
@@ -322,7 +321,13 @@ class LlamaNet(nn.Module):
 
     def __init__(self, config: NativeConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's own initialisation draws normal_ values, which on the meta device (where
+        # from_state_dict builds the net) go through torch._refs and import torch._dynamo: 0.3 s
+        # of every start (issue 26). The same draw, made only where the weight is real:
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

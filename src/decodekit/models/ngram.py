@@ -356,9 +356,9 @@ class NGramLM(LanguageModel):
             raise ValueError(f"{path / CONFIG_FILE} is not a decodekit k-gram model")
         tokenizer = None
         if meta["level"] == "token" and meta["symbols"] is None:
-            from transformers import AutoTokenizer
+            from decodekit.models.checkpoint import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = load_tokenizer(path)
         with np.load(path / COUNTS_FILE) as data:
             keys, counts = data["keys"], data["counts"].astype(np.int64)
         config = NGramConfig(meta["order"], meta["smoothing"], meta["constant"])
