@@ -95,8 +95,12 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, bias: bool, l2: float = 1e-3) -> 
 
 def save_reward_model(kind: str, weight: torch.Tensor, bias: float, out: Path) -> Path:
     """`arith`'s body with a fitted head, saved by transformers in its own format."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForSequenceClassification
-    from transformers import LlamaForTokenClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        LlamaForSequenceClassification,
+        LlamaForTokenClassification,
+    )
 
     config = AutoConfig.from_pretrained(ASSETS / "arith")
     body = AutoModelForCausalLM.from_pretrained(ASSETS / "arith", dtype=torch.float32).model
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     for kind, items_of in (("orm", orm_items), ("prm", prm_items)):
         items, labels = items_of(fit_problems, fit_samples)
         x = torch.cat(final_states(policy, items))
-        y = torch.tensor([v for ys in labels for v in (ys if isinstance(ys, list) else [ys])], dtype=torch.float64)
+        flat = [v for ys in labels for v in (ys if isinstance(ys, list) else [ys])]
+        y = torch.tensor(flat, dtype=torch.float64)
         weight, bias = fit_head(x, y, bias=kind == "prm")
         paths[kind] = save_reward_model(kind, weight, bias, args.out)
         print(f"{kind}: head fitted on {len(y)} positions ({y.mean():.2f} positive)", flush=True)
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(metrics, indent=1))
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     if args.install:
-        for kind, path in paths.items():
+        for path in paths.values():
             shutil.copytree(path, ASSETS / path.name, dirs_exist_ok=True)
         print(f"installed {', '.join(p.name for p in paths.values())} into {ASSETS}")
     return metrics

@@ -212,3 +212,62 @@ def test_errors_name_the_problem(tmp_path, orm_dir, lm_prm_dir, token_prm_dir):
     save_file({k: v for k, v in state.items() if k.startswith("model.")}, nohead / "model.safetensors")
     with pytest.raises(ValueError, match="no score or classifier weights"):
         load_reward_model(nohead)
+
+
+def arith_prm(model):
+    """A batched arith PRM over a RewardModel (meta/tasks/arith.py `load_prm`'s segments)."""
+    from decodekit.meta.tasks.arith import DELIMITER, format_prompt
+
+    def batch(items):
+        return model.score_batch([(format_prompt(q), [s.strip() + DELIMITER for s in steps])
+                                  for q, steps in items])
+
+    batch.score_kind = model.score_kind
+    return batch
+
+
+def test_tree_search_on_the_engine_equals_transformers_and_computes_less():
+    """REBASE with the embedded token-classification PRM: the same tree, the same answer, with
+    the engine scoring on far fewer reward-model tokens than whole paths."""
+    import decodekit as dk
+    from decodekit.meta import LocalGenerator, tree_search
+    from decodekit.meta.tasks.arith import extract_answer, format_prompt, generate_problems
+
+    policy = dk.load_model("arith")
+    prompt = format_prompt(generate_problems(1, seed=3)[0])
+    params = dk.SamplingParams(max_new_tokens=24, seed=1)
+    results = {}
+    for native in (True, False):
+        model = load_reward_model("arith-hf-prm", native=native)
+        trace: list = []
+        result = tree_search(LocalGenerator(policy), prompt, arith_prm(model), n=8, method="rebase",
+                             params=params, prm_kind="batch", extract=extract_answer, trace=trace)
+        results[native] = (result, trace, model.scorer)
+    (engine, engine_trace, scorer), (plain, plain_trace, _) = results[True], results[False]
+    assert engine.answer == plain.answer and len(engine_trace) == len(plain_trace)
+    for (_, a), (_, b) in zip(engine_trace, plain_trace):
+        assert a.steps == b.steps and a.scores == pytest.approx(b.scores, abs=TOLERANCE)
+    assert scorer.tokens_scored > 3 * scorer.tokens_computed
+
+
+def test_an_orm_as_blockwise_cd_value():
+    """BlockwiseCD's value (token ids of the completion so far -> values) from a logit ORM."""
+    import decodekit as dk
+    from decodekit.align import BlockwiseCD
+    from decodekit.meta import LocalGenerator
+    from decodekit.meta.tasks.arith import format_prompt, generate_problems, load_orm
+
+    policy = dk.load_model("arith")
+    problem = generate_problems(1, seed=8)[0]
+    orm = load_orm("arith-hf-orm")
+    seen = []
+
+    def value(candidates):
+        texts = [policy.decode(c) for c in candidates]
+        seen.extend(texts)
+        return orm.score_many(problem.question, texts)
+
+    blocks = BlockwiseCD(LocalGenerator(policy), value, k=3, m=8)
+    [[sample]] = blocks.generate([format_prompt(problem)], 1, dk.SamplingParams(max_new_tokens=32, seed=2))
+    assert sample.text and len(seen) >= 3
+    assert sample.text.startswith(max(seen[:3], key=lambda t: orm(problem.question, t)))
