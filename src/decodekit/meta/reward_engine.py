@@ -17,8 +17,8 @@ read at each segment's position. So:
   is recomputed by cropping the table back to it;
 - items that share a prefix not yet computed (best-of-N's candidates share their prompt;
   a tree's first children their question) compute it once first (`_warm`);
-- all the items of a call, and concurrent calls from other threads, are programs of one
-  engine step: one forward.
+- the items of a call are one program (up to CHUNK_TOKENS), and concurrent calls from
+  other threads are programs of the same engine step: one forward.
 
 `tokens_computed` counts the tokens the engine computed for scoring, `tokens_scored` those
 a whole-path forward per item would have computed (BENCHMARKS.md compares the two).
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, StepGenerator
-from decodekit.engine.shared import run_requests
+from decodekit.engine.shared import engine_for, run_requests
 from decodekit.models.base import LanguageModel
 from decodekit.models.native import ARCHITECTURES, NativeLM
 
@@ -61,28 +61,34 @@ def native_reward_lm(state: dict[str, torch.Tensor], config: dict, head: nn.Modu
 
 
 class ScoreProgram(Program):
-    """One item on the engine: compute the tokens its table lacks (from `recompute_from` at
-    the latest), keep the head's outputs at `positions`."""
+    """Items on the engine, as one program: for each, compute the tokens its table lacks (from
+    its first wanted position at the latest) and keep the head's outputs at its positions.
+    One program for many items, not one each: the engine's per-program books cost more than
+    a short item's forward."""
 
-    def __init__(self, model: LanguageModel, tokens: list[int], positions: list[int]):
-        self.model, self.tokens, self.positions = model, tokens, positions
-        self.outputs: dict[int, torch.Tensor] = {}
+    def __init__(self, model: LanguageModel, items: list[tuple[list[int], list[int]]]):
+        self.model, self.items = model, items  # (tokens, wanted positions) each
+        self.outputs: list[dict[int, torch.Tensor]] = [{} for _ in items]
         self.computed = 0
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
-        # its blocks, and one more: a shared partial block is copied before it is written
-        return [(self.model, -(-len(self.tokens) // block_size) + 1)]
+        # each item's blocks, and one more: a shared partial block is copied before it is written
+        return [(self.model, sum(-(-len(tokens) // block_size) + 1 for tokens, _ in self.items))]
 
     def step(self, kv: ProgramKV) -> StepGenerator:
-        seq = kv.open(self.model, self.tokens)
-        if self.positions and self.positions[0] < seq.table.length:
-            kv.crop(seq, self.positions[0])  # a wanted position the cache skipped
-            seq.tokens += self.tokens[self.positions[0] :]
-        start = seq.table.length
-        self.computed = len(self.tokens) - start
-        [[outputs]] = yield [Forward(self.model, [Feed(seq, every=True)])]  # [computed, L]
-        self.outputs = {p: outputs[p - start] for p in self.positions}
-        self.finished = True  # its sequence is closed by the engine: the KV stays cached
+        seqs, starts = [], []
+        for tokens, positions in self.items:
+            seq = kv.open(self.model, tokens)
+            if positions and positions[0] < seq.table.length:
+                kv.crop(seq, positions[0])  # a wanted position the cache skipped
+                seq.tokens += tokens[positions[0] :]
+            seqs.append(seq)
+            starts.append(seq.table.length)
+            self.computed += len(tokens) - seq.table.length
+        [outputs] = yield [Forward(self.model, [Feed(seq, every=True) for seq in seqs])]  # [k_i, L] each
+        for i, ((_, positions), start, out) in enumerate(zip(self.items, starts, outputs)):
+            self.outputs[i] = {p: out[p - start] for p in positions}
+        self.finished = True  # its sequences are closed by the engine: their KV stays cached
         return []
 
 
@@ -100,15 +106,15 @@ class EngineScorer:
         """Per item, its positions' head outputs [S, L]."""
         self._warm(items)
         found: dict[tuple, torch.Tensor] = {}
-        programs = []
+        todo = []
         for ids, positions, _ in items:
             missing = [p for p in positions if self._recall(ids[: p + 1], found) is None]
             if missing:
-                programs.append(ScoreProgram(self.model, ids, missing))
-        self._run(programs)
-        for program in programs:
-            for p, out in program.outputs.items():
-                found[tuple(program.tokens[: p + 1])] = out
+                todo.append((ids, missing))
+        for program in self._run(todo):
+            for (ids, _), outputs in zip(program.items, program.outputs):
+                for p, out in outputs.items():
+                    found[tuple(ids[: p + 1])] = out
         with self._lock:
             self.tokens_scored += sum(len(ids) for ids, _, _ in items)
         return [torch.stack([self._recall(ids[: p + 1], found) for p in positions])
@@ -121,7 +127,7 @@ class EngineScorer:
         with self._lock:
             todo = [list(prefix) for prefix, count in shared.items()
                     if count > 1 and prefix not in self._memo]
-        self._run([ScoreProgram(self.model, prefix, []) for prefix in todo])
+        self._run([(prefix, []) for prefix in todo])
         with self._lock:
             for prefix in todo:
                 self._memo.setdefault(tuple(prefix), None)
@@ -136,22 +142,28 @@ class EngineScorer:
                 self._memo.move_to_end(key)
             return value
 
-    def _run(self, programs: list[ScoreProgram]) -> None:
-        """Run programs on the engine, CHUNK_TOKENS at a time; remember their scores."""
-        start = 0
-        while start < len(programs):
-            end, tokens = start, 0
-            while end < len(programs) and (end == start
-                                           or tokens + len(programs[end].tokens) <= CHUNK_TOKENS):
-                tokens += len(programs[end].tokens)
-                end += 1
-            for _ in run_requests(self.model, list(programs[start:end])):
-                pass  # a ScoreProgram hands out no deltas: its outputs are its own
-            start = end
+    def _run(self, items: list[tuple[list[int], list[int]]]) -> list[ScoreProgram]:
+        """Run items on the engine as programs of at most CHUNK_TOKENS tokens (and a quarter
+        of the pool); remember their scores."""
+        engine = engine_for(self.model)
+        budget = min(CHUNK_TOKENS, engine.pool.num_blocks * engine.config.block_size // 4)
+        programs, chunk, tokens = [], [], 0
+        for tokens_i, positions in items:
+            if chunk and tokens + len(tokens_i) > budget:
+                programs.append(ScoreProgram(self.model, chunk))
+                chunk, tokens = [], 0
+            chunk.append((tokens_i, positions))
+            tokens += len(tokens_i)
+        if chunk:
+            programs.append(ScoreProgram(self.model, chunk))
+        for _ in run_requests(self.model, programs):
+            pass  # a ScoreProgram hands out no deltas: its outputs are its own
         with self._lock:
             for program in programs:
                 self.tokens_computed += program.computed
-                for p, out in program.outputs.items():
-                    self._memo[tuple(program.tokens[: p + 1])] = out
+                for (ids, _), outputs in zip(program.items, program.outputs):
+                    for p, out in outputs.items():
+                        self._memo[tuple(ids[: p + 1])] = out
             while len(self._memo) > MEMO_SIZE:
                 self._memo.popitem(last=False)
+        return programs

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from decodekit.meta.reward_heads import build_head, num_labels, read_scores, reward_config, score_kind
@@ -92,6 +93,9 @@ class RewardModel:
             raise ValueError(f"reward model directory {str(path)!r} has no tokenizer files")
         labels = 2 if self.head == "causal_lm" else num_labels(config)
         self.score_kind = score_kind(self.head, labels)
+        # Encodings of texts seen before (a tree scores each prompt and step many times).
+        self._piece = lru_cache(maxsize=65536)(self._encode_piece)
+        self._prompt = lru_cache(maxsize=4096)(self._prompt_ids)
         self._separator = self._separator_ids()
         pair = self._plus_minus() if self.head == "causal_lm" else None
         if not any(path.glob("*.safetensors")):
@@ -141,7 +145,14 @@ class RewardModel:
             ids.append(encoded[0])
         return ids[0], ids[1]
 
+    def _encode_piece(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
     def prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's tokens: rendered by the chat template, or with the special tokens."""
+        return list(self._prompt(prompt))
+
+    def _prompt_ids(self, prompt: str) -> tuple[int, ...]:
         fmt = self.format
         if fmt.chat_template:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -155,14 +166,14 @@ class RewardModel:
             ids = list(self.tokenizer.encode(prompt))
         if not ids:
             raise ValueError("the prompt must encode to at least one token")
-        return ids
+        return tuple(ids)
 
     def encode(self, prompt: str, segments: Sequence[str]) -> tuple[list[int], list[int], int]:
         """(token ids, each segment's score position, where the last segment starts)."""
         ids = self.prompt_ids(prompt)
         positions, last = [], len(ids)
         for segment in segments:
-            piece = self.tokenizer.encode(segment, add_special_tokens=False)
+            piece = list(self._piece(segment))
             if not piece:
                 raise ValueError(f"segment {segment!r} encodes to no tokens")
             last = len(ids)
