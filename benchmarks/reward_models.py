@@ -14,7 +14,8 @@
 2. Best-of-N (`--bon-n` samples of `--bon-problems` problems, sampled once) scored by the
    ORMs: the probe `arith-orm` through transformers, `arith-hf-orm` through transformers,
    and on the engine; candidates scored per second, each scorer over all candidates in one
-   call, and whether best-of-N picks the same answers.
+   call, and whether best-of-N picks the same answers; with the bare prompts and with
+   `--shots` solved problems before each (a 204-token prompt the candidates share).
 
 Each run loads its reward model afresh (an empty prefix cache) and the policy's engine is
 dropped between runs. One torch thread.
@@ -34,7 +35,13 @@ from decodekit.engine.shared import forget_engine
 from decodekit.meta.evaluate import EvalConfig, eval_problems, evaluate_tree, sample_parallel
 from decodekit.meta.generator import LocalGenerator
 from decodekit.meta.rewards import load_reward_model
-from decodekit.meta.tasks.arith import DELIMITER, extract_answer, format_prompt
+from decodekit.meta.tasks.arith import (
+    DELIMITER,
+    extract_answer,
+    format_prompt,
+    format_solution,
+    generate_problems,
+)
 from decodekit.models.registry import load_model
 
 SCORERS = (("probe", "arith-{}", None), ("hf, transformers", "arith-hf-{}", False),
@@ -85,27 +92,36 @@ def tree(policy, problems, n: int) -> list[dict]:
     return rows
 
 
-def best_of_n(policy, problems, n: int) -> list[dict]:
+def few_shot(shots: int) -> str:
+    """`shots` solved problems, each ending in EOS (benchmarks/meta_prefix_sharing.py's prefix)."""
+    examples = generate_problems(shots, seed=99)
+    return "".join(format_prompt(p) + format_solution(p) + "<|endoftext|>" for p in examples)
+
+
+def best_of_n(policy, problems, n: int, shots: int = 0) -> list[dict]:
+    """Best-of-n of each problem scored by each ORM, the reward model's prompt the policy's
+    (`shots` solved problems first); every candidate in one `score_batch` call."""
     config = EvalConfig(problems=len(problems))
-    prompts = [format_prompt(p) for p in problems]
+    prompts = [few_shot(shots) + format_prompt(p) for p in problems]
     forget_engine(policy)
     samples = sample_parallel(LocalGenerator(policy), prompts, n, config, 0)
-    items = [(p.question, c.text) for p, cs in zip(problems, samples) for c in cs]
+    items = [(prompt, [c.text.strip() + DELIMITER]) for prompt, cs in zip(prompts, samples) for c in cs]
     rows, picks = [], {}
     for label, name, native in SCORERS:
         model = load_reward_model(name.format("orm"), native=native)
-        orm = Timed(model, whole=True)
-        scores = orm(items)
+        start = time.perf_counter()
+        scores = [s[0] for s in model.score_batch(items)]
+        seconds = time.perf_counter() - start
         chosen = [max(range(n), key=scores[i * n : (i + 1) * n].__getitem__) for i in range(len(problems))]
         picks[label] = [extract_answer(samples[i][c].text) for i, c in enumerate(chosen)]
         accuracy = statistics.fmean(a == p.answer for a, p in zip(picks[label], problems))
         computed, whole = counters(model)
-        rows.append({"orm": label, "candidates": len(items), "seconds": orm.seconds,
-                     "candidates_per_second": len(items) / orm.seconds, "accuracy": accuracy,
+        rows.append({"orm": label, "shots": shots, "candidates": len(items), "seconds": seconds,
+                     "candidates_per_second": len(items) / seconds, "accuracy": accuracy,
                      "rm_tokens_computed": computed, "rm_tokens_whole": whole})
         print(json.dumps(rows[-1]), flush=True)
     same = picks["hf, engine"] == picks["hf, transformers"]
-    return rows + [{"engine_picks_equal_transformers": same}]
+    return rows + [{"shots": shots, "engine_picks_equal_transformers": same}]
 
 
 def main() -> None:
@@ -114,13 +130,17 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--bon-problems", type=int, default=100)
     parser.add_argument("--bon-n", type=int, default=16)
+    parser.add_argument("--shots", type=int, default=3, help="best-of-N: also with this many solved "
+                        "problems before each prompt (0: only without)")
+    parser.add_argument("--skip-tree", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
     policy = load_model("arith")
     report = {"threads": 1, "n": args.n, "problems": args.problems,
-              "tree": tree(policy, eval_problems(args.problems), args.n),
-              "best_of_n": best_of_n(policy, eval_problems(args.bon_problems), args.bon_n),
+              "tree": [] if args.skip_tree else tree(policy, eval_problems(args.problems), args.n),
+              "best_of_n": [row for shots in sorted({0, args.shots}) for row in
+                            best_of_n(policy, eval_problems(args.bon_problems), args.bon_n, shots)],
               "load_average": os.getloadavg()}  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))

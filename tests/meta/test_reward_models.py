@@ -271,3 +271,12 @@ def test_an_orm_as_blockwise_cd_value():
     [[sample]] = blocks.generate([format_prompt(problem)], 1, dk.SamplingParams(max_new_tokens=32, seed=2))
     assert sample.text and len(seen) >= 3
     assert sample.text.startswith(max(seen[:3], key=lambda t: orm(problem.question, t)))
+
+
+def test_eval_arith_takes_hugging_face_reward_models(capsys):
+    from decodekit.cli import main
+
+    main(["eval", "arith", "--strategies", "weighted-orm,beam-prm", "--orm", "arith-hf-orm",
+          "--prm", "arith-hf-prm", "--n", "2", "--problems", "2", "--seeds", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert {row["strategy"] for row in report["rows"]} == {"weighted-orm", "beam-prm"}
