@@ -18,7 +18,8 @@
    `--shots` solved problems before each (a 204-token prompt the candidates share).
 
 Each run loads its reward model afresh (an empty prefix cache) and the policy's engine is
-dropped between runs. One torch thread.
+dropped between runs. One torch thread; wall and CPU time (the process's: on a shared
+machine the steadier of the two).
 """
 
 from __future__ import annotations
@@ -52,15 +53,16 @@ class Timed:
     """A batched arith PRM (meta/evaluate.py `arith_scorers`'s shape) whose calls are timed."""
 
     def __init__(self, model, whole: bool):
-        self.model, self.whole, self.seconds = model, whole, 0.0
+        self.model, self.whole, self.seconds, self.cpu_seconds = model, whole, 0.0, 0.0
         self.score_kind = model.score_kind
 
     def __call__(self, items):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         segments = [[s.strip() + DELIMITER] if self.whole else [t.strip() + DELIMITER for t in s]
                     for _, s in items]
         scores = self.model.score_batch([(format_prompt(q), seg) for (q, _), seg in zip(items, segments)])
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
         return [s[0] for s in scores] if self.whole else scores
 
 
@@ -80,15 +82,58 @@ def tree(policy, problems, n: int) -> list[dict]:
             prm = Timed(model, whole=False)
             forget_engine(policy)
             config = EvalConfig(strategies=(f"{method}-prm",), ns=(n,), problems=len(problems))
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             [row] = evaluate_tree(LocalGenerator(policy), problems, {"prm": prm}, config, 0)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             computed, whole = counters(model)
             rows.append({"method": method, "prm": label, "accuracy": row["accuracy"], "wall_seconds": wall,
-                         "prm_seconds": prm.seconds, "prm_share": prm.seconds / wall,
+                         "prm_seconds": prm.seconds, "prm_share": prm.seconds / wall, "cpu_seconds": cpu,
+                         "prm_cpu_seconds": prm.cpu_seconds, "prm_cpu_share": prm.cpu_seconds / cpu,
                          "rm_tokens_computed_per_problem": computed / len(problems),
                          "rm_tokens_whole_paths_per_problem": whole / len(problems)})
             print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def wide_prm(path) -> str:
+    """A random token-classification PRM with a wider body than arith's (hidden 512, 8 layers,
+    8 heads / 2 KV heads, FFN 1,536: 20 M parameters) on arith's tokenizer: the shape where
+    scoring is arithmetic rather than per-call overhead. Its scores mean nothing; its cost does."""
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+
+    from decodekit.models.registry import ASSETS
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=37, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                         num_labels=2, pad_token_id=0)
+    Qwen2ForTokenClassification(config).eval().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / "arith" / name, path / name)
+    return str(path)
+
+
+def tree_wide(policy, problems, n: int, path: str) -> list[dict]:
+    """Step beam search with the wide PRM, through transformers and on the engine."""
+    rows = []
+    for label, native in (("wide, transformers", False), ("wide, engine", True)):
+        model = load_reward_model(path, native=native)
+        prm = Timed(model, whole=False)
+        forget_engine(policy)
+        config = EvalConfig(strategies=("beam-prm",), ns=(n,), problems=len(problems))
+        start, cpu = time.perf_counter(), time.process_time()
+        [row] = evaluate_tree(LocalGenerator(policy), problems, {"prm": prm}, config, 0)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        computed, whole = counters(model)
+        rows.append({"method": "beam", "prm": label, "problems": len(problems), "accuracy": row["accuracy"],
+                     "wall_seconds": wall, "prm_seconds": prm.seconds, "prm_share": prm.seconds / wall,
+                     "cpu_seconds": cpu, "prm_cpu_seconds": prm.cpu_seconds,
+                     "prm_cpu_share": prm.cpu_seconds / cpu,
+                     "rm_tokens_computed_per_problem": computed / len(problems),
+                     "rm_tokens_whole_paths_per_problem": whole / len(problems)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -109,15 +154,16 @@ def best_of_n(policy, problems, n: int, shots: int = 0) -> list[dict]:
     rows, picks = [], {}
     for label, name, native in SCORERS:
         model = load_reward_model(name.format("orm"), native=native)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         scores = [s[0] for s in model.score_batch(items)]
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         chosen = [max(range(n), key=scores[i * n : (i + 1) * n].__getitem__) for i in range(len(problems))]
         picks[label] = [extract_answer(samples[i][c].text) for i, c in enumerate(chosen)]
         accuracy = statistics.fmean(a == p.answer for a, p in zip(picks[label], problems))
         computed, whole = counters(model)
         rows.append({"orm": label, "shots": shots, "candidates": len(items), "seconds": seconds,
-                     "candidates_per_second": len(items) / seconds, "accuracy": accuracy,
+                     "candidates_per_second": len(items) / seconds, "cpu_seconds": cpu,
+                     "candidates_per_cpu_second": len(items) / cpu, "accuracy": accuracy,
                      "rm_tokens_computed": computed, "rm_tokens_whole": whole})
         print(json.dumps(rows[-1]), flush=True)
     same = picks["hf, engine"] == picks["hf, transformers"]
@@ -133,6 +179,8 @@ def main() -> None:
     parser.add_argument("--shots", type=int, default=3, help="best-of-N: also with this many solved "
                         "problems before each prompt (0: only without)")
     parser.add_argument("--skip-tree", action="store_true")
+    parser.add_argument("--wide-problems", type=int, default=0, help="also step beam search on this "
+                        "many problems with a 20 M-parameter random PRM (`wide_prm`)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -142,6 +190,13 @@ def main() -> None:
               "best_of_n": [row for shots in sorted({0, args.shots}) for row in
                             best_of_n(policy, eval_problems(args.bon_problems), args.bon_n, shots)],
               "load_average": os.getloadavg()}  # fmt: skip
+    if args.wide_problems:
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = wide_prm(Path(tmp) / "wide-prm")
+            report["tree_wide"] = tree_wide(policy, eval_problems(args.wide_problems), args.n, path)
     if args.json:
         print(json.dumps(report, indent=1))
 

@@ -16,7 +16,8 @@ read at each segment's position. So:
   (positions already scored: a parent's steps), and a position neither cached nor memoised
   is recomputed by cropping the table back to it;
 - items that share a prefix not yet computed (best-of-N's candidates share their prompt;
-  a tree's first children their question) compute it once first (`_warm`);
+  a tree's first children their question) compute it once first (`_warm`), and identical
+  items (siblings that wrote the same step) are computed once;
 - the items of a call are one program (up to CHUNK_TOKENS), and concurrent calls from
   other threads are programs of the same engine step: one forward.
 
@@ -106,12 +107,12 @@ class EngineScorer:
         """Per item, its positions' head outputs [S, L]."""
         self._warm(items)
         found: dict[tuple, torch.Tensor] = {}
-        todo = []
-        for ids, positions, _ in items:
+        todo: dict[tuple, tuple[list[int], list[int]]] = {}  # identical items (siblings that
+        for ids, positions, _ in items:                        # wrote the same step) run once
             missing = [p for p in positions if self._recall(ids[: p + 1], found) is None]
-            if missing:
-                todo.append((ids, missing))
-        for program in self._run(todo):
+            if missing and tuple(ids) not in todo:
+                todo[tuple(ids)] = (ids, missing)
+        for program in self._run(list(todo.values())):
             for (ids, _), outputs in zip(program.items, program.outputs):
                 for p, out in outputs.items():
                     found[tuple(ids[: p + 1])] = out
