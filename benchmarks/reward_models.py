@@ -15,7 +15,7 @@
    ORMs: the probe `arith-orm` through transformers, `arith-hf-orm` through transformers,
    and on the engine; candidates scored per second, each scorer over all candidates in one
    call, and whether best-of-N picks the same answers; with the bare prompts and with
-   `--shots` solved problems before each (a 204-token prompt the candidates share).
+   `--shots` solved problems before each (a prompt of about 140 tokens the candidates share).
 
 Each run loads its reward model afresh (an empty prefix cache) and the policy's engine is
 dropped between runs. One torch thread; wall and CPU time (the process's: on a shared
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--bon-problems", type=int, default=100)
     parser.add_argument("--bon-n", type=int, default=16)
-    parser.add_argument("--shots", type=int, default=3, help="best-of-N: also with this many solved "
+    parser.add_argument("--shots", type=int, default=2, help="best-of-N: also with this many solved "
                         "problems before each prompt (0: only without)")
     parser.add_argument("--skip-tree", action="store_true")
     parser.add_argument("--wide-problems", type=int, default=0, help="also step beam search on this "

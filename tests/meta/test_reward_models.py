@@ -280,3 +280,9 @@ def test_eval_arith_takes_hugging_face_reward_models(capsys):
           "--prm", "arith-hf-prm", "--n", "2", "--problems", "2", "--seeds", "1", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert {row["strategy"] for row in report["rows"]} == {"weighted-orm", "beam-prm"}
+
+
+def test_an_item_longer_than_the_context_is_named(orm_dir):
+    orm = load_reward_model(orm_dir[1])
+    with pytest.raises(ValueError, match="longer than the reward model's context"):
+        orm.score_segments(PROMPT, ["1" * 300])

@@ -105,6 +105,10 @@ class EngineScorer:
 
     def head_outputs(self, items: Sequence[Item]) -> list[torch.Tensor]:
         """Per item, its positions' head outputs [S, L]."""
+        longest = max((len(ids) for ids, _, _ in items), default=0)
+        if longest > self.model.max_context:
+            raise ValueError(f"an item of {longest} tokens is longer than the reward model's context "
+                             f"({self.model.max_context} positions)")
         self._warm(items)
         found: dict[tuple, torch.Tensor] = {}
         todo: dict[tuple, tuple[list[int], list[int]]] = {}  # identical items (siblings that
