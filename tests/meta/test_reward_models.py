@@ -286,3 +286,35 @@ def test_an_item_longer_than_the_context_is_named(orm_dir):
     orm = load_reward_model(orm_dir[1])
     with pytest.raises(ValueError, match="longer than the reward model's context"):
         orm.score_segments(PROMPT, ["1" * 300])
+
+
+def test_qwen_process_reward_model_head_and_chat_template(tmp_path, token_prm_dir):
+    """A `Qwen2ForProcessRewardModel` (Qwen2.5-Math-PRM's layout: `score` is Linear-ReLU-Linear)
+    with a chat template: its default separator must be a token, and its scores equal the
+    transformers body's final states through the same MLP."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModel
+
+    path = copy_dir(token_prm_dir[1], tmp_path / "qwen-prm")
+    write_config(path, architectures=["Qwen2ForProcessRewardModel"])
+    state = {k: v for k, v in load_file(path / "model.safetensors").items() if k.startswith("model.")}
+    torch.manual_seed(3)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    state.update({f"score.{k}": v.detach().clone() for k, v in mlp.state_dict().items()})
+    save_file(state, path / "model.safetensors")
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                                         "{% if add_generation_prompt %}Answer: {% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match="separator '<extra_0>' is not a token"):
+        load_reward_model(path)  # the model card's default, which this tokenizer lacks
+    prm = RewardModel(path, RewardFormat(separator=":", chat_template=True, system="Compute"))
+    assert prm.head == "token_classification" and prm.score_kind == "probability"
+    ids, positions, _ = prm.encode("1+2*3=", STEPS)
+    prompt_tokens = prm.tokenizer.convert_ids_to_tokens(ids[: len(prm.prompt_ids("1+2*3="))])
+    assert "".join(prompt_tokens) == "Compute1+2*3=Answer:"  # system, user turn, generation prompt
+    body = AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        states = body(input_ids=torch.tensor([ids])).last_hidden_state[0, positions]
+        want = mlp(states).double().softmax(-1)[:, 1].tolist()
+    assert prm.score_segments("1+2*3=", STEPS) == pytest.approx(want, abs=TOLERANCE)
