@@ -32,7 +32,7 @@ def test_help_is_fast_and_lazy():
     [
         (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
         (["--temperature", "-1"], "temperature must be in [0, inf], got -1.0"),
-        (["--top-k", "-2"], "top_k must be an integer >= 0, got -2"),
+        (["--top-k", "-2"], "top_k must be an integer >= -1, got -2"),
         (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
         (["--strategy", "nope"], "--strategy must be one of greedy, sample, beam"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple, get_args, get_type_hints
 
 from decodekit.validate import check_int, check_range
 
@@ -56,11 +56,93 @@ PRESETS: dict[str, tuple[float, float]] = {
 }
 
 
+
+
+class Range(NamedTuple):
+    """The values a numeric field allows: low to high, open ends excluded (integers: closed)."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+
+# Every numeric field's range, checked by `SamplingParams._validate` and published by the
+# server's OpenAPI document (server/extensions.py); None is allowed where the type says so.
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range(1),
+    "min_new_tokens": Range(0),
+    "temperature": Range(0.0),
+    "top_k": Range(-1),  # -1 (vLLM's) and 0: off
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "typical_p": Range(0.0, 1.0, low_open=True),
+    "epsilon": Range(0.0, 1.0, high_open=True),
+    "eta": Range(0.0, 1.0, high_open=True),
+    "top_n_sigma": Range(0.0),
+    "min_tokens_to_keep": Range(1),
+    "mirostat_tau": Range(0.0, low_open=True),
+    "mirostat_eta": Range(0.0),
+    "xtc_threshold": Range(0.0, 1.0),
+    "xtc_probability": Range(0.0, 1.0),
+    "dry_multiplier": Range(0.0),
+    "dry_base": Range(1.0),
+    "dry_allowed_length": Range(1),
+    "repetition_penalty": Range(0.0, low_open=True),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "no_repeat_ngram_size": Range(0),
+    "seed": Range(0, 2**63 - 1),
+    "n": Range(1),
+    "logprobs": Range(0, 20),
+}
+
+# What each field does, in one line (the server's OpenAPI descriptions).
+DESCRIPTIONS: dict[str, str] = {
+    "max_new_tokens": "the most tokens to generate",
+    "min_new_tokens": "EOS and stop tokens are masked until this many tokens are generated",
+    "temperature": "divides the logits; 0 is greedy",
+    "top_k": "keep the k most likely tokens; 0 or -1: off",
+    "top_p": "nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1: off",
+    "min_p": "drop tokens less likely than min_p times the most likely one; 0: off",
+    "typical_p": "locally typical sampling's mass; 1: off",
+    "epsilon": "epsilon sampling: drop tokens with probability below epsilon; 0: off",
+    "eta": "eta sampling's threshold scale; 0: off",
+    "top_n_sigma": "keep tokens whose logit is within n standard deviations of the largest; null: off",
+    "min_tokens_to_keep": "truncation adapters keep at least this many tokens",
+    "mirostat_tau": "Mirostat v2's target surprise in bits; null: off",
+    "mirostat_eta": "Mirostat's learning rate",
+    "xtc_threshold": "XTC: tokens at least this likely are candidates for exclusion",
+    "xtc_probability": "XTC: the chance a step excludes the top candidates; 0: off",
+    "dry_multiplier": "DRY repetition penalty's strength; 0: off",
+    "dry_base": "DRY's penalty base, raised to the repeat length beyond dry_allowed_length",
+    "dry_allowed_length": "DRY: repeats up to this length are not penalised",
+    "dry_sequence_breakers": "DRY: strings that end a repeated sequence",
+    "repetition_penalty": "divides the logits of tokens already seen (CTRL); 1: off",
+    "frequency_penalty": "subtracted per previous occurrence of a token; 0: off",
+    "presence_penalty": "subtracted once from every token already seen; 0: off",
+    "no_repeat_ngram_size": "forbid repeating any n-gram of this size; 0: off",
+    "logit_bias": "token id -> value added to its logit",
+    "bad_words": "words never generated: strings, or lists of token ids",
+    "allowed_token_ids": "only these token ids may be generated; null: all",
+    "stop": "strings that end the text (not included)",
+    "stop_token_ids": "token ids that end the text, besides EOS",
+    "ignore_eos": "keep generating past EOS",
+    "seed": "the random seed; null: random",
+    "n": "samples per prompt",
+    "logprobs": "log-probabilities of the chosen token and this many alternatives; null: none",
+    "order": "the adapter chain's order (adapter names, each at most once)",
+}
+
+# Fields given as JSON or CLI lists, stored as tuples.
+SEQUENCE_FIELDS = ("dry_sequence_breakers", "bad_words", "stop", "stop_token_ids", "order")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the decoder. Defaults sample at temperature 1, unchanged.
 
-    Off values: top_k=0, top_p=1, min_p=0, typical_p=1, epsilon=0, eta=0,
+    Off values: top_k=0 (or -1), top_p=1, min_p=0, typical_p=1, epsilon=0, eta=0,
     top_n_sigma=None, mirostat_tau=None, xtc_probability=0, dry_multiplier=0,
     penalties 1 (repetition) or 0 (frequency, presence). temperature=0 is greedy.
     """
@@ -101,47 +183,40 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept lists where tuples are expected (JSON and CLI give lists).
-        for name in ("dry_sequence_breakers", "bad_words", "stop", "stop_token_ids", "order"):
+        for name in SEQUENCE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
             if isinstance(value, list):
                 value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+            if not isinstance(value, tuple):
+                raise TypeError(f"{name} must be a list, got {value!r:.80}")
             object.__setattr__(self, name, value)
         if isinstance(self.allowed_token_ids, list):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
+        if self.top_k == -1:  # vLLM's "off"
+            object.__setattr__(self, "top_k", 0)
 
     def _validate(self):
-        check_int("max_new_tokens", self.max_new_tokens, 1)
-        check_int("min_new_tokens", self.min_new_tokens, 0)
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if value is None and name in NULLABLE_FIELDS:
+                continue
+            if name in INTEGER_FIELDS:
+                check_int(name, value, int(allowed.low), allowed.high)
+            else:
+                check_range(name, value, *allowed)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens}"
             )
-        check_range("temperature", self.temperature, 0.0, math.inf)
-        check_int("top_k", self.top_k, 0)
-        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        check_range("min_p", self.min_p, 0.0, 1.0)
-        check_range("typical_p", self.typical_p, 0.0, 1.0, low_open=True)
-        check_range("epsilon", self.epsilon, 0.0, 1.0, high_open=True)
-        check_range("eta", self.eta, 0.0, 1.0, high_open=True)
-        if self.top_n_sigma is not None:
-            check_range("top_n_sigma", self.top_n_sigma, 0.0, math.inf)
-        check_int("min_tokens_to_keep", self.min_tokens_to_keep, 1)
-        if self.mirostat_tau is not None:
-            check_range("mirostat_tau", self.mirostat_tau, 0.0, math.inf, low_open=True)
-        check_range("mirostat_eta", self.mirostat_eta, 0.0, math.inf)
-        check_range("xtc_threshold", self.xtc_threshold, 0.0, 1.0)
-        check_range("xtc_probability", self.xtc_probability, 0.0, 1.0)
-        check_range("dry_multiplier", self.dry_multiplier, 0.0, math.inf)
-        check_range("dry_base", self.dry_base, 1.0, math.inf)
-        check_int("dry_allowed_length", self.dry_allowed_length, 1)
-        check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
-        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be true or false, got {self.ignore_eos!r:.80}")
+        for breaker in self.dry_sequence_breakers:
+            if not isinstance(breaker, str):
+                raise TypeError(f"dry_sequence_breakers must be a list of strings, got {breaker!r:.80}")
         if not isinstance(self.logit_bias, dict):
             raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
@@ -155,6 +230,9 @@ class SamplingParams:
                     f"bad_words entries must be non-empty strings or token-id tuples, got {word!r}"
                 )
         if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, tuple):
+                raise TypeError(f"allowed_token_ids must be None or a list of token ids, got "
+                                f"{self.allowed_token_ids!r:.80}")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be None or non-empty, got ()")
             for token in self.allowed_token_ids:
@@ -164,12 +242,7 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         for token in self.stop_token_ids:
             check_int("stop_token_ids entry", token, 0)
-        if self.seed is not None:
-            check_int("seed", self.seed, 0, 2**63 - 1)
-        check_int("n", self.n, 1)
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, 20)
-        unknown = [name for name in self.order if name not in ADAPTER_NAMES]
+        unknown = [name for name in self.order if not isinstance(name, str) or name not in ADAPTER_NAMES]
         if unknown:
             raise ValueError(
                 f"order contains unknown adapters {unknown}; allowed: {sorted(ADAPTER_NAMES)}"
@@ -182,12 +255,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids given by the user must exist in the model's vocabulary."""
-        ids = list(self.logit_bias) + list(self.stop_token_ids) + list(self.allowed_token_ids or ())
-        ids += [t for w in self.bad_words if isinstance(w, tuple) for t in w]
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad} are outside the vocabulary [0, {vocab_size})")
+        """Token ids given by the user must exist in the model's vocabulary; the error names
+        the field that holds them."""
+        given = {
+            "logit_bias": list(self.logit_bias),
+            "bad_words": [t for w in self.bad_words if isinstance(w, tuple) for t in w],
+            "allowed_token_ids": list(self.allowed_token_ids or ()),
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+        for name, ids in given.items():
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} must hold token ids in the vocabulary [0, {vocab_size}), got {bad[:5]}"
+                )
 
     def replace(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
@@ -201,6 +282,11 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+_TYPES = get_type_hints(SamplingParams)
+INTEGER_FIELDS = frozenset(name for name, kind in _TYPES.items() if int in (kind, *get_args(kind)))
+NULLABLE_FIELDS = frozenset(name for name, kind in _TYPES.items() if type(None) in get_args(kind))
 
 
 def preset_values(name: str) -> tuple[float, float]:

@@ -224,7 +224,7 @@ def test_concurrent_beam_searches_share_the_engine_steps(tiny_lm):
     prompts = [f"{word} and" for word in ("love", "death", "king", "queen", "night", "day", "war", "peace")]
     alone = [_plain(tiny_lm, p, params, 4, 1.0, True) for p in prompts]
     engine = Engine(tiny_lm, EngineConfig(num_blocks=512))
-    handles = [engine.add_program(BeamProgram(tiny_lm, BeamSearch(
+    handles = [engine.add(BeamProgram(tiny_lm, BeamSearch(
         tiny_lm, tiny_lm.encode(p), params, 4, 1.0, True, None, tiny_lm.decode), i))
         for i, p in enumerate(prompts)]
     sampling = engine.submit("ROMEO:", dk.SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
@@ -237,7 +237,7 @@ def test_concurrent_beam_searches_share_the_engine_steps(tiny_lm):
     [greedy] = dk.generate(tiny_lm, "ROMEO:", dk.SamplingParams(max_new_tokens=16, temperature=0,
                                                                 ignore_eos=True))
     assert sampling.result()[0].token_ids == greedy.token_ids
-    assert engine.pool.num_used == 0 and not engine.programs
+    assert engine.pool.num_used == 0 and not engine.scheduler.running
     assert len(engine.running_kv) == 0
 
 
@@ -248,7 +248,7 @@ def test_a_cancelled_beam_search_frees_its_blocks(tiny_lm):
     params = dk.SamplingParams(max_new_tokens=40, ignore_eos=True)
     engine = Engine(tiny_lm, EngineConfig(num_blocks=64))
     search = BeamSearch(tiny_lm, tiny_lm.encode("ROMEO:"), params, 4, 1.0, True, None, tiny_lm.decode)
-    handle = engine.add_program(BeamProgram(tiny_lm, search))
+    handle = engine.add(BeamProgram(tiny_lm, search))
     for _ in range(5):
         engine.step()
     assert engine.pool.num_used > 0

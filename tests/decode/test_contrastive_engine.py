@@ -94,7 +94,7 @@ def test_programs_batch_with_other_requests_on_one_engine(expert, amateur):
     cd = ContrastiveLM(expert, amateur, alpha=0.1)
     sharp = ContrastiveLM(expert, amateur, alpha=0.2, amateur_weight=0.5)
     engine = Engine(expert, EngineConfig(block_size=4, num_blocks=256))
-    handles = [engine.add_program(ContrastiveProgram(model, request))
+    handles = [engine.add(ContrastiveProgram(model, request))
                for model in (cd, sharp) for request in make_requests(model, PROMPTS, params)]  # fmt: skip
     other = dk.SamplingParams(max_new_tokens=8, seed=9, n=2)
     sampling = engine.submit("JULIET:", other)
@@ -107,7 +107,7 @@ def test_programs_batch_with_other_requests_on_one_engine(expert, amateur):
         assert outputs(g) == outputs(w)
     assert outputs(sampling.result()) == outputs(dk.generate(expert, "JULIET:", other))
     assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
-    assert len(engine.running_kv) == 0 and not engine.programs
+    assert len(engine.running_kv) == 0 and not engine.scheduler.running
 
 
 def test_windowed_amateur_runs_the_plain_loop(expert, amateur):
@@ -130,7 +130,7 @@ def test_cancelled_program_frees_blocks_in_both_pools(expert, amateur):
     engine = Engine(expert, EngineConfig(block_size=4, num_blocks=128))
     [request] = make_requests(cd, ["ROMEO:"], dk.SamplingParams(max_new_tokens=40, n=3, seed=1,
                                                                 ignore_eos=True))
-    handle = engine.add_program(ContrastiveProgram(cd, request))
+    handle = engine.add(ContrastiveProgram(cd, request))
     for _ in range(5):
         engine.step()
     member = engine.member(amateur)
@@ -141,7 +141,7 @@ def test_cancelled_program_frees_blocks_in_both_pools(expert, amateur):
     assert [c.finish_reason for c in completions] == ["cancelled"] * 3
     assert all(len(c.token_ids) == 5 for c in completions)
     assert engine.pool.num_used == 0 and member.pool.num_used == 0
-    assert len(engine.running_kv) == 0 and not engine.programs
+    assert len(engine.running_kv) == 0 and not engine.scheduler.running
 
 
 def test_stream_on_the_engine_equals_generate(expert, amateur):
@@ -178,7 +178,7 @@ def test_beam_on_the_engine_equals_the_plain_loop(expert, amateur, options):
     assert engine.steps > steps
     assert_same_beams(got, want)
     assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
-    assert len(engine.running_kv) == 0 and not engine.programs
+    assert len(engine.running_kv) == 0 and not engine.scheduler.running
 
 
 def test_concurrent_beam_searches_batch_on_one_engine(expert, amateur):
@@ -189,10 +189,10 @@ def test_concurrent_beam_searches_batch_on_one_engine(expert, amateur):
     engine = Engine(expert, EngineConfig(block_size=4, num_blocks=512))
     model, programs = cd.engine_programs(beam_searches(cd, PROMPTS, params, num_beams=3))
     assert model is expert
-    handles = [engine.add_program(program) for program in programs]
+    handles = [engine.add(program) for program in programs]
     sampling = dk.SamplingParams(max_new_tokens=8, seed=2, n=2)
     [request] = make_requests(cd, ["JULIET:"], sampling)
-    sampled = engine.add_program(ContrastiveProgram(cd, request))
+    sampled = engine.add(ContrastiveProgram(cd, request))
     amateur_peak = 0
     while engine.has_work():
         engine.step()

@@ -650,7 +650,7 @@ def test_cancelled_program_ends_its_samples_and_frees_their_blocks(paged_pair):
     params = dk.SamplingParams(n=2, max_new_tokens=40, ignore_eos=True, temperature=0)
     [program] = speculative_programs(target, drafter, ["ROMEO:"], params, 2)
     engine = Engine(target)
-    handle = engine.add_program(program)
+    handle = engine.add(program)
     for _ in range(3):
         engine.step()
     assert engine.pool.num_used > 0 and engine.member(drafter).pool.num_used > 0

@@ -152,7 +152,7 @@ def test_requests_in_lockstep_and_programs_share_a_tight_pool(sharp_lm):
         return BeamSearch(sharp_lm, sharp_lm.encode(f"zz{i}"), beam, 2, 1.0, True, None, sharp_lm.decode)
 
     eng = engine(sharp_lm, num_blocks=40)
-    programs = [eng.add_program(BeamProgram(sharp_lm, search(i), i)) for i in range(2)]
+    programs = [eng.add(BeamProgram(sharp_lm, search(i), i)) for i in range(2)]
     handles = [eng.submit(p, params) for p in prompts]
     run(eng, *handles, *programs)
     assert eng.stats()["preemptions"] > 0 and eng.pool.num_used == 0

@@ -60,7 +60,7 @@ def idle(engine: Engine) -> None:
     engine.check()
     for member in engine.members.values():
         assert member.pool.num_used == 0 and member.pool.held == 0
-    assert len(engine.running_kv) == 0 and not engine.programs and not engine.scheduler.running
+    assert len(engine.running_kv) == 0 and not engine.scheduler.running and not engine.scheduler.running
 
 
 def test_a_failed_beam_step_does_not_poison_the_prefix_cache(sharp_lm, inject):
@@ -75,7 +75,7 @@ def test_a_failed_beam_step_does_not_poison_the_prefix_cache(sharp_lm, inject):
         inject()
         [search] = beam_searches(sharp_lm, [PROMPT], GREEDY.replace(max_new_tokens=5), num_beams=2)
         with pytest.raises(Boom):
-            engine.add_program(BeamProgram(sharp_lm, search, 0)).result(30)
+            engine.add(BeamProgram(sharp_lm, search, 0)).result(30)
         got = engine.submit(PROMPT, GREEDY).result(30)[0]
         assert got.token_ids == want
         assert engine.stats()["prefix_cache_hit_tokens"] == 0  # nothing was registered

@@ -46,7 +46,7 @@ def test_unused_members_are_freed_beyond_the_idle_bound(sharp_lm):
     for i in range(3):
         draft = copy_of(sharp_lm, f"draft-{i}")  # a new draft object each time
         programs = _spec_programs(sharp_lm, draft)
-        handles = [engine.add_program(p) for p in programs]
+        handles = [engine.add(p) for p in programs]
         while not all(h.done for h in handles):
             engine.step()
             assert len(engine.members) == 2 or all(h.done for h in handles)  # while it runs
@@ -72,7 +72,7 @@ def test_idle_members_are_kept_within_the_bound_least_recent_first(sharp_lm):
 def test_programs_and_member_pools_show_in_stats(sharp_lm):
     engine = Engine(sharp_lm)
     searches = beam_searches(sharp_lm, [PROMPT] * 3, GREEDY, num_beams=2)
-    handles = [engine.add_program(BeamProgram(sharp_lm, s, i)) for i, s in enumerate(searches)]
+    handles = [engine.add(BeamProgram(sharp_lm, s, i)) for i, s in enumerate(searches)]
     stats = engine.stats()
     assert stats["waiting_requests"] == 3 and stats["waiting_programs"] == 3
     engine.step()
@@ -80,7 +80,7 @@ def test_programs_and_member_pools_show_in_stats(sharp_lm):
     assert stats["running_requests"] == 3 and stats["running_programs"] == 3
     assert stats["used_blocks"] > 0 and stats["running_sequences"] >= 3
     draft = copy_of(sharp_lm, "watched-draft")
-    spec = [engine.add_program(p) for p in _spec_programs(sharp_lm, draft)]
+    spec = [engine.add(p) for p in _spec_programs(sharp_lm, draft)]
     engine.step()
     member = engine.stats()["members"]["watched-draft"]
     assert member["used_blocks"] > 0 and not member["idle"] and member["bytes"] > 0
@@ -99,7 +99,7 @@ def _spec_programs(target, draft):
 
 
 def _run_all(engine: Engine, programs) -> None:
-    handles = [engine.add_program(p) for p in programs]
+    handles = [engine.add(p) for p in programs]
     while not all(h.done for h in handles):
         engine.step()
     with torch.inference_mode():

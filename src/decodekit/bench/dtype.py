@@ -82,7 +82,8 @@ def bench_dtype(
     from decodekit.engine import EngineConfig
     from decodekit.models.base import prefill
 
-    config = EngineConfig(max_running=max(batches, default=1), max_kv_bytes=2**30)  # no preemption
+    # no preemption; the eager step throughout (an automatic compile would switch mid-run)
+    config = EngineConfig(max_running=max(batches, default=1), max_kv_bytes=2**30, compile=False)
 
     first, hf = load_pair(model_name, "float32", device)
     models: dict[str, Any] = {}

@@ -12,6 +12,10 @@ Scenarios (issue 4):
 4. `memory`: resident memory of scenario 3, each backend in a fresh process: the peak
    during the run (sampled every 2 ms) and what the run adds to the loaded model.
 
+`compile` (`--compile`): decodekit's engines run the compiled decode step (engine/compiled.py),
+compiled by the warm-up run (its time reported as `compile_warmup_s`) and shared by the
+engines of every repeat; False (the default here) measures the eager step.
+
 Every time is taken twice: wall clock, and CPU time of this process (`time.process_time`),
 which is what a shared, oversubscribed machine distorts least when one thread runs.
 Each figure is the median of `repeats` runs after one warm-up, ours and Hugging Face's
@@ -82,15 +86,21 @@ def prompts_from_text(model, count: int, lengths: list[int]) -> list[list[int]]:
 
 def run_engine(model, prompts, params, config=None) -> dict:
     """Submit every prompt, step until done; the engine's stats."""
-    from decodekit.engine import Engine, EngineConfig
+    from decodekit.engine import Engine
 
-    engine = Engine(model, config or EngineConfig(max_running=64, max_kv_bytes=64 * 2**20))
+    engine = Engine(model, config or engine_config(False))
     handles = [engine.submit(prompt, params) for prompt in prompts]
     while not all(h.done for h in handles):
         engine.step()
     for handle in handles:
         assert all(len(c.token_ids) == params.max_new_tokens for c in handle.result(0))
     return engine.stats()
+
+
+def engine_config(compile: bool):
+    from decodekit.engine import EngineConfig
+
+    return EngineConfig(max_running=64, max_kv_bytes=64 * 2**20, compile=compile)
 
 
 def run_hf(hf, prompts, new_tokens: int, sample: bool, num_return_sequences: int = 1, pad=0):
@@ -124,6 +134,7 @@ def bench_engine(
     progress: bool = False,
     dtype: str = "auto",
     device: str = "cpu",
+    compile: bool = False,
 ) -> dict:
     """The chosen scenarios (module docstring), decodekit against transformers, both in
     `dtype` on `device`; `progress`: a bar over the scenarios on stderr."""
@@ -133,16 +144,20 @@ def bench_engine(
     model, hf = load_pair(model_name, dtype, device)
     eos = model.eos_token_ids[0] if model.eos_token_ids else 0
     params_count = model.num_parameters()
+    config = engine_config(compile)
     results: dict = {"model": model_name, "parameters": params_count, "machine": machine(),
-                     "dtype": str(hf.dtype).removeprefix("torch."), "repeats": repeats}  # fmt: skip
+                     "dtype": str(hf.dtype).removeprefix("torch."), "repeats": repeats,
+                     "compile": compile}  # fmt: skip
     bar = progress_bar(total=len(set(scenarios) & set(SCENARIOS)), desc="bench engine", enabled=progress)
     if "single" in scenarios:
         bar.set_postfix_str("single")
         prompt = [model.encode("ROMEO:")]
         greedy = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-        ours, theirs = compare(lambda: dk.generate(model, prompt, greedy),
+        warmup = timed_once(lambda: run_engine(model, prompt, greedy, config))["wall_s"]
+        ours, theirs = compare(lambda: run_engine(model, prompt, greedy, config),
                                lambda: run_hf(hf, prompt, new_tokens, False, pad=eos), repeats)
-        results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens)}
+        results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens),
+                             **({"compile_warmup_s": round(warmup, 2)} if compile else {})}  # fmt: skip
         bar.update()
     if "shared_prefix" in scenarios:
         bar.set_postfix_str("shared_prefix")
@@ -151,7 +166,7 @@ def bench_engine(
         [prompt] = prompts_from_text(model, 1, [length])
         params = dk.SamplingParams(max_new_tokens=generated, n=samples, seed=0, ignore_eos=True)
         stats = {}
-        ours, theirs = compare(lambda: stats.update(run_engine(model, [prompt], params)),
+        ours, theirs = compare(lambda: stats.update(run_engine(model, [prompt], params, config)),
                                lambda: run_hf(hf, [prompt], generated, True, samples, eos), repeats)
         results["shared_prefix"] = {
             "prompt_tokens": length, "samples": samples, "new_tokens": generated,
@@ -162,7 +177,7 @@ def bench_engine(
         bar.update()
     if "concurrent" in scenarios:
         bar.set_postfix_str("concurrent")
-        results["concurrent"] = _concurrent(dk, model, hf, eos, params_count, repeats)
+        results["concurrent"] = _concurrent(dk, model, hf, eos, params_count, repeats, config)
         bar.update()
     if "memory" in scenarios:
         bar.set_postfix_str("memory")
@@ -176,13 +191,13 @@ def bench_engine(
 CONCURRENT = {"requests": 64, "new_tokens": 128, "prompt_lengths": [16, 32, 64, 96, 128]}
 
 
-def _concurrent(dk, model, hf, eos, params_count, repeats) -> dict:
+def _concurrent(dk, model, hf, eos, params_count, repeats, config) -> dict:
     spec = CONCURRENT
     prompts = prompts_from_text(model, spec["requests"], spec["prompt_lengths"])
     params = dk.SamplingParams(max_new_tokens=spec["new_tokens"], seed=0, ignore_eos=True)
     generated = spec["requests"] * spec["new_tokens"]
     prompt_tokens = sum(len(p) for p in prompts)
-    ours, theirs = compare(lambda: run_engine(model, prompts, params),
+    ours, theirs = compare(lambda: run_engine(model, prompts, params, config),
                            lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats)
     peak = peak_matmul_flops()
     flops = 2 * params_count  # per token

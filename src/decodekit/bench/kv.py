@@ -88,7 +88,7 @@ def bench_kv(model_name: str, requests: int = 32, new_tokens: int = 64, repeats:
     spec = {**CONCURRENT, "requests": requests, "new_tokens": new_tokens}
     prompts = prompts_from_text(model, requests, spec["prompt_lengths"])
     params = dk.SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
-    configs = {name: EngineConfig(max_running=requests, max_kv_bytes=2**30, kv_dtype=name)
+    configs = {name: EngineConfig(max_running=requests, max_kv_bytes=2**30, kv_dtype=name, compile=False)
                for name in KV_DTYPES}  # fmt: skip
     stats = {name: run_engine(model, prompts, params, config) for name, config in configs.items()}  # warm-up
     bar.update(1)

@@ -93,13 +93,21 @@ def median_seconds(timers: dict[str, Timer], repeats: int) -> dict[str, tuple[fl
             for name, t in times.items()}  # fmt: skip
 
 
-def decode_timers(models: dict[str, Any], new_tokens: int, prefill: torch.Tensor) -> dict[str, Timer]:
-    """The "decode NAME" and "prefill NAME" timers of each model (module docstring)."""
+def decode_timers(models: dict[str, Any], new_tokens: int, prefill: torch.Tensor,
+                  compile: bool = False) -> dict[str, Timer]:  # fmt: skip
+    """The "decode NAME" and "prefill NAME" timers of each model (module docstring); each
+    model's persistent engine with the compiled decode step on or off (`compile`: compiled
+    by the warm-up round), so the rounds time one path."""
+    import dataclasses
+
     import decodekit as dk
+    from decodekit.engine.shared import DEFAULT_CONFIG, engine_for
 
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     timers: dict[str, Timer] = {}
     for name, model in models.items():
+        if model.supports_paged_kv:
+            engine_for(model, dataclasses.replace(DEFAULT_CONFIG, compile=compile))
         timers[f"decode {name}"] = local(lambda m=model: dk.generate(m, PROMPT, params))
         timers[f"prefill {name}"] = local(lambda m=model: m.forward(prefill, m.new_cache(1)))
     return timers
@@ -142,8 +150,10 @@ def bench_packed(
     perplexity: bool | None = None,
     progress: bool = False,
     peer: str | None = None,
+    compile: bool = False,
 ) -> dict:
     """The rows and the speculative comparison of the module docstring, as a JSON-able dict.
+    `compile`: decodekit's decode runs the engine's compiled decode step (engine/compiled.py).
     `perplexity` defaults to on for embedded models and off for random ones; GPTQ calibrates
     on 128 windows of 512 tokens (BENCHMARKS.md "Compression") for embedded models, 8 of
     256 for random ones (a float32 forward of the 240M model runs ~170 tokens/s)."""
@@ -198,7 +208,7 @@ def bench_packed(
             rows.append(row)
             models[name] = model
         with ExitStack() as stack:
-            timers = decode_timers(models, new_tokens, prefill)
+            timers = decode_timers(models, new_tokens, prefill, compile)
             run = None
             if peer == "llamacpp":
                 run = llamacpp.start(base, model_name, prefill_tokens, new_tokens, threads, stack)
@@ -244,6 +254,7 @@ def bench_packed(
         torch.set_num_threads(previous)
     return {"model": model_name, "parameters": base.num_parameters(), "new_tokens": new_tokens,
             "prefill_tokens": prefill_tokens, "repeats": repeats, "calib_windows": calib_windows,
-            "threads": threads, "clock": "wall" if wall else "process CPU time", "machine": report_machine,
+            "threads": threads, "compile": compile, "clock": "wall" if wall else "process CPU time",
+            "machine": report_machine,
             "dtype_auto": {"bfloat16_checkpoint": auto}, "rows": rows, "speculative_t0": speculative,
             **({"peer": peers} if peer else {})}  # fmt: skip

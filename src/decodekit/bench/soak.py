@@ -64,16 +64,16 @@ class Soak:
             return engine.add(request)
         if kind == "beam":
             [search] = beam_searches(self.target, [text], greedy, num_beams=2)
-            return engine.add_program(BeamProgram(self.target, search, 0))
+            return engine.add(BeamProgram(self.target, search, 0))
         if kind in ("speculative", "self-int4"):
             draft = self.draft if kind == "speculative" else "self-int4"
             [program] = speculative_programs(self.target, draft, [text], greedy, 3, "block", False, 16)
-            return engine.add_program(program)
+            return engine.add(program)
         if kind == "contrastive":
             pair = ContrastiveLM(self.target, self.amateur, alpha=0.1)
             [request] = make_requests(pair, [text], greedy)
             _, [program] = pair.engine_programs([request])
-            return engine.add_program(program)
+            return engine.add(program)
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def models(self) -> list[LanguageModel]:

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 from decodekit.cli.common import add_dtype, add_threads, set_threads
+
+
+def port_number(text: str) -> int:
+    """--port: 1-65535, or 0 for a free port (uvicorn prints the one it picked)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1-65535 (0: any free port), got {text!r}")
+    return port
 
 
 def add_serve(sub) -> None:
@@ -10,7 +24,8 @@ def add_serve(sub) -> None:
     p.add_argument("--model", action="append", default=None,
                    help="embedded name, directory or ALIAS=PATH; repeatable (default shakespeare)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="TCP port, 1-65535; 0 picks a free one and prints it (default 8000)")
     p.add_argument("--max-tokens", type=int, default=2048, help="bound on a request's max_tokens")
     p.add_argument("--max-n", type=int, default=64, help="bound on a request's n, best_of and num_beams")
     p.add_argument("--max-queued", type=int, default=256, help="queued requests per model before 503")
@@ -34,7 +49,7 @@ def run_serve(args) -> None:
 
     from decodekit.optional import require
     from decodekit.runtime import count_parameters
-    from decodekit.server.app import load_models, serve  # fails at once without the server extra
+    from decodekit.server.app import directory_aliases, load_served, serve  # needs the server extra
     from decodekit.server.backend import Backend, ServerConfig
 
     require("uvicorn", "server", "the server")
@@ -46,6 +61,11 @@ def run_serve(args) -> None:
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
                           cors_origins=tuple(args.cors_origin))
-    models = load_models(args.model or ["shakespeare"], dtype=args.dtype, device=args.device)
+    models, sources = load_served(args.model or ["shakespeare"], dtype=args.dtype, device=args.device)
+    aliases = directory_aliases(sources)
+    for name, source in sources.items():
+        also = [alias for alias, served in aliases.items() if served == name]
+        print(f"decodekit serve: model {name!r} from {source}" + (f" (also as {also[0]!r})" if also else ""),
+              file=sys.stderr, flush=True)
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
-    serve(Backend(models, config), args.host, args.port)
+    serve(Backend(models, config, aliases), args.host, args.port)

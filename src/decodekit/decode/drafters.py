@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from decodekit.compress.recipe import CompressConfig, quantized_copy
-from decodekit.models.base import LanguageModel
+from decodekit.models.base import LanguageModel, weights_stamp
 from decodekit.sampling import SamplerState, select_tokens
 from decodekit.sampling.chain import Chain
 
@@ -233,8 +233,6 @@ def draft_for(target: LanguageModel, key: object, build: Callable[[], LanguageMo
     long as the target does): every call with "self-int4", "auto" or a draft's name gets
     the same model, so the target's engine keeps one member pool for it (engine.py), not one
     per call. A target whose weights changed gets a new one."""
-    from decodekit.engine.shared import weights_stamp
-
     stamp = weights_stamp(target)
     with _DRAFTS_LOCK:
         drafts = target.__dict__.setdefault("_decodekit_drafts", {})

@@ -25,7 +25,9 @@ class EngineConfig:
     max_prefill_tokens: prompt tokens admitted per step (a request longer than this is
     still admitted alone, so it cannot starve).
     prefix_caching: keep the KV of full blocks for later requests with the same prefix.
-    compile: `torch.compile` the decode forward (measured in BENCHMARKS.md).
+    compile: the compiled decode step for the decoding rows (engine/compiled.py): None
+    compiles each batch bucket in the background once the tokens decoded so far would have
+    repaid its measured warm-up, True on the first decode step, False never.
     kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a
     float32 scale per layer, head and position (engine/kv.py). The running rows stay in the
     model's dtype (rows.py), so it shrinks the pool, not the rows.
@@ -42,7 +44,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_prefill_tokens: int = 4096
     prefix_caching: bool = True
-    compile: bool = False
+    compile: bool | None = None
     kv_dtype: str | None = None
     idle_member_bytes: int = 64 * 2**20
 
@@ -53,6 +55,8 @@ class EngineConfig:
             check_int("num_blocks", self.num_blocks, 1)
         check_int("max_kv_bytes", self.max_kv_bytes, 1)
         check_int("idle_member_bytes", self.idle_member_bytes, 0)
+        if self.compile not in (None, True, False):
+            raise ValueError(f"compile must be True, False or None (automatic), got {self.compile!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} or None, got {self.kv_dtype!r}")
 

@@ -21,21 +21,22 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
+from decodekit.engine.compiled import CompilePolicy, eligible, lanes_for
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.kv import BlockManager, BlockPool, PoolCorrupted, block_bytes
+from decodekit.engine.kv import BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
-from decodekit.engine.program import Feed, Forward, Member, Program, ProgramKV
+from decodekit.engine.program import Feed, Member, Program, ProgramKV
 from decodekit.engine.rows import RunningKV
-from decodekit.engine.scheduler import EngineRequest, Scheduler, Step, Work, blocks_alone
+from decodekit.engine.scheduler import Entry, Scheduler, Step, Work, entry_for
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.request import (
@@ -183,16 +184,16 @@ class Engine:
         self.batch_invariant = model.batch_invariant
         self.windows = c.layer_windows
         share = not (self.batch_invariant or c.layer_windows)
-        self.running_kv = RunningKV(self.pool, share_prefixes=share)
-        self.scheduler = Scheduler(BlockManager(self.pool), self.running_kv, config)
-        # The KV of each model programs run (program.py): this engine's own, then members.
-        self.members: dict[int, Member] = {id(model): Member(model, self.pool, self.running_kv)}
+        with torch.inference_mode():  # as it is regrown in steps (a compiled step's guards see one kind)
+            self.running_kv = RunningKV(self.pool, share_prefixes=share)
+        # The KV of each model requests run on (program.py): this engine's own, then members.
+        main = Member(model, self.pool, self.running_kv)
+        self.members: dict[int, Member] = {id(model): main}
         self._idle_members: OrderedDict[int, None] = OrderedDict()  # unused, least recent first
-        self.programs: list[ProgramEntry] = []  # admitted, oldest first
-        self._waiting_programs: deque[ProgramEntry] = deque()
+        self.scheduler = Scheduler(main, self.members, self.member, config)
         self._lock = threading.Condition()
-        self._incoming: deque[EngineRequest] = deque()
-        self._cancelled: list[EngineRequest] = []
+        self._incoming: deque[Entry] = deque()
+        self._cancelled: list[Entry] = []
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -202,9 +203,19 @@ class Engine:
         self.peak_blocks_used = 0
         self.resets = 0  # times a failed step left books that disagreed (`_fail_step`)
         self._stepping = False
-        self._forward = paged_forward
-        if config.compile:
-            self._forward = torch.compile(paged_forward, dynamic=True)
+        self._forward = paged_forward  # the eager forward of every step that is not all decoding
+        # The compiled decode step (compiled.py), where this engine's model and modes allow it.
+        self.compile_refused = eligible(model, self.pool, self.batch_invariant)
+        self.lanes = None
+        if config.compile is not False and self.compile_refused is None:
+            self.lanes = lanes_for(model)
+            self.compile_policy = CompilePolicy.for_model(model, config.compile)
+            if config.compile:  # compiled rows hold their whole sequence (no cascade prefix)
+                self.running_kv.share_prefixes = False
+        self.decode_tokens = 0  # rows decoded by eager decode-only steps (the policy's evidence)
+        self.eager_step_s = 0.0  # their mean time
+        self._eager_steps = 0
+        self.compiled_steps = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -221,43 +232,23 @@ class Engine:
         [request] = make_requests(self.model, [prompt], params)
         return self.add(request, request_id)
 
-    def add(self, request: Request, request_id: str | None = None) -> RequestHandle:
-        """Queue a request built by `request.make_requests` (its `index` is kept)."""
-        needed = blocks_alone(request, self.config.block_size)
-        if needed > self.pool.num_blocks:
-            raise ValueError(
-                f"the request needs up to {needed} KV blocks (prompt of "
-                f"{len(request.prompt_ids)} tokens, max_new_tokens={request.params.max_new_tokens}, "
-                f"n={request.params.n}), more than the engine's {self.pool.num_blocks}"
-            )
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        entry = EngineRequest(request, None)
-        entry.handle = RequestHandle(request_id, len(request.rows), lambda: self._cancel(entry))
-        entry.queue, entry.leave = self.scheduler.waiting, lambda: self.scheduler.remove(entry)
-        with self._lock:
-            queued = len(self._incoming) + len(self.scheduler.waiting)
-            if queued >= self.config.max_waiting:
-                raise EngineFull(f"{queued} requests are waiting (max_waiting={self.config.max_waiting})")
-            self._incoming.append(entry)
-            self._lock.notify_all()
-        return entry.handle
-
-    def add_program(self, program: Program, request_id: str | None = None) -> RequestHandle:
-        """Queue a program (beam search, speculative or contrastive decoding: program.py)."""
-        for model, needed in program.needs(self.config.block_size):
+    def add(self, item: Request | Program, request_id: str | None = None) -> RequestHandle:
+        """Queue a sampling request built by `request.make_requests` (its `index` is kept) or
+        a program (beam search, speculative or contrastive decoding: program.py)."""
+        entry = entry_for(item)
+        if entry.program is not None:
+            entry.kv = ProgramKV(self.model, self.member, entry.seqs)
+            entry.models = [model for model, _ in entry.program.needs(self.config.block_size)]
+        for model in [self.model, *entry.models]:
+            needed = entry.blocks_alone(model, self.config.block_size)
             total = self.member(model).pool.num_blocks
             if needed > total:
-                raise ValueError(
-                    f"the request needs up to {needed} KV blocks of {model.name}, more than "
-                    f"the engine's {total}"
-                )
+                raise ValueError(f"the request needs up to {needed} KV blocks of {model.name}"
+                                 f"{_shape(entry)}, more than the engine's {total}")  # fmt: skip
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        entry = ProgramEntry(program, ProgramKV(self.model, self.member))
-        entry.models = [model for model, _ in program.needs(self.config.block_size)]
-        entry.queue, entry.leave = self._waiting_programs, lambda: self._leave_program(entry)
-        entry.handle = RequestHandle(request_id, program.num_samples, lambda: self._cancel(entry))
+        entry.handle = RequestHandle(request_id, entry.num_samples, lambda: self._cancel(entry))
         with self._lock:
-            queued = len(self._incoming) + len(self.scheduler.waiting) + len(self._waiting_programs)
+            queued = len(self._incoming) + len(self.scheduler.waiting)
             if queued >= self.config.max_waiting:
                 raise EngineFull(f"{queued} requests are waiting (max_waiting={self.config.max_waiting})")
             self._incoming.append(entry)
@@ -287,13 +278,7 @@ class Engine:
                 self._lock.notify_all()
 
     def has_work(self) -> bool:
-        return bool(
-            self._incoming
-            or self._cancelled
-            or self.scheduler.has_work()
-            or self.programs
-            or self._waiting_programs
-        )
+        return bool(self._incoming or self._cancelled or self.scheduler.has_work())
 
     # ------------------------------------------------------------------ stepping
 
@@ -321,14 +306,17 @@ class Engine:
                     member.pool.journal = None
 
     def _step(self) -> None:
+        # schedule: the running sampling rows' slots, then admissions (scheduler.py)
         self._take_incoming()
-        self._admit_programs()
-        if not self.scheduler.has_work() and not self.programs:
+        self.scheduler.hold()
+        step = self.scheduler.schedule()
+        if not step.work and not step.programs:
             return
-        self._hold_for_programs()
-        step = self.scheduler.schedule() if self.scheduler.has_work() else Step([], [], [], [])
         self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
-        parked = self._program_rounds()
+        # run: the programs' rounds on other models, then one forward of this engine's model
+        # over the sampling rows and the programs' feeds; postprocess: sample, and the
+        # programs end their steps
+        parked = self._program_rounds(step.programs)
         feeds = [(entry, i, feed) for entry in parked for i, fw in enumerate(entry.forwards)
                  if fw.model is self.model for feed in fw.feeds]  # fmt: skip
         if step.work or feeds:
@@ -364,13 +352,10 @@ class Engine:
     def _check(self) -> None:
         tables: dict[int, list] = {id(m.pool): [] for m in self.members.values()}
         laned = []
-        for entry in self.scheduler.running:
-            tables[id(self.pool)] += [seq.table for seq in entry.seqs]
-            laned += [seq for seq in entry.seqs if seq.lane is not None]
-        for entry in [*self.programs, *self._waiting_programs]:
-            for seq in entry.kv.seqs:
+        for entry in [*self.scheduler.running, *self.scheduler.waiting]:
+            for seq in entry.seqs:
                 if id(seq.member.pool) not in tables:
-                    raise PoolCorrupted(f"a program holds blocks of {seq.member.model.name}, "
+                    raise PoolCorrupted(f"a request holds blocks of {seq.member.model.name}, "
                                         "whose pool the engine no longer has")  # fmt: skip
                 tables[id(seq.member.pool)].append(seq.table)
                 laned += [seq] if seq.lane is not None else []
@@ -384,9 +369,10 @@ class Engine:
         """Empty pools, lanes and members (the running requests have been failed)."""
         self.pool = _new_pool(self.model, self.config)
         self.running_kv = RunningKV(self.pool, share_prefixes=self.running_kv.share_prefixes)
-        self.scheduler.manager = BlockManager(self.pool)
-        self.scheduler.running_kv = self.running_kv
-        self.members = {id(self.model): Member(self.model, self.pool, self.running_kv)}
+        self.scheduler.main = Member(self.model, self.pool, self.running_kv)
+        self.members.clear()  # the scheduler's dict too
+        self.members[id(self.model)] = self.scheduler.main
+        self._idle_members.clear()
         self.resets += 1
 
     def take_incoming(self) -> None:
@@ -398,51 +384,31 @@ class Engine:
         with self._lock:
             incoming, self._incoming = self._incoming, deque()
             cancelled, self._cancelled = self._cancelled, []
-        for entry in incoming:
-            entry.queue.append(entry)  # the scheduler's queue, or the programs' (`add`, `add_program`)
+        self.scheduler.waiting.extend(incoming)
         for entry in cancelled:
             self._end(entry, entry.finals())
 
     def _end(self, entry, deltas, error: BaseException | None = None) -> None:
         """Take a request or program out of the engine, its KV freed (what it computed stays
         in the prefix cache), and hand its last deltas (or `error`) to its reader."""
-        entry.leave()
+        self.scheduler.remove(entry)
+        if entry.models:
+            self._retire_members()
         wake(entry.handle._push(deltas, finished=True, error=error))
 
     # ------------------------------------------------------------------ programs
 
-    def _admit_programs(self) -> None:
-        """Admit waiting programs, oldest first, while their worst case fits."""
-        while self._waiting_programs:
-            entry = self._waiting_programs[0]
-            self._hold_for_programs()
-            needs = entry.program.needs(self.config.block_size)
-            if any(needed > self.member(model).pool.num_available for model, needed in needs):
-                return
-            self._waiting_programs.popleft()
-            entry.needs = [(self.member(model), needed) for model, needed in needs]
-            self.programs.append(entry)
-
-    def _hold_for_programs(self) -> None:
-        """Hold, in each pool, the blocks admitted programs may still allocate."""
-        held = dict.fromkeys(self.members, 0)
-        for entry in self.programs:
-            for member, needed in entry.needs:
-                held[id(member.model)] += max(0, needed - entry.kv.blocks_used(member))
-        for key, member in self.members.items():
-            member.pool.held = held[key]
-
-    def _program_rounds(self) -> list[ProgramEntry]:
+    def _program_rounds(self, programs: list[Entry]) -> list[Entry]:
         """Start every program's step and run the forwards they need on other models (drafts,
         amateurs), batched per model, until each waits on this engine's model or has ended
         its step. Returns those that wait."""
         active = []
-        for entry in list(self.programs):
+        for entry in programs:
             entry.generator = entry.program.step(entry.kv)
             if self._advance(entry, None):
                 active.append(entry)
         while True:
-            todo: dict[int, list[tuple[ProgramEntry, int, Forward]]] = {}
+            todo: dict[int, list] = {}  # per model: (entry, index, Forward)
             for entry in active:
                 for i, fw in enumerate(entry.forwards):
                     if fw.model is not self.model and not entry.results[i]:
@@ -463,7 +429,7 @@ class Engine:
                     waiting.append(entry)
             active = waiting
 
-    def _advance(self, entry: ProgramEntry, results) -> bool:
+    def _advance(self, entry: Entry, results) -> bool:
         """Send a program its forwards' logits; True if it asks for more in this step."""
         try:
             forwards = entry.generator.send(results)
@@ -482,34 +448,25 @@ class Engine:
         entry.results = [[] for _ in forwards]
         return True
 
-    def _resume(self, entry: ProgramEntry) -> None:
+    def _resume(self, entry: Entry) -> None:
         """After the step's forward: the program ends its step with the logits it waited for."""
         if self._advance(entry, entry.results):
             error = RuntimeError("a program's step must end after its forward on the engine's model")
             self._end(entry, [], error)
 
-    def _deliver(self, entry: ProgramEntry, deltas) -> None:
+    def _deliver(self, entry: Entry, deltas) -> None:
         if entry.program.finished:
             self._end(entry, deltas)
         else:
             wake(entry.handle._push(deltas))
 
-    def _leave_program(self, entry: ProgramEntry) -> None:
-        entry.kv.close_all()
-        if entry in self.programs:
-            self.programs.remove(entry)
-        elif entry in self._waiting_programs:
-            self._waiting_programs.remove(entry)
-        self._retire_members()
-        self._hold_for_programs()  # what it held is free again
-
     def _retire_members(self) -> None:
         """Members no queued or running program uses become idle; idle ones beyond
         `EngineConfig.idle_member_bytes` of KV storage are freed, least recently used first
         (a self-int4 draft's copy of the model goes with its member)."""
-        entries = [*self.programs, *self._waiting_programs]
+        entries = [*self.scheduler.running, *self.scheduler.waiting]
         in_use = {id(self.model)} | {id(m) for e in entries for m in e.models}
-        in_use |= {id(seq.member.model) for e in entries for seq in e.kv.seqs}
+        in_use |= {id(seq.member.model) for e in entries for seq in e.seqs}
         for key in self.members:
             if key not in in_use and key not in self._idle_members:
                 self._idle_members[key] = None
@@ -550,11 +507,18 @@ class Engine:
         ordered = decoding + [w for w in works if w.seq.lane is None]
         if decoding:
             self.running_kv.grow(1)
-        items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
-        batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
         wants_hidden = any(row.request.wants_hidden for row in step.rows)  # align/qvalue.py
-        out = self._forward(self.model, *batch, self.batch_invariant, wants_hidden)
-        logits, hidden = out if wants_hidden else (out, None)
+        only_decoding = len(ordered) == len(decoding) and not wants_hidden and not step.forks
+        logits = self._compiled_forward(decoding) if only_decoding and self.lanes is not None else None
+        hidden = None
+        if logits is None:
+            start = time.perf_counter()
+            items = [(w.seq.table, w.seq.tokens, w.slots) for w in ordered]
+            batch = build_batch(self.pool, items, self.running_kv, self.windows, [w.every for w in ordered])
+            out = self._forward(self.model, *batch, self.batch_invariant, wants_hidden)
+            logits, hidden = out if wants_hidden else (out, None)
+            if only_decoding and self.lanes is not None:
+                self._count_eager(len(decoding), time.perf_counter() - start)
         sizes = [w.count if w.every else 1 for w in ordered]
         ends = dict(zip(map(id, ordered), itertools.accumulate(sizes), strict=True))
         by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True))
@@ -571,10 +535,40 @@ class Engine:
             self._sample(step, logits[kept], None if hidden is None else hidden[kept])
         return [by_work[id(work)] for work in programs]
 
+    def _compiled_forward(self, works: list[Work]) -> torch.Tensor | None:
+        """Logits [B, V] of the decoding rows through the compiled step (compiled.py), their
+        new keys and values written into the rows and the pool; None when its bucket is not
+        compiled (yet) or a row continues a shared prefix."""
+        running_kv = self.running_kv
+        if any(prefix is not None for prefix in running_kv.prefixes):
+            return None
+        seqs = [work.seq for work in works]
+        tokens = torch.tensor([seq.tokens[seq.table.length - 1] for seq in seqs])  # [B]
+        positions = torch.tensor([seq.table.length - 1 for seq in seqs])
+        out = self.lanes.run(len(seqs), tokens, positions, running_kv)
+        if out is None:
+            return None
+        logits, keys, values = out  # [B, V], [N, B, H_kv, D]
+        rows = torch.arange(len(seqs))
+        running_kv.keys[:, rows, :, positions] = keys.transpose(0, 1)  # [B, N, H_kv, D]
+        running_kv.values[:, rows, :, positions] = values.transpose(0, 1)
+        slots = torch.tensor([work.slots[0] for work in works])
+        self.pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
+        self.compiled_steps += 1
+        return logits
+
+    def _count_eager(self, rows: int, seconds: float) -> None:
+        """An eager decode-only step: the compile policy's evidence (compiled.py)."""
+        self._eager_steps += 1
+        self.eager_step_s += (seconds - self.eager_step_s) / self._eager_steps
+        self.decode_tokens += rows
+        self.lanes.want(rows, self.compile_policy, self.decode_tokens, self.eager_step_s, self.running_kv)
+        if self.lanes.ready:
+            self.running_kv.share_prefixes = False  # compiled rows hold their whole sequence
+
     def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Sample one token for every row of the step (hidden: their final states, for the
         requests that want them), hand out the deltas, retire the ended."""
-        manager = self.scheduler.manager
         sample_rows(logits, step.rows, hidden)  # [R, V]: one token per row
         self.generated_tokens += len(step.rows)
         entries = {id(row.request): row.request for row in step.rows}
@@ -588,11 +582,10 @@ class Engine:
             for seq in entry.seqs:
                 seq.tokens.append(seq.row.token_ids[-1])
                 if seq.row.finish_reason is not None:
-                    manager.register_last(seq.table, seq.tokens)  # its KV stays cached
-                    self.scheduler.release(seq)
+                    seq.member.close(seq)  # its KV stays cached
             entry.seqs = [seq for seq in entry.seqs if seq.row.finish_reason is None]
             if not entry.seqs:
-                self.scheduler.remove(entry)
+                self.scheduler.remove(entry)  # no sample left to free
             wakers += entry.handle._push(deltas[key], finished=not entry.seqs)
         wake(wakers)
 
@@ -643,7 +636,7 @@ class Engine:
 
     def _fail_running(self, error: BaseException) -> int:
         """End every admitted request and program with `error`; how many there were."""
-        running = [*self.scheduler.running, *self.programs]
+        running = list(self.scheduler.running)
         for entry in running:
             self._end(entry, [], error)
         return len(running)
@@ -653,7 +646,7 @@ class Engine:
         with self._lock:
             incoming = list(self._incoming)
             self._incoming.clear()
-        for entry in [*incoming, *self.scheduler.waiting, *self._waiting_programs]:
+        for entry in [*incoming, *self.scheduler.waiting]:
             self._end(entry, [], error)
 
     def stats(self) -> dict:
@@ -661,20 +654,20 @@ class Engine:
         blocks, and every member pool's (drafts, amateurs), for /health and /metrics."""
         pool, scheduler = self.pool, self.scheduler
         cached = len(pool.cache) if pool.cache is not None else 0
-        queued = sum(e.queue is self._waiting_programs for e in self._incoming)
+        programs = [e for e in scheduler.running if e.program is not None]
+        queued = [*self._incoming, *scheduler.waiting]
         return {
-            "running_requests": len(scheduler.running) + len(self.programs),
-            "running_sequences": sum(len(e.seqs) for e in scheduler.running)
-            + sum(len(e.kv.seqs) for e in self.programs),
-            "waiting_requests": len(scheduler.waiting) + len(self._incoming) + len(self._waiting_programs),
+            "running_requests": len(scheduler.running),
+            "running_sequences": sum(len(e.seqs) for e in scheduler.running),
+            "waiting_requests": len(queued),
             "total_blocks": pool.num_blocks,
             "used_blocks": pool.num_used,
             "held_blocks": pool.held,
             "free_blocks": pool.num_free,
             "cached_blocks": cached,
             "idle_cached_blocks": pool.cache.num_idle if pool.cache is not None else 0,
-            "running_programs": len(self.programs),
-            "waiting_programs": len(self._waiting_programs) + queued,
+            "running_programs": len(programs),
+            "waiting_programs": sum(e.program is not None for e in queued),
             "members": {
                 member.model.name: _pool_stats(member.pool, key in self._idle_members)
                 for key, member in self.members.items()
@@ -704,25 +697,13 @@ def _pool_stats(pool: BlockPool, idle: bool) -> dict:
     }
 
 
-@dataclass(eq=False)
-class ProgramEntry:
-    """A queued or running program, its KV handle and its step in progress."""
-
-    program: Program
-    kv: ProgramKV
-    handle: RequestHandle | None = None
-    needs: list = field(default_factory=list)  # (Member, blocks) once admitted
-    models: list = field(default_factory=list)  # the models whose KV it declared it needs
-    queue: deque | None = None  # where it waits for admission (the engine's program queue)
-    leave: Callable[[], None] | None = None  # out of the engine, its KV freed
-
-    def finals(self) -> list[Delta]:
-        """The deltas that end it when it is cancelled."""
-        return self.program.cancel()
-    cancelled: bool = False
-    generator: object = None
-    forwards: list[Forward] = field(default_factory=list)
-    results: list[list[torch.Tensor]] = field(default_factory=list)
+def _shape(entry: Entry) -> str:
+    """A sampling request's size, for the error of one too large for the pool."""
+    request = entry.request
+    if request is None:
+        return ""
+    return (f" (prompt of {len(request.prompt_ids)} tokens, max_new_tokens={request.params.max_new_tokens}, "
+            f"n={request.params.n})")  # fmt: skip
 
 
 def _split(logits: torch.Tensor, works: list[Work]) -> list[torch.Tensor]:

@@ -147,6 +147,15 @@ class BlockPool:
                 out.append(x)
         return out[0], out[1]
 
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys and values [N, H_kv, T, D] of every layer at flat `slots` [T] in one
+        write each (a pool that stores the model's dtype: engine/compiled.py)."""
+        if self.scales is not None or self.keys.dtype != self.dtype:
+            raise TypeError(f"write_layers stores {self.dtype} as it is, not into a {self.keys.dtype} pool")
+        num_layers, kv_heads, _, dim = k.shape
+        self.keys.view(num_layers, kv_heads, -1, dim).index_copy_(2, slots, k)
+        self.values.view(num_layers, kv_heads, -1, dim).index_copy_(2, slots, v)
+
     def read(self, blocks: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `blocks` [nb] in order, in the model's dtype: [H_kv, nb * block_size,
         D] of `layer`, or [N, H_kv, nb * block_size, D] of every layer when None."""

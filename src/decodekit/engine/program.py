@@ -44,17 +44,19 @@ import torch
 from decodekit.engine.kv import BlockManager, BlockPool, BlockTable
 from decodekit.engine.rows import RunningKV
 from decodekit.models.base import LanguageModel
-from decodekit.request import Delta
+from decodekit.request import Delta, Row
 
 
 @dataclass(eq=False)
 class Seq:
-    """A program's sequence: its tokens (computed or about to be), its KV table and pool."""
+    """A sequence on the engine, a sampling request's sample or a program's: its tokens
+    (computed or about to be), its KV table and pool."""
 
     tokens: list[int]
     table: BlockTable
     member: Member
     lane: int | None = None  # its RunningKV row (the engine's model only)
+    row: Row | None = None  # a sampling request's: the row its tokens are sampled for
 
     @property
     def pending(self) -> int:
@@ -89,6 +91,16 @@ class Member:
         self.pool = pool
         self.manager = BlockManager(pool)
         self.running_kv = running_kv
+
+    def close(self, seq: Seq) -> None:
+        """Free a sequence's blocks and lane; its computed KV stays findable in the prefix
+        cache (and its tokens stay, for a preempted sequence to recompute)."""
+        computed = seq.tokens[: seq.table.length]
+        self.manager.register(seq.table, computed, seq.table.length)
+        self.manager.register_last(seq.table, computed)
+        self.manager.free(seq.table)
+        if seq.lane is not None:
+            self.running_kv.leave(seq)
 
 
 class Program(ABC):
@@ -145,13 +157,7 @@ class ProgramKV:
 
     def close(self, seq: Seq) -> None:
         """Free the sequence; its computed KV stays findable in the prefix cache."""
-        member = seq.member
-        computed = seq.tokens[: seq.table.length]
-        member.manager.register(seq.table, computed, seq.table.length)
-        member.manager.register_last(seq.table, computed)
-        member.manager.free(seq.table)
-        if seq.lane is not None:
-            member.running_kv.leave(seq)
+        seq.member.close(seq)
         self.seqs.remove(seq)
 
     def close_all(self) -> None:

@@ -139,6 +139,10 @@ class RunningKV:
         self.lengths = [n + extra for n in self.lengths]
         self._reserve(len(self.owners), max(self.lengths, default=0))
 
+    def reserve_rows(self, rows: int) -> None:
+        """Storage for at least `rows` rows (a compiled step's padded bucket reads them)."""
+        self._reserve(rows, max(self.lengths, default=0))
+
     def _new_row(self, owner, length: int, prefix: SharedPrefix | None = None) -> int:
         self._reserve(len(self.owners) + 1, length)
         self.owners.append(owner)

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine, EngineFull, RequestHandle
 from decodekit.engine.program import Program
-from decodekit.engine.scheduler import blocks_alone
-from decodekit.models.base import LanguageModel
+from decodekit.engine.scheduler import entry_for
+from decodekit.models.base import LanguageModel, weights_stamp
 from decodekit.request import Delta, Request
 
 _ATTRIBUTE = "_decodekit_engine"
@@ -43,13 +43,6 @@ _LOCK = threading.Lock()
 # prompts x n samples runs them all in one batch, as the engine per call did (arith, 32
 # prompts x 16 samples: 1.12 s, against 1.38 s at EngineConfig's default 64: BENCHMARKS.md).
 DEFAULT_CONFIG = EngineConfig(max_running=1024)
-
-
-def weights_stamp(model: LanguageModel) -> tuple:
-    """Identity, storage and in-place version of every weight: changes when they change."""
-    net = getattr(model, "net", None)
-    tensors = [*net.parameters(), *net.buffers()] if net is not None else []
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
 
 
 def engine_for(model: LanguageModel, config: EngineConfig | None = None) -> Engine:
@@ -90,7 +83,8 @@ def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Ite
     Closing the iterator early cancels the requests it has not finished.
     """
     engine = engine_for(model)
-    if any(_blocks(model, r, engine.config.block_size) > engine.pool.num_blocks for r in requests):
+    if any(entry_for(r).blocks_alone(model, engine.config.block_size) > engine.pool.num_blocks
+           for r in requests):  # fmt: skip
         engine = _private_engine(model, requests)
     pending = deque(requests)
     handles: list[RequestHandle] = []
@@ -98,9 +92,7 @@ def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Ite
         while True:
             while pending:  # as many as the queue takes (max_waiting)
                 try:
-                    item = pending[0]
-                    add = engine.add_program if isinstance(item, Program) else engine.add
-                    handles.append(add(item))
+                    handles.append(engine.add(pending[0]))
                 except EngineFull:
                     break
                 pending.popleft()
@@ -121,17 +113,11 @@ def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Ite
             engine.take_incoming()  # free their blocks now, not at some later caller's step
 
 
-def _blocks(model: LanguageModel, request: Request | Program, block_size: int) -> int:
-    """Blocks of `model` a request needs at most with nothing else running."""
-    if isinstance(request, Program):
-        return sum(n for m, n in request.needs(block_size) if m is model)
-    return blocks_alone(request, block_size)
-
-
 def _private_engine(model: LanguageModel, requests: list[Request | Program]) -> Engine:
     """An engine sized for exactly these requests (the pre-persistent path)."""
     size = EngineConfig.block_size
-    blocks = sum(_blocks(model, r, size) for r in requests)
-    rows = sum(len(r.rows) if isinstance(r, Request) else r.num_samples for r in requests)
+    entries = [entry_for(r) for r in requests]
+    blocks = sum(entry.blocks_alone(model, size) for entry in entries)
+    rows = sum(entry.num_samples for entry in entries)
     return Engine(model, EngineConfig(num_blocks=blocks, max_running=max(rows, 1),
                                       max_waiting=len(requests)))  # fmt: skip

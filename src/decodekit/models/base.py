@@ -188,3 +188,11 @@ def score_batch(
 def score_tokens(model: LanguageModel, ids: Sequence[int], start: int) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t in [start, len(ids)): [len(ids) - start] float32, one forward."""
     return score_batch(model, [ids], [start])[0]
+
+
+def weights_stamp(model: LanguageModel) -> tuple:
+    """Identity, storage and in-place version of every weight: changes when they change (what
+    is built from a model's weights, its engine, a draft, a compiled step, is rebuilt then)."""
+    net = getattr(model, "net", None)
+    tensors = [*net.parameters(), *net.buffers()] if net is not None else []
+    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)

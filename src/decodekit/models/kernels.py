@@ -88,8 +88,35 @@ def status() -> Status:
     return Status(True, ISA_NAMES[level], path)
 
 
+@torch.compiler.assume_constant_result  # a compiled graph reads it once, as a constant
 def available() -> bool:
     return status().available
+
+
+@functools.cache
+def register_fakes() -> None:
+    """Shape functions of the ops, so that `torch.compile` can trace graphs that call them
+    (engine/compiled.py): each returns x's dtype, [..., N]."""
+    if not available():
+        return
+
+    def out(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], n))
+
+    torch.library.register_fake("decodekit::linear")(lambda x, w, bias: out(x, w.shape[0]))
+    torch.library.register_fake("decodekit::linear_t")(lambda x, wt, bias: out(x, wt.shape[1]))
+    torch.library.register_fake("decodekit::linear_rows")(
+        lambda x, w, scales, group, bias: out(x, w.shape[0])
+    )
+    torch.library.register_fake("decodekit::linear_int4")(
+        lambda x, w, scales, group, bias: out(x, scales.shape[0])
+    )
+
+
+@torch.compiler.assume_constant_result
+def traceable() -> bool:
+    """Whether a graph being compiled may call the ops (`register_fakes` has run)."""
+    return register_fakes.cache_info().currsize > 0 and available()
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

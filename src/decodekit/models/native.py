@@ -219,7 +219,8 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     weight = getattr(layer, "weight", None)
     if (type(layer) is nn.Linear and x.numel() <= kernels.GEMV_MAX_ROWS * x.shape[-1] and weight.is_cpu
             and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES
-            and not torch.compiler.is_compiling() and kernels.available()):  # fmt: skip
+            and kernels.available()
+            and (not torch.compiler.is_compiling() or kernels.traceable())):  # fmt: skip
         return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV (models/kernels.py)
     if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip

@@ -398,8 +398,8 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.codes(), self.scales).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel in NATIVE_KERNELS and torch.compiler.is_compiling():
-            y = self.unpacked_matmul(x)  # the ops have no fake kernels for a traced graph yet
+        if self.kernel in NATIVE_KERNELS and torch.compiler.is_compiling() and not kernels.traceable():
+            y = self.unpacked_matmul(x)  # no fake kernels registered: trace the plain maths
         elif self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
             rows = x.numel() // self.in_features
             if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:

@@ -27,6 +27,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from decodekit.optional import missing, require
 
@@ -43,6 +44,7 @@ except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
 from decodekit.completion import Completion, Usage
+from decodekit.models.base import LanguageModel
 from decodekit.request import Delta
 from decodekit.server import protocol, responses
 from decodekit.server.backend import Backend, Job, QueueFull
@@ -107,9 +109,10 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name not in backend.models:
+        served = backend.served_name(name)
+        if served is None:
             raise APIError(404, f"The model '{name}' does not exist", "model", "model_not_found")
-        return model_card(name, backend).model_dump()
+        return model_card(served, backend).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -355,9 +358,15 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
 def load_models(specs: list[str], dtype: str = "auto", device: str = "cpu") -> dict:
     """Served name -> model, from "NAME" (embedded or a directory) or "ALIAS=PATH" specs, each
     in `dtype` on `device` (`load_model`)."""
-    from decodekit.models.registry import load_model
+    return load_served(specs, dtype, device)[0]
 
-    models = {}
+
+def load_served(specs: list[str], dtype: str = "auto", device: str = "cpu"
+                ) -> tuple[dict[str, LanguageModel], dict[str, str]]:
+    """`load_models`, and each served name's source: "embedded" or its directory's full path."""
+    from decodekit.models.registry import embedded_models, load_model
+
+    models, sources = {}, {}
     for spec in specs:
         alias, _, path = spec.partition("=")
         if not path or "/" in alias:
@@ -367,7 +376,17 @@ def load_models(specs: list[str], dtype: str = "auto", device: str = "cpu") -> d
         if name in models:
             raise ValueError(f"model name {name!r} is given twice; use ALIAS=PATH to rename one")
         models[name] = model
-    return models
+        sources[name] = "embedded" if path in embedded_models() else str(Path(path).expanduser().resolve())
+    return models, sources
+
+
+def directory_aliases(sources: dict[str, str]) -> dict[str, str]:
+    """Each directory's full path -> the (first) model served from it: a request may name it so."""
+    aliases: dict[str, str] = {}
+    for name, source in sources.items():
+        if source != "embedded":
+            aliases.setdefault(source, name)
+    return aliases
 
 
 class ServerThread:

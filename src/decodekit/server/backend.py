@@ -149,9 +149,11 @@ class ThreadJob:
 
 
 class Backend:
-    """Served models by name, an engine for each model with paged KV, a worker thread for the rest."""
+    """Served models by name, an engine for each model with paged KV, a worker thread for the rest.
+    `aliases` are other ids a request may name a served model by (a directory's full path)."""
 
-    def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None):
+    def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None,
+                 aliases: dict[str, str] | None = None):
         from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
         from decodekit.engine.shared import engine_for
@@ -159,6 +161,10 @@ class Backend:
         if not models:
             raise ValueError("a server needs at least one model")
         self.models = dict(models)
+        self.aliases = {alias: name for alias, name in (aliases or {}).items() if alias not in self.models}
+        unknown = sorted(set(self.aliases.values()) - set(self.models))
+        if unknown:
+            raise ValueError(f"aliases name models that are not served: {unknown}")
         self.config = config = config or ServerConfig()
         self.engine_config = engine_config = EngineConfig(
             max_kv_bytes=config.kv_bytes, max_running=config.max_running, max_waiting=config.max_queued)
@@ -175,6 +181,10 @@ class Backend:
         self._ids = itertools.count()
         self._scorers = {name: reward_scorer(name) for name in config.reward_models}
         self.counters = {"requests": 0, "generated_tokens": 0, "cancelled": 0, "timed_out": 0, "rejected": 0}
+
+    def served_name(self, name: str) -> str | None:
+        """The served model a request's `name` means (its own name or an alias), or None."""
+        return name if name in self.models else self.aliases.get(name)
 
     def start(self) -> None:
         self._started = True
@@ -227,7 +237,7 @@ class Backend:
         from decodekit.engine.engine import EngineFull
 
         try:
-            return self.engine(name).add_program(program, f"req-{next(self._ids)}")
+            return self.engine(name).add(program, f"req-{next(self._ids)}")
         except EngineFull as error:
             raise QueueFull(str(error)) from None
 

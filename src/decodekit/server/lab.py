@@ -37,6 +37,7 @@ from decodekit.server.protocol import APIError
 STATIC = Path(__file__).parent / "lab"
 FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
 BODIES = tuple(f"/lab/api/{name}" for name in ("sampler", "beam", "tree", "speculative", "votes"))
+LIBRARY_NAMES: dict[str, str] = {}  # a lab body names SamplingParams' fields as the library does
 MAX_NEW_TOKENS = 128  # the lab shows every step: longer runs are not readable anyway
 # The SamplingParams fields of each adapter (the page's editor; values are SamplingParams').
 ADAPTER_FIELDS = {
@@ -143,7 +144,7 @@ def get_params(body: dict, max_new_tokens: int | None = None, **defaults: Any) -
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as error:
-        raise api_error(error, "params") from None
+        raise api_error(error, "params", names=LIBRARY_NAMES) from None
 
 
 async def read_body(request: Request) -> dict:
@@ -163,7 +164,7 @@ def bad_value(error: Exception, body: dict) -> APIError:
     name = match.group(0) if match else ""
     if name in body:
         return APIError(400, str(error), name, "invalid_value")
-    return api_error(error)
+    return api_error(error, names=LIBRARY_NAMES)
 
 
 # -- routes --------------------------------------------------------------------------------------

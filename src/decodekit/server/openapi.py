@@ -8,8 +8,8 @@ fuzzer (schemathesis, scripts/fuzz_server.sh) and generated clients use it.
 
 The published request schemas close the objects (`additionalProperties: false`) over the
 fields the server knows: OpenAI's, decodekit's strategy fields and the sampling
-extensions (protocol.SAMPLING_EXTENSIONS, any JSON value: their checks are SamplingParams');
-the parser accepts exactly these and answers 400 to any other key.
+extensions (extensions.py: typed, bounded and described from SamplingParams); the parser
+accepts exactly these and answers 400 to any other key.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from decodekit.server import protocol as p
+from decodekit.server.extensions import RENAMED
 from decodekit.server.guard import OPEN
 
 REF = "#/components/schemas/{model}"
@@ -50,6 +51,13 @@ BODIES = {
     ("get", "/v1/models"): (None, p.ModelList),
     ("get", "/v1/models/{name}"): (None, p.ModelCard),
 }
+
+
+# One server-sent event of a stream (OpenAPI before 3.2: a stream's `schema` describes each event).
+EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk (JSON: completion or chat chunk, or an error body) "
+                                              "or [DONE]"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 class ErrorDetail(BaseModel):
@@ -92,12 +100,14 @@ def constrain_request(schema: dict, models: list[str], config) -> None:
                 option.update(bound)
     if "messages" in properties:
         properties["messages"]["minItems"] = 1
+    # a field and its vLLM name (min_tokens, min_new_tokens): one or the other
+    schema["not"] = {"anyOf": [{"required": [alias, name]} for alias, name in RENAMED.items()]}
     for option in properties.get("prompt", {}).get("anyOf", []):  # a prompt has at least one token
         option.update({"minLength": 1} if option["type"] == "string" else {"minItems": 1})
         if option["type"] == "array" and option["items"].get("type") == "string":
             option["items"]["minLength"] = 1
-    for name in (*p.SAMPLING_EXTENSIONS, *p.RENAMED):
-        schema["properties"].setdefault(name, {"title": name, "description": "SamplingParams extension"})
+        if option["type"] == "array" and option["items"].get("type") == "array":  # [[]]: no tokens
+            option["items"]["minItems"] = 1
 
 
 def json_content(schema: dict) -> dict:
@@ -126,8 +136,8 @@ def openapi_document(app, models: Iterable[str], config) -> dict[str, Any]:
             add_schema(components, response, "serialization") if response else {})}
         if path == "/metrics":  # Prometheus' text format
             ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
-        if path.endswith("completions"):
-            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}  # stream: true
+        if path.endswith("completions"):  # stream: true
+            ok["content"]["text/event-stream"] = {"schema": EVENT}
         answers["200"] = ok
         guard = {403} if path in OPEN else {401, 403}
         for status in sorted({*guard, *statuses}):

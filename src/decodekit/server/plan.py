@@ -55,12 +55,13 @@ class Plan:
     score_only: bool = False  # echo with max_tokens 0: the prompt's log-probs, nothing generated
 
 
-def api_error(error: Exception, default_param: str | None = None) -> APIError:
-    """A library ValueError/TypeError as a 400 whose param is the field its message names."""
-    message = str(error)
+def api_error(error: Exception, default_param: str | None = None,
+              names: dict[str, str] = FIELD_NAMES) -> APIError:
+    """A library ValueError/TypeError as a 400 whose param is the field its message names, in the
+    request's words (`names`: decodekit's name -> the field the request sent)."""
+    message = re.sub(r"\b[a-z_]+\b", lambda word: names.get(word.group(0), word.group(0)), str(error))
     match = re.match(r"[a-z_]+", message)
     name = match.group(0) if match else ""
-    name = FIELD_NAMES.get(name, name)
     param = name if name in GenerationRequest.model_fields or name in SamplingParams.field_names() \
         else default_param
     return APIError(400, message, param, "invalid_value")
@@ -90,6 +91,20 @@ def encode(model: LanguageModel, prompt, param: str) -> list[int]:
     except (ValueError, TypeError) as error:
         code = "context_length_exceeded" if "context" in str(error) else "invalid_value"
         raise APIError(400, str(error), param, code) from None
+
+
+def template_ids(model: LanguageModel, text: str) -> list[int]:
+    """The ids of a chat template's text (which wrote its own special tokens), refused without
+    encoding it whole when it is far past the context (request.py `encode_text`)."""
+    from decodekit.request import encode_text
+
+    def plain(part: str) -> list[int]:
+        return list(model.tokenizer.encode(part, add_special_tokens=False))
+
+    try:
+        return encode_text(plain, text, model.max_context)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages", "context_length_exceeded") from None
 
 
 def check_max_tokens(value: int | None, default: int | None, longest: int, context: int, backend: Backend,
@@ -152,7 +167,7 @@ def constraint_of(req: GenerationRequest):
 
 
 def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, max_field: str = "max_tokens") -> SamplingParams:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not re.fullmatch(r"\d+", key) or int(key) >= vocab_size:
@@ -167,14 +182,15 @@ def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logpr
                   n=samples, stop=tuple(stop), seed=req.seed, presence_penalty=req.presence_penalty,
                   frequency_penalty=req.frequency_penalty, logit_bias=bias,
                   logprobs=logprobs or None)
-    extensions = req.extensions()
-    if extensions.get("top_k") == -1:
-        extensions["top_k"] = 0  # vLLM's "off"
-    values.update(extensions)
+    values.update(req.extensions())
+    min_field = "min_new_tokens" if "min_new_tokens" in req.model_fields_set else "min_tokens"
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
+        params.check_vocab(vocab_size)
     except (ValueError, TypeError) as error:
-        raise api_error(error) from None
+        raise api_error(error, names={**FIELD_NAMES, "max_new_tokens": max_field,
+                                      "min_new_tokens": min_field}) from None
+    return params
 
 
 def preset_of(req: GenerationRequest) -> tuple[float, float]:
@@ -232,33 +248,37 @@ def decoder_of(req: GenerationRequest, backend: Backend, n: int) -> tuple[str, d
     if req.draft_model is not None:
         if req.amateur_model is not None:
             raise APIError(400, "draft_model cannot be combined with amateur_model", "draft_model")
-        if req.draft_model != "prompt-lookup":
-            served_model(req.draft_model, backend, "draft_model")
+        draft = req.draft_model
+        if draft != "prompt-lookup":
+            draft = served_name(draft, backend, "draft_model")
         k = req.num_draft_tokens if req.num_draft_tokens is not None else 4
         if not 1 <= k <= 64:
             raise APIError(400, f"num_draft_tokens must be in [1, 64], got {k}", "num_draft_tokens")
-        return "speculative", {"draft": req.draft_model, "num_draft_tokens": k}
+        return "speculative", {"draft": draft, "num_draft_tokens": k}
     if req.num_draft_tokens is not None:
         raise APIError(400, "num_draft_tokens needs draft_model", "num_draft_tokens")
     return "sample", {}
 
 
-def served_model(name: str, backend: Backend, param: str = "model") -> LanguageModel:
-    if name not in backend.models:
+def served_name(name: str, backend: Backend, param: str = "model") -> str:
+    """The served model's name that `name` means (its own, or an alias: a directory's full path)."""
+    served = backend.served_name(name)
+    if served is None:
         raise APIError(404, f"The model '{name}' does not exist; served: {', '.join(backend.models)}",
                        param, "model_not_found")
-    return backend.models[name]
+    return served
 
 
 def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     """The plan of a completions or chat request (validation included)."""
-    model = served_model(req.model, backend)
+    name = served_name(req.model, backend)
+    model = backend.models[name]
     chat = isinstance(req, ChatRequest)
     n = req.n
     check_count(n, "n", backend)
     if chat:
         text, templated = chat_text(model, req.messages)
-        ids = list(model.tokenizer.encode(text, add_special_tokens=False)) if templated else None
+        ids = template_ids(model, text) if templated else None
         prompts = [encode(model, ids if ids is not None else text, "messages")]
         texts = [text]
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -289,8 +309,9 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
                                   allow_zero=echo)
     selection = selection_of(req, n, backend)
     decoder, options = decoder_of(req, backend, n)
+    amateur = None
     if req.amateur_model is not None:
-        served_model(req.amateur_model, backend, "amateur_model")
+        amateur = served_name(req.amateur_model, backend, "amateur_model")
         options.update({"alpha": req.contrastive_alpha, "amateur_temperature": req.amateur_temperature})
     elif req.contrastive_alpha is not None or req.amateur_temperature is not None:
         raise APIError(400, "contrastive_alpha and amateur_temperature need amateur_model", "amateur_model")
@@ -298,13 +319,13 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if constraint is not None and decoder == "speculative":
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
-    params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size)
+    params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size, max_field)
     if selection is not None and decoder == "beam":
         raise APIError(400, "best_of selection cannot be combined with beam search", "best_of")
     if echo and max_tokens == 0 and req.stream:
         raise APIError(400, "max_tokens 0 (scoring the prompt) cannot be streamed", "stream")
     include_usage = req.stream_options.include_usage if req.stream_options else False
-    return Plan(req.model, prompts, texts, params, n, decoder, options, req.amateur_model, constraint,
+    return Plan(name, prompts, texts, params, n, decoder, options, amateur, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
                 score_only=echo and max_tokens == 0)
 

@@ -20,16 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-# SamplingParams fields a request may set by their own name (extensions, README "Server"),
-# and the vLLM names that map onto ours.
-SAMPLING_EXTENSIONS = (
-    "top_k", "min_p", "typical_p", "epsilon", "eta", "top_n_sigma", "min_tokens_to_keep",
-    "mirostat_tau", "mirostat_eta", "xtc_threshold", "xtc_probability", "dry_multiplier",
-    "dry_base", "dry_allowed_length", "dry_sequence_breakers", "repetition_penalty",
-    "no_repeat_ngram_size", "bad_words", "allowed_token_ids", "stop_token_ids", "ignore_eos",
-    "order", "min_new_tokens",
-)
-RENAMED = {"min_tokens": "min_new_tokens"}
+from decodekit.server.extensions import EXTENSIONS, RENAMED, SamplingFields, allowed, sampling_name
+
 # OpenAI fields this server does not implement: a clear 400 rather than silence.
 UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call", "audio", "modalities",
                "prediction", "parallel_tool_calls", "web_search_options")
@@ -79,8 +71,9 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class GenerationRequest(_Strict):
-    """Fields shared by both endpoints: OpenAI's, then decodekit's strategy extensions."""
+class GenerationRequest(SamplingFields):
+    """Fields shared by both endpoints: the sampling extensions (extensions.py), OpenAI's, then
+    decodekit's strategy extensions."""
 
     model: str
     max_tokens: int | None = None
@@ -123,17 +116,17 @@ class GenerationRequest(_Strict):
     return_token_ids: bool = False
 
     def extensions(self) -> dict[str, Any]:
-        """SamplingParams fields given by name (the body's extra keys), checked for typos."""
-        values = {}
-        for key, value in (self.model_extra or {}).items():
+        """The SamplingParams fields the body sets (by their own or vLLM's name); a key the
+        server does not know is a 400 naming it."""
+        for key in self.model_extra or {}:
             if key in UNSUPPORTED:
                 raise APIError(400, f"{key} is not supported by this server build", key, "unsupported")
-            name = RENAMED.get(key, key)
-            if name not in SAMPLING_EXTENSIONS:
-                raise APIError(400, f"Unrecognized request argument supplied: {key}", key,
-                               "unknown_parameter")
-            values[name] = value
-        return values
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+        given = [name for name in (*EXTENSIONS, *RENAMED) if name in self.model_fields_set]
+        for alias, name in RENAMED.items():
+            if alias in given and name in given:
+                raise APIError(400, f"give {alias} or {name}, not both", alias, "invalid_value")
+        return {sampling_name(name): getattr(self, name) for name in given}
 
 
 class CompletionRequest(GenerationRequest):
@@ -189,6 +182,10 @@ def validation_error(error: ValidationError) -> APIError:
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
     if param in SHAPES and len(loc) > 1 and first["type"] != "missing":
         return APIError(400, SHAPES[param], param, code)
+    if param in EXTENSIONS or param in RENAMED:
+        where = f" (at {param}[{loc[1]}])" if len(loc) > 1 else ""
+        return APIError(400, f"{param} must be {allowed(param)}, got {first['input']!r:.80}{where}", param,
+                        code)
     return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param, code)
 
 

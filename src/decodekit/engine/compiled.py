@@ -1,0 +1,297 @@
+"""The compiled decode step: the engine's decoding rows through one compiled graph (issue 25).
+
+Most engine steps only decode: every scheduled sequence holds a RunningKV lane (rows.py)
+and feeds one token. Eager, such a step costs about a hundred ATen calls dispatched from
+Python per layer stack plus `build_batch`'s index tensors; on a small model that overhead,
+not arithmetic, is the token's time. vLLM removes it by compiling the model's decode step
+and replaying it per batch-size bucket (CUDA graphs); gpt-fast by one static-shape compiled
+step (models/static.py). Here:
+
+- `lanes_step(model)` is the decode step over B rows with NativeLM's own modules
+  (`LlamaNet.forward` with `LaneAttention` as its cache): tokens [B, 1], positions [B], the
+  RunningKV keys and values read-only, and `visible` [B, 1, 1, C] (each row's stored
+  positions). Attention is written out: each query's scores over its row and over its own new
+  key, one softmax over both, so the graph mutates nothing; it returns the logits and the new
+  keys and values [N, B, H_kv, D], which the engine then writes into the rows and the pool
+  (two index writes for all layers, not two per layer).
+- One `torch.compile` per bucket of rows (1, 2, 4, ..., 64; padded rows see nothing and
+  their output is dropped), static in B, dynamic in the RunningKV capacity (rows and
+  positions), so a bucket compiles once whatever the lengths. The kernels of
+  models/kernels.py run inside the graph (their fake kernels: `kernels.register_fakes`).
+- Prompts, verification spans, forks, sliding windows, a quantised KV pool, shared prompt
+  prefixes and the batch-invariant mode stay on the eager path (`eligible`).
+
+When to compile (`CompilePolicy`): compilation costs seconds to a minute (inductor caches
+its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so a later process pays only the tracing);
+a step saves a fraction of a millisecond. So the engine runs eager and compiles a bucket, in
+a background thread, once the decode tokens it has already generated would have repaid the
+warm-up (a JIT's tiering: past work predicts future work). The warm-up of each model shape is
+measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
+models/dtype_probe.py `cache_dir`), so a short
+command such as `decodekit generate "ROMEO:"` never waits for a compile. `compile=True`
+compiles on the first decode step, `False` never. A compilation that fails leaves the engine
+eager with one warning; a request never fails for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decodekit.models import kernels
+from decodekit.models.base import weights_stamp
+from decodekit.models.dtype_probe import cache_dir
+from decodekit.models.native import NativeLM
+
+_log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BACKEND = "inductor"  # torch.compile's backend (the tests also run "aot_eager", which compiles in seconds)
+# Before a model's warm-up has been measured on this machine: what a cold compile of a small
+# model's step costs on a 2-core CPU (BENCHMARKS.md, "Compiled decode step").
+COLD_WARMUP_S = 40.0
+# The share of an eager decode step the compiled one is assumed to save until measured.
+ASSUMED_SAVING = 0.3
+
+
+def bucket(rows: int) -> int | None:
+    """The smallest bucket holding `rows`, or None above the largest."""
+    return next((b for b in BUCKETS if b >= rows), None)
+
+
+class LaneAttention:
+    """The cache `LlamaNet.forward` attends through in a compiled step: B rows of one new
+    token each over their RunningKV rows (module docstring). Records the new keys/values."""
+
+    def __init__(self, keys, values, visible, scale: float):
+        self.keys, self.values, self.visible, self.scale = keys, values, visible, scale
+        self.new_keys: list[torch.Tensor] = []
+        self.new_values: list[torch.Tensor] = []
+
+    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+        """q [B, 1, H, D], k/v [B, 1, H_kv, D] -> [B, 1, H, D]."""
+        batch, _, heads, dim = q.shape
+        kv_heads = k.shape[2]
+        folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
+        own_k, own_v = k.reshape(batch, kv_heads, 1, dim), v.reshape(batch, kv_heads, 1, dim)
+        keys, values = self.keys[layer, :batch], self.values[layer, :batch]  # [B, H_kv, C, D]
+        stored = (folded @ keys.transpose(-1, -2)).float() * self.scale  # [B, H_kv, G, C]
+        own = (folded * own_k).sum(-1, keepdim=True).float() * self.scale  # [B, H_kv, G, 1]
+        stored = stored.masked_fill(~self.visible, -torch.inf)
+        weights = torch.cat([stored, own], dim=-1).softmax(dim=-1).to(q.dtype)
+        out = weights[..., :-1] @ values + weights[..., -1:] * own_v  # [B, H_kv, G, D]
+        self.new_keys.append(k[:, 0])
+        self.new_values.append(v[:, 0])
+        return out.reshape(batch, 1, heads, dim)
+
+
+def lanes_step(model: NativeLM, name: str = "decode_step"):
+    """step(tokens [B, 1], positions [B], keys, values [N, R, H_kv, C, D], visible [B, 1, 1, C])
+    -> logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring).
+
+    Each call returns a function with its own code object, called `name`: dynamo keeps its
+    compiled graphs per code object, at most 8, so the buckets of every engine in a process
+    must not share one."""
+    net, config = model.net, model.config
+    cos_table, sin_table = model.rope.tables(model.max_context)
+    scale = config.head_dim**-0.5
+    masks = [(None, False)] * config.num_layers
+
+    def step(tokens, positions, keys, values, visible):
+        cos = cos_table.index_select(0, positions)[:, None, None]  # [B, 1, 1, D]
+        sin = sin_table.index_select(0, positions)[:, None, None]
+        cache = LaneAttention(keys, values, visible, scale)
+        logits = net(tokens, cos, sin, cache, masks)  # [B, 1, V]
+        return logits[:, 0], torch.stack(cache.new_keys), torch.stack(cache.new_values)
+
+    code = step.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, step.__globals__, name, step.__defaults__, step.__closure__)
+
+
+def eligible(model, pool, batch_invariant: bool) -> str | None:
+    """Why this engine cannot use the compiled step, or None if it can."""
+    if not isinstance(model, NativeLM):
+        return f"{type(model).__name__} is not a NativeLM"
+    if batch_invariant:
+        return "the batch-invariant mode attends per query"
+    if any(window is not None for window in model.config.layer_windows):
+        return "sliding-window layers"
+    if model.config.rope.kind == "dynamic":
+        return "dynamic RoPE (its tables change with the length)"
+    if pool.keys.dtype != model.dtype:
+        return f"the KV pool stores {pool.keys.dtype}, not the model's {model.dtype}"
+    return None
+
+
+@dataclass
+class CompilePolicy:
+    """When the engine compiles (module docstring). mode: True, False or None (automatic)."""
+
+    mode: bool | None
+    cache_file: Path
+    warmup_s: float = COLD_WARMUP_S
+    measured: bool = False
+
+    @classmethod
+    def for_model(cls, model: NativeLM, mode: bool | None) -> CompilePolicy:
+        policy = cls(mode, cache_dir() / "compile-times.json")
+        recorded = _read_json(policy.cache_file).get(shape_key(model))
+        if recorded is not None:
+            policy.warmup_s, policy.measured = float(recorded), True
+        return policy
+
+    def pays(self, decode_tokens: int, eager_step_s: float) -> bool:
+        """Whether the decode tokens generated so far would have repaid a warm-up."""
+        if self.mode is not None:
+            return self.mode
+        return decode_tokens * eager_step_s * ASSUMED_SAVING >= self.warmup_s
+
+    def record(self, model: NativeLM, seconds: float) -> None:
+        """Remember a measured warm-up of this model shape (the slowest bucket's)."""
+        self.warmup_s, self.measured = seconds, True
+        times = _read_json(self.cache_file)
+        times[shape_key(model)] = round(seconds, 2)
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            self.cache_file.write_text(json.dumps(times, indent=1, sort_keys=True))
+        except OSError as error:  # a read-only cache costs the next process a guess, no more
+            _log.info("could not record the compile time in %s: %s", self.cache_file, error)
+
+
+def shape_key(model: NativeLM) -> str:
+    """The model's shape and dtype, what a compiled step's cost depends on."""
+    c = model.config
+    dtype = str(model.dtype).removeprefix("torch.")
+    return (f"{c.num_layers}x{c.hidden_size}/{c.num_heads}h{c.num_kv_heads}kv/{c.intermediate_size}"
+            f"/{c.vocab_size}/{dtype}/torch{torch.__version__}")  # fmt: skip
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass
+class CompiledLanes:
+    """A model's compiled decode steps, one per bucket, shared by its engines (`lanes_for`);
+    compiled when an engine's policy says so; `run` uses a bucket once it is ready."""
+
+    model: NativeLM
+    ready: dict[int, object] = field(default_factory=dict)  # bucket -> compiled step
+    failed: str | None = None
+    _pending: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def want(self, rows: int, policy: CompilePolicy, decode_tokens: int, eager_step_s: float,
+             running_kv) -> None:  # fmt: skip
+        """Ask for the bucket of `rows` if `policy` says it pays: compiled in a background
+        thread (with `policy.mode` True, at once in this one)."""
+        size = bucket(rows)
+        with self._lock:
+            if size is None or self.failed or size in self.ready or size in self._pending:
+                return
+            if not policy.pays(decode_tokens, eager_step_s):
+                return
+            self._pending.add(size)
+        example = _example_inputs(self.model, size, running_kv)
+        if policy.mode:
+            self._compile(size, example, policy)
+            return
+        thread = threading.Thread(target=self._compile, args=(size, example, policy), daemon=True,
+                                  name=f"decodekit-compile-{size}")  # fmt: skip
+        self._threads.append(thread)
+        thread.start()
+
+    def wait(self) -> None:
+        """Join the background compilations (tests, benchmarks)."""
+        for thread in list(self._threads):
+            thread.join()
+
+    def _compile(self, size: int, example, policy: CompilePolicy) -> None:
+        start = time.perf_counter()
+        try:
+            kernels.register_fakes()
+            step = lanes_step(self.model, f"decode_step_{size}_rows")
+            compiled = torch.compile(step, backend=BACKEND, dynamic=False, fullgraph=True)
+            with torch.inference_mode():
+                _mark_dynamic(*example[2:])
+                compiled(*example)
+        except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
+            self.failed = f"{type(error).__name__}: {error}"
+            message = f"the compiled decode step failed; the engine stays eager ({self.failed:.200})"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.ready[size] = compiled
+            self._pending.discard(size)
+        policy.record(self.model, elapsed)
+        _log.info("compiled the decode step for %d rows in %.1f s", size, elapsed)
+
+    def run(self, rows: int, tokens, positions, running_kv):
+        """The compiled step for `rows` RunningKV rows, or None when its bucket is not ready.
+        tokens, positions [rows]; returns logits [rows, V], new keys/values [N, rows, H_kv, D]."""
+        size = bucket(rows)
+        compiled = self.ready.get(size)
+        if compiled is None:
+            return None
+        running_kv.reserve_rows(size)
+        keys, values = running_kv.keys, running_kv.values
+        lengths = torch.tensor(running_kv.lengths[:rows] + [1] * (size - rows))  # [B] after `grow`
+        columns = torch.arange(keys.shape[3])
+        visible = (columns[None, :] < lengths[:, None] - 1)[:, None, None]  # [B, 1, 1, C]
+        pad = size - rows
+        if pad:
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+        _mark_dynamic(keys, values, visible)
+        logits, new_keys, new_values = compiled(tokens[:, None], positions, keys, values, visible)
+        return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
+
+
+def lanes_for(model: NativeLM) -> CompiledLanes:
+    """The model's compiled steps, kept on the model (every engine of it, and a later one,
+    reuses them); new ones when its weights changed (a compressed or reloaded model)."""
+    stamp = weights_stamp(model)
+    with _LANES_LOCK:
+        built_on, lanes = model.__dict__.get("_decodekit_lanes", (None, None))
+        if lanes is None or built_on != stamp:
+            lanes = CompiledLanes(model)
+            model.__dict__["_decodekit_lanes"] = (stamp, lanes)
+        return lanes
+
+
+_LANES_LOCK = threading.Lock()
+
+
+def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+    """The RunningKV capacity (rows, positions) is dynamic: one graph per bucket."""
+    for tensor in (keys, values):
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        torch._dynamo.maybe_mark_dynamic(tensor, 3)
+    torch._dynamo.maybe_mark_dynamic(visible, 3)
+
+
+def _example_inputs(model: NativeLM, size: int, running_kv):
+    """Inputs of a bucket's shapes, for a compilation in the background (the live rows are
+    never touched there)."""
+    keys = running_kv.keys
+    n, _, kv_heads, _, dim = keys.shape
+    shape = (n, max(size, 2) + 1, kv_heads, 64 + 1, dim)  # not 0/1-specialised sizes
+    example_keys = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
+    visible = torch.ones((size, 1, 1, shape[3]), dtype=torch.bool, device=keys.device)
+    tokens = torch.zeros((size, 1), dtype=torch.long, device=keys.device)
+    positions = torch.zeros(size, dtype=torch.long, device=keys.device)
+    return tokens, positions, example_keys, example_keys.clone(), visible
+

@@ -1,0 +1,193 @@
+"""The compiled decode step (engine/compiled.py) computes what the eager engine computes:
+greedy and seeded tokens equal with it on and off, for sampling requests (one row, padded
+buckets, n samples), beam search, speculative and contrastive programs; a failed compilation
+leaves the engine eager with one warning; the automatic policy never compiles for a short
+run.
+
+Most tests compile with the "aot_eager" backend: dynamo traces the same step (NativeLM's
+modules with `LaneAttention`), in seconds; one test runs inductor itself."""
+
+from __future__ import annotations
+
+import engine_fixtures
+import pytest
+import torch
+
+import decodekit as dk
+from decodekit.decode.beam import BeamProgram, beam_searches
+from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
+from decodekit.decode.speculative import speculative_programs
+from decodekit.engine import compiled
+from decodekit.engine.compiled import CompilePolicy, bucket
+from decodekit.engine.config import EngineConfig
+from decodekit.engine.engine import Engine
+from decodekit.models.native import NativeLM
+from decodekit.request import make_requests
+
+one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
+
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for i in range(5 + 9 * j)] for j in range(3)]
+GREEDY = dk.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+SEEDED = dk.SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=5, n=3, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fast_backend(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
+def fresh(model: NativeLM) -> NativeLM:
+    """Another model object over the same weights: no compiled steps yet (`lanes_for` keeps
+    them on the model object)."""
+    return NativeLM(model.net, model.config, tokenizer=model.tokenizer, name=model.name)
+
+
+def run(model, items, mode):
+    """Every item (prompt ids for `GREEDY`, or a (prompt, params) pair, or a program) on a
+    fresh engine with compile=`mode`; their token ids, and the engine."""
+    engine = Engine(model, EngineConfig(compile=mode, block_size=4, num_blocks=512))
+    handles = []
+    for item in items:
+        if isinstance(item, tuple):
+            handles.append(engine.submit(item[0], item[1]))
+        elif isinstance(item, list):
+            handles.append(engine.submit(item, GREEDY))
+        else:
+            handles.append(engine.add(item))
+    while engine.has_work():
+        engine.step()
+    engine.check()
+    return [[c.token_ids for c in h.result(0)] for h in handles], engine
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_tokens_equal_the_eager_engine(sharp_lm, rows):
+    want, _ = run(sharp_lm, PROMPTS[:rows], False)
+    got, engine = run(sharp_lm, PROMPTS[:rows], True)
+    assert got == want
+    assert bucket(rows) in engine.lanes.ready  # 3 rows: the bucket of 4, one padded
+    assert engine.compiled_steps >= GREEDY.max_new_tokens - 2  # all but the prompt's steps
+
+
+def test_seeded_samples_equal_the_eager_engine(sharp_lm):
+    items = [(PROMPTS[0], SEEDED), (PROMPTS[2], GREEDY)]
+    want, _ = run(sharp_lm, items, False)
+    got, engine = run(sharp_lm, items, True)
+    assert got == want and engine.compiled_steps > 0
+
+
+def test_beam_search_equals_the_eager_engine(sharp_lm):
+    def programs():
+        searches = beam_searches(sharp_lm, PROMPTS[:2], GREEDY, num_beams=3)
+        return [BeamProgram(sharp_lm, search, i) for i, search in enumerate(searches)]
+
+    want, _ = run(sharp_lm, programs(), False)
+    got, engine = run(sharp_lm, programs(), True)
+    assert got == want and engine.compiled_steps > 0
+
+
+def test_speculative_programs_equal_the_eager_engine(sharp_lm):
+    draft = dk.models.native.NativeLM(sharp_lm.net, sharp_lm.config, name="draft")
+
+    def programs():
+        return speculative_programs(sharp_lm, draft, PROMPTS[:2], GREEDY, 3, "block", False, 16)
+
+    want, _ = run(sharp_lm, [*programs(), PROMPTS[2]], False)
+    got, _ = run(sharp_lm, [*programs(), PROMPTS[2]], True)
+    assert got == want
+
+
+def test_contrastive_programs_equal_the_eager_engine(sharp_lm, tiny_llama_dir):
+    amateur = dk.models.native.NativeLM.from_pretrained(tiny_llama_dir)
+    pair = ContrastiveLM(sharp_lm, amateur, alpha=0.1)
+
+    def programs():
+        return [ContrastiveProgram(pair, r) for r in make_requests(pair, PROMPTS[:2], GREEDY)]
+
+    want, _ = run(sharp_lm, programs(), False)
+    got, engine = run(sharp_lm, programs(), True)
+    assert got == want and engine.compiled_steps > 0
+
+
+def test_a_failed_compilation_leaves_the_engine_eager_with_one_warning(sharp_lm, monkeypatch):
+    def broken(graph, inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled, "BACKEND", broken)
+    model = fresh(sharp_lm)
+    want, _ = run(model, PROMPTS[:1], False)
+    with pytest.warns(RuntimeWarning, match="stays eager") as caught:
+        got, engine = run(model, PROMPTS[:1], True)
+    assert got == want and engine.compiled_steps == 0 and "no compiler here" in engine.lanes.failed
+    assert len([w for w in caught if "stays eager" in str(w.message)]) == 1
+
+
+def test_the_automatic_policy_compiles_only_when_the_tokens_so_far_repay_it(sharp_lm, tmp_path):
+    policy = CompilePolicy(None, tmp_path / "times.json", warmup_s=40.0)
+    assert not policy.pays(64, 0.002)  # hello world: 64 tokens save ~0.04 s of a 40 s warm-up
+    assert policy.pays(100_000, 0.002)
+    assert CompilePolicy(True, tmp_path / "t").pays(0, 0.0)
+    assert not CompilePolicy(False, tmp_path / "t").pays(10**9, 1.0)
+    policy.record(sharp_lm, 3.5)
+    again = CompilePolicy.for_model(sharp_lm, None)  # DECODEKIT_CACHE_DIR: the session's (conftest)
+    assert again.cache_file != policy.cache_file or again.warmup_s == 3.5
+    _, engine = run(fresh(sharp_lm), PROMPTS, None)  # a short run: eager, nothing compiled or compiling
+    assert engine.compiled_steps == 0 and not engine.lanes.ready and not engine.lanes._threads
+
+
+def test_a_warm_up_is_recorded_and_read_back(sharp_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    run(fresh(sharp_lm), PROMPTS[:1], True)
+    recorded = CompilePolicy.for_model(sharp_lm, None)
+    assert recorded.measured and 0 < recorded.warmup_s < 600
+
+
+def test_engines_that_cannot_compile_say_why(tiny_llama_dir):
+    model = dk.models.native.NativeLM.from_pretrained(tiny_llama_dir, batch_invariant=True)
+    engine = Engine(model, EngineConfig(compile=True))
+    assert engine.lanes is None and "batch-invariant" in engine.compile_refused
+    int8 = Engine(dk.models.native.NativeLM.from_pretrained(tiny_llama_dir), EngineConfig(kv_dtype="int8"))
+    assert int8.lanes is None and "KV pool" in int8.compile_refused
+
+
+def test_inductor_compiles_the_step_and_its_tokens_equal_eager(sharp_lm, monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "inductor")
+    model = fresh(sharp_lm)
+    want, _ = run(model, PROMPTS[:1], False)
+    got, engine = run(model, PROMPTS[:1], True)
+    assert got == want and engine.compiled_steps > 0
+    with torch.inference_mode():
+        engine.check()
+
+
+def test_the_automatic_policy_compiles_in_the_background_and_switches_over(sharp_lm, tmp_path, monkeypatch):
+    """A recorded warm-up of a millisecond: the first decode step asks for its bucket, the
+    engine goes on eager while a thread compiles it, and then runs it; tokens as eager."""
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    CompilePolicy(None, tmp_path / "compile-times.json").record(sharp_lm, 0.001)
+    long = dk.SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    model = fresh(sharp_lm)
+    want, _ = run(model, [(PROMPTS[1], long)], False)
+    engine = Engine(model, EngineConfig(compile=None, block_size=4, num_blocks=512))
+    handle = engine.submit(PROMPTS[1], long)
+    engine.step()
+    engine.step()  # the first decode step: eager, and the bucket of 1 starts compiling
+    assert engine.lanes._threads and engine.compiled_steps == 0
+    engine.lanes.wait()
+    while engine.has_work():
+        engine.step()
+    assert [c.token_ids for c in handle.result(0)] == want[0] and engine.compiled_steps > 0
+
+
+def test_a_models_engines_share_its_compiled_steps(sharp_lm):
+    """Compiled once: a later engine of the same model (automatic policy, short run) uses
+    the buckets an earlier one compiled; a model whose weights changed gets new ones."""
+    model = fresh(sharp_lm)
+    run(model, PROMPTS[:1], True)
+    want, _ = run(model, PROMPTS[:1], False)
+    got, engine = run(model, PROMPTS[:1], None)
+    assert got == want and engine.compiled_steps > 0
+    assert compiled.lanes_for(model) is engine.lanes
+    with torch.no_grad():
+        model.net.norm.weight.mul_(1.0)  # an in-place change: a new weights stamp
+    assert compiled.lanes_for(model) is not engine.lanes
