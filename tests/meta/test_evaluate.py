@@ -10,7 +10,6 @@ from decodekit.cli import main
 from decodekit.meta.evaluate import (
     EvalConfig,
     arith_scorers,
-    batch_reward_scores,
     evaluate_arith,
     plot,
     subset_curve,
@@ -51,7 +50,7 @@ def test_batched_reward_scores_match_one_at_a_time(tiny_llama_dir):
     scorer = ProbeRewardModel(policy, tokenizer, probe)
     items = [("ROMEO: ", ["But soft", " what light"]), ("JULIET:", ["O"]),
              ("The quick brown fox", [" jumps", " over the", " lazy dog."])]
-    batched = batch_reward_scores(scorer, items, batch_size=2)
+    batched = scorer.score_batch(items, batch_size=2)
     assert [len(scores) for scores in batched] == [2, 1, 3]
     for (prompt, segments), scores in zip(items, batched):
         assert scores == pytest.approx(scorer.score_segments(prompt, segments), abs=1e-6)

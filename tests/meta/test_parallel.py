@@ -209,3 +209,42 @@ def test_sampling_params_pass_through():
     best_of_n(Spy(["a"]), "P", 4, len, SamplingParams(temperature=0.7, seed=5), round_size=2)
     assert [p.temperature for p in seen] == [0.7, 0.7]
     assert seen[0].seed == 5 and seen[1].seed not in (5, None)  # each round its own seed
+
+
+def test_a_logit_scorer_votes_its_sigmoid():
+    """Raw logits would elect "b" (5 > 2 + 2); their sigmoids elect "a" (0.88 * 2 > 0.99)."""
+    from decodekit.meta.scorers import vote_weight
+
+    candidates = [Candidate("x", answer="a", score=2.0), Candidate("y", answer="a", score=2.0),
+                  Candidate("z", answer="b", score=5.0)]
+    assert vote(candidates, weighted=True)[0] == "b"
+    answer, totals = vote(candidates, weighted=True, score_kind="logit")
+    assert answer == "a" and totals["a"] == pytest.approx(2 / (1 + math.exp(-2)))
+    assert vote_weight(-800.0, "logit") == pytest.approx(0.0) and vote_weight(0.3, "probability") == 0.3
+
+
+def test_score_many_scores_every_candidate_in_one_call():
+    from decodekit.meta.budget import Budget
+    from decodekit.meta.scorers import score_candidates
+
+    calls = []
+
+    def scorer(prompt, text):
+        raise AssertionError("score_many should be used")
+
+    def score_many(prompt, texts):
+        calls.append(list(texts))
+        return [float(len(t)) for t in texts]
+
+    scorer.score_many = score_many
+    candidates = [Candidate(t) for t in ("a", "bbb", "cc")]
+    score_candidates(candidates, scorer, "p", Budget())
+    assert calls == [["a", "bbb", "cc"]] and [c.score for c in candidates] == [1.0, 3.0, 2.0]
+
+    def broken(prompt, texts):
+        raise RuntimeError("down")
+
+    scorer.score_many = broken
+    candidates = [Candidate(t) for t in ("a", "b")]
+    score_candidates(candidates, scorer, "p", Budget(), on_error="record")
+    assert all(c.score is None and "down" in c.error for c in candidates)

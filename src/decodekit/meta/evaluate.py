@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from decodekit.meta.generator import LocalGenerator, derive_seed
@@ -83,33 +83,22 @@ def eval_problems(count: int):
     return [p for p in pool if p.question not in train][:count]
 
 
-def batch_reward_scores(scorer, items: Sequence[tuple[str, list[str]]], batch_size: int = 64):
-    """P(label = 1) per segment of many (prompt, segments): [[p per segment]]. A probe reward
-    model (meta/rewards.py) runs its policy over the items in padded batches; any other
-    scorer is called one item at a time through `score_segments`."""
-    if hasattr(scorer, "probabilities"):
-        from decodekit.meta.rewards import segment_features
-
-        features = segment_features(scorer.policy, scorer.tokenizer, items, batch_size)
-        return [scorer.probabilities(f).tolist() for f in features]
-    return [scorer.score_segments(prompt, segments) for prompt, segments in items]
-
-
 def arith_scorers(config: EvalConfig) -> dict[str, Callable]:
-    """Batched scorers: orm([(prompt, solution)]) -> [p], prm([(prompt, steps)]) -> [[p]]."""
+    """Batched scorers: orm([(prompt, solution)]) -> [score], prm([(prompt, steps)]) ->
+    [[score]]; a learned one carries its reward model's `score_kind` (meta/scorers.py)."""
     from decodekit.meta.rewards import load_reward_model
     from decodekit.meta.tasks.arith import DELIMITER, check_answer, check_steps, format_prompt
 
     def learned(name: str, whole: bool):
         scorer = load_reward_model(name)
 
-        def score(items):  # the segments of arith.load_orm / load_prm
+        def score(items):  # the segments of arith.load_orm / load_prm, all in one call
             segments = [[s.strip() + DELIMITER] if whole else [t.strip() + DELIMITER for t in s]
                         for _, s in items]
-            scores = batch_reward_scores(scorer, [(format_prompt(q), seg) for (q, _), seg in
-                                                  zip(items, segments)])
+            scores = scorer.score_batch([(format_prompt(q), seg) for (q, _), seg in zip(items, segments)])
             return [s[0] for s in scores] if whole else scores
 
+        score.score_kind = scorer.score_kind
         return score
 
     scorers = {
@@ -135,23 +124,24 @@ def sample_parallel(generator, prompts: list[str], n: int, config: EvalConfig, s
     return results
 
 
-def parallel_point(strategy: str, candidates: list[Candidate], truth) -> bool:
-    """Is the strategy's answer on this candidate set right? (scores: see `evaluate_parallel`)"""
+def parallel_point(strategy: str, candidates: list[Candidate], truth, score_kind: str | None = None) -> bool:
+    """Is the strategy's answer on this candidate set right? (scores: see `evaluate_parallel`;
+    score_kind: the scorer's, for a weighted vote: meta/scorers.py)"""
     if strategy in ("single", "majority"):
         return vote(candidates)[0] == truth
     if strategy.startswith("bon-"):
         chosen = choose_best(candidates)
         return chosen is not None and chosen.answer == truth
-    return vote(candidates, weighted=True)[0] == truth
+    return vote(candidates, weighted=True, score_kind=score_kind)[0] == truth
 
 
 def subset_curve(strategy: str, problems: list[list[Candidate]], truths: list, tokens: list[list[int]],
-                 n: int) -> tuple[float, float]:
+                 n: int, score_kind: str | None = None) -> tuple[float, float]:
     """(accuracy, generated tokens per problem) at N = n, averaged over the disjoint n-subsets."""
     accuracy, spent = [], []
     for candidates, truth, counts in zip(problems, truths, tokens):
         chunks = range(0, len(candidates) - n + 1, n)
-        accuracy.append(statistics.fmean(parallel_point(strategy, candidates[c : c + n], truth)
+        accuracy.append(statistics.fmean(parallel_point(strategy, candidates[c : c + n], truth, score_kind)
                                          for c in chunks))
         spent.append(statistics.fmean(sum(counts[c : c + n]) for c in chunks))
     return statistics.fmean(accuracy), statistics.fmean(spent)
@@ -179,7 +169,8 @@ def evaluate_parallel(generator, problems, scorers, config: EvalConfig, seed: in
         sets = [[Candidate(c.text, answer=extract_answer(c.text), score=next(flat)) for c in cs]
                 for cs in samples]
         for n in [1] if strategy == "single" else config.ns:
-            accuracy, spent = subset_curve(strategy, sets, truths, tokens, n)
+            score_kind = getattr(scorers.get(kind), "score_kind", None)
+            accuracy, spent = subset_curve(strategy, sets, truths, tokens, n, score_kind)
             scored = strategy not in ("single", "majority")
             rows.append({"strategy": strategy, "n": n, "seed": seed, "accuracy": accuracy,
                          "generated_tokens": spent, "prompt_tokens": prompt_tokens,

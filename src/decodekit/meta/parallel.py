@@ -24,7 +24,13 @@ from decodekit.completion import Completion
 from decodekit.meta.budget import Budget
 from decodekit.meta.generator import Generator, call_generator, derive_seed
 from decodekit.meta.result import Candidate, MetaResult
-from decodekit.meta.scorers import check_on_error, outcome_scorer, score_candidates
+from decodekit.meta.scorers import (
+    check_on_error,
+    outcome_scorer,
+    score_candidates,
+    score_kind_of,
+    vote_weight,
+)
 from decodekit.params import SamplingParams
 from decodekit.validate import check_n
 
@@ -72,14 +78,16 @@ def choose_best(candidates: Sequence[Candidate]) -> Candidate | None:
     return best
 
 
-def vote(candidates: Sequence[Candidate], weighted: bool = False) -> tuple[Hashable | None, dict]:
+def vote(candidates: Sequence[Candidate], weighted: bool = False,
+         score_kind: str | None = None) -> tuple[Hashable | None, dict]:
     """(winning answer, {answer: total}) over candidates with an answer. Weighted: each votes
-    its score (failed or unscored candidates do not vote); else each votes 1."""
+    its score (a logit's sigmoid, `score_kind` "logit": meta/scorers.py `vote_weight`; failed
+    or unscored candidates do not vote); else each votes 1."""
     totals: dict = {}  # insertion order = first occurrence, which breaks ties
     for candidate in candidates:
         if candidate.answer is None or (weighted and candidate.score is None):
             continue
-        weight = candidate.score if weighted else 1.0
+        weight = vote_weight(candidate.score, score_kind) if weighted else 1.0
         totals[candidate.answer] = totals.get(candidate.answer, 0.0) + weight
     winner = None
     for answer, total in totals.items():
@@ -197,13 +205,14 @@ def weighted_vote(
     budget: Budget | None = None,
     round_size: int | None = None,
 ) -> MetaResult:
-    """argmax_a sum_i v(y_i) 1[answer(y_i) = a]: voting where each sample votes its reward."""
+    """argmax_a sum_i v(y_i) 1[answer(y_i) = a]: voting where each sample votes its reward
+    (a logit reward model's sigmoid: `vote`)."""
     check_on_error(on_error)
     score = outcome_scorer(scorer, scorer_kind)
     budget = budget if budget is not None else Budget()
     completions, stopped = sample(generator, prompt, n, params or SamplingParams(), budget, round_size)
     candidates = candidates_of(completions, extract)
     score_candidates(candidates, score, prompt, budget, on_error)
-    answer, totals = vote(candidates, weighted=True)
+    answer, totals = vote(candidates, weighted=True, score_kind=score_kind_of(scorer))
     chosen = chosen_for(candidates, answer, weighted=True)
     return MetaResult("weighted_vote", chosen, candidates, budget.report(), answer, totals, stopped)

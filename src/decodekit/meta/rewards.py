@@ -17,7 +17,9 @@ confidently: imperfect the way a verifier built on the policy is. Task modules w
 model into the callables meta-generators take (`meta/tasks/arith.py`: load_orm, load_prm).
 
 A saved model is a directory with `probe.json` (weights, bias, feature standardisation, and
-`policy`: the policy's checkpoint directory, relative to this one).
+`policy`: the policy's checkpoint directory, relative to this one). `load_reward_model` also
+loads Hugging Face reward models (sequence- and token-classification heads, causal LM PRMs):
+meta/reward_models.py.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, l2: float = 1e-3,
 class ProbeRewardModel:
     """P(label = 1) at the end of each segment: a logistic probe over the policy's confidence."""
 
+    score_kind = "probability"  # what a score is (meta/reward_models.py)
+
     def __init__(self, policy, tokenizer, probe: dict, name: str = "reward"):
         if probe.get("features") != list(FEATURES):
             raise ValueError(f"probe features {probe.get('features')} differ from {FEATURES}")
@@ -122,10 +126,14 @@ class ProbeRewardModel:
         return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.probe["weights"]) + self.probe["bias"])))
 
     def score_segments(self, prompt: str, segments: Sequence[str]) -> list[float]:
-        if not segments:
-            return []
-        [features] = segment_features(self.policy, self.tokenizer, [(prompt, segments)])
-        return self.probabilities(features).tolist()
+        return self.score_batch([(prompt, segments)])[0] if segments else []
+
+    def score_batch(self, items: Sequence[tuple[str, Sequence[str]]],
+                    batch_size: int = 64) -> list[list[float]]:
+        """Scores of many (prompt, segments), the policy run over them in padded batches."""
+        scored = [(prompt, segments) for prompt, segments in items if segments]
+        features = iter(segment_features(self.policy, self.tokenizer, scored, batch_size))
+        return [self.probabilities(next(features)).tolist() if segments else [] for _, segments in items]
 
     def save(self, path: str | Path, policy_dir: str | Path) -> None:
         """Write probe.json; the policy is referenced by its directory relative to `path`."""
@@ -150,9 +158,22 @@ class ProbeRewardModel:
         return cls(policy, load_tokenizer(policy_dir), meta, name or path.name)
 
 
-def load_reward_model(name_or_path: str | Path) -> ProbeRewardModel:
-    """An embedded reward model by name (registry.json) or a local directory."""
+def load_reward_model(name_or_path: str | Path, format=None, native: bool | None = None):
+    """An embedded reward model by name (registry.json) or a local directory: a probe
+    (probe.json) or a Hugging Face reward model (config.json: meta/reward_models.py, whose
+    `RewardFormat` `format` and `native` apply to it only). Both have `score_segments`,
+    `score_batch` and `score_kind`."""
     from decodekit.models.registry import resolve
 
-    name, path, _ = resolve(name_or_path)
-    return ProbeRewardModel.from_pretrained(path, name=name)
+    text = str(name_or_path)
+    try:
+        name, path, _ = resolve(text)
+    except ValueError as error:
+        raise ValueError(f"reward model {text!r}: {error}") from None
+    if (path / PROBE_FILE).exists():
+        if format is not None or native is not None:
+            raise ValueError(f"format and native apply to Hugging Face reward models, not the probe {name!r}")
+        return ProbeRewardModel.from_pretrained(path, name=name)
+    from decodekit.meta.reward_models import RewardModel
+
+    return RewardModel(path, format, name=name, native=native)

@@ -13,6 +13,12 @@ returns something that is not a number fails *for that candidate*: `score_candid
 finishes the other candidates first, then either raises a `ScorerError` that names the
 failed candidates and carries every candidate (on_error="raise") or records the failure on
 the candidate and leaves it out of selection (on_error="record").
+
+What a score means (`score_kind`, an attribute of the scorer where it declares one: reward
+models do, meta/reward_models.py): "probability" (in [0, 1]) or "logit" (any real: a
+sequence-classification ORM's raw output). Selection by the highest score needs no more;
+a weighted vote and a product over steps need non-negative weights, so they take a logit's
+sigmoid (`vote_weight`); a scorer that declares nothing is used as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from decodekit.meta.budget import Budget
 from decodekit.meta.result import Candidate
 
 OUTCOME_KINDS = ("text", "prompt")  # in order of arity (1, 2)
+SCORE_KINDS = ("probability", "logit")
 PROCESS_KINDS = ("prefix", "steps", "batch")  # the first two in order of arity (1, 2)
 ON_ERROR = ("raise", "record")
 
@@ -38,6 +45,21 @@ class ScorerError(ValueError):
     def __init__(self, message: str, candidates: list[Candidate]):
         super().__init__(message)
         self.candidates = candidates
+
+
+def score_kind_of(scorer) -> str | None:
+    """The scorer's declared `score_kind` (SCORE_KINDS), or None when it declares none."""
+    kind = getattr(scorer, "score_kind", None)
+    if kind is not None and kind not in SCORE_KINDS:
+        raise ValueError(f"score_kind must be one of {SCORE_KINDS}, got {kind!r}")
+    return kind
+
+
+def vote_weight(score: float, kind: str | None) -> float:
+    """A score as a non-negative weight: a logit's sigmoid, anything else as it is."""
+    if kind == "logit":
+        return 1.0 / (1.0 + math.exp(-score)) if score >= 0 else math.exp(score) / (1.0 + math.exp(score))
+    return score
 
 
 def check_on_error(on_error: str) -> None:
@@ -140,18 +162,34 @@ def score_candidates(
     start: int = 0,
     stop_at: float | None = None,
 ) -> int | None:
-    """Set `score` (or `error`) of candidates[start:], one scorer call each.
+    """Set `score` (or `error`) of candidates[start:], one scorer call each, or one call for
+    all of them where the scorer has `score_many(prompt, texts) -> scores` (a reward model
+    batching them: meta/tasks/arith.py `load_orm`; if that call raises, every candidate fails
+    with its error).
 
     With `stop_at`, stops after the first candidate whose score is >= stop_at and returns its
     index (rejection sampling); otherwise returns None. Failures are collected and, with
     on_error="raise", reported together after the other candidates are scored."""
     check_on_error(on_error)
     failed = []
+    many = getattr(scorer, "score_many", None)
+    values: list = [None] * len(candidates)
+    if many is not None and stop_at is None and start < len(candidates):
+        try:
+            values[start:] = list(many(prompt, [c.text for c in candidates[start:]]))
+            if len(values) != len(candidates):
+                raise ValueError(f"score_many returned {len(values) - start} scores for "
+                                 f"{len(candidates) - start} texts")
+        except Exception as error:  # nothing says which candidate broke the batch
+            values = [error] * len(candidates)
     for i in range(start, len(candidates)):
         candidate = candidates[i]
         budget.add_scorer_calls()
         try:
-            candidate.score = as_number(scorer(prompt, candidate.text))
+            value = values[i] if many is not None and stop_at is None else scorer(prompt, candidate.text)
+            if isinstance(value, Exception):
+                raise value
+            candidate.score = as_number(value)
         except Exception as error:  # a scorer's failure belongs to its candidate
             candidate.score, candidate.error = None, f"{type(error).__name__}: {error}"
             failed.append(i)

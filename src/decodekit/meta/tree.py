@@ -34,7 +34,15 @@ from decodekit.meta.budget import Budget
 from decodekit.meta.generator import Generator, account_request, call_generator, derive_seed
 from decodekit.meta.parallel import Extractor, choose_best, chosen_for, vote
 from decodekit.meta.result import Candidate, MetaResult
-from decodekit.meta.scorers import ScorerError, as_number, check_on_error, describe, process_scorer
+from decodekit.meta.scorers import (
+    ScorerError,
+    as_number,
+    check_on_error,
+    describe,
+    process_scorer,
+    score_kind_of,
+    vote_weight,
+)
 from decodekit.params import SamplingParams
 from decodekit.validate import check_n
 
@@ -83,14 +91,15 @@ class Node:
     def prefix(self, prompt: str, delimiter: str) -> str:
         return prompt + "".join(step + delimiter for step in self.steps)
 
-    def value(self, aggregate: str) -> float:
+    def value(self, aggregate: str, score_kind: str | None = None) -> float:
+        """The path's score; "product" multiplies probabilities (a logit PRM's sigmoids)."""
         if not self.scores:
             return 0.0
         if aggregate == "last":
             return self.scores[-1]
         if aggregate == "min":
             return min(self.scores)
-        return math.prod(self.scores)
+        return math.prod(vote_weight(s, score_kind) for s in self.scores)
 
 
 def allocate_children(total: int, values: list[float], tau: float) -> list[int]:
@@ -122,9 +131,10 @@ class _Search:
         self.expansions = 0
         self.stopped = False
         self.trace: list[tuple[Node, Node]] | None = None  # (parent, child) pairs, when recording
+        self.score_kind: str | None = None  # the PRM's (meta/scorers.py)
 
     def value(self, node: Node) -> float:
-        return node.value(self.config.aggregate)
+        return node.value(self.config.aggregate, self.score_kind)
 
     def out_of_budget(self) -> bool:
         self.stopped = self.stopped or self.budget.exhausted
@@ -206,7 +216,7 @@ class _Search:
             tallies = {}
         else:
             weighted = self.config.final == "weighted_vote"
-            answer, tallies = vote(candidates, weighted)
+            answer, tallies = vote(candidates, weighted, self.score_kind)
             chosen = chosen_for(candidates, answer, weighted)
         return MetaResult(method, chosen, candidates + self.failed, self.budget.report(), answer,
                           tallies, self.stopped)
@@ -279,6 +289,8 @@ def _drive(generator: Generator, searches: list[_Search], method: str, n: int, p
     """Run the searches in lockstep: each round, one generator call expands every search's
     nodes and one pass scores all their children (one call if the PRM is batched)."""
     score = process_scorer(prm, prm_kind)
+    for search in searches:
+        search.score_kind = score_kind_of(prm)
     loops = [_LOOPS[method](search, n) for search in searches]
     pending: dict[int, tuple] = {}
     outcomes: list = [None] * len(searches)

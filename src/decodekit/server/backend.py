@@ -286,8 +286,14 @@ class Backend:
 
 
 def reward_scorer(name: str) -> Callable[[str, str], float]:
-    """A reward model (meta/rewards.py) as (prompt, text) -> P(good)."""
+    """A reward model (meta/rewards.py: a probe or a Hugging Face ORM/PRM) as (prompt, text)
+    -> score, the whole text one segment; `score_kind` says what the score is."""
     from decodekit.meta.rewards import load_reward_model
 
     model = load_reward_model(name)
-    return lambda prompt, text: model.score_segments(prompt, [text])[0]
+
+    def score(prompt: str, text: str) -> float:
+        return model.score_segments(prompt, [text])[0]
+
+    score.score_kind = model.score_kind
+    return score

@@ -300,7 +300,7 @@ def votes_view(model: LanguageModel, orm: Callable, question: str, n: int, param
         candidate.score = float(orm(question, candidate.text))
     picks = {}
     for rule, weighted in (("majority", False), ("weighted", True)):
-        answer, tallies = vote(candidates, weighted)
+        answer, tallies = vote(candidates, weighted, getattr(orm, "score_kind", None))
         chosen = chosen_for(candidates, answer, weighted)
         picks[rule] = {"answer": answer, "index": candidates.index(chosen) if chosen is not None else None,
                        "tallies": [{"answer": a, "total": round(t, 4)} for a, t in tallies.items()]}

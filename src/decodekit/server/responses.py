@@ -221,11 +221,12 @@ def select(
 
     Scorers: "mean_logprob" (OpenAI's best_of: log-probability per token), "logprob" (sum),
     or a reward model (prompt, text) -> score. A weighted vote weighs each candidate by its
-    score; the log-probability scorers vote with exp(score), a probability.
+    score; the log-probability scorers vote with exp(score), a probability, and a reward
+    model whose scores are logits with their sigmoid (meta/scorers.py `vote_weight`).
     """
     from decodekit.meta.budget import Budget
     from decodekit.meta.parallel import candidates_of, chosen_for, vote
-    from decodekit.meta.scorers import score_candidates
+    from decodekit.meta.scorers import score_candidates, score_kind_of
 
     extract = None
     if selection.vote is not None:
@@ -243,7 +244,8 @@ def select(
         if weighted and selection.scorer in ("mean_logprob", "logprob"):
             for c in candidates:
                 c.score = math.exp(c.score)
-        answer, _ = vote(candidates, weighted)
+        kind = None if selection.scorer in ("mean_logprob", "logprob") else score_kind_of(scorer)
+        answer, _ = vote(candidates, weighted, kind)
         best = chosen_for(candidates, answer, weighted) or _ranked(candidates)[0]
         best.completion.score = best.score
         return [best.completion]

@@ -196,25 +196,41 @@ def _reduce(states: set, step: str) -> set:
 
 
 def load_orm(name_or_path: str = "arith-orm") -> Callable[[str, str], float]:
-    """The learned outcome reward model: (question, solution) -> P(answer correct)."""
+    """A learned outcome reward model (a probe, or a Hugging Face ORM such as
+    scripts/build_arith_reward_models.py writes): (question, solution) -> score, the
+    solution one segment. `orm.score_many(question, solutions)` scores many in one call;
+    `orm.score_kind` says whether a score is a probability or a logit (meta/scorers.py)."""
     from decodekit.meta.rewards import load_reward_model
 
     scorer = load_reward_model(name_or_path)
 
-    def orm(question: str, solution: str) -> float:
-        return scorer.score_segments(format_prompt(question), [solution.strip() + DELIMITER])[0]
+    def score_many(question: str, solutions: Sequence[str]) -> list[float]:
+        prompt = format_prompt(question)
+        items = [(prompt, [solution.strip() + DELIMITER]) for solution in solutions]
+        return [scores[0] for scores in scorer.score_batch(items)]
 
+    def orm(question: str, solution: str) -> float:
+        return score_many(question, [solution])[0]
+
+    orm.score_many, orm.score_kind = score_many, scorer.score_kind
     return orm
 
 
 def load_prm(name_or_path: str = "arith-prm") -> Callable[[str, list[str]], list[float]]:
-    """The learned process reward model: (question, steps) -> P(steps so far correct) each."""
+    """A learned process reward model: (question, steps) -> one score per step so far.
+    `prm.batch([(question, steps), ...])` scores many paths in one call (a tree search's
+    prm_kind="batch"); both carry the model's `score_kind`."""
     from decodekit.meta.rewards import load_reward_model
 
     scorer = load_reward_model(name_or_path)
 
-    def prm(question: str, steps: list[str]) -> list[float]:
-        segments = [step.strip() + DELIMITER for step in steps]
-        return scorer.score_segments(format_prompt(question), segments)
+    def batch(items: Sequence[tuple[str, Sequence[str]]]) -> list[list[float]]:
+        return scorer.score_batch([(format_prompt(question), [step.strip() + DELIMITER for step in steps])
+                                   for question, steps in items])  # fmt: skip
 
+    def prm(question: str, steps: list[str]) -> list[float]:
+        return batch([(question, steps)])[0]
+
+    batch.score_kind = prm.score_kind = scorer.score_kind
+    prm.batch = batch
     return prm
