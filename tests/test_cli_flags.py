@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from decodekit.cli import build_parser, main
+from decodekit.cli import VersionAction, build_parser, main
 from decodekit.compress.evaluate import HELD_OUT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -423,7 +423,7 @@ def options(parser: argparse.ArgumentParser, command: str = ""):
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield from options(sub, f"{command} {name}".strip())
-        elif not isinstance(action, argparse._HelpAction | argparse._VersionAction):
+        elif not isinstance(action, argparse._HelpAction | argparse._VersionAction | VersionAction):
             yield command, action
 
 

@@ -128,19 +128,24 @@ def progress(
     return tqdm(iterable, total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+PROGRESS_INTERVAL = 10.0  # seconds between ProgressLines' lines
+
+
 class ProgressLines:
-    """tqdm's interface (iterate, update, set_postfix_str, close, with) writing a line
+    """tqdm's interface (iterate, update, set_postfix_str, write, close, with) writing a line
     `desc: done/total (pct), rate/s, elapsed s` to stderr every `interval` seconds while it
     runs, from a timer thread so that a long step still shows the command is alive, and a
     last line when it closes if it printed any."""
 
     def __init__(self, iterable: Iterable | None = None, *, total: int | None = None,
-                 desc: str | None = None, interval: float = 10.0):
+                 desc: str | None = None, interval: float | None = None):
         import threading
 
         if total is None and hasattr(iterable, "__len__"):
             total = len(iterable)
-        self.iterable, self.total, self.desc, self.interval = iterable, total, desc or "progress", interval
+        self.iterable, self.total, self.desc = iterable, total, desc or "progress"
+        self.interval = PROGRESS_INTERVAL if interval is None else interval
+        self.disable = False  # tqdm's attribute: callers that print beside a bar read it
         self.n, self.postfix, self.start, self.printed = 0, "", time.monotonic(), False
         self._done = threading.Event()
         self._timer = threading.Thread(target=self._tick, daemon=True, name=f"progress {self.desc}")
@@ -164,6 +169,10 @@ class ProgressLines:
 
     def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
         self.postfix = text
+
+    def write(self, text: str) -> None:
+        """A line of the caller's own, on stdout as tqdm.write puts it."""
+        print(text, flush=True)
 
     def close(self) -> None:
         if self._done.is_set():

@@ -7,12 +7,13 @@ from decodekit.models import kernels
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet. " * 6
 
 
-def test_bench_rows_and_table(tiny_llama_dir, one_thread, capsys):
+def test_bench_rows_and_table(tiny_llama_dir, one_thread, capsys, monkeypatch):
+    monkeypatch.setattr("decodekit.runtime.PROGRESS_INTERVAL", 0.01)  # off a terminal: lines, often
     configs = (None, CompressConfig("rtn", bits=8), CompressConfig("magnitude", n_m="2:4"))
     report = bench_compress(str(tiny_llama_dir), new_tokens=4, repeats=1, configs=configs,
                             progress=True, text=TEXT)  # fmt: skip
     fp32, int8, sparse = report["rows"]
-    assert "bench compress" in capsys.readouterr().err  # a bar over the three configurations
+    assert "bench compress: 3/3 (100%)" in capsys.readouterr().err  # progress over the three configurations
     assert [r["config"] for r in report["rows"]] == ["fp32", "rtn-8b", "magnitude-2:4"]
     assert fp32["ppl_change_pct"] == 0.0 and fp32["memory_ratio"] == 1.0
     # 2 blocks x (9216 weights x 3 bytes saved - 256 scales x 4 bytes): test_pretrained.py,

@@ -191,3 +191,14 @@ def test_a_models_engines_share_its_compiled_steps(sharp_lm):
     with torch.no_grad():
         model.net.norm.weight.mul_(1.0)  # an in-place change: a new weights stamp
     assert compiled.lanes_for(model) is not engine.lanes
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, None), (4, 32)])
+def test_quantised_models_compile_with_their_kernels_and_equal_eager(sharp_lm, bits, group):
+    """The packed kernels run inside the graph (their fake kernels: models/kernels.py)."""
+    from decodekit.compress.recipe import CompressConfig, quantized_copy
+
+    model = quantized_copy(sharp_lm, CompressConfig("rtn", bits=bits, group_size=group))
+    want, _ = run(model, PROMPTS[:2], False)
+    got, engine = run(model, PROMPTS[:2], True)
+    assert got == want and engine.compiled_steps > 0 and engine.lanes.failed is None
