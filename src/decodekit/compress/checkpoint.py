@@ -27,6 +27,7 @@ def save_compressed(
             "bits": module.spec.bits,
             "group_size": module.spec.group_size,
             "bias": module.bias is not None,
+            "offsets": module.offsets is not None,
         }
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)

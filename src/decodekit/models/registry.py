@@ -1,4 +1,5 @@
-"""`load_model(name_or_path)`: an embedded model by name, or a local checkpoint directory.
+"""`load_model(name_or_path)`: an embedded model by name, a local checkpoint directory, or a
+local GGUF file (models/gguf_model.py).
 
 Embedded models live in `models/assets/` and are listed in `assets/registry.json`
 (a dict keyed by name: directory, kind, description and measured figures). No
@@ -90,7 +91,7 @@ def embedded_models() -> dict[str, dict]:
 
 
 def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
-    """(name, directory, kind) of an embedded name or a local directory."""
+    """(name, directory or file, kind) of an embedded name, a local directory or a GGUF file."""
     text = str(name_or_path)
     models = embedded_models()
     if text in models:
@@ -103,7 +104,12 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
             kind = "compressed"  # written by `decodekit compress` (models/compressed.py)
         return path.name, path, kind
     if path.exists():
-        raise ValueError(f"model path {text!r} is a file; expected a checkpoint directory")
+        from decodekit.models.gguf_model import is_gguf
+
+        if is_gguf(path) or path.suffix == ".gguf":  # a .gguf that is not GGUF: read_gguf says why
+            return path.stem, path, "gguf"
+        raise ValueError(f"model path {text!r} is a file but not a GGUF file; expected a checkpoint "
+                         "directory or a .gguf file")
     looks_like_path = "/" in text or text.startswith(".") or text.startswith("~")
     if looks_like_path:
         raise ValueError(f"model path {text!r} does not exist")
@@ -119,7 +125,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
 ) -> LanguageModel:
-    """Load an embedded model by name or a local checkpoint directory.
+    """Load an embedded model by name, a local checkpoint directory or a GGUF file.
 
     backend: "auto" (our native forward when the architecture is supported, else
     transformers), "native" or "hf". dtype: of the weights, activations and KV cache:
@@ -128,7 +134,8 @@ def load_model(
     `resolve_dtype`'s); the logits are float32 whatever
     it is. device: "cpu" (the default), "cuda", "mps" or "auto" (CUDA where available):
     activations, KV cache and logits live there too. N-gram models run on the CPU in
-    float32; compressed models in float32.
+    float32; compressed models in float32. A GGUF file runs on the native backend; "auto"
+    starts from its float tensors' type (models/gguf_model.py).
     """
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend must be 'auto', 'native' or 'hf', got {backend!r}")
@@ -148,6 +155,12 @@ def load_model(
         from decodekit.models.ngram import NGramLM
 
         return NGramLM.load(path)
+    if kind == "gguf":
+        if backend == "hf":
+            raise ValueError(f"GGUF model {name!r} runs on the native backend only, got backend='hf'")
+        from decodekit.models.gguf_model import load_gguf
+
+        return load_gguf(path, dtype=dtype, name=name, device=torch_device)
     if kind == "compressed":
         if backend == "hf":
             raise ValueError(f"compressed model {name!r} runs on the native backend only")

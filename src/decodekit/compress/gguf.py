@@ -1,0 +1,156 @@
+"""Writing a Hugging Face checkpoint directory as a GGUF file (issue 27): what
+`decodekit compress --format gguf` runs, and what the GGUF tests build their files with.
+
+The layout is llama.cpp's converter's (convert_hf_to_gguf.py), so the file loads in llama.cpp
+and in `load_model` (models/gguf_model.py): the metadata keys of gguf-py's `Keys`, tensor
+names of its `TENSOR_NAMES`, q and k rows of llama-arch models reordered for ggml's RoPE
+(the inverse of `gguf_tensors.unpermute_rope_rows`), and the tokenizer as a byte-level BPE
+("gpt2") vocabulary. Matrices are stored as `tensor_type` (f32, f16, bf16, q8_0 or q4_0,
+quantised by gguf-py's `gguf.quants.quantize`, which follows ggml's reference quantisers;
+one whose input width is not a multiple of 32 is stored as f16, as llama.cpp falls back);
+vectors (norms, biases) stay f32, as llama.cpp keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TENSOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+PRE = {"qwen2": "qwen2", "qwen3": "qwen2"}  # the tokenizer.ggml.pre of each arch's BPE; else gpt-2's
+NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(name: str) -> str:
+    """GGUF's name of a transformers tensor name ("model.layers.3.mlp.up_proj.weight" ->
+    "blk.3.ffn_up.weight")."""
+    module, suffix = name.rsplit(".", 1)
+    if module in TOP:
+        return f"{TOP[module]}.{suffix}"
+    parts = module.split(".")
+    if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in NAMES:
+        raise ValueError(f"tensor {name!r} has no GGUF name (a Llama-family decoder has none like it)")
+    return f"blk.{parts[2]}.{NAMES['.'.join(parts[3:])]}.{suffix}"
+
+
+def rope_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order for a llama-arch model (convert_hf_to_gguf.py
+    `LlamaModel.permute`): per head, halves interleaved into adjacent pairs."""
+    shape = rows.shape
+    return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def encode_tensor(values: np.ndarray, tensor_type: str) -> tuple[np.ndarray, Any]:
+    """(data, gguf raw dtype or None) of a float32 tensor stored as `tensor_type`."""
+    from gguf import GGMLQuantizationType, quants
+
+    if values.ndim == 1 or tensor_type == "f32":
+        return values.astype(np.float32), None
+    if tensor_type == "f16" or (tensor_type in ("q8_0", "q4_0") and values.shape[-1] % 32):
+        return values.astype(np.float16), None
+    kind = GGMLQuantizationType[tensor_type.upper()]
+    return quants.quantize(values.astype(np.float32), kind), kind
+
+
+def tokenizer_metadata(writer: Any, model_dir: Path, config: dict[str, Any], arch: str) -> None:
+    """The byte-level BPE vocabulary of tokenizer.json as tokenizer.ggml.* keys."""
+    from gguf import TokenType
+
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    if spec["model"]["type"] != "BPE":
+        kind = spec["model"]["type"]
+        raise ValueError(f"{model_dir}: GGUF writing takes a byte-level BPE tokenizer, got {kind}")
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+    size = max(int(config["vocab_size"]), max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [TokenType.UNUSED] * size
+    for token, index in vocab.items():
+        tokens[index] = token
+        types[index] = TokenType.CONTROL if token in special else TokenType.NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(PRE.get(arch, "gpt-2"))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    extra = json.loads(tokenizer_config.read_text()) if tokenizer_config.exists() else {}
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("pad", writer.add_pad_token_id)):  # fmt: skip
+        token = extra.get(f"{key}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        index = vocab.get(token) if token is not None else config.get(f"{key}_token_id")
+        if isinstance(index, int):
+            add(index)
+    # A template processor that puts a token before "$A" adds BOS (llama.cpp's add_bos_token).
+    single = (spec.get("post_processor") or {}).get("single") or []
+    writer.add_add_bos_token(bool(single) and "SpecialToken" in single[0])
+    if extra.get("chat_template"):
+        writer.add_chat_template(extra["chat_template"])
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32") -> Path:
+    """Write the checkpoint in `model_dir` (config.json, safetensors, tokenizer.json) as the
+    GGUF file `out` with matrices stored as `tensor_type` (module docstring)."""
+    from decodekit.models.checkpoint import load_safetensors, read_config
+    from decodekit.models.native import NativeConfig
+    from decodekit.optional import require
+
+    gguf = require("gguf", "gguf", "writing GGUF files")
+    if tensor_type not in TENSOR_TYPES:
+        raise ValueError(f"tensor_type must be one of {', '.join(TENSOR_TYPES)}, got {tensor_type!r}")
+    model_dir, out = Path(model_dir), Path(out)
+    config = read_config(model_dir)
+    parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
+    arch = ARCHS[parsed.model_type]
+    state = load_safetensors(model_dir)
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(model_dir.name)
+    writer.add_context_length(parsed.max_positions)
+    writer.add_embedding_length(parsed.hidden_size)
+    writer.add_feed_forward_length(parsed.intermediate_size)
+    writer.add_block_count(parsed.num_layers)
+    writer.add_head_count(parsed.num_heads)
+    writer.add_head_count_kv(parsed.num_kv_heads)
+    writer.add_key_length(parsed.head_dim)
+    writer.add_value_length(parsed.head_dim)
+    writer.add_rope_dimension_count(parsed.head_dim)
+    writer.add_rope_freq_base(parsed.rope.theta)
+    writer.add_layer_norm_rms_eps(parsed.rms_norm_eps)
+    writer.add_vocab_size(parsed.vocab_size)
+    if parsed.rope.kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(parsed.rope.factor)
+    elif parsed.rope.kind != "default":
+        raise ValueError(f"{model_dir}: GGUF writing takes default or linear RoPE, got {parsed.rope.kind!r}")
+    if parsed.layer_windows:
+        raise ValueError(f"{model_dir}: GGUF writing does not take sliding-window attention")
+    writer.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}[tensor_type])
+    tokenizer_metadata(writer, model_dir, config, arch)
+    heads = {"q_proj": parsed.num_heads, "k_proj": parsed.num_kv_heads}
+    for name, tensor in state.items():
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and parsed.tie_word_embeddings):
+            continue
+        values = tensor.float().numpy()
+        projection = name.split(".")[-2]
+        if arch == "llama" and projection in heads:
+            values = rope_permute(values, heads[projection])
+        data, raw_dtype = encode_tensor(values, tensor_type)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
