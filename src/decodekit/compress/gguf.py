@@ -21,7 +21,6 @@ import numpy as np
 
 TENSOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-PRE = {"qwen2": "qwen2", "qwen3": "qwen2"}  # the tokenizer.ggml.pre of each arch's BPE; else gpt-2's
 NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -62,6 +61,24 @@ def encode_tensor(values: np.ndarray, tensor_type: str) -> tuple[np.ndarray, Any
     return quants.quantize(values.astype(np.float32), kind), kind
 
 
+def pre_tokenizer_name(spec: dict[str, Any], model_dir: Path) -> str:
+    """tokenizer.ggml.pre for a tokenizer.json: "gpt-2" for ByteLevel with GPT-2's split, else
+    the name whose split regex (models/gguf_tokenizer.py `PRE_TOKENIZERS`) it splits by."""
+    from decodekit.models.gguf_tokenizer import PRE_TOKENIZERS
+
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and steps and steps[0].get("type") == "Split":
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        for name, (known, _, _) in PRE_TOKENIZERS.items():
+            if known is not None and known == pattern:
+                return name
+    raise ValueError(f"{model_dir}: tokenizer.json's pre-tokenizer is none GGUF names "
+                     f"(known: ByteLevel with GPT-2's split, or the splits of {sorted(PRE_TOKENIZERS)})")
+
+
 def tokenizer_metadata(writer: Any, model_dir: Path, config: dict[str, Any], arch: str) -> None:
     """The byte-level BPE vocabulary of tokenizer.json as tokenizer.ggml.* keys."""
     from gguf import TokenType
@@ -81,7 +98,7 @@ def tokenizer_metadata(writer: Any, model_dir: Path, config: dict[str, Any], arc
         types[index] = TokenType.CONTROL if token in special else TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(PRE.get(arch, "gpt-2"))
+    writer.add_tokenizer_pre(pre_tokenizer_name(spec, model_dir))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -107,10 +107,10 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{where}: tensor 'rope_freqs.weight' (Llama 3 RoPE frequency factors) "
                          "is not supported")
-    rope = {"rope_type": "default", "rope_theta": float(value("rope.freq_base", 10000.0))}
+    rope = {"rope_type": "default", "rope_theta": decimal(value("rope.freq_base", 10000.0))}
     scaling = value("rope.scaling.type", "none")
     if scaling == "linear":
-        rope.update(rope_type="linear", factor=float(value("rope.scaling.factor")))
+        rope.update(rope_type="linear", factor=decimal(value("rope.scaling.factor")))
     elif scaling != "none":
         raise ValueError(f"{where}: {arch}.rope.scaling.type must be 'none' or 'linear', "
                          f"got {scaling!r}")
@@ -123,7 +123,7 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
         "intermediate_size": int(value("feed_forward_length")),
         "num_hidden_layers": int(value("block_count")),
         "num_attention_heads": heads, "num_key_value_heads": int(kv_heads), "head_dim": head_dim,
-        "rms_norm_eps": float(value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(value("context_length", 2048)), "rope_parameters": rope,
         "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -134,6 +134,12 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
                       model_type="mistral" if arch == "llama" else arch)  # fmt: skip
         config["architectures"] = [{"llama": "MistralForCausalLM"}.get(arch, ARCHITECTURES[arch])]
     return config
+
+
+def decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
+    9.99999997e-07): the number config.json held before conversion."""
+    return float(str(np.float32(value)))
 
 
 def stored_dtype(tensors: dict[str, Any]) -> str:

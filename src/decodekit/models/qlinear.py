@@ -471,7 +471,7 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
         if x.numel() // self.in_features < self.spec.group_size:
             return grouped_matmul(x, self.codes(), scales)
-        return F.linear(x, self.dequantized_weight(x.dtype))
+        return F.linear(x, dequantize(self.codes(), self.scales, x.dtype))  # offsets: forward adds them
 
     def extra_repr(self) -> str:
         group = "channel" if self.spec.group_size is None else f"group={self.spec.group_size}"
