@@ -1,5 +1,6 @@
-"""Writing a Hugging Face checkpoint directory as a GGUF file (issue 27): what
-`decodekit compress --format gguf` runs, and what the GGUF tests build their files with.
+"""Writing a Hugging Face checkpoint directory, or a directory `decodekit compress` wrote, as a
+GGUF file (issue 27): what `decodekit compress ... --out FILE.gguf` runs, and what the GGUF
+tests build their files with.
 
 The layout is llama.cpp's converter's (convert_hf_to_gguf.py), so the file loads in llama.cpp
 and in `load_model` (models/gguf_model.py): the metadata keys of gguf-py's `Keys`, tensor
@@ -9,6 +10,12 @@ names of its `TENSOR_NAMES`, q and k rows of llama-arch models reordered for ggm
 quantised by gguf-py's `gguf.quants.quantize`, which follows ggml's reference quantisers;
 one whose input width is not a multiple of 32 is stored as f16, as llama.cpp falls back);
 vectors (norms, biases) stay f32, as llama.cpp keeps them.
+
+A compressed directory (models/compressed.py) keeps its own codes: a QuantizedLinear of 8 bits
+in groups of 32 becomes q8_0 blocks, one of 4 bits in groups of 32 q4_0 blocks (codes c in
+-8..7 stored as c + 8), each scale rounded to the blocks' float16 (a relative change of at
+most 2^-11 per group: the one difference between the file and decodekit's model); its float
+layers are stored as f32. Other grids raise ValueError naming the layer.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 TENSOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -118,10 +126,68 @@ def tokenizer_metadata(writer: Any, model_dir: Path, config: dict[str, Any], arc
         writer.add_chat_template(extra["chat_template"])
 
 
+def code_blocks(codes: Any, scales: Any, bits: int, where: str) -> tuple[np.ndarray, Any]:
+    """(uint8 [N, bytes], gguf type) of a QuantizedLinear's codes int8 [N, K] and scales [N, K/32]
+    as q8_0 or q4_0 blocks (ggml-common.h `block_q8_0`, `block_q4_0`; module docstring)."""
+    from gguf import GGMLQuantizationType
+
+    n, k = codes.shape
+    if scales.shape[1] * 32 != k or bits not in (4, 8):
+        raise ValueError(f"{where}: GGUF takes 8- or 4-bit codes in groups of 32 (q8_0, q4_0), got "
+                         f"{bits} bits with {k // scales.shape[1]} inputs per scale")  # fmt: skip
+    d = scales.float().numpy().astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # [N, G, 2]
+    c = codes.numpy().astype(np.int16).reshape(n, -1, 32)  # [N, G, 32]
+    if bits == 8:
+        quants, kind = c.astype(np.int8).view(np.uint8), GGMLQuantizationType.Q8_0
+    else:
+        q = (c + 8).astype(np.uint8)
+        quants, kind = q[..., :16] | (q[..., 16:] << 4), GGMLQuantizationType.Q4_0
+    return np.concatenate([d, quants], axis=-1).reshape(n, -1), kind
+
+
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def compressed_tensors(model_dir: Path, config: Any) -> dict[str, Any]:
+    """Transformers-named tensors of a compressed directory (`config`: its NativeConfig): float
+    tensors, and (codes, scales, bits) for each part of a QuantizedLinear, the fused q/k/v and
+    gate/up split back into their parts."""
+    from decodekit.models.compressed import load_compressed_dir
+    from decodekit.models.qlinear import QuantizedLinear
+
+    net = load_compressed_dir(model_dir).net
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    ff = config.intermediate_size
+    state: dict[str, Any] = {}
+    for name, module in net.named_modules():
+        tied = name == "lm_head" and config.tie_word_embeddings
+        if tied or not isinstance(module, QuantizedLinear | torch.nn.Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        prefix = f"model.{parent}." if parent else ""
+        widths = {"qkv_proj": [q, kv, kv], "gate_up_proj": [ff, ff]}.get(leaf, [module.out_features])
+        if isinstance(module, QuantizedLinear):
+            codes, scales = module.codes().split(widths), module.scales.split(widths)
+            values = [(c, sc, module.spec.bits) for c, sc in zip(codes, scales, strict=True)]
+        else:
+            values = list(module.weight.detach().split(widths))
+        biases = [None] * len(widths) if module.bias is None else list(module.bias.detach().split(widths))
+        for part, value, bias in zip(FUSED_PARTS.get(leaf, (leaf,)), values, biases, strict=True):
+            state[f"{prefix}{part}.weight"] = value
+            if bias is not None:
+                state[f"{prefix}{part}.bias"] = bias
+    for name, parameter in net.named_parameters():
+        if name.endswith("norm.weight") or name == "embed_tokens.weight":
+            state[f"model.{name}"] = parameter.detach()
+    return state
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32") -> Path:
-    """Write the checkpoint in `model_dir` (config.json, safetensors, tokenizer.json) as the
-    GGUF file `out` with matrices stored as `tensor_type` (module docstring)."""
+    """Write the checkpoint in `model_dir` (config.json, safetensors, tokenizer.json; or a
+    compressed directory) as the GGUF file `out` with float matrices stored as `tensor_type`
+    (module docstring)."""
     from decodekit.models.checkpoint import load_safetensors, read_config
+    from decodekit.models.compressed import COMPRESSION_FILE
     from decodekit.models.native import NativeConfig
     from decodekit.optional import require
 
@@ -132,7 +198,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     config = read_config(model_dir)
     parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
     arch = ARCHS[parsed.model_type]
-    state = load_safetensors(model_dir)
+    compressed = (model_dir / COMPRESSION_FILE).exists()
+    state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)
+    if compressed:
+        tensor_type = "f32"  # the float layers; the quantised ones keep their codes
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(model_dir.name)
     writer.add_context_length(parsed.max_positions)
@@ -160,11 +229,13 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     for name, tensor in state.items():
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and parsed.tie_word_embeddings):
             continue
-        values = tensor.float().numpy()
         projection = name.split(".")[-2]
+        if isinstance(tensor, tuple):
+            data, raw_dtype = code_blocks(*tensor, where=f"{model_dir}: {name}")
+        else:
+            data, raw_dtype = encode_tensor(tensor.float().numpy(), tensor_type)
         if arch == "llama" and projection in heads:
-            values = rope_permute(values, heads[projection])
-        data, raw_dtype = encode_tensor(values, tensor_type)
+            data = rope_permute(data, heads[projection])  # whole rows, so blocks move intact
         writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -123,12 +123,14 @@ def decode_q6_k(raw: np.ndarray) -> Quantized:
 DECODERS = {"Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_K": decode_q4_k, "Q6_K": decode_q6_k}
 
 
-def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | Quantized:
+def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray | torch.Tensor | Quantized:
     """One tensor's data as the reader holds it (float values, or uint8 [rows, bytes] for
-    block types) -> a float tensor of `shape` (numpy order, [N, K]) or, for a 2-D tensor of an
-    INTEGER_TYPES type, its Quantized grid. Always a copy: nothing keeps the file mapped."""
+    block types) -> its values of `shape` (numpy order, [N, K]): for F32 and F16 the file's
+    own array, a read-only view that the caller copies once into place (gguf_model.py
+    `float_weight`); else a float tensor or, for a 2-D tensor of an INTEGER_TYPES type, its
+    Quantized grid, both copies that keep nothing of the file mapped."""
     if type_name in ("F32", "F16"):
-        return torch.from_numpy(np.array(raw, copy=True).reshape(shape))
+        return np.asarray(raw).reshape(shape)
     if type_name == "BF16":
         return torch.from_numpy(np.array(raw, copy=True).view(np.int16).reshape(shape)).view(torch.bfloat16)
     rows = np.ascontiguousarray(raw).reshape(int(np.prod(shape[:-1])), -1)
