@@ -8,9 +8,11 @@ The random model of `--shape` (models/shapes.py: real layer shapes, the embedded
 2,048-token vocabulary) is written as GGUF by compress/gguf.py in f32, f16, q8_0 and q4_0;
 `--gguf` adds files made elsewhere (llama.cpp's Q4_K_M of the same weights). Each file loads
 in a fresh Python process (`measure`): RSS is read from /proc/self/status after the imports
-(`baseline`) and after the load, so the difference is what the model holds; "kernel copies"
-are the int4 layers' repacked operands (models/kernels.py `pack_int4_blocks`), built at load
-beside the stored nibbles.
+(`baseline`, transformers' tokenizer classes included) and after the load, so the difference
+is what the model holds, against "model_bytes" (its parameters and buffers) and the file's
+tensor bytes; "kernel copies" are the int4 layers' repacked operands (models/kernels.py
+`pack_int4_blocks`), built at load beside the stored nibbles. A float16 file loads as float32
+(dtype "auto" on a CPU), so it holds twice its bytes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import decodekit as dk
 from decodekit.models.registry import load_model
 from decodekit.models.gguf_model import read_gguf
 from decodekit.models.qlinear import QuantizedLinear, kernel_counts
+from transformers import PreTrainedTokenizerFast  # imported before the baseline: not the model's
 
 def rss():
     for line in open("/proc/self/status"):
@@ -49,6 +52,7 @@ gc.collect()
 after = rss()
 copies = sum(m.kernel_weight.numel() for m in model.net.modules()
              if isinstance(m, QuantizedLinear) and m.kernel == "int4gemv")
+held = sum(t.numel() * t.element_size() for t in [*model.net.parameters(), *model.net.buffers()])
 params = dk.SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 prompt = model.encode("ROMEO:")
 dk.generate(model, [prompt], dk.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
@@ -58,6 +62,7 @@ for _ in range(3):
     dk.generate(model, [prompt], params)
     times.append(time.process_time() - cpu)
 print(json.dumps({"file": path, "tensor_bytes": tensor_bytes, "rss_delta": after - baseline,
+                  "model_bytes": held,
                   "kernel_copies": copies, "load_s": round(load_s, 2), "dtype": str(model.dtype),
                   "kernels": kernel_counts(model.net),
                   "decode_tok_s_1thread_cpu": round(32 / sorted(times)[1], 1)}))
@@ -70,7 +75,8 @@ def measure(path: Path) -> dict:
         raise RuntimeError(done.stderr[-3000:])
     row = json.loads(done.stdout.strip().splitlines()[-1])
     row["rss_over_tensor_bytes"] = round(row["rss_delta"] / row["tensor_bytes"], 3)
-    row["rss_over_tensor_and_copies"] = round(row["rss_delta"] / (row["tensor_bytes"] + row["kernel_copies"]), 3)
+    with_copies = row["tensor_bytes"] + row["kernel_copies"]
+    row["rss_over_tensor_and_copies"] = round(row["rss_delta"] / with_copies, 3)
     return row
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import add_threads, check_out_dir, set_threads, show_progress
+from decodekit.cli.common import add_threads, check_out_dir, check_out_file, set_threads, show_progress
 
 
 def add_compress(sub) -> None:
@@ -19,7 +19,9 @@ def add_compress(sub) -> None:
     p.add_argument("--calib", type=int, default=128, help="calibration windows (gptq, sparsegpt)")
     p.add_argument("--calib-len", type=int, default=None, help="tokens per window (default: context)")
     p.add_argument("--calib-file", default=None, help="calibration text (default: Shakespeare val)")
-    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--out", required=True,
+                   help="output directory (new or empty), or FILE.gguf: a GGUF file (8 or 4 bits in "
+                        "groups of 32: q8_0, q4_0) that llama.cpp and `--model FILE.gguf` load")  # fmt: skip
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run_compress)
@@ -32,9 +34,15 @@ def run_compress(args) -> None:
         args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
         sparsity=args.sparsity, n_m=args.n_m, calib_windows=args.calib, calib_length=args.calib_len,
     )
-    check_out_dir(args.out)  # before minutes of calibration, not after
+    gguf = args.out.endswith(".gguf")
+    check_out_file(args.out) if gguf else check_out_dir(args.out)  # before minutes of calibration
     set_threads(args)  # the model loads inside compress_to_dir; None picks for a small model
-    report = compress_to_dir(args.model, config, args.out, args.calib_file, progress=show_progress(args))
+    if gguf:
+        from decodekit.compress.gguf import compress_to_gguf
+
+        report = compress_to_gguf(args.model, config, args.out, args.calib_file, progress=show_progress(args))
+    else:
+        report = compress_to_dir(args.model, config, args.out, args.calib_file, progress=show_progress(args))
     if args.json:
         print(json.dumps(report, indent=1))
         return

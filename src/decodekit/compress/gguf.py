@@ -242,3 +242,27 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def compress_to_gguf(model: str | Path, config: Any, out: str | Path, calib_file: str | Path | None = None,
+                     progress: bool = False) -> dict[str, Any]:  # fmt: skip
+    """`decodekit compress MODEL ... --out FILE.gguf`: compress as `recipe.compress_to_dir`
+    does (`config`: a CompressConfig), then write the result as GGUF (module docstring). A
+    quantising method needs 8 or 4 bits in groups of 32 (q8_0, q4_0); a layer whose width 32
+    does not divide stays float (f32 in the file), as compress leaves it. Returns its report,
+    `out` and `disk_bytes` the file's."""
+    import tempfile
+
+    from decodekit.compress.apply import QUANT_METHODS
+    from decodekit.compress.recipe import compress_to_dir
+
+    if config.method in QUANT_METHODS:
+        bits = config.bits or (8 if config.method == "rtn" else 4)
+        if bits not in (4, 8) or config.group_size != 32:
+            raise ValueError(f"GGUF stores 8- or 4-bit codes in groups of 32 (q8_0, q4_0): give bits 8 or 4 "
+                             f"and group 32, got bits {bits} and group {config.group_size}")  # fmt: skip
+    out = Path(out)
+    with tempfile.TemporaryDirectory(prefix="decodekit-compress-") as folder:
+        report = compress_to_dir(model, config, Path(folder) / "model", calib_file, progress)
+        write_gguf(Path(folder) / "model", out)
+    return {**report, "out": str(out), "disk_bytes": out.stat().st_size, "format": "gguf"}
