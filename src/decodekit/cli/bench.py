@@ -31,6 +31,9 @@ def add_bench(sub) -> None:
                    help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model in "
                    "the same rounds and with the same --threads (built by scripts/peers.sh into .peers/ or "
                    "$DECODEKIT_PEERS; reported absent without it)")
+    p.add_argument("--gguf", action="append", default=None, metavar="FILE",
+                   help="bench packed: time these GGUF files (repeatable) as decodekit loads them instead of "
+                   "--model's rows; with --peer llamacpp, llama.cpp on the same files (bench/gguf_files.py)")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--concurrent", type=int, default=None, metavar="N",
                    help="bench speculative: N concurrent requests on the engine against N plain ones")
@@ -58,8 +61,9 @@ def add_bench(sub) -> None:
 
 
 def run_bench(args) -> None:
-    if args.peer is not None and args.which != "packed":
-        raise UsageError(f"--peer applies to bench packed, not bench {args.which}")
+    for flag, value in (("--peer", args.peer), ("--gguf", args.gguf)):
+        if value is not None and args.which != "packed":
+            raise UsageError(f"{flag} applies to bench packed, not bench {args.which}")
     if args.which in ("latency", "presets", "kv"):
         run_seed_bench(args)
         return
@@ -146,6 +150,10 @@ def run_bench(args) -> None:
                              f"{args.requests}, {args.clients} and {args.fail_p}")
         result = bench_soak(args.model, args.draft, args.requests, args.clients, args.fail_p, args.seed,
                             args.new_tokens, progress=progress)
+    elif args.which == "packed" and args.gguf:
+        from decodekit.bench.gguf_files import bench_gguf
+
+        result = bench_gguf(args.gguf, args.new_tokens, args.repeats, threads=threads or 1, peer=args.peer)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
 
