@@ -1,0 +1,70 @@
+"""decodekit and llama.cpp on the same GGUF files (issue 27): files converted and quantised by
+llama.cpp's own tools (bench/llamacpp.py `ggufs`), and a q4_0 file written by `decodekit
+compress`, loaded by both. `peer` tests: they run against the build scripts/peers.sh makes
+($DECODEKIT_PEERS or .peers/) and skip without it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from decodekit.bench import llamacpp  # noqa: E402
+from decodekit.bench.gguf_files import greedy_agreement, greedy_ids  # noqa: E402
+from decodekit.models.registry import load_model  # noqa: E402
+
+PEER = llamacpp.find_llamacpp()
+NEW_TOKENS = 32
+pytestmark = [pytest.mark.peer,
+              pytest.mark.skipif(PEER is None, reason="no llama-cpp-python build: bash scripts/peers.sh")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """shakespeare's f32, f16, q8_0 and q4_0 GGUFs as llama.cpp makes them, and its Q4_K_M
+    (`llama_model_quantize` ftype 15), cached in the peers directory."""
+    paths = llamacpp.ggufs(PEER, "shakespeare", tmp_path_factory.mktemp("gguf"))
+    q4_k_m = PEER.directory / "shakespeare-Q4_K_M.gguf"
+    if not q4_k_m.exists():
+        part = PEER.directory / "shakespeare-Q4_K_M.gguf.part"
+        llamacpp.run_worker(PEER, {"op": "quantize", "source": str(paths["f32"]), "out": str(part), "ftype": 15})
+        part.replace(q4_k_m)
+    return {**paths, "Q4_K_M": q4_k_m}
+
+
+def both(path, model) -> tuple[dict, bool]:
+    """(greedy agreement of decodekit's `model` and llama.cpp on the file, tokenisers equal)."""
+    prompts, ours = greedy_ids(model, NEW_TOKENS)
+    with llamacpp.PeerSession(PEER, path, 128, 1, None) as session:
+        theirs = session.ask({"do": "greedy", "prompts": prompts, "new_tokens": NEW_TOKENS})["greedy"]
+        tokenized = session.ask({"do": "tokenize", "texts": list(llamacpp.GREEDY_PROMPTS)})["tokenized"]
+    return greedy_agreement(ours, theirs), tokenized == prompts
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16"])
+def test_float_files_give_llama_cpps_greedy_tokens(fmt, files, one_thread):
+    model = load_model(str(files[fmt]))
+    agreement, same_ids = both(files[fmt], model)
+    assert same_ids
+    assert agreement["continuations_equal"] == [True] * len(llamacpp.GREEDY_PROMPTS), agreement
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "Q4_K_M"])
+def test_quantised_files_agree_with_llama_cpp(fmt, files, one_thread):
+    """llama.cpp rounds the activations to 8 bits for q8_0/q4_0/Q4_K dot products (ggml's
+    vec_dot_type q8_0 / q8_K); decodekit keeps them float32 (int8) or bfloat16 (int4)."""
+    model = load_model(str(files[fmt]))
+    agreement, same_ids = both(files[fmt], model)
+    assert same_ids
+    assert agreement["tokens_before_first_difference"] >= 0.9, agreement
+
+
+def test_a_q4_0_file_from_decodekit_compress_runs_in_llama_cpp(tmp_path, one_thread):
+    from decodekit.compress.gguf import compress_to_gguf
+    from decodekit.compress.recipe import CompressConfig
+
+    path = tmp_path / "rtn4.gguf"
+    compress_to_gguf("shakespeare", CompressConfig("rtn", bits=4, group_size=32), path)
+    agreement, same_ids = both(path, load_model(str(path)))
+    assert same_ids
+    assert agreement["tokens_before_first_difference"] >= 0.9, agreement
