@@ -15,8 +15,8 @@ from decodekit.models.registry import load_model  # noqa: E402
 
 PEER = llamacpp.find_llamacpp()
 NEW_TOKENS = 32
-pytestmark = [pytest.mark.peer,
-              pytest.mark.skipif(PEER is None, reason="no llama-cpp-python build: bash scripts/peers.sh")]  # fmt: skip
+ABSENT = "no llama-cpp-python build: bash scripts/peers.sh"
+pytestmark = [pytest.mark.peer, pytest.mark.skipif(PEER is None, reason=ABSENT)]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def files(tmp_path_factory):
     q4_k_m = PEER.directory / "shakespeare-Q4_K_M.gguf"
     if not q4_k_m.exists():
         part = PEER.directory / "shakespeare-Q4_K_M.gguf.part"
-        llamacpp.run_worker(PEER, {"op": "quantize", "source": str(paths["f32"]), "out": str(part), "ftype": 15})
+        task = {"op": "quantize", "source": str(paths["f32"]), "out": str(part), "ftype": 15}
+        llamacpp.run_worker(PEER, task)
         part.replace(q4_k_m)
     return {**paths, "Q4_K_M": q4_k_m}
 
