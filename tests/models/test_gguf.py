@@ -280,6 +280,35 @@ def test_qwen_ggufs_are_the_same_model(kind, tiny_llama_dir, tmp_path, one_threa
     assert torch.equal(model.forward(tokens, model.new_cache(1)), logits)
 
 
+def test_llama3_rope_scaling_travels_as_frequency_factors(tiny_llama_dir, tmp_path, one_thread):
+    """Llama 3's RoPE scaling is the tensor rope_freqs.weight in a GGUF file (llama.cpp's
+    converter): divisors of each frequency, which must reproduce the scaled frequencies."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decodekit.models.native import NativeLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         rope_scaling=rope)  # fmt: skip
+    directory = tmp_path / "llama3"
+    LlamaForCausalLM(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, directory / name)
+    expected = NativeLM.from_pretrained(directory)
+    assert expected.config.rope.kind == "llama3"
+    model = load_model(str(write_gguf(directory, tmp_path / "llama3.gguf")))
+    factors = torch.tensor(model.config.rope.frequency_factors)
+    assert factors.shape == (16,) and factors[0] == 1 and factors[-1] == 8  # high kept, low / 8
+    tokens = torch.tensor([list(range(5, 100))])
+    want = expected.forward(tokens, expected.new_cache(1))
+    assert torch.allclose(model.forward(tokens, model.new_cache(1)), want, rtol=1e-4, atol=1e-4)
+
+
 def rewrite(source, out, tensors: dict | None = None, strings: dict | None = None) -> None:
     """`source` with `tensors` (name -> (kind, data), or None to drop it; new names are added)
     and string metadata `strings` (key -> value) swapped in."""

@@ -219,8 +219,17 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     if parsed.rope.kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(parsed.rope.factor)
+    elif parsed.rope.kind == "llama3":  # as llama.cpp's converter: per-frequency divisors
+        from dataclasses import replace
+
+        from decodekit.models.rope import inverse_frequencies
+
+        plain = inverse_frequencies(replace(parsed.rope, kind="default"), 0)
+        factors = (plain / inverse_frequencies(parsed.rope, 0)).numpy().astype(np.float32)
+        writer.add_tensor("rope_freqs.weight", factors)
     elif parsed.rope.kind != "default":
-        raise ValueError(f"{model_dir}: GGUF writing takes default or linear RoPE, got {parsed.rope.kind!r}")
+        raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE, "
+                         f"got {parsed.rope.kind!r}")
     if parsed.layer_windows:
         raise ValueError(f"{model_dir}: GGUF writing does not take sliding-window attention")
     writer.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}[tensor_type])

@@ -104,9 +104,6 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     if int(value("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError(f"{where}: {arch}.rope.dimension_count must equal the head size {head_dim} "
                          f"(partial RoPE is not supported), got {value('rope.dimension_count')}")  # fmt: skip
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(f"{where}: tensor 'rope_freqs.weight' (Llama 3 RoPE frequency factors) "
-                         "is not supported")
     rope = {"rope_type": "default", "rope_theta": decimal(value("rope.freq_base", 10000.0))}
     scaling = value("rope.scaling.type", "none")
     if scaling == "linear":
@@ -134,6 +131,20 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
                       model_type="mistral" if arch == "llama" else arch)  # fmt: skip
         config["architectures"] = [{"llama": "MistralForCausalLM"}.get(arch, ARCHITECTURES[arch])]
     return config
+
+
+def with_frequency_factors(config: NativeConfig, tensors: dict[str, Any], where: str) -> NativeConfig:
+    """`config` with the RoPE frequency divisors of tensor rope_freqs.weight, where the file has
+    one (Llama 3's scaling as llama.cpp's converter stores it; models/rope.py)."""
+    import dataclasses
+
+    tensor = tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return config
+    if tensor.tensor_type.name != "F32":
+        raise ValueError(f"tensor 'rope_freqs.weight' must be F32, got {tensor.tensor_type.name}")
+    factors = tuple(float(f) for f in np.asarray(tensor.data, dtype=np.float32).reshape(-1))
+    return dataclasses.replace(config, rope=dataclasses.replace(config.rope, frequency_factors=factors))
 
 
 def decimal(value: float) -> float:
@@ -304,13 +315,14 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
     config = gguf_config(meta, tensors, where)
     try:
         parsed = NativeConfig.from_dict(config)
+        parsed = with_frequency_factors(parsed, tensors, where)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     tokenizer, eos = build_tokenizer(meta, where), eos_token_ids(meta)
     torch_dtype = resolve_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
     files = _Tensors(tensors, where, parsed, meta["general.architecture"])
     net = _build_net(files, parsed, torch_dtype)
-    unexpected = sorted(set(tensors) - files.taken)
+    unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight"})
     if unexpected:
         raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
                          "NativeLM has no place for it")  # fmt: skip
