@@ -8,7 +8,8 @@ The random model of `--shape` (models/shapes.py: real layer shapes, the embedded
 2,048-token vocabulary) is written as GGUF by compress/gguf.py in f32, f16, q8_0 and q4_0;
 `--gguf` adds files made elsewhere (llama.cpp's Q4_K_M of the same weights). Each file loads
 in a fresh Python process (`measure`): RSS is read from /proc/self/status after the imports
-(`baseline`, transformers' tokenizer classes included) and after the load, so the difference
+and a load of a small GGUF (shakespeare's, then dropped: lazy imports, the kernels' library
+and OpenMP's pools, ~85 MB once per process, are not the model's) and after the load, so the difference
 is what the model holds, against "model_bytes" (its parameters and buffers) and the file's
 tensor bytes; "kernel copies" are the int4 layers' repacked operands (models/kernels.py
 `pack_int4_blocks`), built at load beside the stored nibbles. A float16 file loads as float32
@@ -29,7 +30,7 @@ import gc, json, sys, time
 import torch
 import decodekit as dk
 from decodekit.models.registry import load_model
-from decodekit.models.gguf_model import read_gguf
+from decodekit.models.gguf_model import read_gguf, release_freed_memory
 from decodekit.models.qlinear import QuantizedLinear, kernel_counts
 from transformers import PreTrainedTokenizerFast  # imported before the baseline: not the model's
 
@@ -39,11 +40,13 @@ def rss():
             return int(line.split()[1]) * 1024
 
 torch.set_num_threads(1)
-path = sys.argv[1]
+path, warm_up = sys.argv[1], sys.argv[2]
+load_model(warm_up)  # lazy imports, the kernels' library, OpenMP: not the model's memory
 _, tensors = read_gguf(path)
 tensor_bytes = sum(int(t.n_bytes) for t in tensors.values())
 del tensors
 gc.collect()
+release_freed_memory()
 baseline = rss()
 start = time.perf_counter()
 model = load_model(path)
@@ -69,19 +72,22 @@ print(json.dumps({"file": path, "tensor_bytes": tensor_bytes, "rss_delta": after
 """
 
 
-def measure(path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True)
+def measure(path: Path, warm_up: Path) -> dict:
+    command = [sys.executable, "-c", CHILD, str(path), str(warm_up)]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
     row = json.loads(done.stdout.strip().splitlines()[-1])
     row["rss_over_tensor_bytes"] = round(row["rss_delta"] / row["tensor_bytes"], 3)
     with_copies = row["tensor_bytes"] + row["kernel_copies"]
     row["rss_over_tensor_and_copies"] = round(row["rss_delta"] / with_copies, 3)
+    row["rss_over_model_bytes"] = round(row["rss_delta"] / row["model_bytes"], 3)
     return row
 
 
 def main() -> None:
     from decodekit.compress.gguf import write_gguf
+    from decodekit.models.registry import ASSETS
     from decodekit.models.shapes import save_random_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -92,15 +98,16 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="decodekit-gguf-load-") as folder:
+        warm_up = write_gguf(ASSETS / "shakespeare", Path(folder) / "warm-up.gguf")
         model_dir = save_random_checkpoint(args.shape, Path(folder) / "model")
-        for tensor_type in args.types.split(","):
+        for tensor_type in [t for t in args.types.split(",") if t]:
             path = write_gguf(model_dir, Path(folder) / f"{args.shape}-{tensor_type}.gguf", tensor_type)
-            rows.append({"type": tensor_type, **measure(path)})
+            rows.append({"type": tensor_type, **measure(path, warm_up)})
             path.unlink()
             print(json.dumps(rows[-1]), flush=True)
-    for extra in args.gguf:
-        rows.append({"type": Path(extra).stem, **measure(Path(extra))})
-        print(json.dumps(rows[-1]), flush=True)
+        for extra in args.gguf:
+            rows.append({"type": Path(extra).stem, **measure(Path(extra), warm_up)})
+            print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1) + "\n")
 

@@ -25,12 +25,15 @@ from decodekit.bench.packed import PROMPT, decode_timers, median_seconds, speeds
 
 
 def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
-    """Tokens before the first difference over all tokens, and whole continuations equal."""
-    common = 0
+    """Tokens before the first difference over all tokens; tokens equal at the same position
+    (after a difference they compare different texts); whole continuations equal."""
+    common = same = 0
     for a, b in zip(ours, theirs, strict=True):
         common += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += sum(x == y for x, y in zip(a, b))
     total = sum(len(a) for a in ours)
     return {"tokens_before_first_difference": round(common / total, 3),
+            "positions_equal": round(same / total, 3),
             "continuations_equal": [a == b for a, b in zip(ours, theirs, strict=True)]}  # fmt: skip
 
 
