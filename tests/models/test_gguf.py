@@ -447,10 +447,10 @@ def test_unsupported_architecture_tensor_type_and_tokenizer_are_named(tmp_path, 
     message = r"int.gguf: tensor 'blk.0.ffn_up.weight' has type I32, which decodekit cannot read \(supported"
     with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path / "int.gguf"))
-    rewrite(f32, tmp_path / "spm.gguf", strings={"tokenizer.ggml.model": "llama"})
-    with pytest.raises(ValueError, match=r"spm.gguf: tokenizer.ggml.model must be 'gpt2' \(byte-level BPE\), "
-                                         r"got 'llama'"):  # fmt: skip
-        load_model(str(tmp_path / "spm.gguf"))
+    rewrite(f32, tmp_path / "bert.gguf", strings={"tokenizer.ggml.model": "bert"})
+    with pytest.raises(ValueError, match=r"bert.gguf: tokenizer.ggml.model must be 'gpt2' \(byte-level BPE\) "
+                                         r"or 'llama' \(SentencePiece\), got 'bert'"):  # fmt: skip
+        load_model(str(tmp_path / "bert.gguf"))
     rewrite(f32, tmp_path / "yarn.gguf", strings={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(ValueError, match=r"llama.rope.scaling.type must be 'none' or 'linear', got 'yarn'"):
         load_model(str(tmp_path / "yarn.gguf"))
@@ -468,3 +468,56 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match=r"shape.gguf: tensor 'blk.0.ffn_up.weight' has shape \[64, 16\], "
                                          r"the metadata implies \[64, 32\]"):  # fmt: skip
         load_model(str(tmp_path / "shape.gguf"))
+
+
+# --- SentencePiece vocabularies ("llama") ---------------------------------------------------------
+
+
+def spm_reference(text: str, pieces: dict[str, float], byte_ids: dict[int, int],
+                  ids: dict[str, int]) -> list[int]:  # fmt: skip
+    """SentencePiece's BPE as llama.cpp's llm_tokenizer_spm runs it: the text with " " -> "▁"
+    and one "▁" in front, split into characters, then repeatedly the adjacent pair whose
+    concatenation is a piece of the highest score (the leftmost among equals) merged; a
+    symbol left that is no piece becomes its UTF-8 bytes' <0xXX> tokens."""
+    symbols = list("▁" + text.replace(" ", "▁"))
+    while True:
+        best, best_score = None, 0.0
+        for i in range(len(symbols) - 1):
+            merged = symbols[i] + symbols[i + 1]
+            if merged in pieces and (best is None or pieces[merged] > best_score):
+                best, best_score = i, pieces[merged]
+        if best is None:
+            break
+        symbols[best : best + 2] = [symbols[best] + symbols[best + 1]]
+    out = []
+    for symbol in symbols:
+        out += [ids[symbol]] if symbol in ids else [byte_ids[b] for b in symbol.encode()]
+    return out
+
+
+def test_sentencepiece_vocabularies_tokenise_as_llama_cpp_defines(tmp_path):
+    rng = np.random.default_rng(0)
+    control = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    letters = sorted(set("▁abcdefghijklmnopqrstuvwxyz,.'RJOMEULIT"))
+    words = ["▁t", "he", "▁the", "▁a", "an", "▁an", "▁and", "in", "▁in", "er", "ou", "▁o", "▁R", "om",
+             "eo", "▁Rom", "▁Romeo", "▁wh", "ere", "▁where", "for", "▁wherefore", "ar", "▁art", "▁thou",
+             "th", "▁th"]  # fmt: skip
+    pieces = letters + words
+    tokens = control + byte_tokens + pieces
+    scores = [0.0] * (len(control) + len(byte_tokens)) + [float(s) for s in -rng.permutation(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    write_file(tmp_path / "spm.gguf", {"token_embd.weight": np.zeros((len(tokens), 8), np.float32)},
+               tokenizer_model="llama", token_list=tokens, token_scores=scores, token_types=types,
+               bos_token_id=1, eos_token_id=2, unk_token_id=0)  # fmt: skip
+    from decodekit.models.gguf_tokenizer import build_tokenizer
+
+    meta, _ = read_gguf(tmp_path / "spm.gguf")
+    tokenizer = build_tokenizer(meta, "spm.gguf")
+    ids = {t: i for i, t in enumerate(tokens)}
+    score = {t: s for t, s in zip(tokens, scores) if t in pieces}
+    byte_ids = {b: ids[f"<0x{b:02X}>"] for b in range(256)}
+    for text in ["O Romeo, Romeo, wherefore art thou Romeo?", "the and in the", "Zounds! ünïcode 7"]:
+        want = [1, *spm_reference(text, score, byte_ids, ids)]  # BOS: added by default for SentencePiece
+        assert tokenizer.encode(text) == want, text
+        assert tokenizer.decode(want, skip_special_tokens=True) == text
