@@ -13,15 +13,19 @@ is K / 32 (or K / 256 for the K-quants) blocks stored back to back:
   for the 8 sub-blocks of 32 (`get_scale_min_k4`), 128 bytes of nibbles (bytes 32c..32c+31 hold
   sub-block 2c in their low nibbles and 2c + 1 in their high ones); w = d·sc_j · q - dmin·m_j.
   -> int4 codes q - 8, group 32, scale d·sc_j and offset 8·d·sc_j - dmin·m_j (w = c·s + z).
+- q5_0, 22 bytes per 32 weights: d, 4 bytes qh (bit j: weight j's fifth bit), 16 bytes of
+  nibbles as q4_0's; w = d · (q - 16). -> int8 codes q - 16 (in -16..15), group 32, scale d.
+- q4_1 (20 bytes: d, m, nibbles) and q5_1 (24 bytes: d, m, qh, nibbles); w = d · q + m. -> int4
+  codes q - 8 (int8 codes q - 16 for q5_1), group 32, scale d, offset m + 8·d (m + 16·d).
 - Q6_K, 210 bytes per 256 weights: 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits),
   16 int8 scales, d (float16); w = d·sc_{i/16} · (q - 32). -> int8 codes q - 32 (6 bits in
   -32..31), group 16, scale d·sc. Exact, and 10 bits per weight rather than a float copy.
 
 The scales are products of a float16 and an integer below 2^7, exact in float32, so codes and
-scales reproduce ggml's weights exactly; a Q4_K offset 8·d·sc - dmin·m is one float32
-rounding away from ggml's own d·sc · q - dmin·m.
-f32, f16 and bf16 tensors are read as they are; every other type ggml-py's `gguf.quants`
-dequantises (Q5_K, Q3_K, q5_0, ...) becomes float once, at load.
+scales reproduce ggml's weights exactly; an offset (Q4_K's 8·d·sc - dmin·m, q4_1's m + 8·d)
+is one float32 rounding away from ggml's own sum.
+f32, f16 and bf16 tensors are read as they are; every other type gguf-py's `gguf.quants`
+dequantises (Q5_K, Q3_K, Q2_K, the IQ types, ...) becomes float once, at load.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import numpy as np
 import torch
 
 # ggml type name -> (bits, group) of the QuantizedLinear grid its blocks map to (module docstring).
-INTEGER_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q6_K": (8, 16)}
+INTEGER_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q6_K": (8, 16), "Q5_0": (8, 32),
+                 "Q4_1": (4, 32), "Q5_1": (8, 32)}
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -83,6 +88,41 @@ def decode_q4_0(raw: np.ndarray) -> Quantized:
                      torch.from_numpy(_float16(blocks[..., :2])))  # fmt: skip
 
 
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """The 32 four-bit values of a q4_0-style block's 16 bytes [..., 16] (low nibbles are
+    weights 0..15, high nibbles 16..31) -> int16 [..., 32]."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Bit j of q5_0/q5_1's little-endian 32-bit qh [..., 4] as 0/16 for weight j -> [..., 32]."""
+    word = np.ascontiguousarray(qh).view("<u4")  # [..., 1]
+    return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+
+
+def decode_q5_0(raw: np.ndarray) -> Quantized:
+    blocks = _blocks(raw, 22)
+    q = (_nibbles(blocks[..., 6:22]) | _fifth_bits(blocks[..., 2:6])) - 16  # [N, G, 32]
+    return Quantized(8, 32, torch.from_numpy(q.astype(np.int8).reshape(raw.shape[0], -1)),
+                     torch.from_numpy(_float16(blocks[..., :2])))  # fmt: skip
+
+
+def decode_q4_1(raw: np.ndarray) -> Quantized:
+    blocks = _blocks(raw, 20)
+    d, m = _float16(blocks[..., 0:2]), _float16(blocks[..., 2:4])
+    q = _nibbles(blocks[..., 4:20]) - 8
+    return Quantized(4, 32, torch.from_numpy(q.astype(np.int8).reshape(raw.shape[0], -1)),
+                     torch.from_numpy(d), torch.from_numpy(m + 8 * d))  # fmt: skip
+
+
+def decode_q5_1(raw: np.ndarray) -> Quantized:
+    blocks = _blocks(raw, 24)
+    d, m = _float16(blocks[..., 0:2]), _float16(blocks[..., 2:4])
+    q = (_nibbles(blocks[..., 8:24]) | _fifth_bits(blocks[..., 4:8])) - 16
+    return Quantized(8, 32, torch.from_numpy(q.astype(np.int8).reshape(raw.shape[0], -1)),
+                     torch.from_numpy(d), torch.from_numpy(m + 16 * d))  # fmt: skip
+
+
 def q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 8 six-bit scales and mins [..., 8] of Q4_K's 12 scale bytes [..., 12]
     (ggml-quants.c `get_scale_min_k4`)."""
@@ -120,7 +160,8 @@ def decode_q6_k(raw: np.ndarray) -> Quantized:
     return Quantized(8, 16, torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(scales.reshape(n, -1)))
 
 
-DECODERS = {"Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_K": decode_q4_k, "Q6_K": decode_q6_k}
+DECODERS = {"Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_K": decode_q4_k, "Q6_K": decode_q6_k,
+            "Q5_0": decode_q5_0, "Q4_1": decode_q4_1, "Q5_1": decode_q5_1}
 
 
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray | torch.Tensor | Quantized:
