@@ -79,3 +79,19 @@ def test_a_q4_0_file_from_decodekit_compress_runs_in_llama_cpp(tmp_path, one_thr
     agreement, same_ids = both(path, load_model(str(path)))
     assert same_ids
     assert agreement["positions_equal"] >= AGREEMENT["q4_0"], agreement
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "Q4_K_M", "q4_0"])
+def test_perplexity_of_the_same_file_matches_llama_cpps(fmt, files, one_thread):
+    """Issue 27's goal: held-out perplexity within 0.5 % of llama.cpp's on the same file, over
+    the same windows (the first 4,096 tokens of the Shakespeare test split, windows of 512 every
+    256; `bench packed --gguf` reports the whole split)."""
+    from decodekit.bench.gguf_files import peer_perplexity
+    from decodekit.compress.evaluate import HELD_OUT, perplexity
+
+    model = load_model(str(files[fmt]))
+    ids = model.encode(HELD_OUT["test"].read_text())[:4096]
+    ours = perplexity(model, ids, 512, 256).perplexity
+    with llamacpp.PeerSession(PEER, files[fmt], 512, 1, None) as session:
+        theirs = peer_perplexity(session, ids, 512, 256)
+    assert abs(ours / theirs - 1) <= (1e-4 if fmt == "f32" else 5e-3), (ours, theirs)

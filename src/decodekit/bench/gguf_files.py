@@ -46,6 +46,23 @@ def greedy_ids(model: Any, new_tokens: int) -> tuple[list[list[int]], list[list[
     return prompts, [list(c[0].token_ids) for c in dk.generate(model, prompts, params)]
 
 
+def peer_perplexity(session: llamacpp.PeerSession, ids: list[int], window: int, stride: int) -> float:
+    """Perplexity of `ids` by a llama.cpp session over the windows decodekit's `perplexity`
+    uses (compress/evaluate.py `windows`: each token scored once), so the two figures are of
+    the same predictions."""
+    import math
+
+    from decodekit.compress.evaluate import windows
+
+    total, count = 0.0, 0
+    for begin, end, first in windows(len(ids), window, stride):
+        logprobs = session.ask({"do": "logprobs", "ids": ids[begin:end]})["logprobs"]
+        scored = logprobs[first - begin - 1 :]  # position j's is logprobs[j - begin - 1]
+        total -= sum(scored)
+        count += len(scored)
+    return math.exp(total / count)
+
+
 def repack_for(path: Path, config: Any) -> str | None:
     """llama.cpp's CPU_REPACK pattern (bench/llamacpp.py `repack_pattern`) where every matmul
     weight it names is q4_0 in this file, else None (its q8_0 repacking crashes on x86)."""
