@@ -406,7 +406,8 @@ class QuantizedLinear(nn.Module):
             width, self.kernel_group = layout
             weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [4j >= N, width / 2]
             columns = -(-width // self.kernel_group)  # the padded width's groups
-            scales = F.pad(self.scales, (0, columns - self.scales.shape[1]))
+            padding = columns - self.scales.shape[1]  # no copy of the scales where none is needed
+            scales = F.pad(self.scales, (0, padding)) if padding else self.scales
         elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
             self.kernel_group = self.in_features // self.scales.shape[1]
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
