@@ -5,16 +5,19 @@ Its metadata becomes the config.json dict NativeConfig already parses (`gguf_con
 `general.architecture` llama, qwen2 or qwen3 (llama.cpp converts Mistral and SmolLM to
 "llama"), and under `{arch}.`: context_length, embedding_length, feed_forward_length,
 block_count, attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
-attention.sliding_window, rope.freq_base, rope.dimension_count, rope.scaling.type/factor.
-Tied embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
+attention.sliding_window, rope.freq_base, rope.dimension_count, rope.scaling.type/factor;
+Llama 3's RoPE scaling is the tensor rope_freqs.weight (`with_frequency_factors`). Tied
+embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
 The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
 
-Tensors (gguf_tensors.py): f32/f16/bf16 become the model's dtype; q8_0, q4_0, Q4_K and Q6_K
-matrices become `QuantizedLinear` layers holding the blocks' integer codes and scales (and
-Q4_K's zero points), so their packed kernels run the file's own numbers; other block types
-and quantised embeddings are dequantised once, at load. Where the parts of a fused layer
-(q/k/v, gate/up) are stored on different grids (Q4_K_M keeps attn_v in Q6_K beside Q4_K
-q and k) the layer is a `ConcatLinear` of the parts, so no part loses its grid.
+Tensors (gguf_tensors.py): f32/f16/bf16 become the model's dtype, copied once from the file's
+mapping into the layout the forward reads (`float_weight`); q8_0, q5_0, Q6_K, q4_0, Q4_K,
+q4_1 and q5_1 matrices become `QuantizedLinear` layers holding the blocks' integer codes and
+scales (and zero points where the type has minimums), so their packed kernels run the file's
+own numbers; other block types and quantised embeddings are dequantised once, at load.
+Where the parts of a fused layer (q/k/v, gate/up) are stored on different grids (Q4_K_M
+keeps attn_v in Q6_K beside Q4_K q and k) the layer is a `ConcatLinear` of the parts, so no
+part loses its grid.
 
 llama-arch q and k rows were reordered by llama.cpp's converter for ggml's RoPE
 (`gguf_tensors.unpermute_rope_rows` undoes it); qwen2/qwen3 use the Hugging Face layout as is.
