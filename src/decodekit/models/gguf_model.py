@@ -5,7 +5,8 @@ Its metadata becomes the config.json dict NativeConfig already parses (`gguf_con
 `general.architecture` llama, qwen2 or qwen3 (llama.cpp converts Mistral and SmolLM to
 "llama"), and under `{arch}.`: context_length, embedding_length, feed_forward_length,
 block_count, attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
-attention.sliding_window, rope.freq_base, rope.dimension_count, rope.scaling.type/factor;
+rope.freq_base, rope.dimension_count, rope.scaling.type/factor (no sliding window: llama.cpp
+runs these architectures without one, `gguf_config`);
 Llama 3's RoPE scaling is the tensor rope_freqs.weight (`with_frequency_factors`). Tied
 embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
 The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
@@ -128,11 +129,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
         "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors,
     }  # fmt: skip
-    window = value("attention.sliding_window", None)
-    if window:  # every layer slides, as Mistral (NativeConfig's `layer_windows`)
-        config.update(sliding_window=int(window), use_sliding_window=True, max_window_layers=0,
-                      model_type="mistral" if arch == "llama" else arch)  # fmt: skip
-        config["architectures"] = [{"llama": "MistralForCausalLM"}.get(arch, ARCHITECTURES[arch])]
+    # {arch}.attention.sliding_window is not read: llama.cpp's llama, qwen2 and qwen3 graphs
+    # attend over every position (src/models/{llama,qwen2,qwen3}.cpp), so a GGUF file of Mistral
+    # 7B v0.1 means full attention, and decodekit runs what the file means.
     return config
 
 
