@@ -538,3 +538,15 @@ def test_sentencepiece_vocabularies_tokenise_as_llama_cpp_defines(tmp_path):
         want = [1, *spm_reference(text, score, byte_ids, ids)]  # BOS: added by default for SentencePiece
         assert tokenizer.encode(text) == want, text
         assert tokenizer.decode(want, skip_special_tokens=True) == text
+
+
+def test_plan_sizes_a_gguf_file(shakespeare, tmp_path):
+    from decodekit.models.footprint import plan_memory
+
+    path = write_gguf(ASSETS / "shakespeare", tmp_path / "s.gguf")
+    plan = plan_memory(str(path), context=512)
+    assert plan["parameters"] == shakespeare.num_parameters()
+    assert plan["weight_bytes"] == 4 * plan["parameters"]
+    assert (plan["num_layers"], plan["num_kv_heads"], plan["head_dim"]) == (4, 2, 64)
+    quantised = plan_memory(str(write_gguf(ASSETS / "shakespeare", tmp_path / "q.gguf", "q4_0")), context=512)
+    assert quantised["parameters"] is None and quantised["weight_bytes"] < plan["weight_bytes"] / 2
