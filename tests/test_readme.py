@@ -174,10 +174,10 @@ def test_setup_installs_what_the_readme_says():
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["all"] == ["decodekit[constrained,server,eval,openai]"]
+    assert extras["all"] == ["decodekit[constrained,server,eval,openai,gguf]"]
     assert "decodekit[all,train]" in extras["dev"]
     assert "extras=${1:-all}" in (ROOT / "scripts" / "setup.sh").read_text()  # command 1 installs [all]
-    for package in ("llguidance", "fastapi", "uvicorn", "httpx", "matplotlib", "sacrebleu", "openai"):
+    for package in ("llguidance", "fastapi", "uvicorn", "httpx", "matplotlib", "sacrebleu", "openai", "gguf"):
         assert f"`{package}`" in README.read_text()
-        assert any(dep.startswith(package) for name in ("constrained", "server", "eval", "openai")
+        assert any(dep.startswith(package) for name in ("constrained", "server", "eval", "openai", "gguf")
                    for dep in extras[name])

@@ -97,7 +97,7 @@ def test_bfloat16_input_agrees_with_float32(in_features):
 
 def test_codes_out_of_range_are_rejected():
     qlinear = QuantizedLinear(8, 2, bits=4, bias=False)
-    with pytest.raises(ValueError, match=r"codes must lie in \[-7, 7\] for 4 bits"):
+    with pytest.raises(ValueError, match=r"codes must lie in \[-8, 7\] for 4 bits"):
         qlinear.set_codes(torch.full((2, 8), 8, dtype=torch.int8), torch.ones(2, 1))
     with pytest.raises(ValueError, match="do not fit a 2x8 layer"):
         qlinear.set_codes(torch.zeros(2, 9, dtype=torch.int8), torch.ones(2, 1))

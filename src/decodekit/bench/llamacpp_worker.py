@@ -13,6 +13,8 @@ decodekit), by file path (bench/llamacpp.py drives it):
   {"do": "prefill", "ids": [ids]}: one `eval` of the ids in a single batch, timed the same;
   {"do": "greedy", "prompts": [[ids], ...], "new_tokens": n}: {"greedy": [[ids], ...]};
   {"do": "tokenize", "texts": [str]}: {"tokenized": [[ids], ...]};
+  {"do": "logprobs", "ids": [ids]}: {"logprobs": [log p(ids[i + 1] | ids[:i + 1]) for each i]},
+  one batch from position 0 with the logits of every position (a perplexity window);
   {"do": "info"}: {"system_info": str}.
   The caller times rounds of these interleaved with its own (bench/packed.py), so a change of
   load on a shared machine moves both alike.
@@ -142,6 +144,29 @@ class Session:
             pieces += piece.raw[:count]
         return pieces.decode(errors="replace")
 
+    def logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[i + 1] | ids[: i + 1]) for i < len(ids) - 1: one batch from position 0
+        whose every position returns its logits."""
+        self.reset()
+        batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
+        try:
+            for i, token in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            batch.n_tokens = len(ids)
+            status = llama_cpp.llama_decode(self.context, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode returned {status}")
+            out = []
+            for i in range(len(ids) - 1):
+                logits = llama_cpp.llama_get_logits_ith(self.context, i)
+                row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).astype(np.float64)  # [V]
+                top = row.max()
+                out.append(float(row[ids[i + 1]] - top - np.log(np.exp(row - top).sum())))
+            return out
+        finally:
+            llama_cpp.llama_batch_free(batch)
+
     def tokenize(self, text: str) -> list[int]:
         data = text.encode()
         out = (llama_cpp.llama_token * (len(data) + 8))()
@@ -167,6 +192,8 @@ def answer(session: Session, request: dict) -> dict:
         return {"greedy": [session.greedy(p, request["new_tokens"]) for p in request["prompts"]]}
     if do == "tokenize":
         return {"tokenized": [session.tokenize(t) for t in request["texts"]]}
+    if do == "logprobs":
+        return {"logprobs": session.logprobs(request["ids"])}
     if do == "info":
         return {"system_info": llama_cpp.llama_print_system_info().decode()}
     raise ValueError(f"unknown request {do!r}")

@@ -36,6 +36,7 @@ TAKES: dict[str, tuple[str, ...]] = {
     "draft_model": ("speculative", "soak"),
     "judge_model": ("presets",),
     "peer": ("packed",),
+    "gguf": ("packed",),
     "compile": ("engine", "packed"),
     "quick": ("speculative",),
     "clients": ("speculative", "server", "beam", "soak"),
@@ -101,6 +102,9 @@ def add_bench(sub) -> None:
                    help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model in "
                    "the same rounds and with the same --threads (built by scripts/peers.sh into .peers/ or "
                    "$DECODEKIT_PEERS; reported absent without it)")
+    p.add_argument("--gguf", action="append", default=None, metavar="FILE",
+                   help="bench packed: time these GGUF files (repeatable) as decodekit loads them instead of "
+                   "--model's rows; with --peer llamacpp, llama.cpp on the same files (bench/gguf_files.py)")
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--compile", action="store_true",
                    help="bench engine/packed: decodekit runs the engine's compiled decode step "
@@ -238,6 +242,10 @@ def run_bench(args) -> None:
         from decodekit.bench.startup import bench_startup
 
         result = bench_startup(args.model, args.repeats, progress=progress)
+    elif args.which == "packed" and args.gguf:
+        from decodekit.bench.gguf_files import bench_gguf
+
+        result = bench_gguf(args.gguf, args.new_tokens, args.repeats, threads=threads or 1, peer=args.peer)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
 

@@ -144,6 +144,18 @@ def check_out_dir(path: str) -> None:
         raise UsageError(f"--out {path}: directory {str(parent)!r} is not writable")
 
 
+def check_out_file(path: str) -> None:
+    """Before a long run: `path` must be a new file in an existing, writable directory."""
+    out = Path(path).expanduser()
+    if out.exists():
+        raise UsageError(f"--out {path} exists; give a new file")
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise UsageError(f"--out {path}: directory {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {path}: directory {str(folder)!r} is not writable")
+
+
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
 ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.|$)", re.DOTALL)
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from decodekit.cli.common import UsageError, add_threads, check_out_dir, set_threads, show_progress
+from decodekit.cli.common import (
+    UsageError,
+    add_threads,
+    check_out_dir,
+    check_out_file,
+    set_threads,
+    show_progress,
+)
 
 
 def add_compress(sub) -> None:
@@ -20,7 +27,9 @@ def add_compress(sub) -> None:
                    help="calibration windows (gptq, sparsegpt; default 128)")
     p.add_argument("--calib-len", type=int, default=None, help="tokens per window (default: context)")
     p.add_argument("--calib-file", default=None, help="calibration text (default: Shakespeare val)")
-    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--out", required=True,
+                   help="output directory (new or empty), or FILE.gguf: a GGUF file (8 or 4 bits in "
+                        "groups of 32: q8_0, q4_0) that llama.cpp and `--model FILE.gguf` load")  # fmt: skip
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run_compress)
@@ -39,9 +48,15 @@ def run_compress(args) -> None:
     if given and not config.needs_calibration:
         raise UsageError(f"{given[0]} applies to the methods that calibrate (gptq, sparsegpt), "
                          f"not {args.method}")
-    check_out_dir(args.out)  # before minutes of calibration, not after
+    gguf = args.out.endswith(".gguf")
+    check_out_file(args.out) if gguf else check_out_dir(args.out)  # before minutes of calibration
     set_threads(args)  # the model loads inside compress_to_dir; None picks for a small model
-    report = compress_to_dir(args.model, config, args.out, args.calib_file, progress=show_progress(args))
+    if gguf:
+        from decodekit.compress.gguf import compress_to_gguf
+
+        report = compress_to_gguf(args.model, config, args.out, args.calib_file, progress=show_progress(args))
+    else:
+        report = compress_to_dir(args.model, config, args.out, args.calib_file, progress=show_progress(args))
     if args.json:
         print(json.dumps(report, indent=1))
         return

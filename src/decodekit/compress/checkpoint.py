@@ -27,6 +27,8 @@ def save_compressed(
             "bits": module.spec.bits,
             "group_size": module.spec.group_size,
             "bias": module.bias is not None,
+            # Zero points (GGUF's Q4_K, models/qlinear.py): named only where a layer has them.
+            **({"offsets": True} if module.offsets is not None else {}),
         }
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)

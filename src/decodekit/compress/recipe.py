@@ -203,7 +203,10 @@ def compress_to_dir(
     from decodekit.models.qlinear import kernel_counts
     from decodekit.models.registry import load_model, resolve
 
-    name, source, _ = resolve(model)
+    name, source, kind = resolve(model)
+    if kind == "gguf":
+        raise ValueError(f"model {str(model)!r} is a GGUF file; compress starts from a Hugging Face "
+                         "directory")
     if is_compressed_dir(source):
         raise ValueError(f"model {str(model)!r} is already compressed; start from the float model")
     lm = load_model(model, backend="native")

@@ -85,6 +85,7 @@ def load_compressed(model: nn.Module, path: str | Path) -> dict[str, Any] | None
                 spec["bits"],
                 spec["group_size"],
                 spec["bias"],
+                spec.get("offsets", False),
             ),
         )
     missing, unexpected = safetensors.torch.load_model(model, str(path), strict=True)

@@ -121,6 +121,22 @@ def available_memory() -> tuple[int | None, str]:
     return None, "unknown: no psutil and no /proc/meminfo MemAvailable on this system"
 
 
+def gguf_weights(path: Path, dtype: str) -> tuple[dict[str, Any], str, int, int | None]:
+    """(config.json dict, weights' dtype, weight bytes, parameters or None) of a GGUF file:
+    float tensors load in the weights' dtype ("auto" from the file's float type), block types
+    as integer codes of about their bytes in the file (int4 layers also hold the kernel's copy
+    of theirs: models/gguf_model.py); a file with block types has no float parameter count."""
+    from decodekit.models.gguf_model import gguf_config, read_gguf, stored_dtype
+    from decodekit.models.registry import resolve_dtype
+
+    meta, tensors = read_gguf(path)
+    weights_dtype = str(resolve_dtype(dtype, {"dtype": stored_dtype(tensors)})).removeprefix("torch.")
+    floats = [int(t.n_elements) for t in tensors.values() if t.tensor_type.name in ("F32", "F16", "BF16")]
+    blocks = [int(t.n_bytes) for t in tensors.values() if t.tensor_type.name not in ("F32", "F16", "BF16")]
+    weight_bytes = sum(floats) * DTYPE_BYTES[weights_dtype] + sum(blocks)
+    return gguf_config(meta, tensors, str(path)), weights_dtype, weight_bytes, None if blocks else sum(floats)
+
+
 def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: str = "auto",
                 dtype: str = "auto") -> dict[str, Any]:
     """Weight and KV-cache bytes of serving `batch_size` sequences of `context` positions, and
@@ -134,16 +150,20 @@ def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: 
         allowed = ", ".join(map(repr, ("auto", *KV_BYTES)))
         raise ValueError(f"kv_dtype must be one of {allowed}, got {kv_dtype!r}")
     name, path, kind = resolve(name_or_path)
-    if kind not in ("hf", "compressed"):
+    if kind not in ("hf", "compressed", "gguf"):
         raise ValueError(f"model {name!r} ({kind}) has no KV cache to size: give a transformer "
                          "checkpoint")
-    config = read_config(path)
+    gguf = gguf_weights(path, dtype) if kind == "gguf" else None
+    config = gguf[0] if gguf else read_config(path)
     shape = attention_shape(config)
     if shape["max_context"] and context > shape["max_context"]:
         raise ValueError(f"context must be <= {shape['max_context']} (the context of model {name!r}), "
                          f"got {context}")
-    tensors = stored_tensors(path)
-    if kind == "compressed":
+    tensors = [] if gguf else stored_tensors(path)
+    parameters = None if kind == "compressed" else sum(count for _, count in tensors)
+    if gguf:
+        _, weights_dtype, weight_bytes, parameters = gguf
+    elif kind == "compressed":
         if dtype not in ("auto", "float32"):
             raise ValueError(f"compressed model {name!r} runs in float32 only, got dtype {dtype!r}")
         weights_dtype = "float32"
@@ -159,7 +179,7 @@ def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: 
     return {
         # a compressed directory's stored elements (int4 codes two to a byte, scales) are no
         # parameter count
-        "model": name, "parameters": None if kind == "compressed" else sum(count for _, count in tensors),
+        "model": name, "parameters": parameters,
         "dtype": weights_dtype,
         "weight_bytes": weight_bytes, "kv_dtype": kv_dtype, "context": context, "batch_size": batch_size,
         **shape,

@@ -11,7 +11,15 @@ zero (seed 000's worked example: 0.5 -> 1; `torch.round` rounds half to even).
 
 Codes are kept as int8 [N, K] for 5..8 bits and packed two per byte, uint8 [N, ceil(K/2)],
 for 2..4 bits, with float32 scales [N, G] (one per output channel, or per group of K/G
-input features); that is what checkpoints store.
+input features); that is what checkpoints store. The stored range is the bits' whole
+two's-complement range, -qmax - 1..qmax: decodekit's quantisers use ±qmax, GGUF's q4_0 and
+q8_0 blocks (models/gguf_tensors.py) may hold -8 and -128.
+
+A layer may also hold zero points, `offsets` float32 [N, G], one per scale: then
+Ŵ = codes · scales + offsets (GGUF's Q4_K, whose blocks are w = d·q - m with q in 0..15,
+stored as codes q - 8 and offsets 8·d - m). Every path below computes x (codes · scales)ᵀ and
+adds (Σ_group x) offsetsᵀ, a [M, G] x [G, N] product (`offset_term`): G = K / 32 for Q4_K, so
+it reads 1/32 of the weight's elements.
 
 Each layer runs its matmuls on one of these paths, its `kernel` (`choose_kernel`; issues 15
 and 23):
@@ -285,6 +293,7 @@ class QuantizedLinear(nn.Module):
         bits: int = 8,
         group_size: int | None = None,
         bias: bool = True,
+        offsets: bool = False,
     ) -> None:
         super().__init__()
         self.spec = QuantSpec(bits, group_size)
@@ -297,6 +306,12 @@ class QuantizedLinear(nn.Module):
             codes = torch.zeros(out_features, in_features, dtype=torch.int8)
         self.register_buffer("qweight", codes)
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float32))
+        # Zero points (module docstring): Ŵ = codes · scales + offsets.
+        self.offsets: torch.Tensor | None
+        if offsets:
+            self.register_buffer("offsets", torch.zeros(out_features, groups, dtype=torch.float32))
+        else:
+            self.offsets = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
         else:
@@ -332,20 +347,31 @@ class QuantizedLinear(nn.Module):
             module.bias.data.copy_(linear.bias.detach().to(torch.float32))
         return module
 
-    def set_codes(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """Store codes int8 [N, K] (in ±qmax) and scales [N, G]."""
+    def set_codes(
+        self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
+    ) -> None:
+        """Store codes int8 [N, K] (in -qmax - 1..qmax), scales [N, G] and, for a layer built
+        with `offsets=True`, its zero points [N, G]."""
         n, k = self.out_features, self.in_features
         if codes.shape != (n, k) or scales.shape != self.scales.shape:
             raise ValueError(
                 f"codes {tuple(codes.shape)} / scales {tuple(scales.shape)} do not fit a "
                 f"{n}x{k} layer with scales {tuple(self.scales.shape)}"
             )
+        if (offsets is None) != (self.offsets is None):
+            raise ValueError(f"this layer {'needs' if self.offsets is not None else 'has no'} offsets")
+        if offsets is not None and offsets.shape != self.scales.shape:
+            raise ValueError(
+                f"offsets {tuple(offsets.shape)} must have the scales' shape {tuple(self.scales.shape)}"
+            )
         qmax = self.spec.qmax
-        if codes.numel() and (codes.min() < -qmax or codes.max() > qmax):
-            raise ValueError(f"codes must lie in [-{qmax}, {qmax}] for {self.spec.bits} bits")
+        if codes.numel() and (codes.min() < -qmax - 1 or codes.max() > qmax):
+            raise ValueError(f"codes must lie in [-{qmax + 1}, {qmax}] for {self.spec.bits} bits")
         codes = codes.to(torch.int8)
         self.qweight.copy_(pack_int4(codes) if self.packed else codes)
         self.scales.copy_(scales.to(torch.float32))
+        if offsets is not None:
+            self.offsets.copy_(offsets.to(torch.float32))
         self.prepare_kernel()
 
     def set_kernel(self, kernel: str) -> None:
@@ -380,7 +406,8 @@ class QuantizedLinear(nn.Module):
             width, self.kernel_group = layout
             weight = kernels.pack_int4_blocks(self.codes(), width)  # uint8 [4j >= N, width / 2]
             columns = -(-width // self.kernel_group)  # the padded width's groups
-            scales = F.pad(self.scales, (0, columns - self.scales.shape[1]))
+            padding = columns - self.scales.shape[1]  # no copy of the scales where none is needed
+            scales = F.pad(self.scales, (0, padding)) if padding else self.scales
         elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
             self.kernel_group = self.in_features // self.scales.shape[1]
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
@@ -394,8 +421,12 @@ class QuantizedLinear(nn.Module):
         return unpack_int4(self.qweight, self.in_features) if self.packed else self.qweight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Ŵ [N, K] in `dtype`."""
-        return dequantize(self.codes(), self.scales).to(dtype)
+        """Ŵ [N, K] in `dtype` (with the offsets, where the layer has them)."""
+        weight = dequantize(self.codes(), self.scales)
+        if self.offsets is not None:
+            n, k = weight.shape
+            weight = (weight.view(n, self.offsets.shape[1], -1) + self.offsets[..., None]).view(n, k)
+        return weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel in NATIVE_KERNELS and torch.compiler.is_compiling() and not kernels.traceable():
@@ -403,10 +434,13 @@ class QuantizedLinear(nn.Module):
         elif self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
             rows = x.numel() // self.in_features
             if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:
-                return self.native_matmul(x)
+                y = self.native_matmul(x)
+                return y if self.offsets is None else y + offset_term(x, self.offsets)
             y = self.packed_matmul(x)  # a prefill: one bfloat16 GEMM (module docstring)
         else:
             y = self.unpacked_matmul(x)
+        if self.offsets is not None:
+            y = y + offset_term(x, self.offsets)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -438,14 +472,23 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
         if x.numel() // self.in_features < self.spec.group_size:
             return grouped_matmul(x, self.codes(), scales)
-        return F.linear(x, self.dequantized_weight(x.dtype))
+        return F.linear(x, dequantize(self.codes(), self.scales, x.dtype))  # offsets: forward adds them
 
     def extra_repr(self) -> str:
         group = "channel" if self.spec.group_size is None else f"group={self.spec.group_size}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bits={self.spec.bits}, {group}, bias={self.bias is not None}, kernel={self.kernel}"
+            f"bits={self.spec.bits}, {group}, bias={self.bias is not None}, "
+            f"offsets={self.offsets is not None}, kernel={self.kernel}"
         )
+
+
+def offset_term(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(Σ_group x) offsetsᵀ: what zero points [N, G] add to x [..., K] Ŵᵀ. Returns [..., N]
+    in x's dtype, summed in float32."""
+    groups = offsets.shape[1]
+    sums = x.float().reshape(*x.shape[:-1], groups, x.shape[-1] // groups).sum(-1)  # [..., G]
+    return (sums @ offsets.T).to(x.dtype)
 
 
 def _prepare_after_load(module: QuantizedLinear, incompatible_keys: object) -> None:

@@ -1,4 +1,5 @@
-"""`load_model(name_or_path)`: an embedded model by name, or a local checkpoint directory.
+"""`load_model(name_or_path)`: an embedded model by name, a local checkpoint directory, or a
+local GGUF file (models/gguf_model.py).
 
 Embedded models live in `models/assets/` and are listed in `assets/registry.json`
 (a dict keyed by name: directory, kind, description and measured figures). No
@@ -95,7 +96,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
-    """(name, directory, kind) of an embedded name or a local directory."""
+    """(name, directory or file, kind) of an embedded name, a local directory or a GGUF file."""
     text = str(name_or_path)
     models = embedded_models()
     if text in models:
@@ -108,7 +109,12 @@ def resolve(name_or_path: str | Path) -> tuple[str, Path, str]:
             kind = "compressed"  # written by `decodekit compress` (models/compressed.py)
         return path.name, path, kind
     if path.exists():
-        raise ValueError(f"model path {text!r} is a file; expected a checkpoint directory")
+        from decodekit.models.gguf_model import is_gguf
+
+        if is_gguf(path) or path.suffix == ".gguf":  # a .gguf that is not GGUF: read_gguf says why
+            return path.stem, path, "gguf"
+        raise ValueError(f"model path {text!r} is a file but not a GGUF file; expected a checkpoint "
+                         "directory or a .gguf file")
     if HUB_ID.fullmatch(text):  # "org/name": a Hugging Face hub ID, not a directory here
         local = "./" + text.rsplit("/", 1)[1]
         raise ValueError(
@@ -131,7 +137,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
 ) -> LanguageModel:
-    """Load an embedded model by name or a local checkpoint directory.
+    """Load an embedded model by name, a local checkpoint directory or a GGUF file.
 
     backend: "auto" (our native forward when the architecture is supported, else
     transformers), "native" or "hf". dtype: of the weights, activations and KV cache:
@@ -140,7 +146,8 @@ def load_model(
     `resolve_dtype`'s); the logits are float32 whatever
     it is. device: "cpu" (the default), "cuda", "mps" or "auto" (CUDA where available):
     activations, KV cache and logits live there too. N-gram models run on the CPU in
-    float32; compressed models in float32.
+    float32; compressed models in float32. A GGUF file runs on the native backend; "auto"
+    starts from its float tensors' type (models/gguf_model.py).
     """
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend must be 'auto', 'native' or 'hf', got {backend!r}")
@@ -160,6 +167,12 @@ def load_model(
         from decodekit.models.ngram import NGramLM
 
         return NGramLM.load(path)
+    if kind == "gguf":
+        if backend == "hf":
+            raise ValueError(f"GGUF model {name!r} runs on the native backend only, got backend='hf'")
+        from decodekit.models.gguf_model import load_gguf
+
+        return load_gguf(path, dtype=dtype, name=name, device=torch_device)
     if kind == "compressed":
         if backend == "hf":
             raise ValueError(f"compressed model {name!r} runs on the native backend only")

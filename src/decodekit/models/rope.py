@@ -8,6 +8,9 @@ the angle position * inv_freq_i. Scalings change only `inv_freq`:
             (bloc97/emozilla; transformers `_compute_dynamic_ntk_parameters`)
 - llama3:   low frequencies / factor, high frequencies kept, a smooth ramp between
             (Llama 3.1; transformers `_compute_llama3_parameters`)
+- frequency_factors: inv_freq_i / f_i for given per-frequency divisors (any kind): how GGUF
+            files store Llama 3's scaling (tensor rope_freqs.weight; llama.cpp's rope divides
+            theta_i by it), models/gguf_model.py
 cos/sin tables are computed once in float32 exactly as transformers does, then sliced.
 """
 
@@ -32,6 +35,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_positions: int = 2048
     max_positions: int = 2048  # the model's max_position_embeddings (dynamic NTK threshold)
+    frequency_factors: tuple[float, ...] = ()  # per-frequency divisors of inv_freq (module docstring)
 
     def __post_init__(self):
         if self.kind not in ROPE_TYPES:
@@ -40,6 +44,9 @@ class RopeConfig:
             raise ValueError(f"head_dim must be a positive even number, got {self.head_dim}")
         if self.kind != "default" and self.factor <= 0:
             raise ValueError(f"rope factor must be > 0, got {self.factor}")
+        if self.frequency_factors and len(self.frequency_factors) != self.head_dim // 2:
+            raise ValueError(f"frequency_factors must have head_dim / 2 = {self.head_dim // 2} entries, "
+                             f"got {len(self.frequency_factors)}")
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +83,8 @@ def inverse_frequencies(rope: RopeConfig, num_positions: int) -> torch.Tensor:
         theta = theta * stretch ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (theta**exponents)
+    if rope.frequency_factors:
+        inv_freq = inv_freq / torch.tensor(rope.frequency_factors, dtype=torch.float32)
     if rope.kind == "linear":
         return inv_freq / rope.factor
     if rope.kind == "llama3":

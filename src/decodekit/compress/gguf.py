@@ -1,0 +1,277 @@
+"""Writing a Hugging Face checkpoint directory, or a directory `decodekit compress` wrote, as a
+GGUF file (issue 27): what `decodekit compress ... --out FILE.gguf` runs, and what the GGUF
+tests build their files with.
+
+The layout is llama.cpp's converter's (convert_hf_to_gguf.py), so the file loads in llama.cpp
+and in `load_model` (models/gguf_model.py): the metadata keys of gguf-py's `Keys`, tensor
+names of its `TENSOR_NAMES`, q and k rows of llama-arch models reordered for ggml's RoPE
+(the inverse of `gguf_tensors.unpermute_rope_rows`), and the tokenizer as a byte-level BPE
+("gpt2") vocabulary. Matrices are stored as `tensor_type` (f32, f16, bf16, q8_0 or q4_0,
+quantised by gguf-py's `gguf.quants.quantize`, which follows ggml's reference quantisers;
+one whose input width is not a multiple of 32 is stored as f16, as llama.cpp falls back);
+vectors (norms, biases) stay f32, as llama.cpp keeps them.
+
+A compressed directory (models/compressed.py) keeps its own codes: a QuantizedLinear of 8 bits
+in groups of 32 becomes q8_0 blocks, one of 4 bits in groups of 32 q4_0 blocks (codes c in
+-8..7 stored as c + 8), each scale rounded to the blocks' float16 (a relative change of at
+most 2^-11 per group: the one difference between the file and decodekit's model); its float
+layers are stored as f32. Other grids raise ValueError naming the layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TENSOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(name: str) -> str:
+    """GGUF's name of a transformers tensor name ("model.layers.3.mlp.up_proj.weight" ->
+    "blk.3.ffn_up.weight")."""
+    module, suffix = name.rsplit(".", 1)
+    if module in TOP:
+        return f"{TOP[module]}.{suffix}"
+    parts = module.split(".")
+    if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in NAMES:
+        raise ValueError(f"tensor {name!r} has no GGUF name (a Llama-family decoder has none like it)")
+    return f"blk.{parts[2]}.{NAMES['.'.join(parts[3:])]}.{suffix}"
+
+
+def rope_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order for a llama-arch model (convert_hf_to_gguf.py
+    `LlamaModel.permute`): per head, halves interleaved into adjacent pairs."""
+    shape = rows.shape
+    return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def encode_tensor(values: np.ndarray, tensor_type: str) -> tuple[np.ndarray, Any]:
+    """(data, gguf raw dtype or None) of a float32 tensor stored as `tensor_type`."""
+    from gguf import GGMLQuantizationType, quants
+
+    if values.ndim == 1 or tensor_type == "f32":
+        return values.astype(np.float32), None
+    if tensor_type == "f16" or (tensor_type in ("q8_0", "q4_0") and values.shape[-1] % 32):
+        return values.astype(np.float16), None
+    kind = GGMLQuantizationType[tensor_type.upper()]
+    return quants.quantize(values.astype(np.float32), kind), kind
+
+
+def pre_tokenizer_name(spec: dict[str, Any], model_dir: Path) -> str:
+    """tokenizer.ggml.pre for a tokenizer.json: "gpt-2" for ByteLevel with GPT-2's split, else
+    the name whose split regex (models/gguf_tokenizer.py `PRE_TOKENIZERS`) it splits by."""
+    from decodekit.models.gguf_tokenizer import PRE_TOKENIZERS
+
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and steps and steps[0].get("type") == "Split":
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        for name, (known, _, _) in PRE_TOKENIZERS.items():
+            if known is not None and known == pattern:
+                return name
+    raise ValueError(f"{model_dir}: tokenizer.json's pre-tokenizer is none GGUF names "
+                     f"(known: ByteLevel with GPT-2's split, or the splits of {sorted(PRE_TOKENIZERS)})")
+
+
+def tokenizer_metadata(writer: Any, model_dir: Path, config: dict[str, Any], arch: str) -> None:
+    """The byte-level BPE vocabulary of tokenizer.json as tokenizer.ggml.* keys."""
+    from gguf import TokenType
+
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    if spec["model"]["type"] != "BPE":
+        kind = spec["model"]["type"]
+        raise ValueError(f"{model_dir}: GGUF writing takes a byte-level BPE tokenizer, got {kind}")
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+    size = max(int(config["vocab_size"]), max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [TokenType.UNUSED] * size
+    for token, index in vocab.items():
+        tokens[index] = token
+        types[index] = TokenType.CONTROL if token in special else TokenType.NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer_name(spec, model_dir))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    extra = json.loads(tokenizer_config.read_text()) if tokenizer_config.exists() else {}
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("pad", writer.add_pad_token_id)):  # fmt: skip
+        token = extra.get(f"{key}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        index = vocab.get(token) if token is not None else config.get(f"{key}_token_id")
+        if isinstance(index, int):
+            add(index)
+    # A template processor that puts a token before "$A" adds BOS (llama.cpp's add_bos_token).
+    single = (spec.get("post_processor") or {}).get("single") or []
+    writer.add_add_bos_token(bool(single) and "SpecialToken" in single[0])
+    if extra.get("chat_template"):
+        writer.add_chat_template(extra["chat_template"])
+
+
+def code_blocks(codes: Any, scales: Any, bits: int, where: str) -> tuple[np.ndarray, Any]:
+    """(uint8 [N, bytes], gguf type) of a QuantizedLinear's codes int8 [N, K] and scales [N, K/32]
+    as q8_0 or q4_0 blocks (ggml-common.h `block_q8_0`, `block_q4_0`; module docstring)."""
+    from gguf import GGMLQuantizationType
+
+    n, k = codes.shape
+    if scales.shape[1] * 32 != k or bits not in (4, 8):
+        raise ValueError(f"{where}: GGUF takes 8- or 4-bit codes in groups of 32 (q8_0, q4_0), got "
+                         f"{bits} bits with {k // scales.shape[1]} inputs per scale")  # fmt: skip
+    d = scales.float().numpy().astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # [N, G, 2]
+    c = codes.numpy().astype(np.int16).reshape(n, -1, 32)  # [N, G, 32]
+    if bits == 8:
+        quants, kind = c.astype(np.int8).view(np.uint8), GGMLQuantizationType.Q8_0
+    else:
+        q = (c + 8).astype(np.uint8)
+        quants, kind = q[..., :16] | (q[..., 16:] << 4), GGMLQuantizationType.Q4_0
+    return np.concatenate([d, quants], axis=-1).reshape(n, -1), kind
+
+
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def compressed_tensors(model_dir: Path, config: Any) -> dict[str, Any]:
+    """Transformers-named tensors of a compressed directory (`config`: its NativeConfig): float
+    tensors, and (codes, scales, bits) for each part of a QuantizedLinear, the fused q/k/v and
+    gate/up split back into their parts."""
+    from decodekit.models.compressed import load_compressed_dir
+    from decodekit.models.qlinear import QuantizedLinear
+
+    net = load_compressed_dir(model_dir).net
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    ff = config.intermediate_size
+    state: dict[str, Any] = {}
+    for name, module in net.named_modules():
+        tied = name == "lm_head" and config.tie_word_embeddings
+        if tied or not isinstance(module, QuantizedLinear | torch.nn.Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        prefix = f"model.{parent}." if parent else ""
+        widths = {"qkv_proj": [q, kv, kv], "gate_up_proj": [ff, ff]}.get(leaf, [module.out_features])
+        if isinstance(module, QuantizedLinear):
+            codes, scales = module.codes().split(widths), module.scales.split(widths)
+            values = [(c, sc, module.spec.bits) for c, sc in zip(codes, scales, strict=True)]
+        else:
+            values = list(module.weight.detach().split(widths))
+        biases = [None] * len(widths) if module.bias is None else list(module.bias.detach().split(widths))
+        for part, value, bias in zip(FUSED_PARTS.get(leaf, (leaf,)), values, biases, strict=True):
+            state[f"{prefix}{part}.weight"] = value
+            if bias is not None:
+                state[f"{prefix}{part}.bias"] = bias
+    for name, parameter in net.named_parameters():
+        if name.endswith("norm.weight") or name == "embed_tokens.weight":
+            state[f"model.{name}"] = parameter.detach()
+    return state
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32") -> Path:
+    """Write the checkpoint in `model_dir` (config.json, safetensors, tokenizer.json; or a
+    compressed directory) as the GGUF file `out` with float matrices stored as `tensor_type`
+    (module docstring)."""
+    from decodekit.models.checkpoint import load_safetensors, read_config
+    from decodekit.models.compressed import COMPRESSION_FILE
+    from decodekit.models.native import NativeConfig
+    from decodekit.optional import require
+
+    gguf = require("gguf", "gguf", "writing GGUF files")
+    if tensor_type not in TENSOR_TYPES:
+        raise ValueError(f"tensor_type must be one of {', '.join(TENSOR_TYPES)}, got {tensor_type!r}")
+    model_dir, out = Path(model_dir), Path(out)
+    config = read_config(model_dir)
+    parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
+    arch = ARCHS[parsed.model_type]
+    compressed = (model_dir / COMPRESSION_FILE).exists()
+    state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)
+    if compressed:
+        tensor_type = "f32"  # the float layers; the quantised ones keep their codes
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(model_dir.name)
+    writer.add_context_length(parsed.max_positions)
+    writer.add_embedding_length(parsed.hidden_size)
+    writer.add_feed_forward_length(parsed.intermediate_size)
+    writer.add_block_count(parsed.num_layers)
+    writer.add_head_count(parsed.num_heads)
+    writer.add_head_count_kv(parsed.num_kv_heads)
+    writer.add_key_length(parsed.head_dim)
+    writer.add_value_length(parsed.head_dim)
+    writer.add_rope_dimension_count(parsed.head_dim)
+    writer.add_rope_freq_base(parsed.rope.theta)
+    writer.add_layer_norm_rms_eps(parsed.rms_norm_eps)
+    writer.add_vocab_size(parsed.vocab_size)
+    if parsed.rope.kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(parsed.rope.factor)
+    elif parsed.rope.kind == "llama3":  # as llama.cpp's converter: per-frequency divisors
+        from dataclasses import replace
+
+        from decodekit.models.rope import inverse_frequencies
+
+        plain = inverse_frequencies(replace(parsed.rope, kind="default"), 0)
+        factors = (plain / inverse_frequencies(parsed.rope, 0)).numpy().astype(np.float32)
+        writer.add_tensor("rope_freqs.weight", factors)
+    elif parsed.rope.kind != "default":
+        raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE, "
+                         f"got {parsed.rope.kind!r}")
+    if parsed.layer_windows:
+        raise ValueError(f"{model_dir}: GGUF writing does not take sliding-window attention")
+    writer.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}[tensor_type])
+    tokenizer_metadata(writer, model_dir, config, arch)
+    heads = {"q_proj": parsed.num_heads, "k_proj": parsed.num_kv_heads}
+    for name, tensor in state.items():
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and parsed.tie_word_embeddings):
+            continue
+        projection = name.split(".")[-2]
+        if isinstance(tensor, tuple):
+            data, raw_dtype = code_blocks(*tensor, where=f"{model_dir}: {name}")
+        else:
+            data, raw_dtype = encode_tensor(tensor.float().numpy(), tensor_type)
+        if arch == "llama" and projection in heads:
+            data = rope_permute(data, heads[projection])  # whole rows, so blocks move intact
+        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def compress_to_gguf(model: str | Path, config: Any, out: str | Path, calib_file: str | Path | None = None,
+                     progress: bool = False) -> dict[str, Any]:  # fmt: skip
+    """`decodekit compress MODEL ... --out FILE.gguf`: compress as `recipe.compress_to_dir`
+    does (`config`: a CompressConfig), then write the result as GGUF (module docstring). A
+    quantising method needs 8 or 4 bits in groups of 32 (q8_0, q4_0); a layer whose width 32
+    does not divide stays float (f32 in the file), as compress leaves it. Returns its report,
+    `out` and `disk_bytes` the file's."""
+    import tempfile
+
+    from decodekit.compress.apply import QUANT_METHODS
+    from decodekit.compress.recipe import compress_to_dir
+
+    if config.method in QUANT_METHODS:
+        bits = config.bits or (8 if config.method == "rtn" else 4)
+        if bits not in (4, 8) or config.group_size != 32:
+            raise ValueError(f"GGUF stores 8- or 4-bit codes in groups of 32 (q8_0, q4_0): give bits 8 or 4 "
+                             f"and group 32, got bits {bits} and group {config.group_size}")  # fmt: skip
+    out = Path(out)
+    with tempfile.TemporaryDirectory(prefix="decodekit-compress-") as folder:
+        report = compress_to_dir(model, config, Path(folder) / "model", calib_file, progress)
+        write_gguf(Path(folder) / "model", out)
+    return {**report, "out": str(out), "disk_bytes": out.stat().st_size, "format": "gguf"}

@@ -1,0 +1,370 @@
+"""`load_model("model.gguf")`: a GGUF file (llama.cpp's format) as a NativeLM (issue 27).
+
+The file is read with gguf-py (`gguf.GGUFReader`, llama.cpp's own reader; the `gguf` extra).
+Its metadata becomes the config.json dict NativeConfig already parses (`gguf_config`):
+`general.architecture` llama, qwen2 or qwen3 (llama.cpp converts Mistral and SmolLM to
+"llama"), and under `{arch}.`: context_length, embedding_length, feed_forward_length,
+block_count, attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
+rope.freq_base, rope.dimension_count, rope.scaling.type/factor (no sliding window: llama.cpp
+runs these architectures without one, `gguf_config`);
+Llama 3's RoPE scaling is the tensor rope_freqs.weight (`with_frequency_factors`). Tied
+embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
+The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
+
+Tensors (gguf_tensors.py): f32/f16/bf16 become the model's dtype, copied once from the file's
+mapping into the layout the forward reads (`float_weight`); q8_0, q5_0, Q6_K, q4_0, Q4_K,
+q4_1 and q5_1 matrices become `QuantizedLinear` layers holding the blocks' integer codes and
+scales (and zero points where the type has minimums), so their packed kernels run the file's
+own numbers; other block types and quantised embeddings are dequantised once, at load.
+Where the parts of a fused layer (q/k/v, gate/up) are stored on different grids (Q4_K_M
+keeps attn_v in Q6_K beside Q4_K q and k) the layer is a `ConcatLinear` of the parts, so no
+part loses its grid.
+
+llama-arch q and k rows were reordered by llama.cpp's converter for ggml's RoPE
+(`gguf_tensors.unpermute_rope_rows` undoes it); qwen2/qwen3 use the Hugging Face layout as is.
+
+Errors: a file that is not GGUF, is truncated or is corrupt, an architecture, metadata value
+or tensor type NativeLM cannot run, or a missing, unexpected or misshapen tensor raise one
+ValueError naming the file and the value, before a model exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from decodekit.models.gguf_tensors import FLOAT_TYPES, INTEGER_TYPES, Quantized, decode, unpermute_rope_rows
+from decodekit.models.native import LlamaNet, NativeConfig, NativeLM, transpose_weight_layout
+from decodekit.models.qlinear import QuantizedLinear
+
+MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF tensor names (llama.cpp's gguf-py `TENSOR_NAMES`) -> NativeLM's, per layer.
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+}  # fmt: skip
+FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "mlp.gate_up_proj": ("ffn_gate", "ffn_up")}
+SINGLE = {"self_attn.o_proj": "attn_output", "mlp.down_proj": "ffn_down"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == MAGIC
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metadata key -> value, tensor name -> gguf ReaderTensor) of a GGUF file; ValueError
+    naming the file when it is not GGUF, is truncated or cannot be parsed."""
+    path = Path(path)
+    if not is_gguf(path):
+        with path.open("rb") as handle:
+            start = handle.read(4)
+        raise ValueError(f"{path}: not a GGUF file (it starts with {start!r}, GGUF files with {MAGIC!r})")
+    from decodekit.optional import require
+
+    gguf = require("gguf", "gguf", "reading GGUF files")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as error:
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({error})") from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = tensor.data_offset + tensor.n_bytes
+        if end > size or tensor.data.nbytes != tensor.n_bytes:
+            raise ValueError(f"{path}: truncated GGUF file: tensor {tensor.name!r} ends at byte {end}, "
+                             f"the file has {size}")  # fmt: skip
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    return meta, {tensor.name: tensor for tensor in reader.tensors}
+
+
+def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
+    """The config.json dict of a GGUF file's metadata (module docstring)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        allowed = sorted(ARCHITECTURES)
+        raise ValueError(f"{where}: general.architecture must be one of {allowed}, got {arch!r}")
+
+    def value(key: str, default: Any = KeyError) -> Any:
+        if f"{arch}.{key}" in meta:
+            return meta[f"{arch}.{key}"]
+        if default is KeyError:
+            raise ValueError(f"{where}: metadata {arch}.{key} is missing")
+        return default
+
+    hidden, heads = int(value("embedding_length")), int(value("attention.head_count"))
+    kv_heads = value("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise ValueError(f"{where}: {arch}.attention.head_count_kv must be one number, got one per layer")
+    head_dim = int(value("attention.key_length", hidden // heads))
+    if int(value("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{where}: {arch}.rope.dimension_count must equal the head size {head_dim} "
+                         f"(partial RoPE is not supported), got {value('rope.dimension_count')}")  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": decimal(value("rope.freq_base", 10000.0))}
+    scaling = value("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=decimal(value("rope.scaling.factor")))
+    elif scaling != "none":
+        raise ValueError(f"{where}: {arch}.rope.scaling.type must be 'none' or 'linear', "
+                         f"got {scaling!r}")
+    embedding = tensors.get("token_embd.weight")
+    rows = 0 if embedding is None else int(embedding.shape[1])
+    vocab = len(meta.get("tokenizer.ggml.tokens") or []) or rows
+    config = {
+        "model_type": arch, "architectures": [ARCHITECTURES[arch]], "hidden_act": "silu",
+        "vocab_size": int(value("vocab_size", vocab)), "hidden_size": hidden,
+        "intermediate_size": int(value("feed_forward_length")),
+        "num_hidden_layers": int(value("block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": int(kv_heads), "head_dim": head_dim,
+        "rms_norm_eps": decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(value("context_length", 2048)), "rope_parameters": rope,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_output.bias" in tensors,
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }  # fmt: skip
+    # {arch}.attention.sliding_window is not read: llama.cpp's llama, qwen2 and qwen3 graphs
+    # attend over every position (src/models/{llama,qwen2,qwen3}.cpp), so a GGUF file of Mistral
+    # 7B v0.1 means full attention, and decodekit runs what the file means.
+    return config
+
+
+def with_frequency_factors(config: NativeConfig, tensors: dict[str, Any], where: str) -> NativeConfig:
+    """`config` with the RoPE frequency divisors of tensor rope_freqs.weight, where the file has
+    one (Llama 3's scaling as llama.cpp's converter stores it; models/rope.py)."""
+    import dataclasses
+
+    tensor = tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return config
+    if tensor.tensor_type.name != "F32":
+        raise ValueError(f"tensor 'rope_freqs.weight' must be F32, got {tensor.tensor_type.name}")
+    factors = tuple(float(f) for f in np.asarray(tensor.data, dtype=np.float32).reshape(-1))
+    return dataclasses.replace(config, rope=dataclasses.replace(config.rope, frequency_factors=factors))
+
+
+def decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
+    9.99999997e-07): the number config.json held before conversion."""
+    return float(str(np.float32(value)))
+
+
+def stored_dtype(tensors: dict[str, Any]) -> str:
+    """The float dtype the file's float matrices are stored in (dtype "auto" starts there):
+    "bfloat16" or "float16" where any 2-D tensor is, else "float32"."""
+    names = {t.tensor_type.name for t in tensors.values() if len(t.shape) == 2}
+    return "bfloat16" if "BF16" in names else "float16" if "F16" in names else "float32"
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim(0)`; a no-op
+    elsewhere). Loading frees many tensor-sized temporaries (a block type's unpacked codes, a
+    fused layer's parts) in the middle of the heap, where glibc keeps them: measured on a 240M
+    q4_0 file, they held 2x the model's bytes of resident memory until trimmed."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection whose parts keep their own layers (module docstring): x [..., in] ->
+    the parts' outputs concatenated, [..., sum of out]."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def float_weight(parts: list[np.ndarray | torch.Tensor | Quantized], dtype: torch.dtype,
+                 transposed: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """The parts' rows stacked into one weight [N, K] of `dtype`, each part copied once into
+    place; a float32 one laid out as the transpose of a contiguous [K, N], the layout
+    `native.transpose_weight_layout` gives float32 weights (which then leaves it as it is),
+    so no second copy is made (`transposed` False: row-major whatever the dtype). A file's
+    array is read straight from its mapping."""
+    values = [p.dequantize() if isinstance(p, Quantized) else p for p in parts]
+    rows, k = sum(v.shape[0] for v in values), values[0].shape[1]
+    transposed = dtype == torch.float32 if transposed is None else transposed
+    weight = torch.empty((k, rows) if transposed else (rows, k), dtype=dtype)
+    at = 0
+    for value in values:
+        target = weight[:, at : at + value.shape[0]] if transposed else weight[at : at + value.shape[0]]
+        if isinstance(value, np.ndarray) and dtype != torch.bfloat16:
+            np.copyto(target.numpy(), value.T if transposed else value, casting="same_kind")
+        else:
+            value = torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
+            target.copy_(value.T if transposed else value)
+        at += value.shape[0]
+    return weight.t() if transposed else weight
+
+
+def linear_layer(
+    weight: torch.Tensor | Quantized, bias: torch.Tensor | None, dtype: torch.dtype
+) -> nn.Module:
+    """An nn.Linear over a float weight [N, K] (in `dtype`, from `float_weight`), or a
+    QuantizedLinear over a grid."""
+    n, k = weight.shape
+    if isinstance(weight, Quantized):
+        has_offsets = weight.offsets is not None
+        layer = QuantizedLinear(k, n, weight.bits, weight.group_size, bias is not None, has_offsets)
+        layer.set_codes(weight.codes, weight.scales, weight.offsets)
+        if bias is not None:
+            layer.bias.data.copy_(bias.float())
+        return layer
+    with torch.device("meta"):
+        layer = nn.Linear(k, n, bias=bias is not None)
+    layer.weight = nn.Parameter(float_weight([weight], dtype) if weight.dtype != dtype else weight,
+                                requires_grad=False)  # fmt: skip
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return layer
+
+
+def fused_layer(parts: list[torch.Tensor | Quantized], biases: list[torch.Tensor | None],
+                dtype: torch.dtype) -> nn.Module:  # fmt: skip
+    """One layer for the concatenated parts: float parts, or grids of the same bits and group,
+    are concatenated into one; mixed parts become a ConcatLinear."""
+    if len({b is None for b in biases}) > 1:
+        raise ValueError("a fused layer's parts must all have a bias or none")
+    bias = None if biases[0] is None else torch.cat(biases)
+    if all(not isinstance(p, Quantized) for p in parts):
+        return linear_layer(float_weight(parts, dtype), bias, dtype)
+    grids = {(p.bits, p.group_size) if isinstance(p, Quantized) else None for p in parts}
+    if len(grids) == 1:
+        offsets = None
+        if any(p.offsets is not None for p in parts):
+            offsets = torch.cat([torch.zeros_like(p.scales) if p.offsets is None else p.offsets
+                                 for p in parts])  # fmt: skip
+        first = parts[0]
+        grid = Quantized(first.bits, first.group_size, torch.cat([p.codes for p in parts]),
+                         torch.cat([p.scales for p in parts]), offsets)  # fmt: skip
+        return linear_layer(grid, bias, dtype)
+    layers = [linear_layer(p if isinstance(p, Quantized) else float_weight([p], dtype), b, dtype)
+              for p, b in zip(parts, biases, strict=True)]  # fmt: skip
+    return ConcatLinear(layers)
+
+
+class _Tensors:
+    """The file's tensors, each decoded once when taken; names never taken are unexpected."""
+
+    def __init__(self, tensors: dict[str, Any], where: str, config: NativeConfig, arch: str):
+        self.tensors, self.where, self.config, self.arch = tensors, where, config, arch
+        self.taken: set[str] = set()
+
+    def take(
+        self, name: str, shape: tuple[int, ...], required: bool = True
+    ) -> torch.Tensor | Quantized | None:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            if required:
+                raise ValueError(f"{self.where}: tensor {name!r} is missing")
+            return None
+        self.taken.add(name)
+        stored = tuple(reversed([int(d) for d in tensor.shape]))  # ggml's ne order is [K, N]
+        if stored != shape:
+            raise ValueError(f"{self.where}: tensor {name!r} has shape {list(stored)}, the metadata "
+                             f"implies {list(shape)}")  # fmt: skip
+        type_name = tensor.tensor_type.name
+        raw = tensor.data
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        heads = {"attn_q": self.config.num_heads, "attn_k": self.config.num_kv_heads}.get(part)
+        if self.arch == "llama" and heads is not None:
+            raw = unpermute_rope_rows(np.asarray(raw), heads)
+        try:
+            value = decode(raw, type_name, shape)
+        except NotImplementedError:
+            supported = ", ".join([*FLOAT_TYPES, *INTEGER_TYPES])
+            raise ValueError(f"{self.where}: tensor {name!r} has type {type_name}, which decodekit cannot "
+                             f"read (supported: {supported} and what gguf.quants dequantises)") from None
+        if isinstance(value, np.ndarray) and len(shape) == 1:
+            return torch.from_numpy(np.array(value))  # vectors (norms, biases): copied now
+        return value
+
+    def float(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, transposed: bool = False
+              ) -> nn.Parameter:  # fmt: skip
+        """A float parameter: a vector, or a matrix laid out by `float_weight`."""
+        value = self.take(name, shape)
+        value = float_weight([value], dtype, transposed) if len(shape) == 2 else value.to(dtype)
+        return nn.Parameter(value, requires_grad=False)
+
+
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | None = None,
+              device: str | torch.device = "cpu") -> NativeLM:  # fmt: skip
+    """The NativeLM of a GGUF file (module docstring); `dtype` as `load_model`'s, "auto"
+    starting from the file's float type (`stored_dtype`)."""
+    from decodekit.models.gguf_tokenizer import build_tokenizer, eos_token_ids
+    from decodekit.models.registry import resolve_dtype
+
+    path = Path(path)
+    where = str(path)
+    meta, tensors = read_gguf(path)
+    meta_name = meta.get("general.name")
+    config = gguf_config(meta, tensors, where)
+    try:
+        parsed = NativeConfig.from_dict(config)
+        parsed = with_frequency_factors(parsed, tensors, where)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    tokenizer, eos = build_tokenizer(meta, where), eos_token_ids(meta)
+    torch_dtype = resolve_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
+    files = _Tensors(tensors, where, parsed, meta["general.architecture"])
+    net = _build_net(files, parsed, torch_dtype)
+    unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight"})
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
+                         "NativeLM has no place for it")  # fmt: skip
+    transpose_weight_layout(net)
+    del meta, tensors, files  # the last references to the file's mapping
+    release_freed_memory()
+    model_name = name or str(meta_name or path.stem)
+    lm = NativeLM(net, parsed, name=model_name, tokenizer=tokenizer, eos_token_ids=eos)
+    return lm.to(device)
+
+
+def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet:
+    """LlamaNet with every weight taken from the file (built on the meta device: nothing is
+    initialised, then each tensor assigned)."""
+    with torch.device("meta"):
+        net = LlamaNet(c)
+    hidden, q_width, kv_width = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    # A tied float32 embedding is also the output head: laid out as the head's weights are.
+    transposed = c.tie_word_embeddings and dtype == torch.float32
+    net.embed_tokens.weight = files.float("token_embd.weight", (c.vocab_size, hidden), dtype, transposed)
+    net.norm.weight = files.float("output_norm.weight", (hidden,), dtype)
+    if c.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    else:
+        net.lm_head = linear_layer(files.take("output.weight", (c.vocab_size, hidden)), None, dtype)
+    widths = {"attn_q": q_width, "attn_k": kv_width, "attn_v": kv_width, "attn_output": hidden,
+              "ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size, "ffn_down": hidden}  # fmt: skip
+    inputs = {"attn_output": q_width, "ffn_down": c.intermediate_size}
+    for index, block in enumerate(net.layers):
+        prefix = f"blk.{index}."
+        for gguf_name, ours in LAYER_TENSORS.items():
+            size = c.head_dim if "_q_norm" in gguf_name or "_k_norm" in gguf_name else hidden
+            if ours.startswith(("self_attn.q_norm", "self_attn.k_norm")) and not c.qk_norm:
+                continue
+            module = block.get_submodule(ours.rsplit(".", 1)[0])
+            module.weight = files.float(prefix + gguf_name, (size,), dtype)
+        for ours, parts in {**FUSED, **{k: (v,) for k, v in SINGLE.items()}}.items():
+            weights = [files.take(f"{prefix}{part}.weight", (widths[part], inputs.get(part, hidden)))
+                       for part in parts]  # fmt: skip
+            biases = [files.take(f"{prefix}{part}.bias", (widths[part],), required=False) for part in parts]
+            block.set_submodule(ours, fused_layer(weights, biases, dtype))
+    assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()]), "a weight was not assigned"
+    return net
