@@ -152,7 +152,7 @@ class ProgressLines:
         self._timer.start()
 
     def _tick(self) -> None:
-        while not self._done.wait(self.interval):
+        while not self._done.wait(max(self.interval, 0.05)):
             self._line()
 
     def _line(self, last: bool = False) -> None:
@@ -179,7 +179,7 @@ class ProgressLines:
             return
         self._done.set()
         self._timer.join()
-        if self.printed:
+        if self.printed or time.monotonic() - self.start >= self.interval:
             self._line(last=True)
 
     def __iter__(self):

@@ -8,7 +8,7 @@ TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east
 
 
 def test_bench_rows_and_table(tiny_llama_dir, one_thread, capsys, monkeypatch):
-    monkeypatch.setattr("decodekit.runtime.PROGRESS_INTERVAL", 0.01)  # off a terminal: lines, often
+    monkeypatch.setattr("decodekit.runtime.PROGRESS_INTERVAL", 0.0)  # off a terminal: a line at the end
     configs = (None, CompressConfig("rtn", bits=8), CompressConfig("magnitude", n_m="2:4"))
     report = bench_compress(str(tiny_llama_dir), new_tokens=4, repeats=1, configs=configs,
                             progress=True, text=TEXT)  # fmt: skip

@@ -132,7 +132,7 @@ def test_progress_bar_replaces_the_step_lines(tmp_path, capsys, monkeypatch):
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     ids = torch.arange(400) % 20
     kw = dict(seq_len=8, batch_size=2, steps=2, lr=1e-2, warmup=1, eval_every=2, log_every=1)
-    monkeypatch.setattr("decodekit.runtime.PROGRESS_INTERVAL", 0.01)
+    monkeypatch.setattr("decodekit.runtime.PROGRESS_INTERVAL", 0.0)  # a line at least at the end
     train_lm.train_causal_lm(LlamaForCausalLM(config), ids, ids[:100], out_dir=str(tmp_path / "bar"),
                              progress=True, **kw)
     captured = capsys.readouterr()
