@@ -8,8 +8,8 @@ run and interleaved: the wall time of a decode token (greedy, `tokens` new token
 3-token prompt, on a fresh engine whose compiled buckets are already built), and the time of
 the token's matmuls alone: every linear layer of the model (and the LM head) called on one
 row as the decode step calls it (`models/native.py` `_linear`, `QuantizedLinear.forward`),
-timed in a loop. "outside" is the rest: attention, norms, RoPE, the sampler, the engine's
-bookkeeping and Python. One torch thread. Prints JSON.
+all of them in order, as one token's pass, repeated. "outside" is the rest: attention,
+norms, RoPE, the sampler, the engine's bookkeeping and Python. One torch thread. Prints JSON.
 """
 
 from __future__ import annotations
@@ -30,24 +30,26 @@ from decodekit.models.qlinear import QuantizedLinear
 from decodekit.models.shapes import random_model
 
 
-def matmul_seconds(model, repeats: int = 200) -> float:
-    """Seconds of one token's linear layers, each called on one row as decoding calls it."""
+def matmul_seconds(model, repeats: int = 30) -> float:
+    """Seconds of one token's linear layers, each called on one row as decoding calls it, in
+    the model's order (so each layer's weights come from memory as in a decode step, not from
+    a cache warmed by repeating one layer)."""
     layers = [m for m in model.net.modules() if isinstance(m, torch.nn.Linear | QuantizedLinear)]
-    total = 0.0
+    calls = []
+    for layer in layers:
+        x = torch.randn(1, 1, layer.in_features, dtype=model.dtype)
+        if isinstance(layer, QuantizedLinear):
+            calls.append(lambda x=x, layer=layer: layer(x))
+        else:
+            calls.append(lambda x=x, layer=layer: _linear(layer, x, False))
+    runs = []
     with torch.inference_mode():
-        for layer in layers:
-            x = torch.randn(1, 1, layer.in_features, dtype=model.dtype)
-            call = (lambda x=x, layer=layer: layer(x)) if isinstance(layer, QuantizedLinear) else (
-                lambda x=x, layer=layer: _linear(layer, x, False))
-            call()
-            runs = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(repeats // 5):
-                    call()
-                runs.append((time.perf_counter() - start) / (repeats // 5))
-            total += statistics.median(runs)
-    return total
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            runs.append(time.perf_counter() - start)
+    return statistics.median(runs[1:])
 
 
 def token_seconds(model, compile: bool, tokens: int) -> float:
