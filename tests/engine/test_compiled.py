@@ -1,8 +1,8 @@
 """The compiled decode step (engine/compiled.py) computes what the eager engine computes:
 greedy and seeded tokens equal with it on and off, for sampling requests (one row, padded
-buckets, n samples), beam search, speculative and contrastive programs; a failed compilation
-leaves the engine eager with one warning; the automatic policy never compiles for a short
-run.
+buckets; n samples of one prompt keep the eager cascade attention), beam search,
+speculative and contrastive programs, int8 and int4 models; a failed compilation leaves the
+engine eager with one warning; the automatic policy never compiles for a short run.
 
 Most tests compile with the "aot_eager" backend: dynamo traces the same step (NativeLM's
 modules with `LaneAttention`), in seconds; one test runs inductor itself."""
@@ -70,10 +70,19 @@ def test_greedy_tokens_equal_the_eager_engine(sharp_lm, rows):
 
 
 def test_seeded_samples_equal_the_eager_engine(sharp_lm):
-    items = [(PROMPTS[0], SEEDED), (PROMPTS[2], GREEDY)]
+    one = SEEDED.replace(n=1)
+    items = [(PROMPTS[0], one), (PROMPTS[1], one.replace(seed=6)), (PROMPTS[2], GREEDY)]
     want, _ = run(sharp_lm, items, False)
     got, engine = run(sharp_lm, items, True)
     assert got == want and engine.compiled_steps > 0
+
+
+def test_samples_of_one_prompt_keep_the_cascade_attention(sharp_lm):
+    """n samples share their prompt's KV (rows.py): such steps stay eager, and equal."""
+    items = [(PROMPTS[0], SEEDED)]
+    want, _ = run(sharp_lm, items, False)
+    got, engine = run(sharp_lm, items, True)
+    assert got == want and engine.compiled_steps == 0
 
 
 def test_beam_search_equals_the_eager_engine(sharp_lm):

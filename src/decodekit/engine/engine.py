@@ -210,8 +210,6 @@ class Engine:
         if config.compile is not False and self.compile_refused is None:
             self.lanes = lanes_for(model)
             self.compile_policy = CompilePolicy.for_model(model, config.compile)
-            if config.compile:  # compiled rows hold their whole sequence (no cascade prefix)
-                self.running_kv.share_prefixes = False
         self.decode_tokens = 0  # rows decoded by eager decode-only steps (the policy's evidence)
         self.eager_step_s = 0.0  # their mean time
         self._eager_steps = 0
@@ -563,8 +561,6 @@ class Engine:
         self.eager_step_s += (seconds - self.eager_step_s) / self._eager_steps
         self.decode_tokens += rows
         self.lanes.want(rows, self.compile_policy, self.decode_tokens, self.eager_step_s, self.running_kv)
-        if self.lanes.ready:
-            self.running_kv.share_prefixes = False  # compiled rows hold their whole sequence
 
     def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Sample one token for every row of the step (hidden: their final states, for the
