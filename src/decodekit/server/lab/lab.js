@@ -256,7 +256,7 @@ function drawTree(nodes, label, cls, depthOf) {
     else kids.forEach(place);
   };
   chosenFirst(nodes.filter((n) => n.parent === null)).forEach(place);
-  const W = 150, H = 34, boxW = 126, boxH = 28;
+  const W = 124, H = 34, boxW = 106, boxH = 28;  // 15 characters of 11px monospace a box
   const depth = Math.max(...nodes.map(depthOf));
   const width = (depth + 1) * W + 10, height = row * H + 10;
   const svg = el("svg:svg", { class: "tree", width, height, viewBox: `0 0 ${width} ${height}`, role: "img",
@@ -275,15 +275,16 @@ function drawTree(nodes, label, cls, depthOf) {
     svg.append(el("svg:g", { class: "node " + cls(n), transform: `translate(${x},${yy})`, "data-id": n.id },
       el("svg:title", { text: top + "\n" + bottom }),
       el("svg:rect", { width: boxW, height: boxH, rx: 4 }),
-      el("svg:text", { x: 5, y: 12, text: fit(top, 17) }),
-      el("svg:text", { x: 5, y: 24, class: "small", text: fit(bottom, 19) })));
+      el("svg:text", { x: 4, y: 12, text: fit(top, 15) }),
+      el("svg:text", { x: 4, y: 24, class: "small", text: fit(bottom, 17) })));
   }
   return el("div", { class: "scroll", tabindex: 0, "aria-label": "tree (scrolls)" }, svg);
 }
 
-function showTree(out) {  // the page scrolls, if it must, to the tree's first row
+function showTree(out) {  // the page scrolls to the output when the tree's first row is out of sight
   const root = out.querySelector("svg.tree g.node");
-  if (root) root.scrollIntoView({ block: "nearest", inline: "nearest" });
+  const box = root && root.getBoundingClientRect();
+  if (box && (box.top < 0 || box.bottom > innerHeight)) out.scrollIntoView({ block: "start" });
 }
 
 function legend(items) {
@@ -305,7 +306,7 @@ function renderBeam(data, out) {
 
 function renderTreeSearch(data, out) {
   const cls = (n) => [n.fate === "pruned" ? "pruned" : n.fate === "expanded" ? "live" : "finished", n.chosen ? "chosen" : ""].join(" ");
-  const label = (n) => [n.step, n.depth ? `v ${n.value.toFixed(3)} · ${n.fate}` : "question"];
+  const label = (n) => [n.step, n.depth ? `v ${n.value.toFixed(2)} · ${n.fate}` : "question"];
   const b = data.budget;
   out.replaceChildren(
     el("p", { class: "budget", text: `N = ${b.n}, width ${b.width}, depth ≤ ${b.max_depth}: ${b.generator_calls} generator calls, ${b.generated_tokens} tokens generated, ${b.reused_prefix_tokens} prefix tokens reused, ${b.scorer_calls} PRM calls` }),
