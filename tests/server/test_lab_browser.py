@@ -61,6 +61,14 @@ def shots(tmp_path_factory) -> Path:
     return path
 
 
+def run_view(page, button: str, drawn: str) -> None:
+    """Click a view's run button and wait for its answer drawn (the page opens with the sampler's
+    output already there: waiting for `drawn` alone could read the one before)."""
+    page.click(button)  # sets the output's aria-busy until the answer is drawn
+    page.wait_for_selector(".out[aria-busy]", state="detached")
+    page.wait_for_selector(drawn)
+
+
 def kept(page, stage: str) -> int:
     return page.locator(f"#sampler-tokens td.kept[data-stage={stage}]").count()
 
@@ -68,8 +76,7 @@ def kept(page, stage: str) -> int:
 def test_sampler_view_shows_what_top_k_removes(page, shots):
     page.fill("#chain li[data-adapter=top_k] input", "5")
     page.fill("#chain li[data-adapter=temperature] input", "0.8")
-    page.click("#sampler-run")
-    page.wait_for_selector("#sampler-tokens")
+    run_view(page, "#sampler-run", "#sampler-tokens")
     assert kept(page, "top_k") == 5 < kept(page, "raw")
     assert page.locator("#sampler-tokens td.removed-here[data-stage=top_k]").count() > 0
     page.click("#sampler-sample")  # one step: a token is drawn and the next position shown
@@ -87,13 +94,11 @@ def test_sampler_view_shows_what_top_k_removes(page, shots):
 def test_beam_and_tree_views_draw_trees(page, shots):
     page.click("#tab-beam")
     page.fill("#beam-form [name=max_new_tokens]", "4")
-    page.click("#beam-run")
-    page.wait_for_selector("#beam-out svg.tree")
+    run_view(page, "#beam-run", "#beam-out svg.tree")
     assert page.locator("#beam-out g.node.chosen").count() >= 5  # the prompt and 4 tokens
     assert page.locator("#beam-out g.node.pruned").count() > 0
     page.select_option("#tree-form [name=method]", "rebase")
-    page.click("#tree-run")
-    page.wait_for_selector("#tree-out svg.tree")
+    run_view(page, "#tree-run", "#tree-out svg.tree")
     assert page.locator("#tree-out g.node.chosen").count() >= 2
     assert "generator calls" in page.inner_text("#tree-out .budget")
     page.screenshot(path=shots / "lab-beam.png", full_page=True)
@@ -102,8 +107,7 @@ def test_beam_and_tree_views_draw_trees(page, shots):
 def test_speculative_view_accepts_draft_tokens_at_temperature_0(page, shots):
     page.click("#tab-speculative")
     page.fill("#speculative-form [name=temperature]", "0")
-    page.click("#speculative-run")
-    page.wait_for_selector("#speculative-blocks")
+    run_view(page, "#speculative-run", "#speculative-blocks")
     assert page.locator("#speculative-blocks .chip.accepted").count() >= 1
     assert int(page.inner_text("td.accepted-total[data-rule=block]")) >= 1
     page.screenshot(path=shots / "lab-speculative.png", full_page=True)
@@ -111,8 +115,7 @@ def test_speculative_view_accepts_draft_tokens_at_temperature_0(page, shots):
 
 def test_votes_view_shows_each_rule_pick(page, shots):
     page.click("#tab-votes")
-    page.click("#votes-run")
-    page.wait_for_selector("#votes-samples")
+    run_view(page, "#votes-run", "#votes-samples")
     assert page.locator("#votes-samples tbody tr").count() == 8
     for rule in ("majority", "weighted", "best_of_n"):
         assert "answer" in page.inner_text(f".picks [data-rule={rule}]")
@@ -167,15 +170,14 @@ def test_beam_tree_opens_with_its_root_and_chosen_path_in_view(lab, width, heigh
     page.click("#tab-beam")
     page.fill("#beam-form [name=num_beams]", "4")
     page.fill("#beam-form [name=max_new_tokens]", "12")  # the lab's longest: a tree wider than the page
-    page.click("#beam-run")
-    page.wait_for_selector("#beam-out svg.tree")
+    run_view(page, "#beam-run", "#beam-out svg.tree")
     root = page.locator("#beam-out g.node").filter(has_text="prompt")
     assert root.count() == 1 and "chosen" in root.get_attribute("class")
     chosen = page.locator("#beam-out g.node.chosen").count()
     assert chosen >= 5 and page.locator("#beam-out g.node").count() > 3 * chosen  # a tree, not a path
     assert in_view(page, "#beam-out g.node.chosen", "#beam-out .scroll") == []
-    page.click("#tree-run")  # the tree search's output, further down the page, is brought into view
-    page.wait_for_selector("#tree-out svg.tree")
+    # the tree search's output, further down the page, is scrolled into view
+    run_view(page, "#tree-run", "#tree-out svg.tree")
     assert in_view(page, "#tree-out g.node.chosen", "#tree-out .scroll") == []
     page.close()
 
@@ -231,8 +233,7 @@ def overlaps_in_every_view(page) -> dict[str, list[str]]:
     for view, runs in RUNS.items():
         page.click(f"#tab-{view}")
         for button, drawn in runs:
-            page.click(button)
-            page.wait_for_selector(drawn)
+            run_view(page, button, drawn)
         found[view] = page.evaluate(OVERLAPS)
     return found
 
