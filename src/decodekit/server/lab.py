@@ -2,7 +2,7 @@
 
     GET  /lab                     the page (static files shipped in server/lab/; no key needed)
     GET  /lab/static/NAME         its script and style sheet
-    GET  /lab/api/info            models, adapters and their SamplingParams fields, defaults
+    GET  /lab/api/info            models, adapters and their SamplingParams fields (START values)
     POST /lab/api/sampler         the next-token distribution through each adapter; one step
     POST /lab/api/beam            beam search's tree of candidates
     POST /lab/api/tree            a tree meta-generator's nodes (step beam, DVTS, REBASE) on arith
