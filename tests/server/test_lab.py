@@ -38,6 +38,18 @@ def post(client, view, body, status=200):
     return response.json()
 
 
+def test_the_page_starts_on_a_chain_with_active_stages(lab):
+    from decodekit.params import SamplingParams
+    from decodekit.sampling.chain import chain_stages
+
+    info = lab.get("/lab/api/info").json()
+    start = {field: value for fields in info["fields"].values() for field, value in fields.items()}
+    assert [name for name, _ in chain_stages(SamplingParams(**start))] == ["temperature", "top_p"]
+    out = post(lab, "sampler", {"model": "tiny", "prompt": "hello", "params": start})
+    assert [s["name"] for s in out["stages"]] == ["raw", "temperature", "top_p"]
+    assert out["stages"][-1]["removed_tokens"] > 0  # top_p 0.95 drops the tail
+
+
 def test_sampler_stages_are_the_chain_step_by_step(lab, lab_models):
     from decodekit.params import SamplingParams
     from decodekit.sampling import SamplerState, build_chain

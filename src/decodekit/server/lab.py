@@ -2,7 +2,7 @@
 
     GET  /lab                     the page (static files shipped in server/lab/; no key needed)
     GET  /lab/static/NAME         its script and style sheet
-    GET  /lab/api/info            models, adapters and their SamplingParams fields, defaults
+    GET  /lab/api/info            models, adapters and their SamplingParams fields (START values)
     POST /lab/api/sampler         the next-token distribution through each adapter; one step
     POST /lab/api/beam            beam search's tree of candidates
     POST /lab/api/tree            a tree meta-generator's nodes (step beam, DVTS, REBASE) on arith
@@ -50,6 +50,9 @@ ADAPTER_FIELDS = {
     "epsilon": ("epsilon",), "eta": ("eta",), "top_n_sigma": ("top_n_sigma",),
     "xtc": ("xtc_threshold", "xtc_probability"), "mirostat": ("mirostat_tau", "mirostat_eta"),
 }
+# The sampler view's first chain: two active stages, so a first look shows the chain at work
+# (SamplingParams' own defaults are all off: an empty chain; issue 26).
+START = SamplingParams(temperature=0.8, top_p=0.95)
 
 
 class LabModels:
@@ -194,8 +197,7 @@ def lab_router(backend) -> APIRouter:
 
     @router.get("/lab/api/info")
     async def info():
-        defaults = SamplingParams()
-        fields = {name: {f: getattr(defaults, f) for f in fs} for name, fs in ADAPTER_FIELDS.items()}
+        fields = {name: {f: getattr(START, f) for f in fs} for name, fs in ADAPTER_FIELDS.items()}
         return {"models": models.names(), "served": list(backend.models), "adapters": list(DEFAULT_ORDER),
                 "fields": fields,
                 "presets": {name: {"temperature": t, "top_p": p} for name, (t, p) in PRESETS.items()},

@@ -175,7 +175,7 @@ function samplerRequest(choose) {
 
 function sampler(choose = null) {
   const request = samplerRequest(choose);
-  if (request) run("sampler", request, renderSampler);
+  return request ? run("sampler", request, renderSampler) : Promise.resolve();
 }
 
 function bar(p, width = 70) {
@@ -186,6 +186,8 @@ function bar(p, width = 70) {
 
 function renderSampler(data, out) {
   state.generated = data.generated;
+  const active = new Set(data.stages.map((s) => s.name));  // the stages the server ran
+  for (const item of document.querySelectorAll("#chain li")) item.classList.toggle("active", active.has(item.dataset.adapter));
   const request = state.last.sampler.request;
   out.replaceChildren(
     el("p", { class: "text" }, el("span", { class: "prompt", text: request.prompt }),
@@ -237,24 +239,27 @@ function setupSampler() {
 
 // -- 2. trees ---------------------------------------------------------------------------------
 
-// nodes: [{id, parent, ...}]; label(node) -> [line1, line2]; cls(node) -> class names.
+// nodes: [{id, parent, chosen, ...}]; label(node) -> [line1, line2]; cls(node) -> class names.
+// Laid out top-aligned with the chosen child first, so the root and the whole chosen path sit
+// on the first row; a tree wider than the page is scaled to its width. The view opens with
+// both in sight, whatever the tree's size (issue 26).
 function drawTree(nodes, label, cls, depthOf) {
   const children = new Map(nodes.map((n) => [n.id, []]));
   for (const n of nodes) if (n.parent !== null) children.get(n.parent).push(n);
+  const chosenFirst = (list) => [...list.filter((n) => n.chosen), ...list.filter((n) => !n.chosen)];
   const y = new Map();
   let row = 0;
   const place = (n) => {
-    const kids = children.get(n.id);
-    if (!kids.length) y.set(n.id, row++);
-    else {
-      kids.forEach(place);
-      y.set(n.id, (y.get(kids[0].id) + y.get(kids[kids.length - 1].id)) / 2);
-    }
+    const kids = chosenFirst(children.get(n.id));
+    y.set(n.id, row);
+    if (!kids.length) row++;
+    else kids.forEach(place);
   };
-  nodes.filter((n) => n.parent === null).forEach(place);
-  const W = 150, H = 34, boxW = 126, boxH = 28;
+  chosenFirst(nodes.filter((n) => n.parent === null)).forEach(place);
+  const W = 124, H = 34, boxW = 106, boxH = 28;  // 15 characters of 11px monospace a box
   const depth = Math.max(...nodes.map(depthOf));
-  const svg = el("svg:svg", { class: "tree", width: (depth + 1) * W + 10, height: row * H + 10, role: "img",
+  const width = (depth + 1) * W + 10, height = row * H + 10;
+  const svg = el("svg:svg", { class: "tree", width, height, viewBox: `0 0 ${width} ${height}`, role: "img",
     "aria-label": `search tree of ${nodes.length} nodes` });
   const pos = (n) => [5 + depthOf(n) * W, 5 + y.get(n.id) * H];
   const byId = new Map(nodes.map((n) => [n.id, n]));
@@ -263,16 +268,23 @@ function drawTree(nodes, label, cls, depthOf) {
     svg.append(el("svg:path", { d: `M${x1 + boxW},${y1 + boxH / 2} C${x1 + boxW + 12},${y1 + boxH / 2} ${x2 - 12},${y2 + boxH / 2} ${x2},${y2 + boxH / 2}`,
       class: "edge " + cls(n) }));
   }
+  const fit = (text, n) => text.length > n ? text.slice(0, n - 1) + "…" : text;  // stays inside its box
   for (const n of nodes) {
     const [x, yy] = pos(n);
     const [top, bottom] = label(n);
     svg.append(el("svg:g", { class: "node " + cls(n), transform: `translate(${x},${yy})`, "data-id": n.id },
       el("svg:title", { text: top + "\n" + bottom }),
       el("svg:rect", { width: boxW, height: boxH, rx: 4 }),
-      el("svg:text", { x: 5, y: 12, text: top.length > 20 ? top.slice(0, 19) + "…" : top }),
-      el("svg:text", { x: 5, y: 24, class: "small", text: bottom })));
+      el("svg:text", { x: 4, y: 12, text: fit(top, 15) }),
+      el("svg:text", { x: 4, y: 24, class: "small", text: fit(bottom, 17) })));
   }
   return el("div", { class: "scroll", tabindex: 0, "aria-label": "tree (scrolls)" }, svg);
+}
+
+function showTree(out) {  // the page scrolls to the output when the tree's first row is out of sight
+  const root = out.querySelector("svg.tree g.node");
+  const box = root && root.getBoundingClientRect();
+  if (box && (box.top < 0 || box.bottom > innerHeight)) out.scrollIntoView({ block: "start" });
 }
 
 function legend(items) {
@@ -289,11 +301,12 @@ function renderBeam(data, out) {
     drawTree(data.nodes, label, cls, (n) => n.step),
     el("ol", { class: "hypotheses" }, data.hypotheses.map((h) => el("li", {},
       el("code", { text: h.text }), ` score ${h.score.toFixed(3)}, ${h.tokens} tokens, ${h.finish_reason}`))));
+  showTree(out);
 }
 
 function renderTreeSearch(data, out) {
   const cls = (n) => [n.fate === "pruned" ? "pruned" : n.fate === "expanded" ? "live" : "finished", n.chosen ? "chosen" : ""].join(" ");
-  const label = (n) => [n.step, n.depth ? `v ${n.value.toFixed(3)} · ${n.fate}` : "question"];
+  const label = (n) => [n.step, n.depth ? `v ${n.value.toFixed(2)} · ${n.fate}` : "question"];
   const b = data.budget;
   out.replaceChildren(
     el("p", { class: "budget", text: `N = ${b.n}, width ${b.width}, depth ≤ ${b.max_depth}: ${b.generator_calls} generator calls, ${b.generated_tokens} tokens generated, ${b.reused_prefix_tokens} prefix tokens reused, ${b.scorer_calls} PRM calls` }),
@@ -301,6 +314,7 @@ function renderTreeSearch(data, out) {
       el("strong", { class: data.correct ? "ok" : "bad", text: data.correct ? "correct" : "wrong" })),
     legend([["live", "expanded"], ["finished", "finished leaf"], ["pruned", "not expanded (greyed)"], ["chosen", "chosen path"]]),
     drawTree(data.nodes, label, cls, (n) => n.depth));
+  showTree(out);
 }
 
 // -- 3. speculative ---------------------------------------------------------------------------
@@ -400,6 +414,7 @@ async function load() {
     follow: v.follow, params: pick(v, ["temperature", "max_new_tokens", "seed"]) }), "speculative", renderSpeculative);
   onSubmit("#votes-form", (v) => ({ model: v.model, question: v.question, n: v.n, params: pick(v, ["temperature", "seed"]) }),
     "votes", renderVotes);
+  await sampler();  // the first view opens showing its default chain at work
   document.body.dataset.ready = "true";
 }
 
