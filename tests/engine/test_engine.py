@@ -21,7 +21,17 @@ GREEDY = dk.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 
 def engine(model, **changes) -> Engine:
-    return Engine(model, EngineConfig(**{"block_size": 4, "num_blocks": 64, **changes}))
+    return Engine(model, EngineConfig(**{"block_size": 4, "num_blocks": 64, "compile": False, **changes}))
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compile_step(request, monkeypatch):
+    """The engine's compiled decode step off and on (engine/compiled.py; traced with the
+    "aot_eager" backend, which compiles in seconds): the outputs are the eager engine's."""
+    from decodekit.engine import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    return request.param
 
 
 def alone_completions(model, prompt, params):
@@ -52,8 +62,8 @@ def plain_loop(model, prompts, params) -> list[list[list[int]]]:
     return out
 
 
-def test_greedy_batched_equals_unbatched(sharp_lm):
-    eng = engine(sharp_lm)
+def test_greedy_batched_equals_unbatched(sharp_lm, compile_step):
+    eng = engine(sharp_lm, compile=compile_step)
     handles = [eng.submit(p, GREEDY) for p in PROMPTS]
     run(eng, *handles)
     for prompt, handle in zip(PROMPTS, handles):
@@ -62,10 +72,10 @@ def test_greedy_batched_equals_unbatched(sharp_lm):
         assert [completion.token_ids] == alone(sharp_lm, prompt, GREEDY)
 
 
-def test_seeded_samples_are_batch_invariant(sharp_lm):
+def test_seeded_samples_are_batch_invariant(sharp_lm, compile_step):
     params = dk.SamplingParams(max_new_tokens=10, seed=3, n=2, top_k=20, ignore_eos=True)
     others = [dk.SamplingParams(max_new_tokens=6, seed=s, temperature=0.7) for s in (1, 2)]
-    eng = engine(sharp_lm)
+    eng = engine(sharp_lm, compile=compile_step)
     first = eng.submit(PROMPTS[0], others[0])
     mine = eng.submit(PROMPTS[1], params)
     last = eng.submit(PROMPTS[2], others[1])
@@ -83,8 +93,8 @@ def test_engine_equals_the_plain_loop(sharp_lm):
     assert got[1][0].logprobs == pytest.approx(handle_completion.logprobs, abs=1e-4)
 
 
-def test_a_request_joining_a_running_batch_gets_its_solo_output(sharp_lm):
-    eng = engine(sharp_lm)
+def test_a_request_joining_a_running_batch_gets_its_solo_output(sharp_lm, compile_step):
+    eng = engine(sharp_lm, compile=compile_step)
     early = [eng.submit(p, GREEDY) for p in PROMPTS[:2]]
     for _ in range(5):
         eng.step()
@@ -93,6 +103,7 @@ def test_a_request_joining_a_running_batch_gets_its_solo_output(sharp_lm):
     eng.step()
     assert eng.stats()["running_requests"] == 3  # decoding beside the first two
     run(eng, late, *early)
+    assert eng.compiled_steps > 0 or not compile_step
     assert [c.token_ids for c in late.result(0)] == alone(sharp_lm, PROMPTS[2], params)
     assert [c.token_ids for c in early[0].result(0)] == alone(sharp_lm, PROMPTS[0], GREEDY)
 
@@ -125,9 +136,10 @@ def test_prefix_cache_reuses_a_prompt_across_requests(sharp_lm):
     assert [again.result(0)[0].token_ids] == alone(sharp_lm, PROMPTS[2] + [9, 9], GREEDY)
 
 
-def test_preemption_under_a_small_memory_bound_is_lossless(sharp_lm):
+def test_preemption_under_a_small_memory_bound_is_lossless(sharp_lm, compile_step):
     params = dk.SamplingParams(max_new_tokens=24, seed=2, n=2, ignore_eos=True)
-    eng = engine(sharp_lm, num_blocks=18)  # each request alone needs <= 3 + 2 * 7 blocks
+    # each request alone needs <= 3 + 2 * 7 blocks
+    eng = engine(sharp_lm, num_blocks=18, compile=compile_step)
     handles = [eng.submit(p, params) for p in PROMPTS]
     run(eng, *handles)
     stats = eng.stats()
@@ -137,7 +149,7 @@ def test_preemption_under_a_small_memory_bound_is_lossless(sharp_lm):
         assert [c.token_ids for c in handle.result(0)] == alone(sharp_lm, prompt, params)
 
 
-def test_requests_in_lockstep_and_programs_share_a_tight_pool(sharp_lm):
+def test_requests_in_lockstep_and_programs_share_a_tight_pool(sharp_lm, compile_step):
     """Requests whose sequences all cross a block boundary in the same step (same prompt
     length) count each other's new blocks (they once each saw the same free block and the
     pool ran out); beam programs beside them keep their held blocks and are never
@@ -151,7 +163,7 @@ def test_requests_in_lockstep_and_programs_share_a_tight_pool(sharp_lm):
     def search(i):
         return BeamSearch(sharp_lm, sharp_lm.encode(f"zz{i}"), beam, 2, 1.0, True, None, sharp_lm.decode)
 
-    eng = engine(sharp_lm, num_blocks=40)
+    eng = engine(sharp_lm, num_blocks=40, compile=compile_step)
     programs = [eng.add(BeamProgram(sharp_lm, search(i), i)) for i in range(2)]
     handles = [eng.submit(p, params) for p in prompts]
     run(eng, *handles, *programs)
