@@ -27,6 +27,7 @@ def save_compressed(
             "bits": module.spec.bits,
             "group_size": module.spec.group_size,
             "bias": module.bias is not None,
+            "activation_bits": module.spec.activation_bits,
         }
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)
