@@ -13,7 +13,12 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
 - `linear_int4(x, w, scales, group, bias)`: int4 codes repacked by `pack_int4_blocks`, x
-  rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums.
+  rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums;
+- `linear_w8a8(x, w, scales, bias)`, `linear_w4a8(x, w, scales, bias)` (csrc/gemv_a8.cpp):
+  activation-quantised, for layers that opted in (`activation_bits=8`): x quantised per block
+  of 32 inputs to int8 with one scale each (llama.cpp's q8_0), int8 / int4 codes repacked by
+  `pack_a8_blocks`, integer dot products per block (AVX-512 VNNI, or AVX2), float32 sums over
+  blocks; scales [N, 1] or one per block of 32 inputs.
 
 Each kernel decodes a block of 4 weight rows once for up to 4 input rows at a time, so a few
 rows (batched decoding, a speculative verification span) cost far less than that many

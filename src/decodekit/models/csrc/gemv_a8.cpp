@@ -271,11 +271,11 @@ at::Tensor linear_a8_2d(const at::Tensor& x_in, const at::Tensor& w, const at::T
               "scales must be [N, 1] or [N, ceil(K / 32)], with w holding ceil(N / 4) * 4 rows");
   const bool grouped = s.size(1) > 1, wide = wide_a8();
   const at::Tensor xf = x_in.to(at::kFloat).contiguous();
-  at::Tensor q_t = at::zeros({M, nbp * kBlock}, at::kChar), d_t = at::zeros({M, nbp}, at::kFloat);
-  at::Tensor c_t = at::zeros({M, nbp}, at::kInt);
-  int8_t* q = q_t.data_ptr<int8_t>();
-  float* d = d_t.data_ptr<float>();
-  int32_t* c = c_t.data_ptr<int32_t>();
+  // One zeroed buffer (one allocation a call): codes [M, nbp * 32], then scales and sums [M, nbp].
+  at::Tensor buffer = at::zeros({M * nbp * (kBlock + 8)}, at::kByte);
+  int8_t* q = reinterpret_cast<int8_t*>(buffer.data_ptr<uint8_t>());
+  float* d = reinterpret_cast<float*>(q + M * nbp * kBlock);
+  int32_t* c = reinterpret_cast<int32_t*>(d + M * nbp);
   quantize_rows(xf.data_ptr<float>(), M, K, BITS == 8 ? 128 : 8, q, d, c, nbp);
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
