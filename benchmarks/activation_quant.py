@@ -1,10 +1,12 @@
 """What activation quantisation (`activation_bits=8`: W8A8 / W4A8, llama.cpp's q8_0 / q4_0
 numerics, models/qlinear.py) costs in perplexity and KL beside the weight-only models it
-comes from (issue 23).
+comes from (issue 23). The GPTQ rows calibrate on the model's own (quantised) activations, so
+"int4 GPTQ a8" has codes of its own; "int4 GPTQ, same codes, a8" is the "int4 GPTQ" row's
+codes with the activations quantised, which isolates the activations' cost.
 
 For each row, a compressed copy of the float32 model (`quantized_copy`): held-out perplexity
 (`text_perplexity`, the BENCHMARKS.md protocol; on the 240M random shape the first `--chars`
-characters of the test split in windows of 512) and the mean KL(float32 ‖ row) over
+characters of the test split in windows of 512 every 384) and the mean KL(float32 ‖ row) over
 `--kl-windows` windows of 256 tokens of the validation split. Each is measured twice: on the
 layers' own kernels ("auto": the kernels up to 64 rows, a bfloat16 GEMM above, so a
 perplexity window runs the bfloat16 prefill path) and on "unpack" (the grid's maths in
@@ -28,7 +30,7 @@ from decodekit.bench.packed import load
 from decodekit.compress.evaluate import HELD_OUT, TEST_TEXT, mean_kl, text_perplexity
 from decodekit.compress.recipe import CompressConfig, quantized_copy
 from decodekit.models.base import logprobs
-from decodekit.models.qlinear import set_kernels
+from decodekit.models.qlinear import QuantizedLinear, set_kernels
 from decodekit.models.shapes import SHAPES
 
 ROWS = {
@@ -39,6 +41,14 @@ ROWS = {
     "int4 GPTQ": CompressConfig("gptq", bits=4),
     "int4 GPTQ a8": CompressConfig("gptq", bits=4, activation_bits=8),
 }
+
+
+def quantise_activations(model) -> None:
+    """Turn a weight-only compressed model's layers into activation-quantised ones, in place."""
+    for module in model.net.modules():
+        if isinstance(module, QuantizedLinear):
+            module.spec = replace(module.spec, activation_bits=8)
+            module.set_kernel("auto")
 
 
 def main() -> None:
@@ -58,7 +68,7 @@ def main() -> None:
     calib = {"calib_windows": 8, "calib_length": 256} if random else {}
 
     def measure(model) -> dict:
-        result = text_perplexity(model, text, window=window, stride=window)
+        result = text_perplexity(model, text, window=window, stride=window and window * 3 // 4)
         return {"perplexity": round(result.perplexity, 3), "tokens": result.tokens,
                 "mean_kl": round(mean_kl(reference, model, kl_tokens), 5)}  # fmt: skip
 
@@ -74,6 +84,13 @@ def main() -> None:
             row["unpack"] = measure(model)
             report["rows"][name] = row
             print(name, row, flush=True)
+            if name == "int4 GPTQ":  # its own codes with the activations quantised: no GPTQ noise
+                quantise_activations(model)
+                row = {"auto": measure(model)}
+                set_kernels(model.net, "unpack")
+                row["unpack"] = measure(model)
+                report["rows"]["int4 GPTQ, same codes, a8"] = row
+                print("int4 GPTQ, same codes, a8", row, flush=True)
     print(json.dumps(report, indent=1))
 
 
