@@ -301,3 +301,16 @@ def test_activation_bits_are_checked():
         QuantSpec(4, 16, activation_bits=8)
     with pytest.raises(TypeError, match="activation_bits must be an int or None, got True"):
         QuantSpec(8, None, activation_bits=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_activation_quantised_ops_trace_under_torch_compile(bits):
+    # engine/compiled.py compiles decode steps whole: the ops need their fake kernels.
+    kernels.register_fakes()
+    layer = _a8_layer(bits, 32, 96, 13)
+    x = torch.randn(2, 96)
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    assert kernels.traceable() and torch.equal(compiled, eager)
