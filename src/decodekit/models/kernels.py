@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     state = status()
     print(f"decodekit kernels: {'available' if state.available else 'unavailable'} ({state.reason})")
+    if state.available:  # the activation-quantised ops need AVX-512 VNNI for their wide variant
+        a8 = {2: "avx512-vnni", 1: "avx2"}[torch.ops.decodekit.a8_isa()]
+        print(f"W8A8 / W4A8 kernels (activation_bits=8): {a8}")
     return 0
 
 
