@@ -25,7 +25,7 @@ pip install "torch==2.13.0"
 step "installing decodekit (editable) with extras [$extras]; this takes a minute or two"
 pip install -e ".[$extras]"
 .venv/bin/python -c "import decodekit, torch, transformers"
-# decodekit's CPU GEMV kernels (src/decodekit/models/csrc): ~10 s with g++. Without a compiler,
+# decodekit's CPU GEMV kernels (src/decodekit/models/csrc): ~20 s with g++ (two files). Without a compiler,
 # or if the build fails, setup goes on and the pure-torch paths run
 # (`python -m decodekit.models.kernels` says which).
 step "building decodekit's CPU kernels (optional)"

@@ -143,14 +143,15 @@ def test_llama_cpp_rounds_run_between_decodekits_with_the_same_threads(tmp_path,
     auto = report["dtype_auto"]["bfloat16_checkpoint"]
     assert set(peer["ratios"]) == {
         "float32 / f32", "bfloat16 / f16", "int8 RTN / q8_0", "int8 RTN g64 / q8_0", "int8 RTN g128 / q8_0",
-        "int8 GPTQ / q8_0", "int4 GPTQ / q4_0", f"auto for a bfloat16 checkpoint ({auto}) / f16"}  # fmt: skip
+        "int8 GPTQ / q8_0", "int4 GPTQ / q4_0", "int8 RTN a8 / q8_0", "int8 RTN g32 a8 / q8_0",
+        "int4 GPTQ a8 / q4_0", f"auto for a bfloat16 checkpoint ({auto}) / f16"}  # fmt: skip
     ours = {row["config"]: row for row in report["rows"]}
     int4 = ours["int4 GPTQ"]["decode_tok_s"]
     assert peer["ratios"]["int4 GPTQ / q4_0"]["decode_tok_s"] == round(int4 / 20, 2)
     assert peer["greedy_f32"]["tokens_equal"] == [False] * 4  # the fake's zeros are not shakespeare's
-    # A warm-up and two rounds, each decodekit's 14 (7 rows, decode and prefill) then llama.cpp's
+    # A warm-up and two rounds, each decodekit's 20 (10 rows, decode and prefill) then llama.cpp's
     # 8 (4 formats): the peer's rows are timed in decodekit's rounds, not after all of them.
-    assert order[: 3 * 22] == (["decodekit"] * 14 + ["llama.cpp"] * 8) * 3
+    assert order[: 3 * 28] == (["decodekit"] * 20 + ["llama.cpp"] * 8) * 3
 
 
 def test_a_worker_that_dies_is_an_error_with_its_stderr(tmp_path):

@@ -10,7 +10,7 @@ def test_bench_rows_kernels_and_self_draft(tiny_llama_dir, one_thread):
                           calib_windows=2, calib_length=32, perplexity=False)  # fmt: skip
     rows = {row["config"]: row for row in report["rows"]}
     assert list(rows) == ["float32", "bfloat16", "int8 RTN", "int8 RTN g64", "int8 RTN g128", "int8 GPTQ",
-                          "int4 GPTQ"]  # fmt: skip
+                          "int4 GPTQ", "int8 RTN a8", "int8 RTN g32 a8", "int4 GPTQ a8"]  # fmt: skip
     assert rows["float32"]["decode_vs_f32"] == 1.0
     assert rows["int8 RTN"]["kernels"] == rows["int8 GPTQ"]["kernels"] == {"int8pack": 8}
     # tiny_llama's widths are 32 and 64: groups of 64 fit only the down projections' input, 128 none.
@@ -21,8 +21,10 @@ def test_bench_rows_kernels_and_self_draft(tiny_llama_dir, one_thread):
     assert auto in ("float32", "bfloat16") and report["dtype_auto"] == {"bfloat16_checkpoint": auto}
     assert report["clock"] == "process CPU time" and "wall_decode_tok_s" in rows["int4 GPTQ"]
     assert rows["int4 GPTQ"]["kernels"] == {"int4pack": 8}
+    # Without decodekit's kernels an activation-quantised layer unpacks (PyTorch's are weight-only).
+    assert rows["int8 RTN a8"]["kernels"] == rows["int4 GPTQ a8"]["kernels"] == {"unpack": 8}
     timed = [row for row in rows.values() if "skipped" not in row]
-    assert len(timed) == 6 and all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in timed)
+    assert len(timed) == 9 and all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in timed)
     speculative = report["speculative_t0"]  # exact at T = 0: bench_packed asserts it
     assert set(speculative) == {"plain_f32_tok_s", "gamma", "self-int4 (RTN g32)", "self int4 GPTQ"}
     assert 0 <= speculative["self-int4 (RTN g32)"]["acceptance_rate"] <= 1

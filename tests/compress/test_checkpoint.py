@@ -58,6 +58,7 @@ def test_round_trip_is_bit_exact(tmp_path, method, bits, group_size, tie):
         "bits": bits,
         "group_size": group_size,
         "bias": False,
+        "activation_bits": None,
     }
     saved, loaded = quantized_modules(model), quantized_modules(fresh)
     assert saved.keys() == loaded.keys() and len(saved) == 14

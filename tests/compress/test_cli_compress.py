@@ -67,6 +67,12 @@ def test_eval_perplexity_matches_the_api(tiny_llama_dir, tmp_path, capsys):
         (["--method", "sparsegpt", "--sparsity", "-0.5"], "sparsity must be in [0, 1), got -0.5"),
         (["--method", "zip"], "method must be one of rtn, gptq, magnitude, sparsegpt, got 'zip'"),
         (["--method", "magnitude", "--n-m", "2-4"], "n_m must look like '2:4'"),
+        (["--method", "rtn", "--activation-bits", "4"],
+         "activation_bits must be None (weight-only) or 8, got 4"),
+        (["--method", "rtn", "--activation-bits", "8", "--group", "48"],
+         "activation_bits 8 needs group_size None or a multiple of 32, got 48"),
+        (["--method", "magnitude", "--activation-bits", "8"],
+         "activation_bits does not apply to method 'magnitude'"),
     ],
 )
 def test_bad_compress_values_exit_2_with_one_line(tiny_llama_dir, tmp_path, capsys, flags, message):
@@ -123,3 +129,32 @@ def test_compress_text_report_names_the_kernels(tiny_llama_dir, tmp_path, capsys
                  "--out", str(tmp_path / "q")]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "matmul kernels of the quantised layers: 8 int4pack"
+
+
+def test_activation_bits_are_stored_and_a_reloaded_model_computes_the_same(tiny_llama_dir, tmp_path, capsys):
+    import dataclasses
+
+    import torch
+
+    from decodekit.models import kernels
+    from decodekit.models.qlinear import QuantizedLinear
+
+    out = tmp_path / "w4a8"
+    report = cli_json(capsys, "compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "4",
+                      "--group", "32", "--activation-bits", "8", "--out", str(out))  # fmt: skip
+    assert report["label"] == "rtn-4b-g32-a8" and report["summary"]["activation_bits"] == 8
+    assert report["kernels"] == {"int4a8" if kernels.available() else "unpack": report["layers"]}
+    model = load_model(out)
+    layers = [m for m in model.net.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == report["layers"] and all(m.spec.activation_bits == 8 for m in layers)
+    # Weight-only from the same codes: another function (the activations are not quantised).
+    tokens = torch.tensor([model.encode("ROMEO: But soft")])
+    quantised = model.forward(tokens, model.new_cache(1))
+    weight_only = load_model(out)
+    for m in weight_only.net.modules():
+        if isinstance(m, QuantizedLinear):
+            m.spec = dataclasses.replace(m.spec, activation_bits=None)
+            m.set_kernel("auto")
+    plain = weight_only.forward(tokens, weight_only.new_cache(1))
+    assert not torch.allclose(quantised, plain, atol=1e-4)
+    assert torch.allclose(quantised, plain, atol=0.1 * float(plain.abs().max()))

@@ -16,7 +16,7 @@ from torch import nn
 
 import decodekit as dk
 from decodekit.models import kernels
-from decodekit.models.qlinear import QuantizedLinear, QuantSpec
+from decodekit.models.qlinear import QuantizedLinear, QuantSpec, quantize_activations
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
@@ -86,7 +86,8 @@ def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
     assert (native - unpacked).abs().max() <= 0.02 * unpacked.abs().max()
 
 
-WEIGHTS = ["float32", "bfloat16", "int8 g32", "int8 channel", "int4 channel", "int4 g64"]
+WEIGHTS = ["float32", "bfloat16", "int8 g32", "int8 channel", "int4 channel", "int4 g64",
+           "int8 channel a8", "int8 g64 a8", "int4 channel a8", "int4 g32 a8"]
 
 
 @needs_kernels
@@ -106,7 +107,12 @@ def test_a_row_computes_the_same_bits_whatever_rows_share_the_call(weight):
     else:
         bits = 8 if weight.startswith("int8") else 4
         group = {"g32": 32, "g64": 64}.get(weight.split()[1])
-        layer = _quantized(bits, group, 192 if group else 200, 13)  # per channel: a 200-input tail
+        k = 192 if group else 200  # per channel: a 200-input tail
+        if weight.endswith("a8"):
+            layer = _a8_layer(bits, group, 640 if group else 600, 13)  # a chunk of 16 blocks, a tail
+            x = torch.randn(17, layer.in_features, generator=torch.Generator().manual_seed(2))
+        else:
+            layer = _quantized(bits, group, k, 13)
         x = x[:, : layer.in_features]
     with torch.no_grad():
         together = layer(x)
@@ -191,3 +197,121 @@ def test_quantised_models_decode_as_their_unpack_kernel(bits, group):
     assert torch.allclose(native, model.forward(tokens, model.new_cache(1)), atol=0.05)
     [reference] = dk.generate(model, "ROMEO:", GREEDY)
     assert native_text.token_ids == reference.token_ids
+
+
+def test_activations_are_quantised_per_block_of_32_as_q8_0():
+    # A hand-computed block: max |x| = 1.27 -> d = 0.01; 0.005 is a tie (0.5 -> 0, to even),
+    # 0.015 -> 1.5 -> 2; the second block is all zeros (scale 0, codes 0); the third holds one
+    # input of a 65-input row (zero padded): d = 3 / 127, q = 127.
+    x = torch.zeros(65)
+    x[:4] = torch.tensor([1.27, -0.5, 0.005, 0.015])
+    x[64] = -3.0
+    got = quantize_activations(x)
+    d = torch.tensor(1.27) / 127
+    codes = torch.round(torch.tensor([1.27, -0.5, 0.005, 0.015]) * (1 / d))
+    assert codes.tolist() == [127.0, -50.0, 0.0, 2.0]
+    assert torch.equal(got[:4], codes * d) and not got[4:64].any()
+    assert got[64] == -3.0 and got.shape == x.shape
+
+
+A8_CASES = [  # (bits, group, K, N): chunks of 16 blocks and a tail, K not a multiple of 32
+    (8, None, 896, 64), (8, None, 45, 7), (8, 32, 96, 13), (8, 64, 1216, 9), (8, 128, 256, 5),
+    (4, None, 896, 64), (4, None, 45, 7), (4, 32, 96, 13), (4, 64, 1216, 9), (4, 128, 4864, 6),
+]  # fmt: skip
+
+
+def _a8_layer(bits: int, group: int | None, k: int, n: int) -> QuantizedLinear:
+    torch.manual_seed(bits * 100 + (group or 0) + k)
+    return QuantizedLinear.from_linear(nn.Linear(k, n), QuantSpec(bits, group, activation_bits=8))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group", "k", "n"), A8_CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+def test_activation_quantised_kernels_equal_the_torch_reference(bits, group, k, n, rows):
+    layer = _a8_layer(bits, group, k, n)
+    assert layer.kernel == ("int4a8" if bits <= 4 else "int8a8")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        native = layer(x)
+        layer.set_kernel("unpack")  # x̂ Ŵᵀ in float32 (quantize_activations)
+        reference = layer(x)
+        expected = F.linear(quantize_activations(x), layer.dequantized_weight(), layer.bias)
+        weight_only = F.linear(x, layer.dequantized_weight(), layer.bias)
+    torch.testing.assert_close(reference, expected)
+    # Integer block sums are exact; only the float sums over blocks round differently.
+    torch.testing.assert_close(native, reference, atol=1e-4, rtol=1e-4)
+    # ... and the activations really are quantised: not the weight-only function.
+    assert not torch.allclose(native, weight_only, atol=1e-4, rtol=1e-4)
+    assert (native - weight_only).abs().max() <= 0.05 * weight_only.abs().max()
+
+
+@needs_kernels
+def test_activation_quantised_avx2_variant_gives_the_same_bits(tmp_path):
+    # The AVX2 code (maddubs, no VNNI) in a child process; every case's output bit for bit.
+    script = "\n".join([
+        "import sys, torch",
+        "from decodekit.models import kernels as k",
+        "from decodekit.models.qlinear import QuantizedLinear, QuantSpec",
+        "assert k.status().reason == sys.argv[2], k.status().reason",
+        "assert torch.ops.decodekit.a8_isa() == {'avx512': 2, 'avx2': 1}[sys.argv[2]], 'no VNNI'",
+        "cases = [(8, None, 896, 13), (8, 32, 1184, 9), (8, 64, 64, 7), (4, None, 45, 7),",
+        "         (4, 32, 1184, 9), (4, 128, 4864, 6)]",
+        "out = []",
+        "for i, (b, g, kk, n) in enumerate(cases):",
+        "    torch.manual_seed(i)",
+        "    layer = QuantizedLinear.from_linear(torch.nn.Linear(kk, n), QuantSpec(b, g, activation_bits=8))",
+        "    assert layer.kernel == ('int8a8' if b == 8 else 'int4a8')",
+        "    out.append(layer(torch.randn(5, kk)))",
+        "torch.save(out, sys.argv[1])",
+    ])  # fmt: skip
+    results = {}
+    for isa in ("avx512", "avx2"):
+        env = {**os.environ, "DECODEKIT_GEMV_ISA": isa}
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", script, str(path), isa], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        if isa == "avx512" and ("AssertionError: avx2" in done.stderr or "no VNNI" in done.stderr):
+            pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 variant runs")
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[isa] = torch.load(path)
+    for wide, narrow in zip(results["avx512"], results["avx2"], strict=True):
+        assert torch.equal(wide, narrow)
+
+
+@pytest.mark.usefixtures("torch_kernels_only")
+def test_activation_bits_hold_without_the_kernels():
+    # No kernels: the layer runs "unpack", and still computes x̂ Ŵᵀ (never silently weight-only).
+    layer = _a8_layer(8, 32, 96, 13)
+    assert layer.kernel == "unpack"
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        expected = F.linear(quantize_activations(x), layer.dequantized_weight(), layer.bias)
+        torch.testing.assert_close(layer(x), expected)
+        big = torch.randn(70, 96)  # above PACKED_MAX_ROWS too
+        expected = F.linear(quantize_activations(big), layer.dequantized_weight(), layer.bias)
+        torch.testing.assert_close(layer(big), expected)
+    with pytest.raises(ValueError, match="kernel must be 'auto' or 'unpack' for this layer"):
+        layer.set_kernel("int8pack")
+
+
+def test_activation_bits_are_checked():
+    with pytest.raises(ValueError, match="activation_bits must be None \\(weight-only\\) or 8, got 4"):
+        QuantSpec(8, None, activation_bits=4)
+    with pytest.raises(ValueError, match="needs group_size None or a multiple of 32, got 16"):
+        QuantSpec(4, 16, activation_bits=8)
+    with pytest.raises(TypeError, match="activation_bits must be an int or None, got True"):
+        QuantSpec(8, None, activation_bits=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_activation_quantised_ops_trace_under_torch_compile(bits):
+    # engine/compiled.py compiles decode steps whole: the ops need their fake kernels.
+    kernels.register_fakes()
+    layer = _a8_layer(bits, 32, 96, 13)
+    x = torch.randn(2, 96)
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    assert kernels.traceable() and torch.equal(compiled, eager)

@@ -36,7 +36,8 @@ GREEDY_PROMPTS = ("ROMEO:", "JULIET:\nO ", "First Citizen:\nBefore we proceed", 
 # int8 in groups of 32, so the grouped int8 rows are its closest kin). bench/packed.py adds
 # the row that dtype "auto" loads a bfloat16 checkpoint as, against f16.
 PAIRS = (("float32", "f32"), ("bfloat16", "f16"), ("int8 RTN", "q8_0"), ("int8 RTN g64", "q8_0"),
-         ("int8 RTN g128", "q8_0"), ("int8 GPTQ", "q8_0"), ("int4 GPTQ", "q4_0"))  # fmt: skip
+         ("int8 RTN g128", "q8_0"), ("int8 GPTQ", "q8_0"), ("int4 GPTQ", "q4_0"),
+         ("int8 RTN a8", "q8_0"), ("int8 RTN g32 a8", "q8_0"), ("int4 GPTQ a8", "q4_0"))  # fmt: skip
 ABSENT = ("no llama-cpp-python build found in $DECODEKIT_PEERS, ./.peers or the checkout's .peers "
           "(bash scripts/peers.sh)")
 

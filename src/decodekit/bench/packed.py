@@ -10,7 +10,9 @@ tokenises text: 240M parameters, `random_model`). Rows: float32; bfloat16 (label
 what dtype "auto" loads a bfloat16 checkpoint as on this CPU, models/dtype_probe.py); int8
 RTN with one scale per channel and in groups of 64 and 128 (a layer whose input width the
 group does not divide stays float: `kernels` counts them); int8 GPTQ (per channel); int4 GPTQ
-(per channel). GPTQ calibrates on the shipped Shakespeare validation split (`calib_windows`
+(per channel); and the activation-quantised rows (`activation_bits=8`, "a8": W8A8 / W4A8, the
+numerics of llama.cpp's q8_0 / q4_0): int8 RTN per channel and in groups of 32 (q8_0's grid),
+int4 GPTQ. GPTQ calibrates on the shipped Shakespeare validation split (`calib_windows`
 windows of `calib_length` tokens).
 
 Per row, batch 1, `threads` torch threads, median of `repeats`: greedy decode tokens/s through
@@ -53,6 +55,11 @@ QUANT_ROWS: dict[str, CompressConfig] = {
     "int8 RTN g128": CompressConfig("rtn", bits=8, group_size=128),
     "int8 GPTQ": CompressConfig("gptq", bits=8),
     "int4 GPTQ": CompressConfig("gptq", bits=4),
+    # Opt-in activation quantisation (W8A8 / W4A8, llama.cpp's q8_0 / q4_0 numerics):
+    # "int8 RTN g32 a8" is q8_0's own grid (int8 codes and one scale per block of 32).
+    "int8 RTN a8": CompressConfig("rtn", bits=8, activation_bits=8),
+    "int8 RTN g32 a8": CompressConfig("rtn", bits=8, group_size=32, activation_bits=8),
+    "int4 GPTQ a8": CompressConfig("gptq", bits=4, activation_bits=8),
 }
 PROMPT = "ROMEO:"
 

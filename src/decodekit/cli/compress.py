@@ -21,6 +21,10 @@ def add_compress(sub) -> None:
     p.add_argument("--bits", type=int, default=None, help="2..8 (default 8 for rtn, 4 for gptq)")
     p.add_argument("--group", type=int, default=None, help="inputs per scale (default: per channel)")
     p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing Hessian diag")
+    p.add_argument("--activation-bits", type=int, default=None,
+                   help="8: also quantise each layer's input per block of 32 to int8 (W8A8/W4A8, "
+                        "llama.cpp's q8_0/q4_0 numerics; faster on CPU, costs perplexity: README); "
+                        "default: weight-only")  # fmt: skip
     p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
     p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
     p.add_argument("--calib", type=int, default=None,
@@ -41,6 +45,7 @@ def run_compress(args) -> None:
     calibration = {"calib_windows": args.calib, "calib_length": args.calib_len}
     config = CompressConfig(
         args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
+        activation_bits=args.activation_bits,
         sparsity=args.sparsity, n_m=args.n_m, **{k: v for k, v in calibration.items() if v is not None},
     )
     given = [flag for flag, value in (("--calib", args.calib), ("--calib-len", args.calib_len),

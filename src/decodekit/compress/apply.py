@@ -51,6 +51,7 @@ class CompressionSummary:
     bits: int | None = None
     group_size: int | None = None
     act_order: bool = False
+    activation_bits: int | None = None  # 8: the layers quantise their inputs (W8A8 / W4A8)
     sparsity: float | None = None
     n_m: tuple[int, int] | None = None
     calib_batches: int = 0
@@ -179,8 +180,10 @@ def quantize_model(
     damp: float = 0.01,
     sequential: bool = True,
     progress: bool = False,
+    activation_bits: int | None = None,
 ) -> CompressionSummary:
-    """Replace every Linear (except `skip`) by a `QuantizedLinear`, in place.
+    """Replace every Linear (except `skip`) by a `QuantizedLinear`, in place; with
+    `activation_bits` 8 the layers quantise their inputs too (models/qlinear.py, W8A8/W4A8).
 
     method "rtn": absmax round-to-nearest; "gptq": GPTQ on calibration batches [B, T]
     run through `forward(model, tokens)` (module docstring). Layers whose in_features the
@@ -189,14 +192,15 @@ def quantize_model(
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"method must be one of {QUANT_METHODS}, got {method!r}")
-    spec = QuantSpec(bits, group_size)
+    spec = QuantSpec(bits, group_size, activation_bits)
     layers = {
         name: layer
         for name, layer in find_linears(model, skip).items()
         if group_size is None or layer.in_features % group_size == 0
     }
     summary = CompressionSummary(
-        method, bits=bits, group_size=group_size, act_order=act_order and method == "gptq"
+        method, bits=bits, group_size=group_size, act_order=act_order and method == "gptq",
+        activation_bits=activation_bits,
     )
 
     def compress_one(name: str, layer: nn.Linear, hessian: torch.Tensor | None) -> None:

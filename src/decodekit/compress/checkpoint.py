@@ -29,6 +29,7 @@ def save_compressed(
             "bias": module.bias is not None,
             # Zero points (GGUF's Q4_K, models/qlinear.py): named only where a layer has them.
             **({"offsets": True} if module.offsets is not None else {}),
+            "activation_bits": module.spec.activation_bits,
         }
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)

@@ -24,6 +24,7 @@ from decodekit.compress.apply import (
 )
 from decodekit.compress.prune import parse_n_m
 from decodekit.models.base import LanguageModel
+from decodekit.models.qlinear import check_activation_bits
 from decodekit.models.registry import ASSETS
 
 METHODS = QUANT_METHODS + PRUNE_METHODS
@@ -41,6 +42,9 @@ class CompressConfig:
     bits: int | None = None
     group_size: int | None = None  # None: one scale per output channel
     act_order: bool = False  # gptq: quantise columns by decreasing Hessian diagonal
+    # 8: the layers also quantise their inputs per block of 32 to int8 (W8A8 / W4A8, llama.cpp's
+    # q8_0 / q4_0 numerics; models/qlinear.py); None: weight-only
+    activation_bits: int | None = None
     sparsity: float | None = None
     n_m: str | None = None  # "2:4": n zeros in every m consecutive weights
     calib_windows: int = 128
@@ -57,6 +61,7 @@ class CompressConfig:
             "bits": self.bits is not None and not quant,
             "group_size": self.group_size is not None and not quant,
             "act_order": self.act_order and self.method != "gptq",
+            "activation_bits": self.activation_bits is not None and not quant,
             "sparsity": self.sparsity is not None and quant,
             "n_m": self.n_m is not None and quant,
         }
@@ -67,6 +72,7 @@ class CompressConfig:
             raise ValueError(f"bits must be in 2..8, got {self.bits}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        check_activation_bits(self.activation_bits, self.group_size)
         if self.sparsity is not None and not 0 <= self.sparsity < 1:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity}")
         if self.sparsity is not None and self.n_m is not None:
@@ -89,7 +95,8 @@ class CompressConfig:
         if self.method in QUANT_METHODS:
             bits = self.bits or DEFAULT_BITS[self.method]
             group = f"-g{self.group_size}" if self.group_size else ""
-            return f"{self.method}-{bits}b{group}{'-act' if self.act_order else ''}"
+            a8 = f"-a{self.activation_bits}" if self.activation_bits else ""
+            return f"{self.method}-{bits}b{group}{'-act' if self.act_order else ''}{a8}"
         if self.n_m is not None:
             return f"{self.method}-{self.n_m}"
         return f"{self.method}-{round(100 * (self.sparsity or DEFAULT_SPARSITY))}%"
@@ -148,7 +155,8 @@ def compress_lm(
     if config.method in QUANT_METHODS:
         summary = quantize_model(
             lm.net, config.method, config.bits or DEFAULT_BITS[config.method],
-            config.group_size, act_order=config.act_order, **calibration,
+            config.group_size, act_order=config.act_order, activation_bits=config.activation_bits,
+            **calibration,
         )  # fmt: skip
     else:
         sparsity = DEFAULT_SPARSITY if config.sparsity is None else config.sparsity

@@ -19,7 +19,10 @@ The checkpoint is one safetensors file with the integer codes, scales and every 
 tensor of the model, plus a small JSON compression config in the file's metadata. Metadata
 key "decodekit.compression" holds
     {"format": 1, "summary": {...CompressionSummary...},
-     "quantized": {module name: {"in_features", "out_features", "bits", "group_size", "bias"}}}
+     "quantized": {module name: {"in_features", "out_features", "bits", "group_size", "bias",
+                                 "activation_bits"}}}
+("activation_bits": 8 makes the layer quantise its input, W8A8 / W4A8, models/qlinear.py;
+null or absent: weight-only), so a reloaded model computes what the compressed one did.
 A `QuantizedLinear` at "model.layers.0.mlp.up_proj" stores "...up_proj.qweight" (int8, or
 uint8 with two 4-bit codes per byte, `pack_int4`'s layout) and "...up_proj.scales" (float32).
 Loading replaces those Linear layers of a freshly built float model by empty
@@ -85,7 +88,8 @@ def load_compressed(model: nn.Module, path: str | Path) -> dict[str, Any] | None
                 spec["bits"],
                 spec["group_size"],
                 spec["bias"],
-                spec.get("offsets", False),
+                offsets=spec.get("offsets", False),
+                activation_bits=spec.get("activation_bits"),  # absent from checkpoints before it: weight-only
             ),
         )
     missing, unexpected = safetensors.torch.load_model(model, str(path), strict=True)

@@ -13,7 +13,12 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
 - `linear_int4(x, w, scales, group, bias)`: int4 codes repacked by `pack_int4_blocks`, x
-  rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums.
+  rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums;
+- `linear_w8a8(x, w, scales, bias)`, `linear_w4a8(x, w, scales, bias)` (csrc/gemv_a8.cpp):
+  activation-quantised, for layers that opted in (`activation_bits=8`): x quantised per block
+  of 32 inputs to int8 with one scale each (llama.cpp's q8_0), int8 / int4 codes repacked by
+  `pack_a8_blocks`, integer dot products per block (AVX-512 VNNI, or AVX2), float32 sums over
+  blocks; scales [N, 1] or one per block of 32 inputs.
 
 Each kernel decodes a block of 4 weight rows once for up to 4 input rows at a time, so a few
 rows (batched decoding, a speculative verification span) cost far less than that many
@@ -42,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "gemv.cpp", CSRC / "gemv_a8.cpp")  # one library; gemv_common.h is shared
 BUILD_DIR = Path(__file__).with_name("_native")  # gitignored
 DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
 ISA_NAMES = {1: "avx2", 2: "avx512"}
@@ -63,8 +69,8 @@ class Status:
 
 def library_path() -> Path:
     """Where `build` puts the library for this source and this torch."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return BUILD_DIR / f"gemv-{digest}-torch{torch.__version__.replace('+', '_')}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, CSRC / "gemv_common.h")))
+    return BUILD_DIR / f"gemv-{digest.hexdigest()[:12]}-torch{torch.__version__.replace('+', '_')}.so"
 
 
 @functools.cache
@@ -114,6 +120,8 @@ def register_fakes() -> None:
     torch.library.register_fake("decodekit::linear_int4")(
         lambda x, w, scales, group, bias: out(x, scales.shape[0])
     )
+    for op in ("decodekit::linear_w8a8", "decodekit::linear_w4a8"):
+        torch.library.register_fake(op)(lambda x, w, scales, bias: out(x, scales.shape[0]))
     _TRACEABLE = True
 
 
@@ -148,6 +156,38 @@ def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:
     return words.permute(0, 2, 1, 3, 4).reshape(rows, width // 2).contiguous()
 
 
+A8_BLOCK = 32  # inputs per activation scale in the W8A8 / W4A8 kernels (q8_0's block)
+A8_LANES = 16  # blocks per chunk of the kernels' layout
+
+
+def pack_a8_blocks(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes [N, K] (within ±127 for bits 8, ±7 for bits <= 4) as the W8A8 / W4A8
+    kernels read them (csrc/gemv_a8.cpp): padded with zero codes to whole blocks of 32 inputs
+    and a multiple of 4 rows; per block of 4 rows and chunk of 16 blocks (the last chunk the
+    rest), each row's 8 steps, step s holding bytes 4s..4s+3 of each block in turn; stored
+    code + 128 (bits 8) or code + 8 in nibbles, steps 2t and 2t + 1 low and high (bits <= 4).
+    Returns uint8 [ceil(N / 4) * 4, blocks * 32] (bits 8) or [.., blocks * 16]."""
+    n, k = codes.shape
+    blocks, rows = -(-k // A8_BLOCK), -(-n // 4) * 4
+    q = torch.nn.functional.pad(codes.to(torch.int16), (0, blocks * A8_BLOCK - k, 0, rows - n))
+    q = (q + (128 if bits == 8 else 8)).reshape(rows, blocks, 8, 4)  # [row, block, step, byte]
+    full = blocks // A8_LANES * A8_LANES
+    parts = [q[:, :full].reshape(rows, -1, A8_LANES, 8, 4), q[:, full:].reshape(rows, 1, -1, 8, 4)]
+    return torch.cat([_a8_chunks(p, bits) for p in parts if p.numel()], dim=1).reshape(rows, -1)
+
+
+def _a8_chunks(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [R, C, L, 8, 4] (row, chunk, block, step, byte) -> uint8 [R / 4, C * 4 * chunk bytes]:
+    steps before blocks, nibble pairs for int4, a block's 4 rows side by side per chunk."""
+    r, c, lanes = q.shape[:3]
+    q = q.permute(0, 1, 3, 2, 4)  # [R, C, step, block, byte]
+    if bits <= 4:
+        q = q.reshape(r, c, 4, 2, lanes, 4)
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # steps 2t and 2t + 1: low and high nibbles
+    q = q.reshape(r // 4, 4, c, -1).transpose(1, 2)  # [R / 4, C, row, chunk bytes]
+    return q.reshape(r // 4, -1).to(torch.uint8)
+
+
 def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, int] | None:
     """(width, group) the int4 kernel runs a layer with: inputs padded to a multiple of 128
     and the kernel's group (32, a multiple of 64 dividing in_features, or the padded width for
@@ -162,7 +202,7 @@ def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, i
 
 
 def build(verbose: bool = True) -> Status:
-    """Compile csrc/gemv.cpp into `library_path()` with the system C++ compiler (no ninja
+    """Compile csrc/gemv.cpp and gemv_a8.cpp into `library_path()` with the system C++ compiler (no ninja
     needed: one translation unit). Raises RuntimeError with the compiler's output on failure."""
     from torch.utils import cpp_extension
 
@@ -183,13 +223,13 @@ def build(verbose: bool = True) -> Status:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
     ]
     command += [f"-I{path}" for path in cpp_extension.include_paths()]
-    command += [str(SOURCE), "-o", str(target) + ".tmp"]
+    command += [*map(str, SOURCES), "-o", str(target) + ".tmp"]
     command += [f"-L{path}" for path in lib_dirs] + [f"-Wl,-rpath,{path}" for path in lib_dirs]
     command += ["-lc10", "-ltorch_cpu", "-ltorch"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"compiling {', '.join(p.name for p in SOURCES)} failed:\n{done.stderr[-4000:]}")
     os.replace(str(target) + ".tmp", target)
     for old in BUILD_DIR.glob("gemv-*.so"):
         if old != target:
@@ -216,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     state = status()
     print(f"decodekit kernels: {'available' if state.available else 'unavailable'} ({state.reason})")
+    if state.available:  # the activation-quantised ops need AVX-512 VNNI for their wide variant
+        a8 = {2: "avx512-vnni", 1: "avx2"}[torch.ops.decodekit.a8_isa()]
+        print(f"W8A8 / W4A8 kernels (activation_bits=8): {a8}")
     return 0
 
 

@@ -35,6 +35,15 @@ and 23):
   "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the
   kernels are not built, the layers choose among the paths below (`torch_kernel`).
 
+- "int8a8" / "int4a8": opt-in activation quantisation (`QuantSpec.activation_bits` 8, set by
+  `CompressConfig(activation_bits=8)` / `decodekit compress --activation-bits 8` and stored in
+  the checkpoint): llama.cpp's q8_0 / q4_0 numerics, W8A8 / W4A8. x is quantised per block of
+  32 inputs to int8 with one float scale per block (`quantize_activations`), and each block's
+  dot product with the codes is an integer one (AVX-512 VNNI, or AVX2; csrc/gemv_a8.cpp),
+  scaled by the block's and the weights' scales (per channel, or groups of 32j). The weights
+  are repacked at load (`kernels.pack_a8_blocks`, never saved). Such a layer computes x̂ Ŵᵀ on
+  every path: "unpack" (no kernels) and a prefill above PACKED_MAX_ROWS rows (bfloat16 GEMM)
+  quantise x the same way, and PyTorch's weight-only kernels never run it.
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
   weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).
   Its grid is w = (q - 8) · s + z with q in 0..15 and one (s, z) per group of 32, 64, 128
@@ -72,13 +81,17 @@ from torch import nn
 
 from decodekit.models import kernels
 
+ACTIVATION_BLOCK = kernels.A8_BLOCK  # inputs per activation scale (activation_bits 8)
+
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Symmetric integer grid: `bits` in 2..8, one scale per channel or per group."""
+    """Symmetric integer grid: `bits` in 2..8, one scale per channel or per group; and whether
+    the layer quantises its input too (`activation_bits` 8: W8A8 / W4A8, module docstring)."""
 
     bits: int = 8
     group_size: int | None = None  # None: one scale per output channel (row)
+    activation_bits: int | None = None  # None: weight-only; 8: x in int8 per block of 32
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -91,6 +104,7 @@ class QuantSpec:
             or self.group_size < 1
         ):
             raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
+        check_activation_bits(self.activation_bits, self.group_size)
 
     @property
     def qmax(self) -> int:
@@ -105,6 +119,35 @@ class QuantSpec:
                 f"group_size {self.group_size} must divide the layer's in_features {in_features}"
             )
         return in_features // self.group_size
+
+
+def check_activation_bits(activation_bits: int | None, group_size: int | None) -> None:
+    """activation_bits must be None (weight-only) or 8, and then the weights' groups whole
+    activation blocks (per channel, or a multiple of 32 inputs)."""
+    if activation_bits is None:
+        return
+    if isinstance(activation_bits, bool) or not isinstance(activation_bits, int):
+        raise TypeError(f"activation_bits must be an int or None, got {activation_bits!r}")
+    if activation_bits != 8:
+        raise ValueError(f"activation_bits must be None (weight-only) or 8, got {activation_bits}")
+    if group_size is not None and group_size % ACTIVATION_BLOCK:
+        raise ValueError(
+            f"activation_bits 8 needs group_size None or a multiple of {ACTIVATION_BLOCK}, got {group_size}"
+        )
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the W8A8 / W4A8 layers see it: per block of 32 inputs (the last one zero
+    padded) d = max|x| / 127, q = round(x * (1 / d)) within ±127 (ties to even), x̂ = q * d,
+    computed in float32 (llama.cpp's q8_0; csrc/gemv_a8.cpp). Returns x̂ in x's dtype."""
+    k = x.shape[-1]
+    blocks = -(-k // ACTIVATION_BLOCK)
+    xf = F.pad(x.to(torch.float32), (0, blocks * ACTIVATION_BLOCK - k))
+    xb = xf.reshape(*x.shape[:-1], blocks, ACTIVATION_BLOCK)  # [..., blocks, 32]
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inverse).clamp(-127, 127)
+    return (q * d).reshape(xf.shape)[..., :k].to(x.dtype)
 
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -199,8 +242,9 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -
     return y.sum(0).reshape(*lead, n)
 
 
-KERNELS = ("int4gemv", "int8gemv", "int4pack", "int8pack", "unpack")
-NATIVE_KERNELS = ("int4gemv", "int8gemv")  # decodekit's own (models/kernels.py)
+KERNELS = ("int4gemv", "int8gemv", "int4a8", "int8a8", "int4pack", "int8pack", "unpack")
+NATIVE_KERNELS = ("int4gemv", "int8gemv", "int4a8", "int8a8")  # decodekit's own (models/kernels.py)
+ACTIVATION_KERNELS = ("int4a8", "int8a8")  # x quantised too (activation_bits 8)
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes `_weight_int4pack_mm_for_cpu` takes
 # Above this many rows a packed layer dequantises to bfloat16 and runs one GEMM instead
 # (module docstring): measured crossovers on the dev CPU were ~65 rows for int8, ~110 for int4.
@@ -225,7 +269,10 @@ def int4_kernel_group(spec: QuantSpec, in_features: int) -> int | None:
 
 def choose_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
     """The matmul path of a layer (module docstring): decodekit's "int4gemv" / "int8gemv"
-    where the native kernels are built (`kernels.status()`), else `torch_kernel`'s."""
+    ("int4a8" / "int8a8" with activation_bits 8) where the native kernels are built
+    (`kernels.status()`), else `torch_kernel`'s."""
+    if spec.activation_bits is not None:
+        return ("int4a8" if spec.bits <= 4 else "int8a8") if kernels.available() else "unpack"
     fits = spec.bits > 4 or kernels.int4_kernel_layout(spec.group_size, in_features) is not None
     if fits and kernels.available():
         return "int4gemv" if spec.bits <= 4 else "int8gemv"
@@ -233,8 +280,11 @@ def choose_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
 
 
 def torch_kernel(spec: QuantSpec, in_features: int, out_features: int) -> str:
-    """PyTorch's packed kernel for this layer, "int4pack" or "int8pack", or "unpack"."""
+    """PyTorch's packed kernel for this layer, "int4pack" or "int8pack", or "unpack" (always,
+    with activation_bits: PyTorch's kernels are weight-only)."""
     aten = torch.ops.aten
+    if spec.activation_bits is not None:
+        return "unpack"
     if spec.bits <= 4:
         fits = out_features % 16 == 0 and int4_kernel_group(spec, in_features) is not None
         has_op = hasattr(aten, "_weight_int4pack_mm_for_cpu")
@@ -294,9 +344,10 @@ class QuantizedLinear(nn.Module):
         group_size: int | None = None,
         bias: bool = True,
         offsets: bool = False,
+        activation_bits: int | None = None,
     ) -> None:
         super().__init__()
-        self.spec = QuantSpec(bits, group_size)
+        self.spec = QuantSpec(bits, group_size, activation_bits)
         self.in_features = in_features
         self.out_features = out_features
         groups = self.spec.num_groups(in_features)
@@ -341,7 +392,8 @@ class QuantizedLinear(nn.Module):
         if codes is None or scales is None:
             codes, scales = quantize_rtn(linear.weight, spec)
         has_bias = linear.bias is not None
-        module = cls(linear.in_features, linear.out_features, spec.bits, spec.group_size, has_bias)
+        module = cls(linear.in_features, linear.out_features, spec.bits, spec.group_size, has_bias,
+                     spec.activation_bits)  # fmt: skip
         module.to(linear.weight.device).set_codes(codes, scales)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach().to(torch.float32))
@@ -408,6 +460,10 @@ class QuantizedLinear(nn.Module):
             columns = -(-width // self.kernel_group)  # the padded width's groups
             padding = columns - self.scales.shape[1]  # no copy of the scales where none is needed
             scales = F.pad(self.scales, (0, padding)) if padding else self.scales
+        elif self.kernel in ACTIVATION_KERNELS and self.qweight.device.type == "cpu":
+            weight = kernels.pack_a8_blocks(self.codes(), 8 if self.kernel == "int8a8" else 4)
+            group = self.spec.group_size  # None, or whole blocks of 32 (QuantSpec)
+            scales = self.scales if group is None else self.scales.repeat_interleave(group // 32, dim=1)
         elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
             self.kernel_group = self.in_features // self.scales.shape[1]
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
@@ -447,7 +503,10 @@ class QuantizedLinear(nn.Module):
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ in bfloat16 through the packed kernel, or one bfloat16 GEMM over the
-        dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
+        dequantised weight above PACKED_MAX_ROWS rows (module docstring; with activation_bits
+        over x̂, `quantize_activations`). Returns x's dtype."""
+        if self.spec.activation_bits is not None:
+            x = quantize_activations(x)
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
             weight = dequantize(self.codes(), self.scales, torch.bfloat16)  # [N, K]
             return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
@@ -459,12 +518,19 @@ class QuantizedLinear(nn.Module):
         """x [..., K] Ŵᵀ + b on decodekit's kernels (models/kernels.py): int8 with x in float32,
         int4 with x rounded to bfloat16; float32 sums. Returns x's dtype."""
         ops = torch.ops.decodekit  # the ops take x [..., K] and return [..., N]
+        if self.kernel == "int8a8":
+            return ops.linear_w8a8(x, self.kernel_weight, self.kernel_scales, self.bias)
+        if self.kernel == "int4a8":
+            return ops.linear_w4a8(x, self.kernel_weight, self.kernel_scales, self.bias)
         if self.kernel == "int8gemv":
             return ops.linear_rows(x, self.qweight, self.kernel_scales, self.kernel_group, self.bias)
         return ops.linear_int4(x, self.kernel_weight, self.kernel_scales, self.kernel_group, self.bias)
 
     def unpacked_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring)."""
+        """x [..., K] Ŵᵀ converting the codes to x's dtype (the fallback; module docstring);
+        with activation_bits, x̂ Ŵᵀ (`quantize_activations`): the W8A8 / W4A8 kernels' maths."""
+        if self.spec.activation_bits is not None:
+            x = quantize_activations(x)
         scales = self.scales.to(x.dtype)  # [N, G]
         if self.spec.group_size is None:
             if self.packed:
@@ -480,6 +546,7 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.spec.bits}, {group}, bias={self.bias is not None}, "
             f"offsets={self.offsets is not None}, kernel={self.kernel}"
+            + (f", activation_bits={self.spec.activation_bits}" if self.spec.activation_bits else "")
         )
 
 

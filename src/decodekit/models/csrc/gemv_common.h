@@ -1,0 +1,107 @@
+// Shared by decodekit's kernel sources (gemv.cpp, gemv_a8.cpp): the instruction set chosen
+// once per process, the work per parallel task, and the ops' row handling (x [..., K] in,
+// [..., N] out, bias added and the dtype restored by `finish`).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+// Small loops over the register blocks unroll fully, so their accumulators stay in registers.
+#define UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int64_t detect_isa() {
+  const char* forced = std::getenv("DECODEKIT_GEMV_ISA");
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("avx512bf16");
+  if (forced && std::strcmp(forced, "none") == 0) return kNone;
+  if (forced && std::strcmp(forced, "avx2") == 0) return avx2 ? kAvx2 : kNone;
+  return avx512 ? kAvx512 : (avx2 ? kAvx2 : kNone);
+}
+
+int64_t isa() {
+  static const int64_t level = detect_isa();
+  return level;
+}
+
+// Work per parallel task: small layers run on one thread (a fork costs a few microseconds).
+constexpr int64_t kMinWeightsPerTask = 1 << 17;
+// How far ahead of each row's reads the dot-product kernels prefetch (prefetch_ahead): 8 KiB
+// measured best for bf16, int8 and int4 alike at 896 -> 4864 (one block of 4 rows ahead, the
+// first kernels' choice, was up to 20% slower for int8 and int4 once they decoded faster).
+constexpr int64_t kAheadBytes = 8192;
+
+void check_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, ", K, "] tensor");
+}
+
+// The ops take x [..., K] and return [..., N]: callers need no reshape (a decode step calls
+// them ~100 times, and each Python-side reshape and view costs about a microsecond).
+at::Tensor as_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
+  return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+}
+
+at::Tensor like_rows(const at::Tensor& y, const at::Tensor& x) {
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  return y.view(shape);
+}
+
+template <typename Out>
+void store_row(const float* y, int64_t N, const float* bias, Out* out) {
+  for (int64_t n = 0; n < N; ++n) out[n] = Out(bias ? y[n] + bias[n] : y[n]);
+}
+
+// y [M, N] in f32 -> the result in `dtype`, plus bias.
+at::Tensor finish(const at::Tensor& y, const c10::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t M = y.size(0), N = y.size(1);
+  if (dtype == at::kFloat) {
+    if (bp)
+      for (int64_t m = 0; m < M; ++m) {
+        float* row = y.data_ptr<float>() + m * N;
+        for (int64_t n = 0; n < N; ++n) row[n] += bp[n];
+      }
+    return y;
+  }
+  at::Tensor out = at::empty({M, N}, y.options().dtype(dtype));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = y.data_ptr<float>() + m * N;
+    if (dtype == at::kBFloat16)
+      store_row(row, N, bp, out.data_ptr<at::BFloat16>() + m * N);
+    else if (dtype == at::kHalf)
+      store_row(row, N, bp, out.data_ptr<at::Half>() + m * N);
+    else
+      TORCH_CHECK(false, "unsupported output dtype");
+  }
+  return out;
+}
+
+// The x rows in blocks of up to 4, each weight block decoded once per x block (dot4_avx512).
+template <typename Block>
+void for_row_blocks(int64_t M, const Block& block) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) block(m0, std::min<int64_t>(4, M - m0));
+}
+
+}  // namespace
