@@ -393,7 +393,7 @@ class QuantizedLinear(nn.Module):
             codes, scales = quantize_rtn(linear.weight, spec)
         has_bias = linear.bias is not None
         module = cls(linear.in_features, linear.out_features, spec.bits, spec.group_size, has_bias,
-                     spec.activation_bits)  # fmt: skip
+                     activation_bits=spec.activation_bits)  # fmt: skip
         module.to(linear.weight.device).set_codes(codes, scales)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach().to(torch.float32))
