@@ -297,6 +297,8 @@ ROWS = [
      "config.group_size", 32),
     ("compress --act-order", ["compress", "m", "--method", "gptq", "--act-order"], "compress_to_dir",
      "config.act_order", True),
+    ("compress --activation-bits", ["compress", "m", "--method", "rtn", "--activation-bits", "8"],
+     "compress_to_dir", "config.activation_bits", 8),
     ("compress --sparsity", ["compress", "m", "--method", "magnitude", "--sparsity", "0.3"],
      "compress_to_dir",
      "config.sparsity", 0.3),
