@@ -131,15 +131,15 @@ def test_a_failed_compilation_leaves_the_engine_eager_with_one_warning(sharp_lm,
     assert len([w for w in caught if "stays eager" in str(w.message)]) == 1
 
 
-def test_the_automatic_policy_compiles_only_when_the_tokens_so_far_repay_it(sharp_lm, tmp_path):
-    policy = CompilePolicy(None, tmp_path / "times.json", warmup_s=40.0)
-    assert not policy.pays(64, 0.002)  # hello world: 64 tokens save ~0.04 s of a 40 s warm-up
-    assert policy.pays(100_000, 0.002)
-    assert CompilePolicy(True, tmp_path / "t").pays(0, 0.0)
-    assert not CompilePolicy(False, tmp_path / "t").pays(10**9, 1.0)
-    policy.record(sharp_lm, 3.5)
-    again = CompilePolicy.for_model(sharp_lm, None)  # DECODEKIT_CACHE_DIR: the session's (conftest)
-    assert again.cache_file != policy.cache_file or again.warmup_s == 3.5
+def test_the_automatic_policy_compiles_only_when_the_steps_so_far_repay_it(sharp_lm, tmp_path):
+    policy = CompilePolicy(None, tmp_path / "times.json", "shape")  # nothing recorded: 40 s a bucket
+    assert not policy.pays(1, 64, 0.002)  # hello world: 64 steps save ~0.04 s of a 40 s warm-up
+    assert policy.pays(1, 100_000, 0.002)
+    assert not policy.pays(16, 10**9, 1.0)  # beyond 8 rows, never by itself
+    assert CompilePolicy(True, tmp_path / "t").pays(64, 0, 0.0)
+    assert not CompilePolicy(False, tmp_path / "t").pays(1, 10**9, 1.0)
+    policy.record(1, 3.5)
+    assert policy.pays(1, 6_000, 0.002) and not policy.pays(2, 6_000, 0.002)  # bucket 2: unmeasured
     _, engine = run(fresh(sharp_lm), PROMPTS, None)  # a short run: eager, nothing compiled or compiling
     assert engine.compiled_steps == 0 and not engine.lanes.ready and not engine.lanes._threads
 
@@ -148,7 +148,7 @@ def test_a_warm_up_is_recorded_and_read_back(sharp_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     run(fresh(sharp_lm), PROMPTS[:1], True)
     recorded = CompilePolicy.for_model(sharp_lm, None)
-    assert recorded.measured and 0 < recorded.warmup_s < 600
+    assert set(recorded.warmups) == {1} and 0 < recorded.warmups[1] < 600
 
 
 def test_engines_that_cannot_compile_say_why(tiny_llama_dir):
@@ -173,7 +173,7 @@ def test_the_automatic_policy_compiles_in_the_background_and_switches_over(sharp
     """A recorded warm-up of a millisecond: the first decode step asks for its bucket, the
     engine goes on eager while a thread compiles it, and then runs it; tokens as eager."""
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
-    CompilePolicy(None, tmp_path / "compile-times.json").record(sharp_lm, 0.001)
+    CompilePolicy.for_model(sharp_lm, None).record(1, 0.001)
     long = dk.SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     model = fresh(sharp_lm)
     want, _ = run(model, [(PROMPTS[1], long)], False)

@@ -60,7 +60,7 @@ def add_compile(p) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's compiled decode step (engine/compiled.py): --compile compiles it "
                    "on the first decode step, --no-compile never; default: automatic, once the "
-                   "tokens decoded would have repaid the compilation (a short command never waits)")
+                   "decode steps run would have repaid the compilation (a short command never waits)")
 
 
 def apply_compile(args, model) -> None:

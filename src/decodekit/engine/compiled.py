@@ -27,9 +27,10 @@ step (models/static.py). Here:
 When to compile (`CompilePolicy`): compilation costs seconds to a minute (inductor caches
 its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so a later process pays only the tracing);
 a step saves a fraction of a millisecond. So the engine runs eager and compiles a bucket, in
-a background thread, once the decode tokens it has already generated would have repaid the
-warm-up (a JIT's tiering: past work predicts future work). The warm-up of each model shape is
-measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
+a background thread, once the decode-only steps it has already run would have repaid that
+bucket's warm-up (a JIT's tiering: past work predicts future work), and automatically only
+for buckets of up to 8 rows, where the step is overhead-bound. The warm-up of each bucket of
+each model shape is measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
 models/dtype_probe.py `cache_dir`), so a short
 command such as `decodekit generate "ROMEO:"` never waits for a compile. `compile=True`
 compiles on the first decode step, `False` never. A compilation that fails leaves the engine
@@ -61,8 +62,12 @@ BACKEND = "inductor"  # torch.compile's backend (the tests also run "aot_eager",
 # Before a model's warm-up has been measured on this machine: what a cold compile of a small
 # model's step costs on a 2-core CPU (BENCHMARKS.md, "Compiled decode step").
 COLD_WARMUP_S = 40.0
-# The share of an eager decode step the compiled one is assumed to save until measured.
+# The share of an eager decode step the compiled one saves (1.3-1.5x measured at one row).
 ASSUMED_SAVING = 0.3
+# The automatic policy compiles buckets up to this many rows: beyond, a step's matmuls and
+# attention outweigh its overhead and compiling gained nothing (64 rows: 1.27x against 1.25x
+# Hugging Face, BENCHMARKS.md), while a background compile slows a busy server for its length.
+AUTO_MAX_ROWS = 8
 
 
 def bucket(rows: int) -> int | None:
@@ -139,32 +144,37 @@ def eligible(model, pool, batch_invariant: bool) -> str | None:
 
 @dataclass
 class CompilePolicy:
-    """When the engine compiles (module docstring). mode: True, False or None (automatic)."""
+    """When the engine compiles a bucket (module docstring). mode: True, False or None
+    (automatic). warmups: the recorded warm-up of each bucket of this model's shape."""
 
     mode: bool | None
     cache_file: Path
-    warmup_s: float = COLD_WARMUP_S
-    measured: bool = False
+    key: str = ""
+    warmups: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, model: NativeLM, mode: bool | None) -> CompilePolicy:
-        policy = cls(mode, cache_dir() / "compile-times.json")
-        recorded = _read_json(policy.cache_file).get(shape_key(model))
-        if recorded is not None:
-            policy.warmup_s, policy.measured = float(recorded), True
+        policy = cls(mode, cache_dir() / "compile-times.json", shape_key(model))
+        for name, seconds in _read_json(policy.cache_file).items():
+            shape, _, size = name.rpartition("/rows=")
+            if shape == policy.key and size.isdigit():
+                policy.warmups[int(size)] = float(seconds)
         return policy
 
-    def pays(self, decode_tokens: int, eager_step_s: float) -> bool:
-        """Whether the decode tokens generated so far would have repaid a warm-up."""
+    def pays(self, size: int, decode_steps: int, eager_step_s: float) -> bool:
+        """Whether the decode-only steps run so far would have repaid the bucket's warm-up
+        (automatic mode: buckets up to AUTO_MAX_ROWS rows, where the step is overhead-bound)."""
         if self.mode is not None:
             return self.mode
-        return decode_tokens * eager_step_s * ASSUMED_SAVING >= self.warmup_s
+        if size > AUTO_MAX_ROWS:
+            return False
+        return decode_steps * eager_step_s * ASSUMED_SAVING >= self.warmups.get(size, COLD_WARMUP_S)
 
-    def record(self, model: NativeLM, seconds: float) -> None:
-        """Remember a measured warm-up of this model shape (the slowest bucket's)."""
-        self.warmup_s, self.measured = seconds, True
+    def record(self, size: int, seconds: float) -> None:
+        """Remember a measured warm-up of this shape's bucket of `size` rows."""
+        self.warmups[size] = seconds
         times = _read_json(self.cache_file)
-        times[shape_key(model)] = round(seconds, 2)
+        times[f"{self.key}/rows={size}"] = round(seconds, 2)
         try:
             self.cache_file.parent.mkdir(parents=True, exist_ok=True)
             self.cache_file.write_text(json.dumps(times, indent=1, sort_keys=True))
@@ -200,7 +210,7 @@ class CompiledLanes:
     _marked: object = None  # the RunningKV keys last marked dynamic
     _threads: list[threading.Thread] = field(default_factory=list)
 
-    def want(self, rows: int, policy: CompilePolicy, decode_tokens: int, eager_step_s: float,
+    def want(self, rows: int, policy: CompilePolicy, decode_steps: int, eager_step_s: float,
              running_kv) -> None:  # fmt: skip
         """Ask for the bucket of `rows` if `policy` says it pays: compiled in a background
         thread (with `policy.mode` True, at once in this one)."""
@@ -208,7 +218,7 @@ class CompiledLanes:
         with self._lock:
             if size is None or self.failed or size in self.ready or size in self._pending:
                 return
-            if not policy.pays(decode_tokens, eager_step_s):
+            if not policy.pays(size, decode_steps, eager_step_s):
                 return
             self._pending.add(size)
         example = _example_inputs(self.model, size, running_kv)
@@ -247,7 +257,7 @@ class CompiledLanes:
         with self._lock:
             self.ready[size] = compiled
             self._pending.discard(size)
-        policy.record(self.model, elapsed)
+        policy.record(size, elapsed)
         _log.info("compiled the decode step for %d rows in %.1f s", size, elapsed)
 
     def run(self, rows: int, tokens, positions, running_kv):

@@ -26,8 +26,9 @@ class EngineConfig:
     still admitted alone, so it cannot starve).
     prefix_caching: keep the KV of full blocks for later requests with the same prefix.
     compile: the compiled decode step for the decoding rows (engine/compiled.py): None
-    compiles each batch bucket in the background once the tokens decoded so far would have
-    repaid its measured warm-up, True on the first decode step, False never.
+    compiles a batch bucket of up to 8 rows in the background once the decode steps so far
+    would have repaid its measured warm-up, True every bucket on its first decode step,
+    False never.
     kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a
     float32 scale per layer, head and position (engine/kv.py). The running rows stay in the
     model's dtype (rows.py), so it shrinks the pool, not the rows.

@@ -210,9 +210,8 @@ class Engine:
         if config.compile is not False and self.compile_refused is None:
             self.lanes = lanes_for(model)
             self.compile_policy = CompilePolicy.for_model(model, config.compile)
-        self.decode_tokens = 0  # rows decoded by eager decode-only steps (the policy's evidence)
-        self.eager_step_s = 0.0  # their mean time
-        self._eager_steps = 0
+        self.decode_steps = 0  # eager decode-only steps (the policy's evidence) and their mean time
+        self.eager_step_s = 0.0
         self.compiled_steps = 0
 
     # ------------------------------------------------------------------ requests
@@ -557,10 +556,9 @@ class Engine:
 
     def _count_eager(self, rows: int, seconds: float) -> None:
         """An eager decode-only step: the compile policy's evidence (compiled.py)."""
-        self._eager_steps += 1
-        self.eager_step_s += (seconds - self.eager_step_s) / self._eager_steps
-        self.decode_tokens += rows
-        self.lanes.want(rows, self.compile_policy, self.decode_tokens, self.eager_step_s, self.running_kv)
+        self.decode_steps += 1
+        self.eager_step_s += (seconds - self.eager_step_s) / self.decode_steps
+        self.lanes.want(rows, self.compile_policy, self.decode_steps, self.eager_step_s, self.running_kv)
 
     def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Sample one token for every row of the step (hidden: their final states, for the
