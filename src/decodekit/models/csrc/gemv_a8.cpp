@@ -288,7 +288,7 @@ at::Tensor linear_a8_2d(const at::Tensor& x_in, const at::Tensor& w, const at::T
       const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
       const uint8_t* wb = wp + b * block_bytes;
       const float* sr[4];
-      for (int r = 0; r < 4; ++r) sr[r] = sp + (n0 + std::min<int64_t>(r, rows - 1)) * G;
+      block_scale_rows(sp, n0, rows, G, sr);
       for_row_blocks(M, [&](int64_t m0, int64_t mb) {
         float out[16];
         const QuantRows xm{q + m0 * nbp * kBlock, d + m0 * nbp, c + m0 * nbp, nbp};

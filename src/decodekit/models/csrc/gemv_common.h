@@ -104,4 +104,10 @@ void for_row_blocks(int64_t M, const Block& block) {
   for (int64_t m0 = 0; m0 < M; m0 += 4) block(m0, std::min<int64_t>(4, M - m0));
 }
 
+// The scale rows [G] of the 4 weight rows from n0 (of `rows` real ones: a last, partial block
+// repeats its last row, whose outputs are dropped), out of scales [N, G].
+inline void block_scale_rows(const float* scales, int64_t n0, int64_t rows, int64_t G, const float* sr[4]) {
+  for (int r = 0; r < 4; ++r) sr[r] = scales + (n0 + std::min<int64_t>(r, rows - 1)) * G;
+}
+
 }  // namespace
