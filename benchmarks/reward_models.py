@@ -16,6 +16,9 @@
    and on the engine; candidates scored per second, each scorer over all candidates in one
    call, and whether best-of-N picks the same answers; with the bare prompts and with
    `--shots` solved problems before each (a prompt of about 140 tokens the candidates share).
+   "probe, from generation": the probe reading the log-probs and entropies the sampling
+   computed (meta/rewards.py; the policy is `arith` itself), no forward; the sampling is
+   timed with and without `SamplingParams.entropies` (what recording them costs).
 
 Each run loads its reward model afresh (an empty prefix cache) and the policy's engine is
 dropped between runs. One torch thread; wall and CPU time (the process's: on a shared
@@ -148,14 +151,20 @@ def best_of_n(policy, problems, n: int, shots: int = 0) -> list[dict]:
     (`shots` solved problems first); every candidate in one `score_batch` call."""
     config = EvalConfig(problems=len(problems))
     prompts = [few_shot(shots) + format_prompt(p) for p in problems]
-    forget_engine(policy)
-    samples = sample_parallel(LocalGenerator(policy), prompts, n, config, 0)
+    sampling = {}
+    for entropies in (False, True):  # the same seeds: the same samples, with or without entropies
+        forget_engine(policy)
+        start, cpu = time.perf_counter(), time.process_time()
+        samples = sample_parallel(LocalGenerator(policy), prompts, n, config, 0, entropies=entropies)
+        sampling[entropies] = (time.perf_counter() - start, time.process_time() - cpu)
+    completions = [c for cs in samples for c in cs]
     items = [(prompt, [c.text.strip() + DELIMITER]) for prompt, cs in zip(prompts, samples) for c in cs]
     rows, picks = [], {}
-    for label, name, native in SCORERS:
+    for label, name, native in (*SCORERS, ("probe, from generation", "arith-{}", None)):
         model = load_reward_model(name.format("orm"), native=native)
+        reuse = {"completions": completions, "model": policy} if label.endswith("generation") else {}
         start, cpu = time.perf_counter(), time.process_time()
-        scores = [s[0] for s in model.score_batch(items)]
+        scores = [s[0] for s in model.score_batch(items, **reuse)]
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         chosen = [max(range(n), key=scores[i * n : (i + 1) * n].__getitem__) for i in range(len(problems))]
         picks[label] = [extract_answer(samples[i][c].text) for i, c in enumerate(chosen)]
@@ -164,10 +173,16 @@ def best_of_n(policy, problems, n: int, shots: int = 0) -> list[dict]:
         rows.append({"orm": label, "shots": shots, "candidates": len(items), "seconds": seconds,
                      "candidates_per_second": len(items) / seconds, "cpu_seconds": cpu,
                      "candidates_per_cpu_second": len(items) / cpu, "accuracy": accuracy,
-                     "rm_tokens_computed": computed, "rm_tokens_whole": whole})
+                     "rm_tokens_computed": computed, "rm_tokens_whole": whole,
+                     "reused": getattr(model, "reused", 0)})
         print(json.dumps(rows[-1]), flush=True)
     same = picks["hf, engine"] == picks["hf, transformers"]
-    return rows + [{"shots": shots, "engine_picks_equal_transformers": same}]
+    reused_same = picks["probe, from generation"] == picks["probe"]
+    return rows + [{"shots": shots, "engine_picks_equal_transformers": same,
+                    "probe_from_generation_picks_equal_probe": reused_same,
+                    "sampling_seconds": sampling[False][0], "sampling_cpu_seconds": sampling[False][1],
+                    "sampling_with_entropies_seconds": sampling[True][0],
+                    "sampling_with_entropies_cpu_seconds": sampling[True][1]}]
 
 
 def main() -> None:

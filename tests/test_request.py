@@ -40,3 +40,27 @@ def test_a_text_that_tokenises_short_is_not_refused():
     text = " " * 100_000
     assert len(encode_text(encode, text, 512)) == 100
     assert encode.encoded == [8192, 32768, 100_000]
+
+
+@pytest.mark.parametrize("name", ["arith", "shakespeare-5gram"])  # the engine; the plain loop
+def test_entropies_are_the_raw_distributions_of_a_forward(name):
+    """SamplingParams.entropies: each token's raw entropy and the last step's raw log-probs
+    equal those of one forward over prompt + tokens; without it the completion has neither."""
+    import torch
+
+    import decodekit as dk
+
+    model = dk.load_model(name)
+    prompt = "Compute: 7+2*3=\n" if name == "arith" else "ROMEO:"
+    params = dk.SamplingParams(max_new_tokens=12, seed=1, temperature=1.5)
+    [[plain]] = dk.generate(model, [prompt], params)
+    [[c]] = dk.generate(model, [prompt], params.replace(entropies=True))
+    assert plain.entropies is None and plain.final_logprobs is None
+    assert c.token_ids == plain.token_ids and len(c.entropies) == len(c.token_ids)
+    start = len(model.encode(prompt))
+    ids = torch.tensor([model.encode(prompt) + c.token_ids])
+    logp = torch.log_softmax(model.forward(ids, model.new_cache(1))[0, start - 1 : -1].float(), -1)  # [n, V]
+    expected = -(logp.exp() * logp).nan_to_num(nan=0.0).sum(-1)
+    assert torch.allclose(torch.tensor(c.entropies), expected, atol=1e-5)
+    assert len(set(c.entropies)) > 1
+    assert torch.allclose(c.final_logprobs, logp[-1], atol=1e-5)

@@ -131,6 +131,7 @@ DESCRIPTIONS: dict[str, str] = {
     "seed": "the random seed; null: random",
     "n": "samples per prompt",
     "logprobs": "log-probabilities of the chosen token and this many alternatives; null: none",
+    "entropies": "also return each token's raw entropy and the last step's raw log-probabilities",
     "order": "the adapter chain's order (adapter names, each at most once)",
 }
 
@@ -179,6 +180,10 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: int | None = None
+    # Each token's raw entropy (Completion.entropies) and the last step's raw log-probs
+    # (Completion.final_logprobs): what a probe reward model whose policy is this model reads
+    # instead of a second forward (meta/rewards.py).
+    entropies: bool = False
     order: tuple[str, ...] = DEFAULT_ORDER
 
     def __post_init__(self):
@@ -212,8 +217,9 @@ class SamplingParams:
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens}"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be true or false, got {self.ignore_eos!r:.80}")
+        for name in ("ignore_eos", "entropies"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r:.80}")
         for breaker in self.dry_sequence_breakers:
             if not isinstance(breaker, str):
                 raise TypeError(f"dry_sequence_breakers must be a list of strings, got {breaker!r:.80}")

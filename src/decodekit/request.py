@@ -67,6 +67,8 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     processed_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # with params.entropies
+    final_logprobs: torch.Tensor | None = None  # [V], its last step's, with params.entropies
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -235,6 +237,7 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
     processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()
+    entropies = raw_entropy(raw_lp).tolist() if any(row.request.params.entropies for row in rows) else None
     local = 0
     for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
         local = local + 1 if i > 0 and rows[i - 1].request is row.request else 0
@@ -245,6 +248,8 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
         if params.logprobs:
             values, ids = raw_lp[i].topk(params.logprobs)
             row.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+        if params.entropies:
+            row.entropies.append(entropies[i])
         if token in params.stop_token_ids or (
             token in request.state.eos_token_ids and not params.ignore_eos
         ):
@@ -256,6 +261,13 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
             row.finish_reason = "stop"  # the constraint is complete
         if row.finish_reason is None and len(row.token_ids) >= params.max_new_tokens:
             row.finish_reason = "length"
+        if params.entropies and row.finish_reason is not None:
+            row.final_logprobs = raw_lp[i].clone()  # [V]
+
+
+def raw_entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """[R] entropy (nats) of each row of log-probs [R, V]; a -inf entry contributes 0."""
+    return -(logprobs.exp() * logprobs).nan_to_num(nan=0.0).sum(-1)
 
 
 def drop_finished_rows(live: list[Row]) -> None:
@@ -286,6 +298,8 @@ def to_completion(row: Row) -> Completion:
                     request.cached_prompt_tokens if row.sample == 0 else 0),
         top_logprobs=row.top_logprobs if request.params.logprobs else None,
         stop_reason=row.stop_reason,
+        entropies=row.entropies if request.params.entropies else None,
+        final_logprobs=row.final_logprobs,
     )
 
 

@@ -113,3 +113,111 @@ def test_shipped_reward_models_prefer_correct_solutions():
         wins_prm += min(right_steps) > min(wrong_steps)
     # learned and imperfect: better than chance on most problems, not necessarily all
     assert wins_orm >= 0.7 * len(problems) and wins_prm >= 0.7 * len(problems)
+
+
+# ------------------------------------------------- features from the generation's log-probs
+
+
+@pytest.fixture(scope="module")
+def arith_samples():
+    """8 samples of each of 6 problems by the embedded `arith` model (a NativeLM on its
+    engine), with the entropies the probes read."""
+    import decodekit as dk
+    from decodekit.meta.generator import LocalGenerator
+    from decodekit.params import SamplingParams
+
+    model = dk.load_model("arith")
+    prompts = [format_prompt(p) for p in generate_problems(6, seed=5)]
+    params = SamplingParams(max_new_tokens=64, seed=0, entropies=True)
+    return model, prompts, LocalGenerator(model).generate(prompts, 8, params)
+
+
+def count_forwards(module) -> list[int]:
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("name, whole", [("arith-orm", True), ("arith-prm", False)])
+def test_probe_reads_the_generations_logprobs_with_no_forward(arith_samples, name, whole):
+    """The reused path's scores equal the policy's second forward within 1e-5, per sequence
+    (the ORM: the solution + "\\n", whose "\\n" stands where the policy drew EOS) and per step
+    (the PRM), and neither the probe's policy nor the generating model runs a forward."""
+    from decodekit.meta.rewards import load_reward_model
+    from decodekit.meta.tasks.arith import DELIMITER
+
+    model, prompts, samples = arith_samples
+    probe = load_reward_model(name)
+    ended = [(prompt, c) for prompt, cs in zip(prompts, samples) for c in cs if c.finish_reason == "stop"]
+    assert len(ended) >= 40  # those ended by EOS (a sample cut at the length has no "\n" there)
+    items = [(prompt, [c.text.strip() + DELIMITER] if whole else [s + DELIMITER for s in split_steps(c.text)])
+             for prompt, c in ended]  # fmt: skip
+    completions = [c for _, c in ended]
+    expected = probe.score_batch(items)
+    policy_calls, model_calls = count_forwards(probe.policy), count_forwards(model.net)
+    reused = probe.score_batch(items, completions=completions, model=model)
+    assert policy_calls[0] == 0 and model_calls[0] == 0
+    assert probe.reused == len(items)
+    assert [len(s) for s in reused] == [len(s) for s in expected]
+    flat = np.array([x for s in reused for x in s]), np.array([x for s in expected for x in s])
+    assert np.abs(flat[0] - flat[1]).max() < 1e-5
+    assert len(set(flat[0].round(6))) > 10  # the scores differ between candidates
+
+
+def test_probe_falls_back_to_the_forward_where_it_cannot_reuse(arith_samples):
+    """Another model's weights, a completion without entropies, or segments that are not the
+    completion's tokens: the policy's forward scores those items, and the scores are the
+    plain path's."""
+    import decodekit as dk
+    from decodekit.meta.rewards import load_reward_model
+    from decodekit.meta.tasks.arith import DELIMITER
+
+    model, prompts, samples = arith_samples
+    probe = load_reward_model("arith-orm")
+    cs = samples[0][:3]
+    items = [(prompts[0], [c.text.strip() + DELIMITER]) for c in cs]
+    other = dk.load_model("arith-small")
+    assert probe.same_weights(model) and not probe.same_weights(other)
+    plain = np.array(probe.score_batch(items))
+    policy_calls = count_forwards(probe.policy)
+    assert np.allclose(probe.score_batch(items, completions=cs, model=other), plain, atol=1e-6)
+    assert probe.reused == 0 and policy_calls[0] == 1
+    from dataclasses import replace
+
+    changed = [(prompts[0], [cs[0].text.strip() + " 1" + DELIMITER]), items[1],
+               (prompts[0], [cs[2].text.strip() + DELIMITER])]
+    given = [cs[0], cs[1], replace(cs[2], entropies=None)]
+    scores = probe.score_batch(changed, completions=given, model=model)
+    assert probe.reused == 1 and policy_calls[0] == 2  # only items[1] reused
+    assert np.allclose(scores, probe.score_batch(changed), atol=1e-5)
+    # weights changed in place: checked again
+    weight = model.net.embed_tokens.weight
+    kept = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] += 1.0
+    try:
+        assert not probe.same_weights(model)
+    finally:
+        with torch.no_grad():
+            weight[0, 0] = kept
+    assert probe.same_weights(model)
+
+
+def test_best_of_n_with_a_policy_bound_orm_runs_no_second_forward():
+    """best_of_n through `load_orm(..., policy=model)` scores the candidates as the plain ORM
+    does and picks the same one, with no forward of the probe's policy."""
+    import decodekit as dk
+    from decodekit.meta.generator import LocalGenerator
+    from decodekit.meta.parallel import best_of_n
+    from decodekit.params import SamplingParams
+
+    model = dk.load_model("arith")
+    prompt = format_prompt(generate_problems(1, seed=7)[0])
+    params = SamplingParams(max_new_tokens=64, seed=3, entropies=True)
+    plain = best_of_n(LocalGenerator(model), prompt, 8, load_orm("arith-orm"), params)
+    bound = load_orm("arith-orm", policy=model)
+    policy_calls = count_forwards(bound.reward_model.policy)
+    reused = best_of_n(LocalGenerator(model), prompt, 8, bound, params)
+    assert policy_calls[0] == 0 and bound.reward_model.reused == 8
+    assert np.allclose([c.score for c in plain.candidates], [c.score for c in reused.candidates], atol=1e-5)
+    assert plain.chosen.text == reused.chosen.text

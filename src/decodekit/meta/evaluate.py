@@ -112,9 +112,12 @@ def arith_scorers(config: EvalConfig) -> dict[str, Callable]:
     return scorers
 
 
-def sample_parallel(generator, prompts: list[str], n: int, config: EvalConfig, seed: int):
-    """n completions per prompt, each prompt its own seed, `config.rows` samples per call."""
-    params = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens)
+def sample_parallel(generator, prompts: list[str], n: int, config: EvalConfig, seed: int,
+                    entropies: bool = False):
+    """n completions per prompt, each prompt its own seed, `config.rows` samples per call
+    (entropies: SamplingParams.entropies, what a probe of the policy reads)."""
+    params = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                            entropies=entropies)
     per_call = max(1, config.rows // n)
     results = []
     for start in range(0, len(prompts), per_call):

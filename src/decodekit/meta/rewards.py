@@ -16,6 +16,16 @@ while unsure (a low-probability digit sampled at temperature 1) and misses the o
 confidently: imperfect the way a verifier built on the policy is. Task modules wrap a
 model into the callables meta-generators take (`meta/tasks/arith.py`: load_orm, load_prm).
 
+A probe whose policy is the model that generated the candidates needs no forward of its
+own: every feature is a function of the policy's log-prob of each token and its entropy at
+each position, which the generation computed. With `SamplingParams(entropies=True)` a
+`Completion` carries them (its `logprobs`, `entropies`, and `final_logprobs`: the last
+step's distribution, from which the log-prob of a token scored where the policy stopped is
+read: arith's ORM scores `solution + "\n"` where the policy drew EOS).
+`score_batch(items, completions=, model=)` reads them where `model`'s weights are the
+policy's (`same_weights`) and the item's tokens are the completion's (`completion_features`),
+and runs the policy over the rest.
+
 A saved model is a directory with `probe.json` (weights, bias, feature standardisation, and
 `policy`: the policy's checkpoint directory, relative to this one). `load_reward_model` also
 loads Hugging Face reward models (sequence- and token-classification heads, causal LM PRMs):
@@ -31,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from decodekit.models.base import weights_stamp
 
 FEATURES = ("step_min_logprob", "step_mean_logprob", "step_max_entropy",
             "prefix_min_logprob", "prefix_mean_logprob", "prefix_max_entropy")
@@ -84,6 +96,34 @@ def _features(token_logp: np.ndarray, entropy: np.ndarray, spans) -> np.ndarray:
     return np.asarray(rows, dtype=np.float64).reshape(len(spans), len(FEATURES))
 
 
+def completion_features(tokenizer, prompt: str, segments: Sequence[str], completion,
+                        prompt_ids: Sequence[int]) -> np.ndarray | None:
+    """Features [S, 6] of (prompt, segments) from what generating `completion` after
+    `prompt_ids` (the generation's encoding of `prompt`) computed under the policy, or None
+    when it did not compute them all: the item's tokens after the prompt must be the
+    completion's, except that the last may differ where the completion's last token was
+    (an EOS: its `final_logprobs` hold that position's distribution)."""
+    entropies = completion.entropies
+    ids, spans = encode_segments(tokenizer, prompt, segments)
+    start = spans[0][0]  # the prompt's length
+    if entropies is None or ids[:start] != list(prompt_ids) or completion.usage.prompt_tokens != start:
+        return None
+    wanted, generated = ids[start:], completion.token_ids
+    n = len(wanted)
+    if n > len(generated) or wanted[: n - 1] != generated[: n - 1]:
+        return None
+    logp = list(completion.logprobs[:n])
+    if wanted[-1] != generated[n - 1]:
+        if n != len(generated) or completion.final_logprobs is None:
+            return None
+        logp[-1] = float(completion.final_logprobs[wanted[-1]])
+    # laid out as segment_features' rows: index i predicts token i + 1
+    token_logp = np.zeros(len(ids) - 1, dtype=np.float32)
+    entropy = np.zeros(len(ids) - 1, dtype=np.float32)
+    token_logp[start - 1 :], entropy[start - 1 :] = logp, entropies[:n]
+    return _features(token_logp, entropy, spans)
+
+
 def fit_logistic(features: np.ndarray, labels: np.ndarray, l2: float = 1e-3,
                  iterations: int = 200) -> dict:
     """Logistic regression on standardised features (L-BFGS, L2 penalty): the probe's state."""
@@ -119,6 +159,8 @@ class ProbeRewardModel:
         self.tokenizer = tokenizer
         self.probe = {key: probe[key] for key in ("features", "mean", "std", "weights", "bias")}
         self.name = name
+        self._same: dict[tuple, bool] = {}  # weights_stamp of a model -> are they the policy's
+        self.reused = 0  # items whose features came from their generation, not a forward
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         """[S] sigmoid(w . standardised features + b) for features [S, 6]."""
@@ -128,12 +170,47 @@ class ProbeRewardModel:
     def score_segments(self, prompt: str, segments: Sequence[str]) -> list[float]:
         return self.score_batch([(prompt, segments)])[0] if segments else []
 
-    def score_batch(self, items: Sequence[tuple[str, Sequence[str]]],
-                    batch_size: int = 64) -> list[list[float]]:
-        """Scores of many (prompt, segments), the policy run over them in padded batches."""
-        scored = [(prompt, segments) for prompt, segments in items if segments]
-        features = iter(segment_features(self.policy, self.tokenizer, scored, batch_size))
-        return [self.probabilities(next(features)).tolist() if segments else [] for _, segments in items]
+    def score_batch(self, items: Sequence[tuple[str, Sequence[str]]], batch_size: int = 64,
+                    completions: Sequence | None = None, model=None) -> list[list[float]]:
+        """Scores of many (prompt, segments), the policy run over them in padded batches.
+        completions: per item, the Completion its segments are the text of, which `model`
+        generated from the item's prompt with `SamplingParams(entropies=True)` (None for an
+        item without one); where `model`'s weights are the policy's, an item whose tokens are
+        its completion's is scored from the completion, with no forward (module docstring)."""
+        if completions is not None and len(completions) != len(items):
+            raise ValueError(f"completions must be one per item ({len(items)}), got {len(completions)}")
+        features: list[np.ndarray | None] = [None] * len(items)
+        if completions is not None and model is not None and self.same_weights(model):
+            for i, ((prompt, segments), completion) in enumerate(zip(items, completions)):
+                if segments and completion is not None:
+                    features[i] = completion_features(self.tokenizer, prompt, segments, completion,
+                                                      model.encode(prompt))
+        self.reused += sum(f is not None for f in features)
+        todo = [i for i, (_, segments) in enumerate(items) if segments and features[i] is None]
+        computed = segment_features(self.policy, self.tokenizer, [items[i] for i in todo], batch_size)
+        for i, f in zip(todo, computed):
+            features[i] = f
+        return [self.probabilities(f).tolist() if f is not None else [] for f in features]
+
+    def same_weights(self, model) -> bool:
+        """Are `model`'s weights the policy's, value for value (a decodekit NativeLM of the
+        policy's checkpoint: its fused layout)? Checked once per `weights_stamp`."""
+        from decodekit.models.native import fuse_checkpoint
+
+        stamp = weights_stamp(model)
+        if stamp not in self._same:
+            net, config = getattr(model, "net", None), getattr(model, "config", None)
+            same = net is not None and config is not None and hasattr(config, "num_layers")
+            if same:
+                ours = fuse_checkpoint(self.policy.state_dict(), config)
+                theirs = net.state_dict()
+                tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+                extra = set(theirs) - set(ours) - tied
+                same = not extra and all(name in theirs and theirs[name].dtype == t.dtype
+                                         and theirs[name].shape == t.shape and torch.equal(theirs[name], t)
+                                         for name, t in ours.items())  # fmt: skip
+            self._same = {stamp: same}  # one model's stamp kept: its weights are what changes
+        return self._same[stamp]
 
     def save(self, path: str | Path, policy_dir: str | Path) -> None:
         """Write probe.json; the policy is referenced by its directory relative to `path`."""

@@ -165,7 +165,9 @@ def score_candidates(
     """Set `score` (or `error`) of candidates[start:], one scorer call each, or one call for
     all of them where the scorer has `score_many(prompt, texts) -> scores` (a reward model
     batching them: meta/tasks/arith.py `load_orm`; if that call raises, every candidate fails
-    with its error).
+    with its error), or `score_completions(prompt, completions) -> scores`, which it prefers
+    where every candidate has its Completion (a probe reading the generation's log-probs:
+    `load_orm(..., policy=model)`).
 
     With `stop_at`, stops after the first candidate whose score is >= stop_at and returns its
     index (rejection sampling); otherwise returns None. Failures are collected and, with
@@ -173,10 +175,15 @@ def score_candidates(
     check_on_error(on_error)
     failed = []
     many = getattr(scorer, "score_many", None)
+    rest = candidates[start:]
+    if getattr(scorer, "score_completions", None) is not None and all(c.completion is not None for c in rest):
+        many, rest = scorer.score_completions, [c.completion for c in rest]
+    else:
+        rest = [c.text for c in rest]
     values: list = [None] * len(candidates)
     if many is not None and stop_at is None and start < len(candidates):
         try:
-            values[start:] = list(many(prompt, [c.text for c in candidates[start:]]))
+            values[start:] = list(many(prompt, rest))
             if len(values) != len(candidates):
                 raise ValueError(f"score_many returned {len(values) - start} scores for "
                                  f"{len(candidates) - start} texts")

@@ -195,12 +195,16 @@ def _reduce(states: set, step: str) -> set:
 # ---------------------------------------------------------------- learned reward models
 
 
-def load_orm(name_or_path: str = "arith-orm") -> Callable[[str, str], float]:
+def load_orm(name_or_path: str = "arith-orm", policy=None) -> Callable[[str, str], float]:
     """A learned outcome reward model (a probe, or a Hugging Face ORM such as
     scripts/build_arith_reward_models.py writes): (question, solution) -> score, the
     solution one segment. `orm.score_many(question, solutions)` scores many in one call;
-    `orm.score_kind` says whether a score is a probability or a logit (meta/scorers.py)."""
-    from decodekit.meta.rewards import load_reward_model
+    `orm.score_kind` says whether a score is a probability or a logit (meta/scorers.py);
+    `orm.reward_model` is the model itself. policy: the LanguageModel that generates the
+    solutions; a probe then also has `orm.score_completions(question, completions)`, which
+    reads the log-probs that sampling with `SamplingParams(entropies=True)` computed where
+    the model is the probe's policy (meta/rewards.py); best-of-N and weighted voting call it."""
+    from decodekit.meta.rewards import ProbeRewardModel, load_reward_model
 
     scorer = load_reward_model(name_or_path)
 
@@ -212,7 +216,14 @@ def load_orm(name_or_path: str = "arith-orm") -> Callable[[str, str], float]:
     def orm(question: str, solution: str) -> float:
         return score_many(question, [solution])[0]
 
-    orm.score_many, orm.score_kind = score_many, scorer.score_kind
+    def score_completions(question: str, completions: Sequence) -> list[float]:
+        prompt = format_prompt(question)
+        items = [(prompt, [c.text.strip() + DELIMITER]) for c in completions]
+        return [scores[0] for scores in scorer.score_batch(items, completions=completions, model=policy)]
+
+    orm.score_many, orm.score_kind, orm.reward_model = score_many, scorer.score_kind, scorer
+    if policy is not None and isinstance(scorer, ProbeRewardModel):
+        orm.score_completions = score_completions
     return orm
 
 
