@@ -65,7 +65,7 @@ def test_greedy_tokens_equal_the_eager_engine(sharp_lm, rows):
     want, _ = run(sharp_lm, PROMPTS[:rows], False)
     got, engine = run(sharp_lm, PROMPTS[:rows], True)
     assert got == want
-    assert bucket(rows) in engine.lanes.ready  # 3 rows: the bucket of 4, one padded
+    assert (bucket(rows), False) in engine.lanes.ready  # 3 rows: the bucket of 4, one padded
     assert engine.compiled_steps >= GREEDY.max_new_tokens - 2  # all but the prompt's steps
 
 
@@ -77,9 +77,20 @@ def test_seeded_samples_equal_the_eager_engine(sharp_lm):
     assert got == want and engine.compiled_steps > 0
 
 
-def test_samples_of_one_prompt_keep_the_cascade_attention(sharp_lm):
-    """n samples share their prompt's KV (rows.py): such steps stay eager, and equal."""
-    items = [(PROMPTS[0], SEEDED)]
+def test_samples_of_one_prompt_read_their_shared_prefix_in_the_graph(sharp_lm):
+    """n samples share their prompt's KV (rows.py): the prefixed variant of the bucket reads
+    it once, beside rows of another request that hold their whole sequence; equal to eager."""
+    items = [(PROMPTS[0], SEEDED), (PROMPTS[1], SEEDED.replace(n=1, seed=9))]
+    model = fresh(sharp_lm)
+    want, _ = run(model, items, False)
+    got, engine = run(model, items, True)
+    assert got == want and engine.compiled_steps >= SEEDED.max_new_tokens - 2
+    assert (4, True) in engine.lanes.ready and (4, False) not in engine.lanes.ready
+
+
+def test_rows_of_two_shared_prefixes_stay_eager(sharp_lm):
+    """Two requests' samples continue two prefixes: no compiled variant takes both."""
+    items = [(PROMPTS[0], SEEDED), (PROMPTS[2], SEEDED.replace(seed=8))]
     want, _ = run(sharp_lm, items, False)
     got, engine = run(sharp_lm, items, True)
     assert got == want and engine.compiled_steps == 0
@@ -148,7 +159,7 @@ def test_a_warm_up_is_recorded_and_read_back(sharp_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     run(fresh(sharp_lm), PROMPTS[:1], True)
     recorded = CompilePolicy.for_model(sharp_lm, None)
-    assert set(recorded.warmups) == {1} and 0 < recorded.warmups[1] < 600
+    assert set(recorded.warmups) == {"rows=1"} and 0 < recorded.warmups["rows=1"] < 600
 
 
 def test_engines_that_cannot_compile_say_why(tiny_llama_dir):
@@ -159,12 +170,17 @@ def test_engines_that_cannot_compile_say_why(tiny_llama_dir):
     assert int8.lanes is None and "KV pool" in int8.compile_refused
 
 
-def test_inductor_compiles_the_step_and_its_tokens_equal_eager(sharp_lm, monkeypatch):
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_inductor_compiles_the_step_and_its_tokens_equal_eager(sharp_lm, monkeypatch, prefixed):
+    """Inductor with its C++ wrapper; `prefixed`: three samples of one prompt beside a request
+    of its own (the variant that reads a shared prefix, its length dynamic)."""
     monkeypatch.setattr(compiled, "BACKEND", "inductor")
     model = fresh(sharp_lm)
-    want, _ = run(model, PROMPTS[:1], False)
-    got, engine = run(model, PROMPTS[:1], True)
+    items = [(PROMPTS[0], SEEDED), PROMPTS[1]] if prefixed else PROMPTS[:1]
+    want, _ = run(model, items, False)
+    got, engine = run(model, items, True)
     assert got == want and engine.compiled_steps > 0
+    assert list(engine.lanes.ready) == [(bucket(len(items) + 2 * prefixed), prefixed)]
     with torch.inference_mode():
         engine.check()
 

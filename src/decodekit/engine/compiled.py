@@ -18,11 +18,14 @@ step (models/static.py). Here:
   their output is dropped), static in B, dynamic in the RunningKV capacity (rows and
   positions), so a bucket compiles once whatever the lengths. The kernels of
   models/kernels.py run inside the graph (their fake kernels: `kernels.register_fakes`).
+- Rows that continue one shared prefix (the n samples of a prompt, rows.py) read it once
+  for all of them in the graph too: one variant of each bucket also takes the prefix's keys
+  and values [N, 1, H_kv, P, D] (P dynamic) and which rows share it, and its queries attend
+  over [prefix, own row, own new key] with one softmax (the eager step merges the prefix's
+  attention by log-sum-exp, rows.py). A step whose rows continue two or more different
+  prefixes stays eager.
 - Prompts, verification spans, forks, sliding windows, a quantised KV pool and the
-  batch-invariant mode stay on the eager path (`eligible`), and so does a step with rows that
-  share a prompt's prefix (n samples of one prompt: rows.py's cascade attention reads the
-  prompt once for all of them, which beat the compiled step over whole rows, 2.56x against
-  1.61x Hugging Face for 16 samples of a 384-token prompt, BENCHMARKS.md).
+  batch-invariant mode stay on the eager path (`eligible`).
 
 When to compile (`CompilePolicy`): compilation costs seconds to a minute (inductor caches
 its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so a later process pays only the tracing);
@@ -75,12 +78,20 @@ def bucket(rows: int) -> int | None:
     return next((b for b in BUCKETS if b >= rows), None)
 
 
+def bucket_name(size: int, prefixed: bool = False) -> str:
+    """A compiled step's name in the policy's records: its rows, and whether it also takes a
+    shared prefix (module docstring)."""
+    return f"rows={size}" + ("+prefix" if prefixed else "")
+
+
 class LaneAttention:
     """The cache `LlamaNet.forward` attends through in a compiled step: B rows of one new
-    token each over their RunningKV rows (module docstring). Records the new keys/values."""
+    token each over their RunningKV rows, and over a shared prefix for the rows that continue
+    it (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, scale: float):  # visible [B, 1, 1, C] bool
+    def __init__(self, keys, values, visible, scale: float, prefix=None):  # visible [B, 1, 1, C] bool
         self.keys, self.values, self.visible, self.scale = keys, values, visible, scale
+        self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and shares [B, 1, 1, 1] bool
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
@@ -94,17 +105,34 @@ class LaneAttention:
         stored = (folded @ keys.transpose(-1, -2)).float() * self.scale  # [B, H_kv, G, C]
         own = (folded * own_k).sum(-1, keepdim=True).float() * self.scale  # [B, H_kv, G, 1]
         stored = stored.masked_fill(~self.visible, -torch.inf)
-        weights = torch.cat([stored, own], dim=-1).softmax(dim=-1).to(q.dtype)
-        out = weights[..., :-1] @ values + weights[..., -1:] * own_v  # [B, H_kv, G, D]
+        if self.prefix is None:
+            weights = torch.cat([stored, own], dim=-1).softmax(dim=-1).to(q.dtype)
+            out = weights[..., :-1] @ values + weights[..., -1:] * own_v  # [B, H_kv, G, D]
+        else:  # the prefix's keys read once for all B * G queries of a key head
+            prefix_keys, prefix_values, shares = self.prefix
+            group = heads // kv_heads
+            queries = folded.transpose(0, 1).reshape(kv_heads, batch * group, dim)  # [H_kv, B*G, D]
+            shared = (queries @ prefix_keys[layer, 0].transpose(-1, -2)).float() * self.scale  # [H_kv, BG, P]
+            shared = shared.reshape(kv_heads, batch, group, -1).transpose(0, 1)  # [B, H_kv, G, P]
+            shared = shared.masked_fill(~shares, -torch.inf)
+            length = shared.shape[-1]
+            weights = torch.cat([shared, stored, own], dim=-1).softmax(dim=-1).to(q.dtype)  # [.., P+C+1]
+            from_prefix = weights[..., :length].transpose(0, 1).reshape(kv_heads, batch * group, length)
+            from_prefix = (from_prefix @ prefix_values[layer, 0]).reshape(kv_heads, batch, group, dim)
+            out = (from_prefix.transpose(0, 1) + weights[..., length:-1] @ values
+                   + weights[..., -1:] * own_v)  # fmt: skip
         self.new_keys.append(k[:, 0])
         self.new_values.append(v[:, 0])
         return out.reshape(batch, 1, heads, dim)
 
 
-def lanes_step(model: NativeLM, name: str = "decode_step"):
-    """step(tokens [B, 1], positions [B], keys, values [N, R, H_kv, C, D]) -> logits [B, V]
-    float32, new keys and values [N, B, H_kv, D] (module docstring). A row's stored positions
-    are those before its token's (a padded row: position 0, it sees only its own key).
+def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False):
+    """step(tokens [B, 1], positions [B], stored [B], keys, values [N, R, H_kv, C, D]) ->
+    logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring). positions:
+    each token's position in its sequence (RoPE); stored: the positions its row holds before
+    it (a padded row: 0, it sees only its own key). `prefixed`: the step also takes a shared
+    prefix's keys and values [N, 1, H_kv, P, D] and shares [B] (the rows that continue it),
+    whose rows hold only the positions after it.
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -114,12 +142,13 @@ def lanes_step(model: NativeLM, name: str = "decode_step"):
     scale = config.head_dim**-0.5
     masks = [(None, False)] * config.num_layers
 
-    def step(tokens, positions, keys, values):
+    def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, shares=None):
         columns = torch.arange(keys.shape[3], device=keys.device)
-        visible = (columns[None, :] < positions[:, None])[:, None, None]  # [B, 1, 1, C]
+        visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
         cos = cos_table.index_select(0, positions)[:, None, None]  # [B, 1, 1, D]
         sin = sin_table.index_select(0, positions)[:, None, None]
-        cache = LaneAttention(keys, values, visible, scale)
+        prefix = (prefix_keys, prefix_values, shares[:, None, None, None]) if prefixed else None
+        cache = LaneAttention(keys, values, visible, scale, prefix)
         logits = net(tokens, cos, sin, cache, masks)  # [B, 1, V]
         return logits[:, 0], torch.stack(cache.new_keys), torch.stack(cache.new_values)
 
@@ -150,31 +179,33 @@ class CompilePolicy:
     mode: bool | None
     cache_file: Path
     key: str = ""
-    warmups: dict[int, float] = field(default_factory=dict)
+    warmups: dict[str, float] = field(default_factory=dict)  # bucket_name -> seconds
 
     @classmethod
     def for_model(cls, model: NativeLM, mode: bool | None) -> CompilePolicy:
         policy = cls(mode, cache_dir() / "compile-times.json", shape_key(model))
         for name, seconds in _read_json(policy.cache_file).items():
-            shape, _, size = name.rpartition("/rows=")
-            if shape == policy.key and size.isdigit():
-                policy.warmups[int(size)] = float(seconds)
+            shape, _, bucket_of = name.rpartition("/")
+            if shape == policy.key and bucket_of.startswith("rows="):
+                policy.warmups[bucket_of] = float(seconds)
         return policy
 
-    def pays(self, size: int, decode_steps: int, eager_step_s: float) -> bool:
+    def pays(self, size: int, decode_steps: int, eager_step_s: float, prefixed: bool = False) -> bool:
         """Whether the decode-only steps run so far would have repaid the bucket's warm-up
         (automatic mode: buckets up to AUTO_MAX_ROWS rows, where the step is overhead-bound)."""
         if self.mode is not None:
             return self.mode
         if size > AUTO_MAX_ROWS:
             return False
-        return decode_steps * eager_step_s * ASSUMED_SAVING >= self.warmups.get(size, COLD_WARMUP_S)
+        warmup = self.warmups.get(bucket_name(size, prefixed), COLD_WARMUP_S)
+        return decode_steps * eager_step_s * ASSUMED_SAVING >= warmup
 
-    def record(self, size: int, seconds: float) -> None:
+    def record(self, size: int, seconds: float, prefixed: bool = False) -> None:
         """Remember a measured warm-up of this shape's bucket of `size` rows."""
-        self.warmups[size] = seconds
+        name = bucket_name(size, prefixed)
+        self.warmups[name] = seconds
         times = _read_json(self.cache_file)
-        times[f"{self.key}/rows={size}"] = round(seconds, 2)
+        times[f"{self.key}/{name}"] = round(seconds, 2)
         try:
             self.cache_file.parent.mkdir(parents=True, exist_ok=True)
             self.cache_file.write_text(json.dumps(times, indent=1, sort_keys=True))
@@ -199,34 +230,36 @@ def _read_json(path: Path) -> dict:
 
 @dataclass
 class CompiledLanes:
-    """A model's compiled decode steps, one per bucket, shared by its engines (`lanes_for`);
-    compiled when an engine's policy says so; `run` uses a bucket once it is ready."""
+    """A model's compiled decode steps, one per bucket (and per bucket with a shared prefix),
+    shared by its engines (`lanes_for`); compiled when an engine's policy says so; `run` uses
+    a bucket once it is ready."""
 
     model: NativeLM
-    ready: dict[int, object] = field(default_factory=dict)  # bucket -> compiled step
+    ready: dict[tuple[int, bool], object] = field(default_factory=dict)  # (bucket, prefixed) -> step
     failed: str | None = None
-    _pending: set[int] = field(default_factory=set)
+    _pending: set[tuple[int, bool]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _marked: object = None  # the RunningKV keys last marked dynamic
+    _marked: list = field(default_factory=lambda: [None, None])  # the keys last marked dynamic: rows, prefix
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def want(self, rows: int, policy: CompilePolicy, decode_steps: int, eager_step_s: float,
-             running_kv) -> None:  # fmt: skip
+             running_kv, prefixed: bool = False) -> None:  # fmt: skip
         """Ask for the bucket of `rows` if `policy` says it pays: compiled in a background
         thread (with `policy.mode` True, at once in this one)."""
         size = bucket(rows)
+        key = (size, prefixed)
         with self._lock:
-            if size is None or self.failed or size in self.ready or size in self._pending:
+            if size is None or self.failed or key in self.ready or key in self._pending:
                 return
-            if not policy.pays(size, decode_steps, eager_step_s):
+            if not policy.pays(size, decode_steps, eager_step_s, prefixed):
                 return
-            self._pending.add(size)
-        example = _example_inputs(self.model, size, running_kv)
+            self._pending.add(key)
+        example = _example_inputs(self.model, size, running_kv, prefixed)
         if policy.mode:
-            self._compile(size, example, policy)
+            self._compile(key, example, policy)
             return
-        thread = threading.Thread(target=self._compile, args=(size, example, policy), daemon=True,
-                                  name=f"decodekit-compile-{size}")  # fmt: skip
+        thread = threading.Thread(target=self._compile, args=(key, example, policy), daemon=True,
+                                  name=f"decodekit-compile-{bucket_name(*key)}")  # fmt: skip
         self._threads.append(thread)
         thread.start()
 
@@ -235,18 +268,27 @@ class CompiledLanes:
         for thread in list(self._threads):
             thread.join()
 
-    def _compile(self, size: int, example, policy: CompilePolicy) -> None:
+    def _compile(self, key: tuple[int, bool], example, policy: CompilePolicy) -> None:
+        size, prefixed = key
         start = time.perf_counter()
         try:
             kernels.register_fakes()
-            step = lanes_step(self.model, f"decode_step_{size}_rows")
+            name = f"decode_step_{size}_rows" + ("_prefixed" if prefixed else "")
+            step = lanes_step(self.model, name, prefixed)
             # No guards on the model's modules: these steps belong to one model object and its
             # weights as they are (`lanes_for` builds new ones when they change), and checking
             # each parameter on every call cost 0.65 ms a token at 240M (int4, 16 layers).
-            skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            compiled = torch.compile(step, backend=BACKEND, dynamic=False, fullgraph=True, options=skip)
+            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            if BACKEND == "inductor":
+                # The graph's wrapper in C++, not Python: its ~50 buffer checks and each
+                # kernel's call leave the interpreter (0.30 -> 0.25 ms a step of `shakespeare`,
+                # int8/int4 alike; a cold compile measured no longer, 18 s against 22 s).
+                options["cpp_wrapper"] = True
+            compiled = torch.compile(step, backend=BACKEND, dynamic=False, fullgraph=True, options=options)
             with torch.inference_mode():
-                _mark_dynamic(*example[2:])
+                _mark_dynamic(*example[3:5])
+                if prefixed:
+                    _mark_dynamic(*example[5:7], rows=False)
                 compiled(*example)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self.failed = f"{type(error).__name__}: {error}"
@@ -255,16 +297,18 @@ class CompiledLanes:
             return
         elapsed = time.perf_counter() - start
         with self._lock:
-            self.ready[size] = compiled
-            self._pending.discard(size)
-        policy.record(size, elapsed)
-        _log.info("compiled the decode step for %d rows in %.1f s", size, elapsed)
+            self.ready[key] = compiled
+            self._pending.discard(key)
+        policy.record(size, elapsed, prefixed)
+        _log.info("compiled the decode step for %s in %.1f s", bucket_name(size, prefixed), elapsed)
 
-    def run(self, rows: int, tokens, positions, running_kv):
+    def run(self, rows: int, tokens, positions, stored, running_kv, prefix=None, shares=None):
         """The compiled step for `rows` RunningKV rows, or None when its bucket is not ready.
-        tokens, positions [rows]; returns logits [rows, V], new keys/values [N, rows, H_kv, D]."""
+        tokens, positions, stored [rows] (compiled.py `lanes_step`); prefix: the SharedPrefix
+        that the rows in `shares` [rows] bool continue, or None. Returns logits [rows, V], new
+        keys/values [N, rows, H_kv, D]."""
         size = bucket(rows)
-        compiled = self.ready.get(size)
+        compiled = self.ready.get((size, prefix is not None))
         if compiled is None:
             return None
         running_kv.reserve_rows(size)
@@ -273,10 +317,20 @@ class CompiledLanes:
         if pad:
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
-        if self._marked is not keys:  # regrown since the last step
+            stored = torch.cat([stored, stored.new_zeros(pad)])
+        if self._marked[0] is not keys:  # regrown since the last step
             _mark_dynamic(keys, values)
-            self._marked = keys
-        logits, new_keys, new_values = compiled(tokens[:, None], positions, keys, values)
+            self._marked[0] = keys
+        if prefix is None:
+            logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values)
+        else:
+            if pad:
+                shares = torch.cat([shares, shares.new_zeros(pad)])
+            if self._marked[1] is not prefix.keys:
+                _mark_dynamic(prefix.keys, prefix.values, rows=False)
+                self._marked[1] = prefix.keys
+            logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values,
+                                                    prefix.keys, prefix.values, shares)  # fmt: skip
         return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
 
 
@@ -295,21 +349,28 @@ def lanes_for(model: NativeLM) -> CompiledLanes:
 _LANES_LOCK = threading.Lock()
 
 
-def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor) -> None:
-    """The RunningKV capacity (rows, positions) is dynamic: one graph per bucket."""
+def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor, rows: bool = True) -> None:
+    """The RunningKV capacity (rows, positions) and a shared prefix's length are dynamic: one
+    graph per bucket."""
     for tensor in (keys, values):
-        torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        if rows:
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
         torch._dynamo.maybe_mark_dynamic(tensor, 3)
 
 
-def _example_inputs(model: NativeLM, size: int, running_kv):
+def _example_inputs(model: NativeLM, size: int, running_kv, prefixed: bool = False):
     """Inputs of a bucket's shapes, for a compilation in the background (the live rows are
     never touched there)."""
     keys = running_kv.keys
     n, _, kv_heads, _, dim = keys.shape
-    shape = (n, max(size, 2) + 1, kv_heads, 64 + 1, dim)  # not 0/1-specialised sizes
+    shape = (n, max(size, 2) + 1, kv_heads, 67, dim)  # sizes not 0/1 and unequal (no shared symbols)
     example_keys = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
     tokens = torch.zeros((size, 1), dtype=torch.long, device=keys.device)
     positions = torch.zeros(size, dtype=torch.long, device=keys.device)
-    return tokens, positions, example_keys, example_keys.clone()
+    example = (tokens, positions, positions.clone(), example_keys, example_keys.clone())
+    if not prefixed:
+        return example
+    prefix_keys = torch.zeros((n, 1, kv_heads, 37, dim), dtype=keys.dtype, device=keys.device)
+    shares = torch.ones(size, dtype=torch.bool, device=keys.device)
+    return (*example, prefix_keys, prefix_keys.clone(), shares)
 

@@ -535,20 +535,24 @@ class Engine:
     def _compiled_forward(self, works: list[Work]) -> torch.Tensor | None:
         """Logits [B, V] of the decoding rows through the compiled step (compiled.py), their
         new keys and values written into the rows and the pool; None when its bucket is not
-        compiled (yet) or a row continues a shared prefix."""
+        compiled (yet) or the rows continue more than one shared prefix."""
         running_kv = self.running_kv
-        if any(prefix is not None for prefix in running_kv.prefixes):
+        prefixes = {id(prefix): prefix for prefix in running_kv.prefixes if prefix is not None}
+        if len(prefixes) > 1:
             return None
+        prefix = next(iter(prefixes.values()), None)
         seqs = [work.seq for work in works]
         tokens = torch.tensor([seq.tokens[seq.table.length - 1] for seq in seqs])  # [B]
         positions = torch.tensor([seq.table.length - 1 for seq in seqs])
-        out = self.lanes.run(len(seqs), tokens, positions, running_kv)
+        stored = torch.tensor(running_kv.lengths) - 1  # each row's positions before its token
+        shares = None if prefix is None else torch.tensor([p is not None for p in running_kv.prefixes])
+        out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, shares)
         if out is None:
             return None
         logits, keys, values = out  # [B, V], [N, B, H_kv, D]
         rows = torch.arange(len(seqs))
-        running_kv.keys[:, rows, :, positions] = keys.transpose(0, 1)  # [B, N, H_kv, D]
-        running_kv.values[:, rows, :, positions] = values.transpose(0, 1)
+        running_kv.keys[:, rows, :, stored] = keys.transpose(0, 1)  # [B, N, H_kv, D]
+        running_kv.values[:, rows, :, stored] = values.transpose(0, 1)
         slots = torch.tensor([work.slots[0] for work in works])
         self.pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
         self.compiled_steps += 1
@@ -556,9 +560,13 @@ class Engine:
 
     def _count_eager(self, rows: int, seconds: float) -> None:
         """An eager decode-only step: the compile policy's evidence (compiled.py)."""
+        prefixes = {id(prefix) for prefix in self.running_kv.prefixes if prefix is not None}
+        if len(prefixes) > 1:
+            return  # no compiled step would have run it
         self.decode_steps += 1
         self.eager_step_s += (seconds - self.eager_step_s) / self.decode_steps
-        self.lanes.want(rows, self.compile_policy, self.decode_steps, self.eager_step_s, self.running_kv)
+        self.lanes.want(rows, self.compile_policy, self.decode_steps, self.eager_step_s, self.running_kv,
+                        prefixed=bool(prefixes))  # fmt: skip
 
     def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Sample one token for every row of the step (hidden: their final states, for the
