@@ -518,7 +518,7 @@ class Engine:
                 self._count_eager(len(decoding), time.perf_counter() - start)
         sizes = [w.count if w.every else 1 for w in ordered]
         ends = dict(zip(map(id, ordered), itertools.accumulate(sizes), strict=True))
-        by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True))
+        by_work = dict(zip(map(id, ordered), logits.split(sizes), strict=True)) if programs else {}
         for work in works:
             manager.register(work.seq.table, work.seq.tokens, work.seq.table.length)
         self.scheduler.start_decoding(step)
@@ -529,7 +529,9 @@ class Engine:
         self.steps += 1
         if step.rows:
             kept = [ends[id(step.work[i])] - 1 for i in step.logit_rows]
-            self._sample(step, logits[kept], None if hidden is None else hidden[kept])
+            if kept != list(range(len(logits))):  # a decode-only step keeps every row, in order
+                logits, hidden = logits[kept], None if hidden is None else hidden[kept]
+            self._sample(step, logits, hidden)
         return [by_work[id(work)] for work in programs]
 
     def _compiled_forward(self, works: list[Work]) -> torch.Tensor | None:
@@ -542,9 +544,10 @@ class Engine:
             return None
         prefix = next(iter(prefixes.values()), None)
         seqs = [work.seq for work in works]
-        tokens = torch.tensor([seq.tokens[seq.table.length - 1] for seq in seqs])  # [B]
-        positions = torch.tensor([seq.table.length - 1 for seq in seqs])
-        stored = torch.tensor(running_kv.lengths) - 1  # each row's positions before its token
+        # each row's token, its position, and the positions its row holds before it: [3, B]
+        tokens, positions, stored = torch.tensor([[seq.tokens[seq.table.length - 1] for seq in seqs],
+                                                  [seq.table.length - 1 for seq in seqs],
+                                                  [length - 1 for length in running_kv.lengths]])  # fmt: skip
         shares = None if prefix is None else torch.tensor([p is not None for p in running_kv.prefixes])
         out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, shares)
         if out is None:
