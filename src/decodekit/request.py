@@ -203,6 +203,8 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     """Apply each request's chain and selector to its rows (contiguous in `live`); record tokens.
     hidden [R, H]: the final hidden states the logits came from, set as the state's `hidden`
     of each request that `wants_hidden` (None elsewhere) while its chain runs."""
+    if len(live) == 0 or live[0].request is live[-1].request:  # one request's rows (contiguous)
+        return _sample_request(logits, live, hidden)
     tokens = torch.empty(len(live), dtype=torch.long)
     processed_all = torch.empty_like(logits)  # [R, V]
     start = 0
@@ -228,12 +230,30 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     return tokens
 
 
+def _sample_request(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | None) -> torch.Tensor:
+    """`sample_rows` when every row belongs to one request: no per-request slicing, and a
+    chain without adapters samples from the raw logits themselves."""
+    request = live[0].request if live else None
+    if request is None:
+        return torch.empty(0, dtype=torch.long)
+    allowed = logits if request.mask is None else request.mask.apply(logits)
+    request.state.hidden = hidden if hidden is not None and request.wants_hidden else None
+    identity = request.mask is None and getattr(request.chain, "identity", False)
+    processed = allowed if identity else request.chain(allowed, request.state)
+    chosen = select_tokens(processed, request.state)  # [R]
+    request.state.accept(chosen, processed)
+    if request.mask is not None:
+        request.mask.accept(chosen)
+    record(live, logits, processed, chosen)
+    return chosen
+
+
 def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor):
     """Append each row's token and logprobs, and end the rows it finishes. The rows may
     belong to several requests (each request's rows contiguous, in its state's order); the
     log-softmaxes run once over the whole batch."""
     raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
-    processed_lp = torch.log_softmax(processed, dim=-1)
+    processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
     processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()

@@ -116,6 +116,9 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
             logits = adapter(logits, state)
         return logits if active else logits.clone()
 
+    # No adapter: the processed logits equal the raw ones (request.py samples from the raw
+    # logits and reads one log-softmax for both).
+    chain.identity = not active
     return chain
 
 

@@ -94,9 +94,8 @@ def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
 def temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
     """l / t. t == 0 is greedy: only the argmax (first of tied maxima) stays, a one-hot p."""
     if t == 0:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep.scatter_(-1, logits.argmax(dim=-1, keepdim=True), True)
-        return logits.masked_fill(~keep, NEG_INF)
+        top = logits.argmax(dim=-1, keepdim=True)
+        return torch.full_like(logits, NEG_INF).scatter_(-1, top, logits.gather(-1, top))
     return logits / t
 
 
