@@ -88,12 +88,29 @@ def test_samples_of_one_prompt_read_their_shared_prefix_in_the_graph(sharp_lm):
     assert (4, True) in engine.lanes.ready and (4, False) not in engine.lanes.ready
 
 
-def test_rows_of_two_shared_prefixes_stay_eager(sharp_lm):
-    """Two requests' samples continue two prefixes: no compiled variant takes both."""
-    items = [(PROMPTS[0], SEEDED), (PROMPTS[2], SEEDED.replace(seed=8))]
+def test_rows_of_two_shared_prefixes_read_each_its_own(sharp_lm):
+    """Two requests' samples continue two prefixes (joined in one PrefixKV, each row seeing
+    its own span) beside a request of its own; equal to eager."""
+    items = [(PROMPTS[0], SEEDED), (PROMPTS[1], SEEDED.replace(n=1)), (PROMPTS[2], SEEDED.replace(seed=8))]
     want, _ = run(sharp_lm, items, False)
     got, engine = run(sharp_lm, items, True)
-    assert got == want and engine.compiled_steps == 0
+    assert got == want and engine.compiled_steps >= SEEDED.max_new_tokens - 2
+
+
+def test_prefix_kv_joins_prefixes_once_and_gives_each_row_its_span():
+    from decodekit.engine.compiled import PrefixKV
+    from decodekit.engine.rows import SharedPrefix
+
+    a = SharedPrefix(torch.randn(2, 1, 1, 3, 4), torch.randn(2, 1, 1, 3, 4))
+    b = SharedPrefix(torch.randn(2, 1, 1, 5, 4), torch.randn(2, 1, 1, 5, 4))
+    assert PrefixKV.for_rows([None, None], None) is None
+    one = PrefixKV.for_rows([a, None, a], None)
+    assert one.keys is a.keys and one.bounds([a, None, a]) == [[0, 0, 0], [3, 0, 3]]
+    both = PrefixKV.for_rows([b, a, None], one)
+    assert both.bounds([b, a, None]) == [[0, 5, 0], [5, 8, 0]]
+    assert torch.equal(both.keys[:, :, :, 5:], a.keys) and torch.equal(both.values[:, :, :, :5], b.values)
+    assert PrefixKV.for_rows([a, b], both) is not both  # another order: joined anew
+    assert PrefixKV.for_rows([b, b, a], both) is both  # the same prefixes: kept
 
 
 def test_beam_search_equals_the_eager_engine(sharp_lm):

@@ -18,12 +18,13 @@ step (models/static.py). Here:
   their output is dropped), static in B, dynamic in the RunningKV capacity (rows and
   positions), so a bucket compiles once whatever the lengths. The kernels of
   models/kernels.py run inside the graph (their fake kernels: `kernels.register_fakes`).
-- Rows that continue one shared prefix (the n samples of a prompt, rows.py) read it once
-  for all of them in the graph too: one variant of each bucket also takes the prefix's keys
-  and values [N, 1, H_kv, P, D] (P dynamic) and which rows share it, and its queries attend
-  over [prefix, own row, own new key] with one softmax (the eager step merges the prefix's
-  attention by log-sum-exp, rows.py). A step whose rows continue two or more different
-  prefixes stays eager.
+- Rows that continue a shared prefix (the n samples of a prompt, rows.py) read it once for
+  all of them in the graph too: one variant of each bucket also takes the step's prefixes'
+  keys and values, one after another [N, 1, H_kv, P, D] (P dynamic), and each row's span of
+  them [start, end) (empty for a row of its own), and its queries attend over [its span,
+  its row, its new key] with one softmax (the eager step merges the prefix's attention by
+  log-sum-exp, rows.py). Several requests' prefixes are joined once and kept while the
+  same prefixes run (`PrefixKV`).
 - Prompts, verification spans, forks, sliding windows, a quantised KV pool and the
   batch-invariant mode stay on the eager path (`eligible`).
 
@@ -91,7 +92,7 @@ class LaneAttention:
 
     def __init__(self, keys, values, visible, scale: float, prefix=None):  # visible [B, 1, 1, C] bool
         self.keys, self.values, self.visible, self.scale = keys, values, visible, scale
-        self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and shares [B, 1, 1, 1] bool
+        self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and sees [B, 1, 1, P] bool
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
@@ -109,12 +110,12 @@ class LaneAttention:
             weights = torch.cat([stored, own], dim=-1).softmax(dim=-1).to(q.dtype)
             out = weights[..., :-1] @ values + weights[..., -1:] * own_v  # [B, H_kv, G, D]
         else:  # the prefix's keys read once for all B * G queries of a key head
-            prefix_keys, prefix_values, shares = self.prefix
+            prefix_keys, prefix_values, sees = self.prefix
             group = heads // kv_heads
             queries = folded.transpose(0, 1).reshape(kv_heads, batch * group, dim)  # [H_kv, B*G, D]
             shared = (queries @ prefix_keys[layer, 0].transpose(-1, -2)).float() * self.scale  # [H_kv, BG, P]
             shared = shared.reshape(kv_heads, batch, group, -1).transpose(0, 1)  # [B, H_kv, G, P]
-            shared = shared.masked_fill(~shares, -torch.inf)
+            shared = shared.masked_fill(~sees, -torch.inf)
             length = shared.shape[-1]
             weights = torch.cat([shared, stored, own], dim=-1).softmax(dim=-1).to(q.dtype)  # [.., P+C+1]
             from_prefix = weights[..., :length].transpose(0, 1).reshape(kv_heads, batch * group, length)
@@ -130,9 +131,9 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     """step(tokens [B, 1], positions [B], stored [B], keys, values [N, R, H_kv, C, D]) ->
     logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring). positions:
     each token's position in its sequence (RoPE); stored: the positions its row holds before
-    it (a padded row: 0, it sees only its own key). `prefixed`: the step also takes a shared
-    prefix's keys and values [N, 1, H_kv, P, D] and shares [B] (the rows that continue it),
-    whose rows hold only the positions after it.
+    it (a padded row: 0, it sees only its own key). `prefixed`: the step also takes shared
+    prefixes' keys and values [N, 1, H_kv, P, D] and each row's span of them, bounds [2, B]
+    (start, end; a row that continues a prefix holds only the positions after it).
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -142,12 +143,16 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     scale = config.head_dim**-0.5
     masks = [(None, False)] * config.num_layers
 
-    def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, shares=None):
+    def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
         columns = torch.arange(keys.shape[3], device=keys.device)
         visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
         cos = cos_table.index_select(0, positions)[:, None, None]  # [B, 1, 1, D]
         sin = sin_table.index_select(0, positions)[:, None, None]
-        prefix = (prefix_keys, prefix_values, shares[:, None, None, None]) if prefixed else None
+        prefix = None
+        if prefixed:
+            spans = torch.arange(prefix_keys.shape[3], device=keys.device)[None, :]  # [1, P]
+            sees = (spans >= bounds[0][:, None]) & (spans < bounds[1][:, None])  # [B, P]
+            prefix = (prefix_keys, prefix_values, sees[:, None, None])
         cache = LaneAttention(keys, values, visible, scale, prefix)
         logits = net(tokens, cos, sin, cache, masks)  # [B, 1, V]
         return logits[:, 0], torch.stack(cache.new_keys), torch.stack(cache.new_values)
@@ -302,11 +307,11 @@ class CompiledLanes:
         policy.record(size, elapsed, prefixed)
         _log.info("compiled the decode step for %s in %.1f s", bucket_name(size, prefixed), elapsed)
 
-    def run(self, rows: int, tokens, positions, stored, running_kv, prefix=None, shares=None):
+    def run(self, rows: int, tokens, positions, stored, running_kv, prefix=None, bounds=None):
         """The compiled step for `rows` RunningKV rows, or None when its bucket is not ready.
-        tokens, positions, stored [rows] (compiled.py `lanes_step`); prefix: the SharedPrefix
-        that the rows in `shares` [rows] bool continue, or None. Returns logits [rows, V], new
-        keys/values [N, rows, H_kv, D]."""
+        tokens, positions, stored [rows] (compiled.py `lanes_step`); prefix: the step's shared
+        prefixes (a `PrefixKV`), whose span [start, end) each row sees in `bounds` [2, rows],
+        or None. Returns logits [rows, V], new keys/values [N, rows, H_kv, D]."""
         size = bucket(rows)
         compiled = self.ready.get((size, prefix is not None))
         if compiled is None:
@@ -325,12 +330,12 @@ class CompiledLanes:
             logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values)
         else:
             if pad:
-                shares = torch.cat([shares, shares.new_zeros(pad)])
+                bounds = torch.cat([bounds, bounds.new_zeros(2, pad)], dim=1)
             if self._marked[1] is not prefix.keys:
                 _mark_dynamic(prefix.keys, prefix.values, rows=False)
                 self._marked[1] = prefix.keys
             logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values,
-                                                    prefix.keys, prefix.values, shares)  # fmt: skip
+                                                    prefix.keys, prefix.values, bounds)  # fmt: skip
         return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
 
 
@@ -371,6 +376,43 @@ def _example_inputs(model: NativeLM, size: int, running_kv, prefixed: bool = Fal
     if not prefixed:
         return example
     prefix_keys = torch.zeros((n, 1, kv_heads, 37, dim), dtype=keys.dtype, device=keys.device)
-    shares = torch.ones(size, dtype=torch.bool, device=keys.device)
-    return (*example, prefix_keys, prefix_keys.clone(), shares)
+    bounds = torch.zeros((2, size), dtype=torch.long, device=keys.device)
+    return (*example, prefix_keys, prefix_keys.clone(), bounds)
+
+
+@dataclass(eq=False)
+class PrefixKV:
+    """The shared prefixes of a step's rows, one after another: keys, values [N, 1, H_kv, P,
+    D] and where each starts. One prefix is used as it is; several are joined once, and kept
+    while the same prefixes run (`for_rows`)."""
+
+    prefixes: tuple  # rows.py SharedPrefix, in order
+    keys: torch.Tensor
+    values: torch.Tensor
+    starts: dict[int, int]  # id(prefix) -> its first position
+
+    @classmethod
+    def for_rows(cls, prefixes: list, previous: PrefixKV | None) -> PrefixKV | None:
+        """The PrefixKV of these rows' prefixes (None for a row of its own); `previous` when
+        it holds the same ones; None when no row continues one."""
+        distinct = tuple({id(p): p for p in prefixes if p is not None}.values())
+        if not distinct:
+            return None
+        if previous is not None and len(previous.prefixes) == len(distinct) and all(
+                a is b for a, b in zip(previous.prefixes, distinct, strict=True)):  # fmt: skip
+            return previous
+        starts, total = {}, 0
+        for prefix in distinct:
+            starts[id(prefix)] = total
+            total += prefix.length
+        if len(distinct) == 1:
+            return cls(distinct, distinct[0].keys, distinct[0].values, starts)
+        keys = torch.cat([p.keys for p in distinct], dim=3)
+        return cls(distinct, keys, torch.cat([p.values for p in distinct], dim=3), starts)
+
+    def bounds(self, prefixes: list) -> list[list[int]]:
+        """[starts, ends] of each row's prefix (0, 0 for a row of its own)."""
+        spans = [(self.starts[id(p)], self.starts[id(p)] + p.length) if p is not None else (0, 0)
+                 for p in prefixes]  # fmt: skip
+        return [[a for a, _ in spans], [b for _, b in spans]]
 

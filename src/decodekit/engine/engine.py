@@ -30,7 +30,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
-from decodekit.engine.compiled import CompilePolicy, eligible, lanes_for
+from decodekit.engine.compiled import CompilePolicy, PrefixKV, eligible, lanes_for
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
@@ -213,6 +213,7 @@ class Engine:
         self.decode_steps = 0  # eager decode-only steps (the policy's evidence) and their mean time
         self.eager_step_s = 0.0
         self.compiled_steps = 0
+        self._prefix_kv: PrefixKV | None = None  # the shared prefixes the last compiled step read
 
     # ------------------------------------------------------------------ requests
 
@@ -366,6 +367,7 @@ class Engine:
         """Empty pools, lanes and members (the running requests have been failed)."""
         self.pool = _new_pool(self.model, self.config)
         self.running_kv = RunningKV(self.pool, share_prefixes=self.running_kv.share_prefixes)
+        self._prefix_kv = None
         self.scheduler.main = Member(self.model, self.pool, self.running_kv)
         self.members.clear()  # the scheduler's dict too
         self.members[id(self.model)] = self.scheduler.main
@@ -537,19 +539,17 @@ class Engine:
     def _compiled_forward(self, works: list[Work]) -> torch.Tensor | None:
         """Logits [B, V] of the decoding rows through the compiled step (compiled.py), their
         new keys and values written into the rows and the pool; None when its bucket is not
-        compiled (yet) or the rows continue more than one shared prefix."""
+        compiled (yet)."""
         running_kv = self.running_kv
-        prefixes = {id(prefix): prefix for prefix in running_kv.prefixes if prefix is not None}
-        if len(prefixes) > 1:
-            return None
-        prefix = next(iter(prefixes.values()), None)
+        self._prefix_kv = prefix = PrefixKV.for_rows(running_kv.prefixes, self._prefix_kv)
         seqs = [work.seq for work in works]
         # each row's token, its position, and the positions its row holds before it: [3, B]
-        tokens, positions, stored = torch.tensor([[seq.tokens[seq.table.length - 1] for seq in seqs],
-                                                  [seq.table.length - 1 for seq in seqs],
-                                                  [length - 1 for length in running_kv.lengths]])  # fmt: skip
-        shares = None if prefix is None else torch.tensor([p is not None for p in running_kv.prefixes])
-        out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, shares)
+        per_row = torch.tensor([[seq.tokens[seq.table.length - 1] for seq in seqs],
+                                [seq.table.length - 1 for seq in seqs],
+                                [length - 1 for length in running_kv.lengths]])  # fmt: skip
+        tokens, positions, stored = per_row.unbind()
+        bounds = None if prefix is None else torch.tensor(prefix.bounds(running_kv.prefixes))
+        out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, bounds)
         if out is None:
             return None
         logits, keys, values = out  # [B, V], [N, B, H_kv, D]
@@ -563,13 +563,11 @@ class Engine:
 
     def _count_eager(self, rows: int, seconds: float) -> None:
         """An eager decode-only step: the compile policy's evidence (compiled.py)."""
-        prefixes = {id(prefix) for prefix in self.running_kv.prefixes if prefix is not None}
-        if len(prefixes) > 1:
-            return  # no compiled step would have run it
         self.decode_steps += 1
         self.eager_step_s += (seconds - self.eager_step_s) / self.decode_steps
+        prefixed = any(prefix is not None for prefix in self.running_kv.prefixes)
         self.lanes.want(rows, self.compile_policy, self.decode_steps, self.eager_step_s, self.running_kv,
-                        prefixed=bool(prefixes))  # fmt: skip
+                        prefixed=prefixed)  # fmt: skip
 
     def _sample(self, step: Step, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Sample one token for every row of the step (hidden: their final states, for the
