@@ -64,3 +64,40 @@ def test_entropies_are_the_raw_distributions_of_a_forward(name):
     assert torch.allclose(torch.tensor(c.entropies), expected, atol=1e-5)
     assert len(set(c.entropies)) > 1
     assert torch.allclose(c.final_logprobs, logp[-1], atol=1e-5)
+
+
+def test_requests_sampled_in_one_batch_get_the_tokens_they_get_alone():
+    """sample_rows batches neighbouring requests whose chains are the same row-wise function
+    (seeded sampling with top-p, greedy); a request with a history adapter (repetition
+    penalty) or other settings runs alone. Every row's token and logprobs equal those of its
+    request sampled by itself, step after step."""
+    import torch
+
+    import decodekit as dk
+    from decodekit.request import make_requests, sample_rows
+
+    model = dk.load_model("shakespeare-5gram")
+    nucleus = dk.SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=50, ignore_eos=True)
+    params = [nucleus.replace(seed=1, n=2), nucleus.replace(seed=2), nucleus.replace(seed=3, n=3),
+              nucleus.replace(temperature=0.0), nucleus.replace(temperature=0.0, n=2),
+              nucleus.replace(seed=4, repetition_penalty=1.3), nucleus.replace(seed=5, top_p=0.5)]
+    prompts = [[1 + i, 2, 3] for i in range(len(params))]
+
+    def fresh():
+        requests = make_requests(model, prompts, params)
+        return requests, [row for request in requests for row in request.rows]
+
+    together, rows = fresh()
+    alone, alone_rows = fresh()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        logits = torch.randn(len(rows), model.vocab_size, generator=generator) * 3
+        got = sample_rows(logits, rows)
+        want, at = [], 0
+        for request in alone:
+            want += sample_rows(logits[at : at + len(request.rows)], request.rows).tolist()
+            at += len(request.rows)
+        assert got.tolist() == want
+    for mine, theirs in zip(rows, alone_rows, strict=True):
+        assert mine.token_ids == theirs.token_ids and mine.logprobs == theirs.logprobs
+        assert mine.processed_logprobs == theirs.processed_logprobs

@@ -27,6 +27,7 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
+from decodekit.sampling.select import draw_rows
 from decodekit.text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -202,32 +203,77 @@ def per_prompt_params(params, count: int) -> list[SamplingParams]:
 def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Apply each request's chain and selector to its rows (contiguous in `live`); record tokens.
     hidden [R, H]: the final hidden states the logits came from, set as the state's `hidden`
-    of each request that `wants_hidden` (None elsewhere) while its chain runs."""
+    of each request that `wants_hidden` (None elsewhere) while its chain runs.
+
+    Neighbouring requests whose chains compute the same row-wise function (chain.py
+    `rowwise_key`: equal settings, no history or state read) run as one batch: one chain call,
+    one softmax and one search, each request's uniforms from its own generator, so every row
+    gets the token it would get alone (tests/test_request.py)."""
     if len(live) == 0 or live[0].request is live[-1].request:  # one request's rows (contiguous)
         return _sample_request(logits, live, hidden)
     tokens = torch.empty(len(live), dtype=torch.long)
     processed_all = torch.empty_like(logits)  # [R, V]
+    for start, stop, requests in _batches(live, hidden is not None):
+        raw = logits[start:stop]  # [r, V]
+        if len(requests) > 1:
+            processed, chosen = _sample_batch(raw, requests)
+        else:
+            [(request, _)] = requests
+            # The token mask comes first, so the chain renormalises over the allowed tokens.
+            allowed = raw if request.mask is None else request.mask.apply(raw)
+            wanted = hidden is not None and request.wants_hidden
+            request.state.hidden = hidden[start:stop] if wanted else None  # [r, H]
+            processed = request.chain(allowed, request.state)
+            chosen = select_tokens(processed, request.state)  # [r]
+            request.state.accept(chosen, processed)
+            if request.mask is not None:
+                request.mask.accept(chosen)
+        processed_all[start:stop] = processed
+        tokens[start:stop] = chosen
+    record(live, logits, processed_all, tokens)
+    return tokens
+
+
+def _batches(live: list[Row], with_hidden: bool) -> list[tuple[int, int, list[tuple[Request, int]]]]:
+    """(start, stop, [(request, rows)]) runs of `live`: each request's rows, and neighbouring
+    requests merged where their chains are the same row-wise function (`sample_rows`)."""
+    runs: list[tuple[int, int, list[tuple[Request, int]]]] = []
+    key_of_last = None
     start = 0
     while start < len(live):
         request = live[start].request
         stop = start
         while stop < len(live) and live[stop].request is request:
             stop += 1
-        raw = logits[start:stop]  # [r, V]
-        # The token mask comes first, so the chain renormalises over the allowed tokens.
-        allowed = raw if request.mask is None else request.mask.apply(raw)
-        wanted = hidden is not None and request.wants_hidden
-        request.state.hidden = hidden[start:stop] if wanted else None  # [r, H]
-        processed = request.chain(allowed, request.state)
-        chosen = select_tokens(processed, request.state)  # [r]
-        request.state.accept(chosen, processed)
-        if request.mask is not None:
-            request.mask.accept(chosen)
-        processed_all[start:stop] = processed
-        tokens[start:stop] = chosen
+        key = getattr(request.chain, "rowwise_key", None)
+        if request.mask is not None or (with_hidden and request.wants_hidden):
+            key = None
+        if key is not None and key == key_of_last:
+            first, _, members = runs[-1]
+            runs[-1] = (first, stop, members + [(request, stop - start)])
+        else:
+            runs.append((start, stop, [(request, stop - start)]))
+        key_of_last = key
         start = stop
-    record(live, logits, processed_all, tokens)
-    return tokens
+    return runs
+
+
+def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tuple[torch.Tensor, ...]:
+    """Several requests' rows [R, V] through their common row-wise chain: processed logits
+    and tokens [R], each request's state advanced."""
+    first = requests[0][0]
+    processed = raw if first.chain.identity else first.chain(raw, first.state)
+    if first.params.greedy:
+        chosen = processed.argmax(dim=-1)
+    else:
+        probs = torch.softmax(processed.double(), dim=-1)
+        chosen = draw_rows(probs, [(request.state.generator, rows) for request, rows in requests])
+    at = 0
+    for request, rows in requests:
+        request.state.hidden = None
+        request.state.accept(chosen[at : at + rows], processed[at : at + rows])
+        at += rows
+    return processed, chosen
 
 
 def _sample_request(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | None) -> torch.Tensor:

@@ -107,7 +107,8 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     """The request's adapters, in `params.order`, as one function (logits, state) -> logits;
     `first`, a stateless adapter of the caller's (it reads the rows' tokens from the state),
     runs before them."""
-    active = [adapter for _, adapter in chain_stages(params, tokenizer)]
+    stages = chain_stages(params, tokenizer)
+    active = [adapter for _, adapter in stages]
     if first is not None:
         active.insert(0, first)
 
@@ -119,7 +120,25 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     # No adapter: the processed logits equal the raw ones (request.py samples from the raw
     # logits and reads one log-softmax for both).
     chain.identity = not active
+    chain.rowwise_key = rowwise_key(params, [name for name, _ in stages]) if first is None else None
     return chain
+
+
+# Adapters that read only the logits and the params, row by row (no history, state or random
+# draw): requests whose chains have only these, with equal settings, can run as one batch.
+ROWWISE = frozenset({"logit_bias", "allowed_tokens", "temperature", "top_k", "top_p", "min_p",
+                     "typical", "epsilon", "eta", "top_n_sigma"})  # fmt: skip
+
+
+def rowwise_key(params: SamplingParams, names: list[str]) -> tuple | None:
+    """What a chain of row-wise adapters computes, as a key (equal keys: the same function of
+    each row's logits, so request.py batches their rows); None when an adapter reads more."""
+    if any(name not in ROWWISE for name in names):
+        return None
+    p = params
+    allowed = None if p.allowed_token_ids is None else tuple(sorted(p.allowed_token_ids))
+    return (tuple(names), p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p, p.epsilon, p.eta,
+            p.top_n_sigma, p.min_tokens_to_keep, tuple(sorted(p.logit_bias.items())), allowed)  # fmt: skip
 
 
 def chain_stages(params: SamplingParams, tokenizer: Any = None) -> list[tuple[str, Chain]]:

@@ -20,6 +20,14 @@ def sample_categorical(logits: torch.Tensor, generator: torch.Generator) -> torc
     return draw(torch.softmax(logits.double(), dim=-1), generator)
 
 
+def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
+    """`draw` for the rows of several requests at once, probs [R, V]: each request's
+    (generator, rows) in order draws its uniforms as `draw` would, so every row's token is
+    the one it gets alone."""
+    u = torch.cat([torch.rand(rows, generator=g, dtype=torch.float64) for g, rows in generators])
+    return _invert(probs, u)
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One index per row of probabilities probs [..., V] (weights need not sum to 1) by
     inverting the CDF at a uniform: long [...] (a 0-d tensor for probs [V]).
@@ -30,6 +38,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     with cdf[i] > u * total.
     """
     u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64)  # [...] in [0, 1)
+    return _invert(probs, u)
+
+
+def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index i of each row of probs [..., V] with cdf[i] > u * total, u [...]."""
     cdf = torch.cumsum(probs.double(), dim=-1)  # [..., V]
     target = u.to(cdf.device)[..., None] * cdf[..., -1:]
     tokens = torch.searchsorted(cdf, target, right=True)[..., 0]
