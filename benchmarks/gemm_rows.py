@@ -33,7 +33,7 @@ def ops() -> dict:
     out = {"torch": lambda x, w: F.linear(x, w)}
     if kernels.available():
         out["axpy"] = lambda x, w: torch.ops.decodekit.linear_t(x, w.t(), None)
-        out["gemm"] = lambda x, w: torch.ops.decodekit.linear_gemm(x, w.t(), None)
+        out["gemm"] = lambda x, w: torch.ops.decodekit.linear_gemm(x, w, None)
     return out
 
 
@@ -72,10 +72,10 @@ def measure(model: str, rows: int, rounds: int, layers: int | None) -> dict:
 
 def check(rows: int) -> None:
     """The kernels give the bits of linear_t (the same sum order) and F.linear's values."""
-    x, w = torch.randn(rows, 200), torch.randn(200, 75)
-    y = torch.ops.decodekit.linear_gemm(x, w, None)
-    assert torch.equal(y, torch.ops.decodekit.linear_t(x, w, None))
-    torch.testing.assert_close(y, x @ w, atol=1e-4, rtol=1e-4)
+    x, wt = torch.randn(rows, 200), torch.randn(200, 75)
+    y = torch.ops.decodekit.linear_gemm(x, wt.t(), None)
+    assert torch.equal(y, torch.ops.decodekit.linear_t(x, wt, None))
+    torch.testing.assert_close(y, x @ wt, atol=1e-4, rtol=1e-4)
 
 
 def main() -> None:

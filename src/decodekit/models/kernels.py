@@ -10,7 +10,7 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
 - `linear_t(x, wt, bias)`: float32 (or bfloat16, float16) weights in the transposed layout
   models/native.py keeps for float32 (`transpose_weight_layout`), wt [K, N] contiguous;
 - `linear_gemm(x, w, bias)` (csrc/gemm.cpp): float32 w [N, K] in that transposed layout, a
-  register-blocked GEMM for 2 to 2,048 rows with linear_t's sums (batched decode, prefill);
+  register-blocked GEMM for 2 to 8,192 rows with linear_t's sums (batched decode, prefill);
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
@@ -58,11 +58,11 @@ ISA_NAMES = {1: "avx2", 2: "avx512"}
 # at 8 rows f32 1,231 against 1,685 us, bf16 394 against 635; at 12 bf16 is even).
 GEMV_MAX_ROWS = 8
 # Float32 weights in the transposed layout run the GEMM of csrc/gemm.cpp from 2 rows, where it
-# catches up with linear_t's axpy kernel (the same sums, so the same bits), up to 2,048 rows, the
-# most measured: it ran at ~2.3x PyTorch's sgemm at 16 to 2,048 rows (BENCHMARKS.md, "Small-M
-# float32 GEMM", 2026-11-25).
+# catches up with linear_t's axpy kernel (the same sums, so the same bits), up to 8,192 rows, the
+# most measured: 2-2.5x PyTorch's sgemm from 8 to 8,192 rows, so prefills take it too
+# (BENCHMARKS.md, "Small-M float32 GEMM", 2026-11-25).
 GEMM_MIN_ROWS = 2
-GEMM_MAX_ROWS = 2048
+GEMM_MAX_ROWS = 8192
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

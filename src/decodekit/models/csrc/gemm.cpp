@@ -1,15 +1,15 @@
-// decodekit's float32 GEMM for 2 to a few thousand rows (batched decode, prefill):
+// decodekit's float32 GEMM for 2 to 8,192 rows (batched decode, prefill):
 // decodekit::linear_gemm, y = x W^T (+ bias) over the transposed weight layout models/native.py
 // keeps for float32, wt = W^T [K, N] contiguous.
 //
-// PyTorch's float32 GEMM reaches ~40 % of this core's AVX-512 FMA peak at 64 rows, ~45 % at
-// 2,048, and less at fewer rows (BENCHMARKS.md, "Small-M float32 GEMM"). This kernel packs
-// nothing: a register tile of MR rows x NV
+// PyTorch's float32 GEMM (MKL / oneDNN) ran at 90-100 GFLOP/s from 64 to 8,192 rows on this
+// Zen 5 core and at 50-70 at 8-16 rows, where this kernel ran at 200-240 and 110-175
+// (BENCHMARKS.md, "Small-M float32 GEMM"). It packs nothing: a register tile of MR rows x NV
 // vectors of columns (AVX-512: 16 floats a vector) holds its sums in registers while k runs;
 // each step loads the NV weight vectors of row k of wt once and broadcasts x[m, k] into an
 // FMA for each of the MR rows. The weight panel of a column tile (KC rows of wt x 16 NV
-// columns) stays in L1 while the row tiles run over it, and the next panel's lines are
-// prefetched while the first row tile reads the current one.
+// columns) stays in L1 / L2 while the row tiles run over it; the first row tile, which reads it
+// from memory, prefetches a few rows of wt ahead.
 //
 // Each output is summed in the order of decodekit::linear_t's axpy kernels (gemv.cpp): one
 // running float32 sum per output, y = fma(wt[k, n], x[m, k], y) for k = 0, 1, ..., K - 1,
@@ -21,8 +21,13 @@
 
 namespace {
 
-// Steps of k per panel: KC x 16 NV floats of wt stay in L1 (48 KiB) across the row tiles.
+// Steps of k per panel (KC): 64 KiB of wt at the 6 x 4 tile, re-read from L1 / L2 by each row
+// tile (128 and 512 measured no better).
 constexpr int64_t kPanelSteps = 256;
+// Rows of x per block (a multiple of both tiles' rows): a block's slice of x for one panel
+// (at most 192 x 256 floats, 192 KiB) stays in L2 while the block runs over the column tiles,
+// for prefills of thousands of rows.
+constexpr int64_t kBlockRows = 192;
 // How many rows of wt ahead of the step being computed the first row tile prefetches (past
 // the end of wt too: a prefetch never faults). 8 measured better than 0, 16 or 24.
 constexpr int64_t kPrefetchRows = 8;
@@ -123,22 +128,25 @@ void run_tile(int mr, int nv, const float* x, int64_t K, const float* w, int64_t
   }
 }
 
-// y[:, n0:n1] for all M rows: panels of kPanelSteps steps, and in each the row tiles over the
-// column tiles of the range.
+// y[:, n0:n1] for all M rows: blocks of kBlockRows rows, in each the column tiles of the range,
+// in each the panels of kPanelSteps steps, in each the row tiles.
 template <bool Wide>
 void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1) {
   using T = Tile<Wide>;
   constexpr int64_t cols = T::kVectors * T::kWidth;
-  for (int64_t c0 = n0; c0 < n1; c0 += cols) {
-    const int64_t width = std::min(cols, n1 - c0);
-    const int nv = int((width + T::kWidth - 1) / T::kWidth);
-    const int64_t last = width - (nv - 1) * T::kWidth;
-    for (int64_t k0 = 0; k0 < K; k0 += kPanelSteps) {
-      const int64_t k1 = std::min(K, k0 + kPanelSteps);
-      for (int64_t m0 = 0; m0 < M; m0 += T::kRows) {
-        const int mr = int(std::min<int64_t>(T::kRows, M - m0));
-        run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, y + m0 * N + c0, k0 == 0,
-                                              last, m0 == 0);
+  for (int64_t b0 = 0; b0 < M; b0 += kBlockRows) {
+    const int64_t b1 = std::min(M, b0 + kBlockRows);
+    for (int64_t c0 = n0; c0 < n1; c0 += cols) {
+      const int64_t width = std::min(cols, n1 - c0);
+      const int nv = int((width + T::kWidth - 1) / T::kWidth);
+      const int64_t last = width - (nv - 1) * T::kWidth;
+      for (int64_t k0 = 0; k0 < K; k0 += kPanelSteps) {
+        const int64_t k1 = std::min(K, k0 + kPanelSteps);
+        for (int64_t m0 = b0; m0 < b1; m0 += T::kRows) {
+          const int mr = int(std::min<int64_t>(T::kRows, b1 - m0));
+          run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, y + m0 * N + c0, k0 == 0,
+                                                last, m0 == b0);
+        }
       }
     }
   }
