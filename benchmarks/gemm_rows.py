@@ -24,8 +24,16 @@ from decodekit.models import kernels
 
 # (K, N) of each linear layer in one decoder layer, and the lm head's.
 MODELS = {
-    "shakespeare": {"layers": 4, "shapes": [(256, 512), (256, 256), (256, 1376), (688, 256)], "head": (256, 2048)},
-    "240m": {"layers": 16, "shapes": [(896, 1152), (896, 896), (896, 9728), (4864, 896)], "head": (896, 151936)},
+    "shakespeare": {
+        "layers": 4,
+        "shapes": [(256, 512), (256, 256), (256, 1376), (688, 256)],
+        "head": (256, 2048),
+    },
+    "240m": {
+        "layers": 16,
+        "shapes": [(896, 1152), (896, 896), (896, 9728), (4864, 896)],
+        "head": (896, 151936),
+    },
 }
 
 
@@ -66,7 +74,10 @@ def measure(model: str, rows: int, rounds: int, layers: int | None) -> dict:
         calls = sum(1 for s, _ in weights if s == shape)
         t = statistics.median(ts) / calls
         flops = 2 * rows * shape[0] * shape[1]
-        result.setdefault(f"{shape[0]}->{shape[1]}", {})[op] = {"us": round(t * 1e6, 1), "gflops": round(flops / t / 1e9, 1)}
+        result.setdefault(f"{shape[0]}->{shape[1]}", {})[op] = {
+            "us": round(t * 1e6, 1),
+            "gflops": round(flops / t / 1e9, 1),
+        }
     return result
 
 
@@ -83,7 +94,9 @@ def main() -> None:
     parser.add_argument("--model", default="shakespeare", choices=sorted(MODELS))
     parser.add_argument("--rows", default="1,4,8,16,32,64")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers timed (default: the model's)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers timed (default: the model's)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

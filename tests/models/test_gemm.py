@@ -20,7 +20,15 @@ needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
 )
 # (M, K, N): N past whole tiles of 64 columns and vectors of 16, K odd and past a panel of 256.
-SHAPES = [(9, 45, 37), (16, 256, 1376), (17, 513, 65), (23, 7, 3), (64, 300, 130), (33, 688, 16), (2, 31, 200)]
+SHAPES = [
+    (9, 45, 37),
+    (16, 256, 1376),
+    (17, 513, 65),
+    (23, 7, 3),
+    (64, 300, 130),
+    (33, 688, 16),
+    (2, 31, 200),
+]
 
 
 def _operands(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,7 +67,9 @@ def test_float_linear_takes_the_gemm_from_two_rows_with_the_same_bits():
 def test_gemm_copies_a_row_major_weight():
     x, w, b = _operands(12, 40, 24)
     row_major = w.contiguous()
-    assert torch.equal(torch.ops.decodekit.linear_gemm(x, row_major, b), torch.ops.decodekit.linear_gemm(x, w, b))
+    assert torch.equal(
+        torch.ops.decodekit.linear_gemm(x, row_major, b), torch.ops.decodekit.linear_gemm(x, w, b)
+    )
 
 
 @needs_kernels

@@ -220,8 +220,8 @@ def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, i
 
 
 def build(verbose: bool = True) -> Status:
-    """Compile csrc/gemv.cpp, gemv_a8.cpp and gemm.cpp into `library_path()` with the system C++ compiler (no ninja
-    needed: one g++ command). Raises RuntimeError with the compiler's output on failure."""
+    """Compile csrc/gemv.cpp, gemv_a8.cpp and gemm.cpp into `library_path()` with the system C++
+    compiler (no ninja needed: one g++ command). Raises RuntimeError with the compiler's output on failure."""
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
