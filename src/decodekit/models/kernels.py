@@ -151,7 +151,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     reshapes in C++, no Python-side view per call). From `GEMM_MIN_ROWS` rows, float32 in the
     transposed layout (weight.stride(0) == 1) runs `decodekit::linear_gemm`, whose sums equal
     linear_t's: a row's outputs have the same bits whatever the rows in the call."""
-    if weight.dtype == torch.float32 and weight.stride(0) == 1 and x.numel() >= GEMM_MIN_ROWS * x.shape[-1]:
+    if x.numel() >= GEMM_MIN_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
         return torch.ops.decodekit.linear_gemm(x, weight, bias)
     return torch.ops.decodekit.linear(x, weight, bias)
 
