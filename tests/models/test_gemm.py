@@ -64,6 +64,20 @@ def test_float_linear_takes_the_gemm_from_two_rows_with_the_same_bits():
 
 
 @needs_kernels
+def test_gemm_gives_the_same_bits_on_two_threads():
+    # Threads split the column tiles: each output is still summed by one thread, in one order.
+    x, w, b = _operands(64, 896, 1152, seed=2)
+    threads = torch.get_num_threads()
+    one = torch.ops.decodekit.linear_gemm(x, w, b)
+    torch.set_num_threads(2)
+    try:
+        two = torch.ops.decodekit.linear_gemm(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernels
 def test_gemm_copies_a_row_major_weight():
     x, w, b = _operands(12, 40, 24)
     row_major = w.contiguous()

@@ -28,6 +28,8 @@ constexpr int64_t kPanelSteps = 256;
 // (at most 192 x 256 floats, 192 KiB) stays in L2 while the block runs over the column tiles,
 // for prefills of thousands of rows.
 constexpr int64_t kBlockRows = 192;
+// Work per parallel task, in multiply-adds (see linear_gemm_2d).
+constexpr int64_t kMinFmasPerTask = 1 << 20;
 // How many rows of wt ahead of the step being computed the first row tile prefetches (past
 // the end of wt too: a prefetch never faults). 8 measured better than 0, 16 or 24.
 constexpr int64_t kPrefetchRows = 8;
@@ -166,9 +168,12 @@ at::Tensor linear_gemm_2d(const at::Tensor& x_in, const at::Tensor& wt, const c1
   const bool wide = isa() == kAvx512;
   const int64_t cols = wide ? Tile<true>::kVectors * Tile<true>::kWidth : Tile<false>::kVectors * Tile<false>::kWidth;
   const int64_t tiles = (N + cols - 1) / cols;
-  // Threads split the column tiles (each output is summed by one thread, in one order); a
-  // task's work is its weights times the rows, as the GEMV kernels count weights.
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (cols * std::max<int64_t>(K * M, 1)));
+  // Threads split the column tiles (each output is summed by one thread, in one order). A task
+  // gets at least kMinFmasPerTask multiply-adds, ~8-20 us at this kernel's 100-250 GFLOP/s (the
+  // GEMV kernels' kMinWeightsPerTask, counted in weights, is ~25 us at their speed), so a
+  // fork's few microseconds stay small. (Not tuned: two-thread timings on this shared 2-core
+  // machine were noise.)
+  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask / (cols * std::max<int64_t>(K * M, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * cols, n1 = std::min(N, t1 * cols);
     if (wide)
