@@ -131,23 +131,27 @@ void run_tile(int mr, int nv, const float* x, int64_t K, const float* w, int64_t
 }
 
 // y[:, n0:n1] for all M rows: blocks of kBlockRows rows, in each the column tiles of the range,
-// in each the panels of kPanelSteps steps, in each the row tiles.
+// in each the panels of kPanelSteps steps, in each the row tiles. The tiles do not change the
+// order of any output's sum (file comment), only which sums share a step's loads.
 template <bool Wide>
 void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1) {
   using T = Tile<Wide>;
   constexpr int64_t cols = T::kVectors * T::kWidth;
   for (int64_t b0 = 0; b0 < M; b0 += kBlockRows) {
-    const int64_t b1 = std::min(M, b0 + kBlockRows);
+    // The block's rows in tiles of nearly equal rows (16 rows: 6, 5, 5 rather than 6, 6, 4): a
+    // short tile spends more loads per FMA. Measured 2-8 % faster at 8-64 rows.
+    const int64_t rows = std::min(M - b0, kBlockRows), count = (rows + T::kRows - 1) / T::kRows;
     for (int64_t c0 = n0; c0 < n1; c0 += cols) {
       const int64_t width = std::min(cols, n1 - c0);
       const int nv = int((width + T::kWidth - 1) / T::kWidth);
       const int64_t last = width - (nv - 1) * T::kWidth;
       for (int64_t k0 = 0; k0 < K; k0 += kPanelSteps) {
         const int64_t k1 = std::min(K, k0 + kPanelSteps);
-        for (int64_t m0 = b0; m0 < b1; m0 += T::kRows) {
-          const int mr = int(std::min<int64_t>(T::kRows, b1 - m0));
+        for (int64_t i = 0, m0 = b0; i < count; ++i) {
+          const int mr = int(rows / count + (i < rows % count ? 1 : 0));
           run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, y + m0 * N + c0, k0 == 0,
                                                 last, m0 == b0);
+          m0 += mr;
         }
       }
     }
