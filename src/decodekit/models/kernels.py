@@ -9,6 +9,8 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
 - `linear(x, w, bias)`: a float weight [N, K] in either layout below (`float_linear`);
 - `linear_t(x, wt, bias)`: float32 (or bfloat16, float16) weights in the transposed layout
   models/native.py keeps for float32 (`transpose_weight_layout`), wt [K, N] contiguous;
+- `linear_gemm(x, w, bias)` (csrc/gemm.cpp): float32 w [N, K] in that transposed layout, a
+  register-blocked GEMM for 2 to 8,192 rows with linear_t's sums (batched decode, prefill);
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
@@ -48,13 +50,19 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "gemv.cpp", CSRC / "gemv_a8.cpp")  # one library; gemv_common.h is shared
+SOURCES = (CSRC / "gemv.cpp", CSRC / "gemv_a8.cpp", CSRC / "gemm.cpp")  # one library; gemv_common.h is shared
 BUILD_DIR = Path(__file__).with_name("_native")  # gitignored
 DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
 ISA_NAMES = {1: "avx2", 2: "avx512"}
 # Rows up to which the float kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24, round 2:
 # at 8 rows f32 1,231 against 1,685 us, bf16 394 against 635; at 12 bf16 is even).
 GEMV_MAX_ROWS = 8
+# Float32 weights in the transposed layout run the GEMM of csrc/gemm.cpp from 2 rows, where it
+# catches up with linear_t's axpy kernel (the same sums, so the same bits), up to 8,192 rows, the
+# most measured: 2-2.5x PyTorch's sgemm from 8 to 8,192 rows, so prefills take it too
+# (BENCHMARKS.md, "Small-M float32 GEMM", 2026-11-25).
+GEMM_MIN_ROWS = 2
+GEMM_MAX_ROWS = 8192
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -114,6 +122,7 @@ def register_fakes() -> None:
 
     torch.library.register_fake("decodekit::linear")(lambda x, w, bias: out(x, w.shape[0]))
     torch.library.register_fake("decodekit::linear_t")(lambda x, wt, bias: out(x, wt.shape[1]))
+    torch.library.register_fake("decodekit::linear_gemm")(lambda x, w, bias: out(x, w.shape[0]))
     torch.library.register_fake("decodekit::linear_rows")(
         lambda x, w, scales, group, bias: out(x, w.shape[0])
     )
@@ -131,10 +140,19 @@ def traceable() -> bool:
     return _TRACEABLE
 
 
+def max_rows(dtype: torch.dtype) -> int:
+    """Rows of x up to which `float_linear` beats PyTorch's GEMM for weights of `dtype`."""
+    return GEMM_MAX_ROWS if dtype == torch.float32 else GEMV_MAX_ROWS
+
+
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
     float16 row-major) on the kernels: one op call (`decodekit::linear` picks the layout and
-    reshapes in C++, no Python-side view per call)."""
+    reshapes in C++, no Python-side view per call). From `GEMM_MIN_ROWS` rows, float32 in the
+    transposed layout (weight.stride(0) == 1) runs `decodekit::linear_gemm`, whose sums equal
+    linear_t's: a row's outputs have the same bits whatever the rows in the call."""
+    if x.numel() >= GEMM_MIN_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
+        return torch.ops.decodekit.linear_gemm(x, weight, bias)
     return torch.ops.decodekit.linear(x, weight, bias)
 
 
@@ -202,8 +220,8 @@ def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, i
 
 
 def build(verbose: bool = True) -> Status:
-    """Compile csrc/gemv.cpp and gemv_a8.cpp into `library_path()` with the system C++ compiler (no ninja
-    needed: one translation unit). Raises RuntimeError with the compiler's output on failure."""
+    """Compile csrc/gemv.cpp, gemv_a8.cpp and gemm.cpp into `library_path()` with the system C++
+    compiler (no ninja needed: one g++ command). Raises RuntimeError with the compiler's output on failure."""
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")

@@ -217,10 +217,11 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if rowwise:
         return rowwise_linear(layer, x)
     weight = getattr(layer, "weight", None)
-    if (type(layer) is nn.Linear and x.numel() <= kernels.GEMV_MAX_ROWS * x.shape[-1] and weight.is_cpu
-            and x.dtype == weight.dtype and weight.dtype in kernels.FLOAT_DTYPES
+    if (type(layer) is nn.Linear and weight.is_cpu and x.dtype == weight.dtype
+            and weight.dtype in kernels.FLOAT_DTYPES
+            and x.numel() <= kernels.max_rows(weight.dtype) * x.shape[-1]
             and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
-        return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV (models/kernels.py)
+        return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV / GEMM (models/kernels.py)
     if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
         return one_row_gemv(layer, x)

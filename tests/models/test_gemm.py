@@ -1,0 +1,152 @@
+"""decodekit's float32 small-M GEMM (`decodekit::linear_gemm`, csrc/gemm.cpp): the float64
+product within float32 rounding on odd shapes, the same bits as linear_t's axpy kernel (one
+sum order for a row whatever rows share the call, and on AVX2), traced by torch.compile, and
+PyTorch's path when the kernels are off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import decodekit as dk
+from decodekit.models import kernels
+
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
+)
+# (M, K, N): N past whole tiles of 64 columns and vectors of 16, K odd and past a panel of 256.
+SHAPES = [
+    (9, 45, 37),
+    (16, 256, 1376),
+    (17, 513, 65),
+    (23, 7, 3),
+    (64, 300, 130),
+    (33, 688, 16),
+    (2, 31, 200),
+]
+
+
+def _operands(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K], a weight [N, K] in the transposed layout (models/native.py), bias [N]."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(k, n, generator=g) / k**0.5).t()
+    return torch.randn(m, k, generator=g), weight, torch.randn(n, generator=g)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemm_equals_the_float64_product(m, k, n, with_bias):
+    x, w, b = _operands(m, k, n)
+    bias = b if with_bias else None
+    y = torch.ops.decodekit.linear_gemm(x, w, bias)
+    expected = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
+    torch.testing.assert_close(y, expected.float(), atol=2e-5 * k**0.5, rtol=1e-5)
+    # linear_t's axpy kernel sums in the same order: the same bits
+    assert torch.equal(y, torch.ops.decodekit.linear_t(x, w.t(), bias))
+
+
+@needs_kernels
+def test_float_linear_takes_the_gemm_from_two_rows_with_the_same_bits():
+    # A row's outputs must not depend on how many rows share the call (engine: the compiled
+    # step's buckets against the eager step; a verification span against one-row steps).
+    x, w, b = _operands(70, 200, 75, seed=1)
+    together = kernels.float_linear(x, w, b)
+    for count in (1, 2, 3, 5, 8, 9, 16, 64):
+        parts = torch.cat([kernels.float_linear(x[i : i + count], w, b) for i in range(0, 70, count)])
+        assert torch.equal(parts, together), count
+    assert torch.equal(kernels.float_linear(x[:, None], w, b)[:, 0], together)  # [..., K] in
+
+
+@needs_kernels
+def test_gemm_gives_the_same_bits_on_two_threads():
+    # Threads split the column tiles: each output is still summed by one thread, in one order.
+    x, w, b = _operands(64, 896, 1152, seed=2)
+    threads = torch.get_num_threads()
+    one = torch.ops.decodekit.linear_gemm(x, w, b)
+    torch.set_num_threads(2)
+    try:
+        two = torch.ops.decodekit.linear_gemm(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernels
+def test_gemm_copies_a_row_major_weight():
+    x, w, b = _operands(12, 40, 24)
+    row_major = w.contiguous()
+    assert torch.equal(
+        torch.ops.decodekit.linear_gemm(x, row_major, b), torch.ops.decodekit.linear_gemm(x, w, b)
+    )
+
+
+@needs_kernels
+def test_the_avx2_gemm_gives_the_same_bits(tmp_path):
+    # The instruction set is chosen once per process: each variant in a child process.
+    script = "\n".join([
+        "import sys, torch",
+        "from decodekit.models import kernels as k",
+        "assert k.status().reason == sys.argv[2], k.status().reason",
+        f"shapes = {SHAPES!r}",
+        "out = []",
+        "for i, (m, kk, n) in enumerate(shapes):",
+        "    torch.manual_seed(i)",
+        "    x, w, b = torch.randn(m, kk), torch.randn(kk, n).t(), torch.randn(n)",
+        "    out.append(torch.ops.decodekit.linear_gemm(x, w, b if i % 2 else None))",
+        "torch.save(out, sys.argv[1])",
+    ])  # fmt: skip
+    results = {}
+    for isa in ("avx512", "avx2"):
+        env = {**os.environ, "DECODEKIT_GEMV_ISA": isa}
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", script, str(path), isa], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        if isa == "avx512" and "AssertionError: avx2" in done.stderr:
+            pytest.skip("this CPU has no AVX-512: only the AVX2 variant runs")
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[isa] = torch.load(path)
+    for wide, narrow in zip(results["avx512"], results["avx2"], strict=True):
+        assert torch.equal(wide, narrow)
+
+
+@needs_kernels
+def test_gemm_traces_under_torch_compile():
+    kernels.register_fakes()
+    layer = torch.nn.Linear(96, 40)
+    layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
+    x = torch.randn(2, 16, 96)
+
+    def step(rows):
+        return kernels.float_linear(rows, layer.weight, layer.bias)
+
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)(x)
+        assert kernels.traceable() and torch.equal(compiled, step(x))
+
+
+def _forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.forward(tokens, model.new_cache(tokens.shape[0]))
+
+
+@needs_kernels
+def test_shakespeare_batch_on_the_gemm_matches_pytorch(monkeypatch):
+    # A [4, 24] prefill: 96 rows through the GEMM, against PyTorch's sgemm with the kernels off.
+    model = dk.load_model("shakespeare")
+    tokens = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    native = _forward_logits(model, tokens)
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    kernels.status.cache_clear()
+    try:
+        assert not kernels.available()
+        reference = _forward_logits(model, tokens)
+    finally:
+        monkeypatch.undo()
+        kernels.status.cache_clear()
+    torch.testing.assert_close(native, reference, atol=1e-4, rtol=1e-4)
