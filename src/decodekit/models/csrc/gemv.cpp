@@ -143,6 +143,45 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
     UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
 }
 
+// bfloat16 weights times bfloat16 x (a bfloat16 model's activations are bfloat16 already):
+// out[m] = w . x[m] for one weight row w [K] and MB <= 4 rows of x [MB, K], by vdpbf16ps: one
+// 64-byte load of 32 weights and one instruction per x row, where dot4_avx512 widens to f32
+// and runs two FMAs. Each bf16 product is exact in f32; the instruction adds a lane's two
+// products into its f32 sum rounding to nearest even, with denormal inputs and results
+// flushed to zero, so sums can differ from the FMA kernel's in their last bits (tests allow
+// for it). One row at a time reads the weights as one sequential stream: 896 -> 4864 ran 249
+// against 4 interleaved rows' 327 us (BENCHMARKS.md, 2026-11-25). Four accumulators per x row
+// (inputs k mod 128 in 32s) hide the instruction's latency; each x row's sum is its own chain,
+// so a row's result does not depend on MB.
+template <int MB>
+AVX512 void dot_bf16_avx512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t ahead, float* out) {
+  __m512 acc[MB][4];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) {
+    if (ahead) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead + 192, _MM_HINT_T0);
+    }
+    UNROLL for (int a = 0; a < 4; ++a) {
+      const __m512bh wr = (__m512bh)_mm512_loadu_si512(w + k + 32 * a);
+      UNROLL for (int m = 0; m < MB; ++m)
+        acc[m][a] = _mm512_dpbf16_ps(acc[m][a], wr, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * a));
+    }
+  }
+  for (int a = 0; k < K; k += 32, ++a) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+    const __m512bh wr = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    UNROLL for (int m = 0; m < MB; ++m)
+      acc[m][a] = _mm512_dpbf16_ps(acc[m][a], wr, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+  }
+  UNROLL for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
 // y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight): four
 // rows of wt at a time, each a long contiguous stream, into y's slice held in L1.
 template <WT T>
@@ -440,6 +479,30 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
   });
 }
 
+// bf16 w [N, K] times bf16 x [M, K] (AVX-512 only: dot_bf16_avx512), y [M, N] in f32.
+void bf16_rows_kernel(const uint16_t* wp, int64_t N, int64_t K, const uint16_t* xp, int64_t M, float* yp) {
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* w = wp + n * K;
+      for_row_blocks(M, [&](int64_t m0, int64_t mb) {  // the row is read from memory once
+        float out[4];
+        const uint16_t* x = xp + m0 * K;
+        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
+        if (mb == 4)
+          dot_bf16_avx512<4>(w, x, K, ahead, out);
+        else if (mb == 3)
+          dot_bf16_avx512<3>(w, x, K, ahead, out);
+        else if (mb == 2)
+          dot_bf16_avx512<2>(w, x, K, ahead, out);
+        else
+          dot_bf16_avx512<1>(w, x, K, ahead, out);
+        for (int64_t m = 0; m < mb; ++m) yp[(m0 + m) * N + n] = out[m];
+      });
+    }
+  });
+}
+
 at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                           int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
@@ -457,6 +520,14 @@ at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10
     group = K;
   }
   TORCH_CHECK(group >= 1, "group must be positive");
+  if (w.scalar_type() == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16 && !s.defined() && isa() == kAvx512) {
+    // bf16 x bf16: products exact in f32 (dot4_bf16_avx512); f32 x keeps the f32 kernel below.
+    at::Tensor x = x_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+    bf16_rows_kernel(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
+                     reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), y.data_ptr<float>());
+    return finish(y, bias, at::kBFloat16);
+  }
   at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
