@@ -142,6 +142,36 @@ def test_a_row_computes_the_same_bits_whatever_rows_share_the_call(weight):
 
 
 @needs_kernels
+@pytest.mark.parametrize("weight", ["float32", "bfloat16", "int8 channel", "int4 channel"])
+def test_outputs_are_the_same_bits_on_one_and_two_threads(weight):
+    # Each output is summed in one fixed order whatever the thread count (csrc/gemv.cpp: tasks
+    # over blocks of outputs; the transposed f32 kernel's input halves are fixed, not per thread).
+    # 896 -> 1152 is large enough to split between two threads.
+    x, w, _ = _x_w(2, 896, 1152)
+    if weight in ("float32", "bfloat16"):
+        dtype = getattr(torch, weight)
+        w = w.t().contiguous().t() if dtype == torch.float32 else w.to(dtype)
+        x = x.to(dtype)
+
+        def layer(rows):
+            return kernels.float_linear(rows, w, None)
+    else:
+        linear = nn.Linear(896, 1152, bias=False)
+        linear.weight.data = w
+        layer = QuantizedLinear.from_linear(linear, QuantSpec(8 if weight.startswith("int8") else 4, None))
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = layer(x)
+            torch.set_num_threads(2)
+            two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernels
 def test_the_avx2_variant_gives_the_same_numbers():
     # The AVX2 code runs in a child process (the instruction set is chosen once per process).
     script = (
