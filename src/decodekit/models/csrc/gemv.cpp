@@ -421,7 +421,7 @@ AVX2 void int4_dot4_avx2(const uint8_t* wb, const float* x, int64_t Kp, const fl
 template <WT T>
 void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t M, float* yp) {
   const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
-  const int64_t mid = K >= 64 ? K / 2 / 4 * 4 : K;  // K < 64: one part
+  const int64_t mid = input_half(K);
   const int64_t parts = mid < K ? 2 : 1;
   at::Tensor hi_t = parts == 2 ? at::empty({M, N}, at::kFloat) : at::Tensor();
   float* hi = parts == 2 ? hi_t.data_ptr<float>() : nullptr;
