@@ -172,31 +172,19 @@ at::Tensor linear_gemm_2d(const at::Tensor& x_in, const at::Tensor& wt, const c1
   float* yp = y.data_ptr<float>();
   const bool wide = isa() == kAvx512;
   const int64_t cols = wide ? Tile<true>::kVectors * Tile<true>::kWidth : Tile<false>::kVectors * Tile<false>::kWidth;
-  const int64_t tiles = (N + cols - 1) / cols;
   // Threads split the column tiles (each output is summed by one thread, in one order). A task
   // gets at least kMinFmasPerTask multiply-adds, ~8-20 us at this kernel's 100-250 GFLOP/s (the
   // GEMV kernels' kMinWeightsPerTask, counted in weights, is ~25 us at their speed), so a
   // fork's few microseconds stay small. (Not tuned: two-thread timings on this shared 2-core
   // machine were noise.)
-  // Tasks are (half of the inputs, column tile) pairs, half-major, as linear_t's.
-  const int64_t mid = input_half(K), parts = mid < K ? 2 : 1;
-  at::Tensor hi_t = parts == 2 ? at::empty({M, N}, x.options()) : at::Tensor();
-  float* hi = parts == 2 ? hi_t.data_ptr<float>() : nullptr;
-  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask * parts / (cols * std::max<int64_t>(K * M, 1)));
-  at::parallel_for(0, parts * tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t part = t0 / tiles; part < parts && part * tiles < t1; ++part) {
-      const int64_t c0 = std::max(t0, part * tiles) - part * tiles, c1 = std::min(t1, (part + 1) * tiles) - part * tiles;
-      const int64_t n0 = c0 * cols, n1 = std::min(N, c1 * cols);
-      const int64_t kb = part ? mid : 0, ke = part ? K : mid;
-      float* out = part ? hi : yp;
-      if (wide)
-        gemm_columns<true>(xp, M, K, wp, N, out, n0, n1, kb, ke);
-      else
-        gemm_columns<false>(xp, M, K, wp, N, out, n0, n1, kb, ke);
-    }
+  // Tasks are (half of the inputs, column tile) pairs, as linear_t's (gemv_common.h).
+  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask * input_parts(K) / (cols * std::max<int64_t>(K * M, 1)));
+  over_input_halves(M, N, K, cols, grain, yp, [&](int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* out) {
+    if (wide)
+      gemm_columns<true>(xp, M, K, wp, N, out, n0, n1, kb, ke);
+    else
+      gemm_columns<false>(xp, M, K, wp, N, out, n0, n1, kb, ke);
   });
-  if (hi)
-    for (int64_t i = 0; i < M * N; ++i) yp[i] += hi[i];
   return finish(y, bias, x_in.scalar_type());
 }
 
