@@ -211,9 +211,14 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     gets the token it would get alone (tests/test_request.py)."""
     if len(live) == 0 or live[0].request is live[-1].request:  # one request's rows (contiguous)
         return _sample_request(logits, live, hidden)
+    batches = _batches(live, hidden is not None)
+    if len(batches) == 1:  # one batch of several requests: no copies
+        processed, chosen = _sample_batch(logits, batches[0][2])
+        record(live, logits, processed, chosen)
+        return chosen
     tokens = torch.empty(len(live), dtype=torch.long)
     processed_all = torch.empty_like(logits)  # [R, V]
-    for start, stop, requests in _batches(live, hidden is not None):
+    for start, stop, requests in batches:
         raw = logits[start:stop]  # [r, V]
         if len(requests) > 1:
             processed, chosen = _sample_batch(raw, requests)

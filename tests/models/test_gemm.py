@@ -150,3 +150,20 @@ def test_shakespeare_batch_on_the_gemm_matches_pytorch(monkeypatch):
         monkeypatch.undo()
         kernels.status.cache_clear()
     torch.testing.assert_close(native, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_a_hooked_layer_is_called_as_a_module_whatever_the_rows():
+    """compress's calibration (compress/apply.py) reads each Linear's input through a forward
+    pre-hook: a hooked layer runs as a module, not on the kernels, at 1 row and at 64."""
+    import decodekit as dk
+
+    model = dk.load_model("shakespeare")
+    layer = model.net.layers[0].self_attn.qkv_proj
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-2]))
+    try:
+        for length in (1, 64):
+            model.forward(torch.arange(1, length + 1)[None], model.new_cache(1))
+    finally:
+        handle.remove()
+    assert seen == [1, 64]

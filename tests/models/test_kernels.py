@@ -57,6 +57,26 @@ def test_half_kernels_equal_the_float32_product_rounded_once(m, k, n, dtype):
     torch.testing.assert_close(y, expected, atol=1e-2, rtol=1e-2)
 
 
+@needs_kernels
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (1, 4864, 40), (6, 896, 33)])
+def test_bfloat16_times_bfloat16_is_the_exact_product_rounded_once_within_one_step(m, k, n):
+    # bf16 x with bf16 weights runs vdpbf16ps on AVX-512 (csrc/gemv.cpp, dot_bf16_avx512): the
+    # products are exact, but the f32 sums round in the instruction's order, with denormals
+    # flushed. Bound against the exact (float64) sum: the output's own bf16 rounding (half a
+    # step, 2^-9 relative; allow a whole step, 2^-8) plus k float32 roundings of the running
+    # sum (k * 2^-24 of the sum of |products|). The FMA kernel meets the same bound.
+    x, w, _ = _x_w(m, k, n)
+    x, w = x.bfloat16(), w.bfloat16()
+    y = kernels.float_linear(x, w, None)
+    assert y.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t()
+    bound = 2**-8 * exact.abs() + k * 2**-24 * (x.double().abs() @ w.double().abs().t())
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    # f32 x with bf16 weights stays on the f32 kernel: exact products, f32 sums, f32 output.
+    y32 = kernels.float_linear(x.float(), w, None)
+    torch.testing.assert_close(y32, x.float() @ w.float().t(), atol=1e-5, rtol=1e-5)
+
+
 def _quantized(bits: int, group: int | None, k: int, n: int) -> QuantizedLinear:
     torch.manual_seed(bits * 100 + (group or 0) + k)
     return QuantizedLinear.from_linear(nn.Linear(k, n), QuantSpec(bits, group))
@@ -119,6 +139,36 @@ def test_a_row_computes_the_same_bits_whatever_rows_share_the_call(weight):
         for count in (1, 2, 3, 5):
             parts = torch.cat([layer(x[i : i + count]) for i in range(0, 17, count)])
             assert torch.equal(parts, together), count
+
+
+@needs_kernels
+@pytest.mark.parametrize("weight", ["float32", "bfloat16", "int8 channel", "int4 channel"])
+def test_outputs_are_the_same_bits_on_one_and_two_threads(weight):
+    # Each output is summed in one fixed order whatever the thread count (csrc/gemv.cpp: tasks
+    # over blocks of outputs; the transposed f32 kernel's input halves are fixed, not per thread).
+    # 896 -> 1152 is large enough to split between two threads.
+    x, w, _ = _x_w(2, 896, 1152)
+    if weight in ("float32", "bfloat16"):
+        dtype = getattr(torch, weight)
+        w = w.t().contiguous().t() if dtype == torch.float32 else w.to(dtype)
+        x = x.to(dtype)
+
+        def layer(rows):
+            return kernels.float_linear(rows, w, None)
+    else:
+        linear = nn.Linear(896, 1152, bias=False)
+        linear.weight.data = w
+        layer = QuantizedLinear.from_linear(linear, QuantSpec(8 if weight.startswith("int8") else 4, None))
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = layer(x)
+            torch.set_num_threads(2)
+            two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
 
 
 @needs_kernels

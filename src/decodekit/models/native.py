@@ -216,6 +216,8 @@ def one_row_gemv(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if rowwise:
         return rowwise_linear(layer, x)
+    if layer._forward_pre_hooks or layer._forward_hooks:  # e.g. compress's calibration: call it
+        return layer(x)
     weight = getattr(layer, "weight", None)
     if (type(layer) is nn.Linear and weight.is_cpu and x.dtype == weight.dtype
             and weight.dtype in kernels.FLOAT_DTYPES

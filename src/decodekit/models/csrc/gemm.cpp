@@ -11,10 +11,10 @@
 // columns) stays in L1 / L2 while the row tiles run over it; the first row tile, which reads it
 // from memory, prefetches a few rows of wt ahead.
 //
-// Each output is summed in the order of decodekit::linear_t's axpy kernels (gemv.cpp): one
-// running float32 sum per output, y = fma(wt[k, n], x[m, k], y) for k = 0, 1, ..., K - 1,
-// starting from zero (the sums are parked in y between panels of KC steps, which loses
-// nothing). So a row's result has the same bits whatever the number of rows in the call and
+// Each output is summed in the order of decodekit::linear_t's axpy kernels (gemv.cpp): two
+// running float32 sums per output, y = fma(wt[k, n], x[m, k], y) for k = 0, 1, ..., mid - 1
+// and for k = mid, ..., K - 1, each starting from zero, then added (`input_half`,
+// gemv_common.h; the sums are parked in y between panels of KC steps, which loses nothing). So a row's result has the same bits whatever the number of rows in the call and
 // whichever kernel (this one or linear_t, AVX-512 or AVX2) runs it, and the bias is added
 // afterwards as linear_t adds it (`finish`).
 #include "gemv_common.h"
@@ -134,7 +134,8 @@ void run_tile(int mr, int nv, const float* x, int64_t K, const float* w, int64_t
 // in each the panels of kPanelSteps steps, in each the row tiles. The tiles do not change the
 // order of any output's sum (file comment), only which sums share a step's loads.
 template <bool Wide>
-void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1) {
+void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1,
+                  int64_t kb, int64_t ke) {
   using T = Tile<Wide>;
   constexpr int64_t cols = T::kVectors * T::kWidth;
   for (int64_t b0 = 0; b0 < M; b0 += kBlockRows) {
@@ -145,11 +146,11 @@ void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t
       const int64_t width = std::min(cols, n1 - c0);
       const int nv = int((width + T::kWidth - 1) / T::kWidth);
       const int64_t last = width - (nv - 1) * T::kWidth;
-      for (int64_t k0 = 0; k0 < K; k0 += kPanelSteps) {
-        const int64_t k1 = std::min(K, k0 + kPanelSteps);
+      for (int64_t k0 = kb; k0 < ke; k0 += kPanelSteps) {
+        const int64_t k1 = std::min(ke, k0 + kPanelSteps);
         for (int64_t i = 0, m0 = b0; i < count; ++i) {
           const int mr = int(rows / count + (i < rows % count ? 1 : 0));
-          run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, y + m0 * N + c0, k0 == 0,
+          run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, y + m0 * N + c0, k0 == kb,
                                                 last, m0 == b0);
           m0 += mr;
         }
@@ -177,14 +178,25 @@ at::Tensor linear_gemm_2d(const at::Tensor& x_in, const at::Tensor& wt, const c1
   // GEMV kernels' kMinWeightsPerTask, counted in weights, is ~25 us at their speed), so a
   // fork's few microseconds stay small. (Not tuned: two-thread timings on this shared 2-core
   // machine were noise.)
-  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask / (cols * std::max<int64_t>(K * M, 1)));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * cols, n1 = std::min(N, t1 * cols);
-    if (wide)
-      gemm_columns<true>(xp, M, K, wp, N, yp, n0, n1);
-    else
-      gemm_columns<false>(xp, M, K, wp, N, yp, n0, n1);
+  // Tasks are (half of the inputs, column tile) pairs, half-major, as linear_t's.
+  const int64_t mid = input_half(K), parts = mid < K ? 2 : 1;
+  at::Tensor hi_t = parts == 2 ? at::empty({M, N}, x.options()) : at::Tensor();
+  float* hi = parts == 2 ? hi_t.data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask * parts / (cols * std::max<int64_t>(K * M, 1)));
+  at::parallel_for(0, parts * tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t part = t0 / tiles; part < parts && part * tiles < t1; ++part) {
+      const int64_t c0 = std::max(t0, part * tiles) - part * tiles, c1 = std::min(t1, (part + 1) * tiles) - part * tiles;
+      const int64_t n0 = c0 * cols, n1 = std::min(N, c1 * cols);
+      const int64_t kb = part ? mid : 0, ke = part ? K : mid;
+      float* out = part ? hi : yp;
+      if (wide)
+        gemm_columns<true>(xp, M, K, wp, N, out, n0, n1, kb, ke);
+      else
+        gemm_columns<false>(xp, M, K, wp, N, out, n0, n1, kb, ke);
+    }
   });
+  if (hi)
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += hi[i];
   return finish(y, bias, x_in.scalar_type());
 }
 

@@ -8,11 +8,14 @@
 //                            (the layout models/native.py keeps for float32):
 //                            y[m] += x[m, k] wt[k] over 4 rows of wt at a time, y's slice
 //                            staying in L1 (measured fastest for f32; bf16 reads faster
-//                            row-major, below, so native.py keeps bf16 weights row-major).
+//                            row-major, below, so native.py keeps bf16 weights row-major);
+//                            the inputs in two fixed halves summed apart (axpy_kernel).
 //   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
 //                            scale per row or per group of `group` inputs): 4 rows' dot
 //                            products with x in f32, weights widened to f32 in registers,
-//                            8 KiB ahead prefetched (prefetch_ahead).
+//                            8 KiB ahead prefetched (prefetch_ahead); bf16 weights with bf16
+//                            x (a bfloat16 model) one row at a time by vdpbf16ps instead
+//                            (dot_bf16_avx512; AVX-512 only, the AVX2 variant widens x).
 //   decodekit::linear_int4   int4 codes repacked (kernels.pack_int4_blocks): blocks of 4 rows
 //                            side by side in chunks of 128 inputs, 64 bytes a row, word j
 //                            holding inputs j, 32 + j, 64 + j, 96 + j as code + 8 in its 4
@@ -25,8 +28,9 @@
 //
 // Each has an AVX-512 (F/BW/VL, BF16 for int4) and an AVX2 + FMA variant, picked once by
 // the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
-// parallel over blocks of outputs (at::parallel_for), so each output is summed in one fixed
-// order whatever the thread count.
+// parallel over blocks of outputs (at::parallel_for; the transposed f32 kernel over fixed
+// halves of the inputs too), so each output is summed in one fixed order whatever the
+// thread count.
 #include "gemv_common.h"
 
 namespace {
@@ -143,17 +147,56 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
     UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
 }
 
+// bfloat16 weights times bfloat16 x (a bfloat16 model's activations are bfloat16 already):
+// out[m] = w . x[m] for one weight row w [K] and MB <= 4 rows of x [MB, K], by vdpbf16ps: one
+// 64-byte load of 32 weights and one instruction per x row, where dot4_avx512 widens to f32
+// and runs two FMAs. Each bf16 product is exact in f32; the instruction adds a lane's two
+// products into its f32 sum rounding to nearest even, with denormal inputs and results
+// flushed to zero, so sums can differ from the FMA kernel's in their last bits (tests allow
+// for it). One row at a time reads the weights as one sequential stream: 896 -> 4864 ran 249
+// against 4 interleaved rows' 327 us (BENCHMARKS.md, 2026-11-25). Four accumulators per x row
+// (inputs k mod 128 in 32s) hide the instruction's latency; each x row's sum is its own chain,
+// so a row's result does not depend on MB.
+template <int MB>
+AVX512 void dot_bf16_avx512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t ahead, float* out) {
+  __m512 acc[MB][4];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) {
+    if (ahead) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead + 192, _MM_HINT_T0);
+    }
+    UNROLL for (int a = 0; a < 4; ++a) {
+      const __m512bh wr = (__m512bh)_mm512_loadu_si512(w + k + 32 * a);
+      UNROLL for (int m = 0; m < MB; ++m)
+        acc[m][a] = _mm512_dpbf16_ps(acc[m][a], wr, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * a));
+    }
+  }
+  for (int a = 0; k < K; k += 32, ++a) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+    const __m512bh wr = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    UNROLL for (int m = 0; m < MB; ++m)
+      acc[m][a] = _mm512_dpbf16_ps(acc[m][a], wr, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+  }
+  UNROLL for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
 // y[m, n0:n1] = x[m] wt[:, n0:n1] for wt [K, N] row-major (the transposed weight): four
 // rows of wt at a time, each a long contiguous stream, into y's slice held in L1.
 template <WT T>
 AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y,
-                        int64_t n0, int64_t n1) {
+                        int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
   for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, (n1 - n0) * sizeof(float));
   const int64_t full = n0 + (n1 - n0) / 16 * 16;
   const __mmask16 tail = __mmask16((1u << ((n1 - n0) % 16)) - 1);
   const int64_t row = N * elem_bytes(T);
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
     const char *w0 = wt + k * row, *w1 = w0 + row, *w2 = w1 + row, *w3 = w2 + row;
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K + k;
@@ -179,7 +222,7 @@ AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, in
       }
     }
   }
-  for (; k < K; ++k) {
+  for (; k < k1; ++k) {
     const char* w0 = wt + k * row;
     for (int64_t m = 0; m < M; ++m) {
       __m512 x0 = _mm512_set1_ps(x[m * K + k]);
@@ -306,12 +349,12 @@ AVX2 void dot4_avx2(const char* const* w, const float* x, int64_t K, const float
 
 template <WT T>
 AVX2 void axpy_avx2(const char* wt, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t n0,
-                    int64_t n1) {
+                    int64_t n1, int64_t k0, int64_t k1) {
   for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, (n1 - n0) * sizeof(float));
   const int64_t full = n0 + (n1 - n0) / 8 * 8;
   const int64_t row = N * elem_bytes(T);
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
     const char *w0 = wt + k * row, *w1 = w0 + row, *w2 = w1 + row, *w3 = w2 + row;
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K + k;
@@ -332,7 +375,7 @@ AVX2 void axpy_avx2(const char* wt, int64_t K, int64_t N, const float* x, int64_
                          std::fma(load1<T>(w2, n), xm[2], std::fma(load1<T>(w1, n), xm[1], std::fma(load1<T>(w0, n), xm[0], ym[n]))));
     }
   }
-  for (; k < K; ++k) {
+  for (; k < k1; ++k) {
     const char* w0 = wt + k * row;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] = std::fma(load1<T>(w0, n), x[m * K + k], y[m * N + n]);
@@ -368,18 +411,36 @@ AVX2 void int4_dot4_avx2(const uint8_t* wb, const float* x, int64_t Kp, const fl
 
 // ---------------------------------------------------------------- ops -----------------
 
+// The transposed weight's inputs in two fixed halves, each summed into its own y and the two
+// added at the end: with two threads each task reads whole rows of wt, one contiguous region,
+// where a split of the outputs gave each thread half of every row, short strided segments
+// (two threads, best of 15 passes: f32 4864 -> 896 339 against 412 us, 896 -> 896 64 against
+// 83; one thread unchanged within 1-2%: BENCHMARKS.md, 2026-11-25). The halves are fixed, not
+// one per thread, so each output's sum is the same whatever the thread count. Tasks are
+// (half, chunk of 64 outputs) pairs, half-major, so two threads take one half each.
 template <WT T>
 void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t M, float* yp) {
   const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (chunk * std::max<int64_t>(K, 1)));
+  const int64_t mid = input_half(K);
+  const int64_t parts = mid < K ? 2 : 1;
+  at::Tensor hi_t = parts == 2 ? at::empty({M, N}, at::kFloat) : at::Tensor();
+  float* hi = parts == 2 ? hi_t.data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask * parts / (chunk * std::max<int64_t>(K, 1)));
   const bool wide = isa() == kAvx512;
-  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
-    const int64_t n0 = c0 * chunk, n1 = std::min(N, c1 * chunk);
-    if (wide)
-      axpy_avx512<T>(wp, K, N, xp, M, yp, n0, n1);
-    else
-      axpy_avx2<T>(wp, K, N, xp, M, yp, n0, n1);
+  at::parallel_for(0, parts * chunks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t part = t0 / chunks; part < parts && part * chunks < t1; ++part) {
+      const int64_t c0 = std::max(t0, part * chunks) - part * chunks, c1 = std::min(t1, (part + 1) * chunks) - part * chunks;
+      const int64_t n0 = c0 * chunk, n1 = std::min(N, c1 * chunk);
+      const int64_t k0 = part ? mid : 0, k1 = part ? K : mid;
+      float* y = part ? hi : yp;
+      if (wide)
+        axpy_avx512<T>(wp, K, N, xp, M, y, n0, n1, k0, k1);
+      else
+        axpy_avx2<T>(wp, K, N, xp, M, y, n0, n1, k0, k1);
+    }
   });
+  if (hi)
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += hi[i];
 }
 
 at::Tensor linear_t_2d(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
@@ -440,6 +501,30 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
   });
 }
 
+// bf16 w [N, K] times bf16 x [M, K] (AVX-512 only: dot_bf16_avx512), y [M, N] in f32.
+void bf16_rows_kernel(const uint16_t* wp, int64_t N, int64_t K, const uint16_t* xp, int64_t M, float* yp) {
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* w = wp + n * K;
+      for_row_blocks(M, [&](int64_t m0, int64_t mb) {  // the row is read from memory once
+        float out[4];
+        const uint16_t* x = xp + m0 * K;
+        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
+        if (mb == 4)
+          dot_bf16_avx512<4>(w, x, K, ahead, out);
+        else if (mb == 3)
+          dot_bf16_avx512<3>(w, x, K, ahead, out);
+        else if (mb == 2)
+          dot_bf16_avx512<2>(w, x, K, ahead, out);
+        else
+          dot_bf16_avx512<1>(w, x, K, ahead, out);
+        for (int64_t m = 0; m < mb; ++m) yp[(m0 + m) * N + n] = out[m];
+      });
+    }
+  });
+}
+
 at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                           int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
@@ -457,6 +542,14 @@ at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10
     group = K;
   }
   TORCH_CHECK(group >= 1, "group must be positive");
+  if (w.scalar_type() == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16 && !s.defined() && isa() == kAvx512) {
+    // bf16 x bf16: products exact in f32 (dot4_bf16_avx512); f32 x keeps the f32 kernel below.
+    at::Tensor x = x_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+    bf16_rows_kernel(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
+                     reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), y.data_ptr<float>());
+    return finish(y, bias, at::kBFloat16);
+  }
   at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());

@@ -48,6 +48,12 @@ constexpr int64_t kMinWeightsPerTask = 1 << 17;
 // first kernels' choice, was up to 20% slower for int8 and int4 once they decoded faster).
 constexpr int64_t kAheadBytes = 8192;
 
+// The float32 kernels over the transposed layout (gemv.cpp's axpy, gemm.cpp) sum the inputs
+// [0, mid) and [mid, K) apart, each from zero, and add the two: two threads then each read one
+// contiguous half of wt (gemv.cpp `axpy_kernel`). One place for `mid`, so both kernels give a
+// row the same bits.
+inline int64_t input_half(int64_t K) { return K >= 64 ? K / 2 / 4 * 4 : K; }  // K < 64: one part
+
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, ", K, "] tensor");
 }
