@@ -16,7 +16,8 @@ from decodekit.models import kernels
 needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
 )
-# (M, K, N): N past whole tiles of 64 columns and vectors of 16, K odd and past a panel of 256.
+# (M, K, N): N past whole tiles of 64 columns and vectors of 16, K odd, below 64 (one input
+# half) and past a panel of 256.
 SHAPES = [
     (9, 45, 37),
     (16, 256, 1376),
@@ -25,6 +26,7 @@ SHAPES = [
     (64, 300, 130),
     (33, 688, 16),
     (2, 31, 200),
+    (200, 1100, 70),  # two blocks of rows, each input half over several panels
 ]
 
 

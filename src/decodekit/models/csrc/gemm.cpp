@@ -14,9 +14,10 @@
 // Each output is summed in the order of decodekit::linear_t's axpy kernels (gemv.cpp): two
 // running float32 sums per output, y = fma(wt[k, n], x[m, k], y) for k = 0, 1, ..., mid - 1
 // and for k = mid, ..., K - 1, each starting from zero, then added (`input_half`,
-// gemv_common.h; the sums are parked in y between panels of KC steps, which loses nothing). So a row's result has the same bits whatever the number of rows in the call and
-// whichever kernel (this one or linear_t, AVX-512 or AVX2) runs it, and the bias is added
-// afterwards as linear_t adds it (`finish`).
+// gemv_common.h; the sums are parked in y between panels of KC steps, which loses nothing).
+// So a row's result has the same bits whatever the number of rows in the call and whichever
+// kernel (this one or linear_t, AVX-512 or AVX2) runs it, and the bias is added afterwards as
+// linear_t adds it (`finish`).
 #include "gemv_common.h"
 
 namespace {
@@ -36,16 +37,28 @@ constexpr int64_t kPrefetchRows = 8;
 
 // ---------------------------------------------------------------- AVX-512 -------------
 
-// y[0:MR, 0:16 NV] (row stride N; the last vector masked by `tail`) += the steps [k0, k1) of
-// x[0:MR] (row stride K) times wt's rows (stride N), or = them when `first`.
+// Where a tile's sums come from and go: they start from `in` (row stride in_stride) or, when
+// it is null, from zero; `add` (row stride add_stride), when not null, is added to them at the
+// end (the first half's sums: y = first + second, `input_half`); they are stored to `out`.
+struct Sums {
+  const float* in;
+  int64_t in_stride;
+  float* out;
+  int64_t out_stride;
+  const float* add;
+  int64_t add_stride;
+};
+
+// The sums of rows x[0:MR] (row stride K) times wt's columns [0, 16 NV) (row stride N; the
+// last vector masked by `tail`) over the steps [k0, k1), kept as `sums` says.
 template <int MR, int NV>
-AVX512 void tile_avx512(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, float* y,
-                        bool first, __mmask16 tail, bool prefetch) {
+AVX512 void tile_avx512(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, const Sums& sums,
+                        __mmask16 tail, bool prefetch) {
   __m512 acc[MR][NV];
   UNROLL for (int m = 0; m < MR; ++m)
     UNROLL for (int v = 0; v < NV; ++v) {
       const __mmask16 mask = v == NV - 1 ? tail : __mmask16(0xFFFF);
-      acc[m][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + m * N + 16 * v);
+      acc[m][v] = sums.in ? _mm512_maskz_loadu_ps(mask, sums.in + m * sums.in_stride + 16 * v) : _mm512_setzero_ps();
     }
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * N;
@@ -62,7 +75,8 @@ AVX512 void tile_avx512(const float* x, int64_t K, const float* w, int64_t N, in
   UNROLL for (int m = 0; m < MR; ++m)
     UNROLL for (int v = 0; v < NV; ++v) {
       const __mmask16 mask = v == NV - 1 ? tail : __mmask16(0xFFFF);
-      _mm512_mask_storeu_ps(y + m * N + 16 * v, mask, acc[m][v]);
+      if (sums.add) acc[m][v] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, sums.add + m * sums.add_stride + 16 * v), acc[m][v]);
+      _mm512_mask_storeu_ps(sums.out + m * sums.out_stride + 16 * v, mask, acc[m][v]);
     }
 }
 
@@ -71,14 +85,15 @@ AVX512 void tile_avx512(const float* x, int64_t K, const float* w, int64_t N, in
 // The same tile in 8-float vectors; the last vector's columns past the end are masked
 // (vmaskmov; `last` of its 8 are real), so it computes exactly what the AVX-512 tile does.
 template <int MR, int NV>
-AVX2 void tile_avx2(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, float* y, bool first,
+AVX2 void tile_avx2(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, const Sums& sums,
                     int64_t last, bool prefetch) {
   const __m256i all = _mm256_set1_epi32(-1);
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(last)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 acc[MR][NV];
   UNROLL for (int m = 0; m < MR; ++m)
     UNROLL for (int v = 0; v < NV; ++v)
-      acc[m][v] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(y + m * N + 8 * v, v == NV - 1 ? tail : all);
+      acc[m][v] = sums.in ? _mm256_maskload_ps(sums.in + m * sums.in_stride + 8 * v, v == NV - 1 ? tail : all)
+                          : _mm256_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * N;
     if (prefetch)
@@ -92,7 +107,11 @@ AVX2 void tile_avx2(const float* x, int64_t K, const float* w, int64_t N, int64_
     }
   }
   UNROLL for (int m = 0; m < MR; ++m)
-    UNROLL for (int v = 0; v < NV; ++v) _mm256_maskstore_ps(y + m * N + 8 * v, v == NV - 1 ? tail : all, acc[m][v]);
+    UNROLL for (int v = 0; v < NV; ++v) {
+      const __m256i mask = v == NV - 1 ? tail : all;
+      if (sums.add) acc[m][v] = _mm256_add_ps(_mm256_maskload_ps(sums.add + m * sums.add_stride + 8 * v, mask), acc[m][v]);
+      _mm256_maskstore_ps(sums.out + m * sums.out_stride + 8 * v, mask, acc[m][v]);
+    }
 }
 
 // ---------------------------------------------------------------- driver --------------
@@ -117,27 +136,31 @@ struct Tile<false> {
 // Calls tile<MR, NV> for the run-time rows mr <= R and vectors nv <= V (the compiler
 // instantiates every pair once).
 template <bool Wide, int R, int V>
-void run_tile(int mr, int nv, const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, float* y,
-              bool first, int64_t last, bool prefetch) {
+void run_tile(int mr, int nv, const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1,
+              const Sums& sums, int64_t last, bool prefetch) {
   if constexpr (R > 1)
-    if (mr < R) return run_tile<Wide, R - 1, V>(mr, nv, x, K, w, N, k0, k1, y, first, last, prefetch);
+    if (mr < R) return run_tile<Wide, R - 1, V>(mr, nv, x, K, w, N, k0, k1, sums, last, prefetch);
   if constexpr (V > 1)
-    if (nv < V) return run_tile<Wide, R, V - 1>(mr, nv, x, K, w, N, k0, k1, y, first, last, prefetch);
+    if (nv < V) return run_tile<Wide, R, V - 1>(mr, nv, x, K, w, N, k0, k1, sums, last, prefetch);
   if constexpr (Wide) {  // `last`: the columns of the tile's last vector, 1..16
-    tile_avx512<R, V>(x, K, w, N, k0, k1, y, first, __mmask16((1u << last) - 1), prefetch);
+    tile_avx512<R, V>(x, K, w, N, k0, k1, sums, __mmask16((1u << last) - 1), prefetch);
   } else {  // `last`: 1..8
-    tile_avx2<R, V>(x, K, w, N, k0, k1, y, first, last, prefetch);
+    tile_avx2<R, V>(x, K, w, N, k0, k1, sums, last, prefetch);
   }
 }
 
 // y[:, n0:n1] for all M rows: blocks of kBlockRows rows, in each the column tiles of the range,
-// in each the panels of kPanelSteps steps, in each the row tiles. The tiles do not change the
-// order of any output's sum (file comment), only which sums share a step's loads.
+// in each the two halves of the inputs (`input_half`), in each the panels of kPanelSteps steps,
+// in each the row tiles. The first half's sums go to y; the second half's run in `scratch`
+// (the block's rows x the tile's columns, in L1 / L2) and are added to y at its last panel, so
+// no [M, N] buffer is written and read again. The tiles do not change the order of any
+// output's sum (file comment), only which sums share a step's loads.
 template <bool Wide>
-void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1,
-                  int64_t kb, int64_t ke) {
+void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1) {
   using T = Tile<Wide>;
   constexpr int64_t cols = T::kVectors * T::kWidth;
+  const int64_t mid = input_half(K), halves = mid < K ? 2 : 1;
+  std::vector<float> scratch(halves == 2 ? kBlockRows * cols : 0);
   for (int64_t b0 = 0; b0 < M; b0 += kBlockRows) {
     // The block's rows in tiles of nearly equal rows (16 rows: 6, 5, 5 rather than 6, 6, 4): a
     // short tile spends more loads per FMA. Measured 2-8 % faster at 8-64 rows.
@@ -146,13 +169,20 @@ void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t
       const int64_t width = std::min(cols, n1 - c0);
       const int nv = int((width + T::kWidth - 1) / T::kWidth);
       const int64_t last = width - (nv - 1) * T::kWidth;
-      for (int64_t k0 = kb; k0 < ke; k0 += kPanelSteps) {
-        const int64_t k1 = std::min(ke, k0 + kPanelSteps);
-        for (int64_t i = 0, m0 = b0; i < count; ++i) {
-          const int mr = int(rows / count + (i < rows % count ? 1 : 0));
-          run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, y + m0 * N + c0, k0 == kb,
-                                                last, m0 == b0);
-          m0 += mr;
+      for (int64_t half = 0; half < halves; ++half) {
+        const int64_t kb = half ? mid : 0, ke = half ? K : mid;
+        for (int64_t k0 = kb; k0 < ke; k0 += kPanelSteps) {
+          const int64_t k1 = std::min(ke, k0 + kPanelSteps);
+          for (int64_t i = 0, m0 = b0; i < count; ++i) {
+            const int mr = int(rows / count + (i < rows % count ? 1 : 0));
+            float* yt = y + m0 * N + c0;
+            float* st = scratch.data() + (m0 - b0) * cols;
+            Sums sums{k0 == kb ? nullptr : yt, N, yt, N, nullptr, 0};
+            if (half) sums = k1 == ke ? Sums{k0 == kb ? nullptr : st, cols, yt, N, yt, N}
+                                      : Sums{k0 == kb ? nullptr : st, cols, st, cols, nullptr, 0};
+            run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, sums, last, m0 == b0);
+            m0 += mr;
+          }
         }
       }
     }
@@ -172,18 +202,20 @@ at::Tensor linear_gemm_2d(const at::Tensor& x_in, const at::Tensor& wt, const c1
   float* yp = y.data_ptr<float>();
   const bool wide = isa() == kAvx512;
   const int64_t cols = wide ? Tile<true>::kVectors * Tile<true>::kWidth : Tile<false>::kVectors * Tile<false>::kWidth;
+  const int64_t tiles = (N + cols - 1) / cols;
   // Threads split the column tiles (each output is summed by one thread, in one order). A task
   // gets at least kMinFmasPerTask multiply-adds, ~8-20 us at this kernel's 100-250 GFLOP/s (the
   // GEMV kernels' kMinWeightsPerTask, counted in weights, is ~25 us at their speed), so a
   // fork's few microseconds stay small. (Not tuned: two-thread timings on this shared 2-core
-  // machine were noise.)
-  // Tasks are (half of the inputs, column tile) pairs, as linear_t's (gemv_common.h).
-  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask * input_parts(K) / (cols * std::max<int64_t>(K * M, 1)));
-  over_input_halves(M, N, K, cols, grain, yp, [&](int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* out) {
+  // machine were noise.) linear_t splits the input halves between threads so that each reads
+  // whole rows of wt; the GEMM reads wt in 256-byte pieces of rows (a column tile's) anyway.
+  const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask / (cols * std::max<int64_t>(K * M, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * cols, n1 = std::min(N, t1 * cols);
     if (wide)
-      gemm_columns<true>(xp, M, K, wp, N, out, n0, n1, kb, ke);
+      gemm_columns<true>(xp, M, K, wp, N, yp, n0, n1);
     else
-      gemm_columns<false>(xp, M, K, wp, N, out, n0, n1, kb, ke);
+      gemm_columns<false>(xp, M, K, wp, N, yp, n0, n1);
   });
   return finish(y, bias, x_in.scalar_type());
 }
