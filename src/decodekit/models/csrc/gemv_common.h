@@ -55,7 +55,8 @@ constexpr int64_t kAheadBytes = 8192;
 inline int64_t input_half(int64_t K) { return K >= 64 ? K / 2 / 4 * 4 : K; }  // K < 64: one part
 inline int64_t input_parts(int64_t K) { return input_half(K) < K ? 2 : 1; }
 
-// Their driver: tasks of (half of the inputs, chunk of `width` outputs), half-major, so two
+// The axpy GEMV's driver (gemm.cpp keeps its second half's sums per block in registers
+// instead): tasks of (half of the inputs, chunk of `width` outputs), half-major, so two
 // threads take one half each; run(n0, n1, k0, k1, y) sums inputs [k0, k1) of outputs [n0, n1)
 // into y, the output for the first half, a second buffer from zero for the second, which is
 // added into the output at the end. `grain`: at least this many tasks a thread.
