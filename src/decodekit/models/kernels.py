@@ -13,7 +13,9 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   register-blocked GEMM for 2 to 8,192 rows with linear_t's sums (batched decode, prefill);
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
-  float and int8 weights compute in float32 (weight-only: the same numbers as dequantising);
+  float and int8 weights compute in float32 (weight-only: the same numbers as dequantising),
+  except bfloat16 x with bfloat16 weights (a bfloat16 model) on AVX-512: exact products by
+  vdpbf16ps, f32 sums in its rounding (denormals flushed);
 - `linear_int4(x, w, scales, group, bias)`: int4 codes repacked by `pack_int4_blocks`, x
   rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums;
 - `linear_w8a8(x, w, scales, bias)`, `linear_w4a8(x, w, scales, bias)` (csrc/gemv_a8.cpp):
