@@ -26,8 +26,8 @@
 // int4_dot4_avx512), so 2-64 rows (batched decoding, speculative verification) cost far
 // less than as many single-row calls.
 //
-// Each has an AVX-512 (F/BW/VL, BF16 for int4) and an AVX2 + FMA variant, picked once by
-// the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
+// Each has an AVX-512 (F/BW/VL; BF16 for int4 and bf16 x) and an AVX2 + FMA variant, picked
+// once by the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
 // parallel over blocks of outputs (at::parallel_for; the transposed f32 kernel over fixed
 // halves of the inputs too), so each output is summed in one fixed order whatever the
 // thread count.
@@ -531,7 +531,7 @@ at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10
   }
   TORCH_CHECK(group >= 1, "group must be positive");
   if (w.scalar_type() == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16 && !s.defined() && isa() == kAvx512) {
-    // bf16 x bf16: products exact in f32 (dot4_bf16_avx512); f32 x keeps the f32 kernel below.
+    // bf16 x bf16: products exact in f32 (dot_bf16_avx512); f32 x keeps the f32 kernel below.
     at::Tensor x = x_in.contiguous();
     at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
     bf16_rows_kernel(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
