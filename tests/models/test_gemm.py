@@ -5,13 +5,10 @@ PyTorch's path when the kernels are off."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from isa_variants import same_bits_per_isa
 
 import decodekit as dk
 from decodekit.models import kernels
@@ -103,18 +100,7 @@ def test_the_avx2_gemm_gives_the_same_bits(tmp_path):
         "    out.append(torch.ops.decodekit.linear_gemm(x, w, b if i % 2 else None))",
         "torch.save(out, sys.argv[1])",
     ])  # fmt: skip
-    results = {}
-    for isa in ("avx512", "avx2"):
-        env = {**os.environ, "DECODEKIT_GEMV_ISA": isa}
-        path = tmp_path / f"{isa}.pt"
-        done = subprocess.run([sys.executable, "-c", script, str(path), isa], env=env,
-                              capture_output=True, text=True)  # fmt: skip
-        if isa == "avx512" and "AssertionError: avx2" in done.stderr:
-            pytest.skip("this CPU has no AVX-512: only the AVX2 variant runs")
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[isa] = torch.load(path)
-    for wide, narrow in zip(results["avx512"], results["avx2"], strict=True):
-        assert torch.equal(wide, narrow)
+    same_bits_per_isa(script, tmp_path)
 
 
 @needs_kernels

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from isa_variants import same_bits_per_isa
 from torch import nn
 
 import decodekit as dk
@@ -315,18 +316,7 @@ def test_activation_quantised_avx2_variant_gives_the_same_bits(tmp_path):
         "    out.append(layer(torch.randn(5, kk)))",
         "torch.save(out, sys.argv[1])",
     ])  # fmt: skip
-    results = {}
-    for isa in ("avx512", "avx2"):
-        env = {**os.environ, "DECODEKIT_GEMV_ISA": isa}
-        path = tmp_path / f"{isa}.pt"
-        done = subprocess.run([sys.executable, "-c", script, str(path), isa], env=env,
-                              capture_output=True, text=True)  # fmt: skip
-        if isa == "avx512" and ("AssertionError: avx2" in done.stderr or "no VNNI" in done.stderr):
-            pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 variant runs")
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[isa] = torch.load(path)
-    for wide, narrow in zip(results["avx512"], results["avx2"], strict=True):
-        assert torch.equal(wide, narrow)
+    same_bits_per_isa(script, tmp_path, missing=("AssertionError: avx2", "no VNNI"))
 
 
 @pytest.mark.usefixtures("torch_kernels_only")

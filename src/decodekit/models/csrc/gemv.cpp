@@ -420,27 +420,15 @@ AVX2 void int4_dot4_avx2(const uint8_t* wb, const float* x, int64_t Kp, const fl
 // (half, chunk of 64 outputs) pairs, half-major, so two threads take one half each.
 template <WT T>
 void axpy_kernel(const char* wp, int64_t K, int64_t N, const float* xp, int64_t M, float* yp) {
-  const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
-  const int64_t mid = input_half(K);
-  const int64_t parts = mid < K ? 2 : 1;
-  at::Tensor hi_t = parts == 2 ? at::empty({M, N}, at::kFloat) : at::Tensor();
-  float* hi = parts == 2 ? hi_t.data_ptr<float>() : nullptr;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask * parts / (chunk * std::max<int64_t>(K, 1)));
+  const int64_t chunk = 64;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask * input_parts(K) / (chunk * std::max<int64_t>(K, 1)));
   const bool wide = isa() == kAvx512;
-  at::parallel_for(0, parts * chunks, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t part = t0 / chunks; part < parts && part * chunks < t1; ++part) {
-      const int64_t c0 = std::max(t0, part * chunks) - part * chunks, c1 = std::min(t1, (part + 1) * chunks) - part * chunks;
-      const int64_t n0 = c0 * chunk, n1 = std::min(N, c1 * chunk);
-      const int64_t k0 = part ? mid : 0, k1 = part ? K : mid;
-      float* y = part ? hi : yp;
-      if (wide)
-        axpy_avx512<T>(wp, K, N, xp, M, y, n0, n1, k0, k1);
-      else
-        axpy_avx2<T>(wp, K, N, xp, M, y, n0, n1, k0, k1);
-    }
+  over_input_halves(M, N, K, chunk, grain, yp, [&](int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* y) {
+    if (wide)
+      axpy_avx512<T>(wp, K, N, xp, M, y, n0, n1, k0, k1);
+    else
+      axpy_avx2<T>(wp, K, N, xp, M, y, n0, n1, k0, k1);
   });
-  if (hi)
-    for (int64_t i = 0; i < M * N; ++i) yp[i] += hi[i];
 }
 
 at::Tensor linear_t_2d(const at::Tensor& x_in, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {

@@ -53,6 +53,26 @@ constexpr int64_t kAheadBytes = 8192;
 // contiguous half of wt (gemv.cpp `axpy_kernel`). One place for `mid`, so both kernels give a
 // row the same bits.
 inline int64_t input_half(int64_t K) { return K >= 64 ? K / 2 / 4 * 4 : K; }  // K < 64: one part
+inline int64_t input_parts(int64_t K) { return input_half(K) < K ? 2 : 1; }
+
+// Their driver: tasks of (half of the inputs, chunk of `width` outputs), half-major, so two
+// threads take one half each; run(n0, n1, k0, k1, y) sums inputs [k0, k1) of outputs [n0, n1)
+// into y, the output for the first half, a second buffer from zero for the second, which is
+// added into the output at the end. `grain`: at least this many tasks a thread.
+template <class Run>
+void over_input_halves(int64_t M, int64_t N, int64_t K, int64_t width, int64_t grain, float* yp, Run run) {
+  const int64_t mid = input_half(K), parts = input_parts(K), chunks = (N + width - 1) / width;
+  at::Tensor hi_t = parts == 2 ? at::empty({M, N}, at::kFloat) : at::Tensor();
+  float* hi = parts == 2 ? hi_t.data_ptr<float>() : nullptr;
+  at::parallel_for(0, parts * chunks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t part = t0 / chunks; part < parts && part * chunks < t1; ++part) {
+      const int64_t c0 = std::max(t0, part * chunks) - part * chunks, c1 = std::min(t1, (part + 1) * chunks) - part * chunks;
+      run(c0 * width, std::min(N, c1 * width), part ? mid : 0, part ? K : mid, part ? hi : yp);
+    }
+  });
+  if (hi)
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += hi[i];
+}
 
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, ", K, "] tensor");
