@@ -159,7 +159,7 @@ template <bool Wide>
 void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t N, float* y, int64_t n0, int64_t n1) {
   using T = Tile<Wide>;
   constexpr int64_t cols = T::kVectors * T::kWidth;
-  const int64_t mid = input_half(K), halves = mid < K ? 2 : 1;
+  const int64_t mid = input_half(K), halves = input_parts(K);
   std::vector<float> scratch(halves == 2 ? kBlockRows * cols : 0);
   for (int64_t b0 = 0; b0 < M; b0 += kBlockRows) {
     // The block's rows in tiles of nearly equal rows (16 rows: 6, 5, 5 rather than 6, 6, 4): a
@@ -207,8 +207,10 @@ at::Tensor linear_gemm_2d(const at::Tensor& x_in, const at::Tensor& wt, const c1
   // gets at least kMinFmasPerTask multiply-adds, ~8-20 us at this kernel's 100-250 GFLOP/s (the
   // GEMV kernels' kMinWeightsPerTask, counted in weights, is ~25 us at their speed), so a
   // fork's few microseconds stay small. (Not tuned: two-thread timings on this shared 2-core
-  // machine were noise.) linear_t splits the input halves between threads so that each reads
-  // whole rows of wt; the GEMM reads wt in 256-byte pieces of rows (a column tile's) anyway.
+  // machine were noise.) Not `over_input_halves` (gemv_common.h): linear_t splits the input
+  // halves between threads so that each reads whole rows of wt, but the GEMM reads wt in
+  // 256-byte pieces of rows (a column tile's) anyway, and its second half's sums are added in
+  // registers (gemm_columns) instead of through an [M, N] buffer and a pass over it.
   const int64_t grain = std::max<int64_t>(1, kMinFmasPerTask / (cols * std::max<int64_t>(K * M, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * cols, n1 = std::min(N, t1 * cols);
