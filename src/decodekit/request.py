@@ -209,8 +209,12 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     `rowwise_key`: equal settings, no history or state read) run as one batch: one chain call,
     one softmax and one search, each request's uniforms from its own generator, so every row
     gets the token it would get alone (tests/test_request.py)."""
-    if len(live) == 0 or live[0].request is live[-1].request:  # one request's rows (contiguous)
-        return _sample_request(logits, live, hidden)
+    if len(live) == 0:
+        return torch.empty(0, dtype=torch.long)
+    if live[0].request is live[-1].request:  # one request's rows (contiguous): no copies
+        processed, chosen = _sample_request(logits, live[0].request, hidden)
+        record(live, logits, processed, chosen)
+        return chosen
     batches = _batches(live, hidden is not None)
     if len(batches) == 1:  # one batch of several requests: no copies
         processed, chosen = _sample_batch(logits, batches[0][2])
@@ -224,15 +228,7 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
             processed, chosen = _sample_batch(raw, requests)
         else:
             [(request, _)] = requests
-            # The token mask comes first, so the chain renormalises over the allowed tokens.
-            allowed = raw if request.mask is None else request.mask.apply(raw)
-            wanted = hidden is not None and request.wants_hidden
-            request.state.hidden = hidden[start:stop] if wanted else None  # [r, H]
-            processed = request.chain(allowed, request.state)
-            chosen = select_tokens(processed, request.state)  # [r]
-            request.state.accept(chosen, processed)
-            if request.mask is not None:
-                request.mask.accept(chosen)
+            processed, chosen = _sample_request(raw, request, None if hidden is None else hidden[start:stop])
         processed_all[start:stop] = processed
         tokens[start:stop] = chosen
     record(live, logits, processed_all, tokens)
@@ -281,22 +277,19 @@ def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tup
     return processed, chosen
 
 
-def _sample_request(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | None) -> torch.Tensor:
-    """`sample_rows` when every row belongs to one request: no per-request slicing, and a
-    chain without adapters samples from the raw logits themselves."""
-    request = live[0].request if live else None
-    if request is None:
-        return torch.empty(0, dtype=torch.long)
-    allowed = logits if request.mask is None else request.mask.apply(logits)
+def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | None) -> tuple:
+    """One request's rows [r, V] (hidden [r, H] or None): processed logits and tokens [r], its
+    state (and mask) advanced. A chain without adapters samples from the raw logits themselves."""
+    # The token mask comes first, so the chain renormalises over the allowed tokens.
+    allowed = raw if request.mask is None else request.mask.apply(raw)
     request.state.hidden = hidden if hidden is not None and request.wants_hidden else None
     identity = request.mask is None and getattr(request.chain, "identity", False)
     processed = allowed if identity else request.chain(allowed, request.state)
-    chosen = select_tokens(processed, request.state)  # [R]
+    chosen = select_tokens(processed, request.state)  # [r]
     request.state.accept(chosen, processed)
     if request.mask is not None:
         request.mask.accept(chosen)
-    record(live, logits, processed, chosen)
-    return chosen
+    return processed, chosen
 
 
 def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor):
