@@ -1,11 +1,14 @@
-"""The README's examples run verbatim and do what its text says (issue 13, "Done when").
+"""The README's and the documentation pages' examples run verbatim and do what their text
+says (issue 13, "Done when"; issue 35: each block runs alone or says it continues).
 
 The `bash` blocks' commands run through the environment's `decodekit` from the checkout's
-root; the Python blocks run in order in one fresh interpreter; the server examples (the
-`openai` snippet and `eval arith --endpoint`) run against the README's `decodekit serve`
-command on a free port instead of 8000. The commands too long for a test are listed in
-LONG with the reason; a README command that is neither run nor listed fails the test, so the
-README cannot gain an example that nothing runs.
+root. Each Python block runs in a fresh interpreter, together with the blocks before it on the
+same page that it continues: a block whose first line is a comment starting with
+"# (continues" runs after the block above it (and that block's own predecessors), any other
+block runs alone. The server examples (the `openai` snippets and `eval arith --endpoint`) run
+against the README's `decodekit serve` command on a free port instead of 8000. The commands
+too long for a test are listed in LONG with the reason; a command that is neither run nor
+listed fails the test, so no page can gain an example that nothing runs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The README, then every page of the documentation site that holds examples.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+CONTINUES = "# (continues"
 BIN = Path(sys.executable).parent  # the environment's bin/: `decodekit` lives beside python
 
 # Prefix of a README command -> why the test does not run it.
@@ -48,14 +54,33 @@ SERVER = "decodekit serve --model shakespeare --model shakespeare-draft --model 
 ENDPOINT = "decodekit eval arith --endpoint http://127.0.0.1:8000/v1"
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.DOTALL)
+def blocks(language: str, page: Path | None = None) -> list[str]:
+    """The `language` blocks of `page`, or of every page in PAGES' order."""
+    pages = [page] if page else PAGES
+    return [block for p in pages for block in re.findall(rf"```{language}\n(.*?)```", p.read_text(),
+                                                         flags=re.DOTALL)]
 
 
 def commands() -> list[str]:
-    """Every command line of the README's bash blocks (comment-only and blank lines dropped)."""
+    """Every command line of the pages' bash blocks (comment-only and blank lines dropped), each
+    once."""
     lines = [line.strip() for block in blocks("bash") for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
+    return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+
+
+def scripts() -> list[tuple[str, str]]:
+    """(name, source) of every Python script the pages hold: a block with the blocks above it
+    that it continues; the openai snippets are test_server_examples'."""
+    found = []
+    for page in PAGES:
+        chain: list[str] = []
+        for number, block in enumerate(blocks("python", page), start=1):
+            chain = [*chain, block] if block.lstrip().startswith(CONTINUES) else [block]
+            if "from openai import" not in block:
+                found.append((f"{page.relative_to(ROOT)}:{number}", "\n".join(chain)))
+    # A block continued by the next one runs inside that one's script too; run each once.
+    return [(name, source) for name, source in found
+            if not any(other != source and other.startswith(source + "\n") for _, other in found)]
 
 
 def environment() -> dict[str, str]:
@@ -96,7 +121,7 @@ def runnable() -> list[str]:
 
 def test_every_command_is_run_or_listed_as_long():
     listed = [prefix for prefix in LONG if not any(c.startswith(prefix) for c in commands())]
-    assert not listed, f"LONG names commands the README no longer has: {listed}"
+    assert not listed, f"LONG names commands the pages no longer have: {listed}"
     assert any(c.startswith(SERVER) for c in commands()) and any(c.startswith(ENDPOINT) for c in commands())
     assert len(runnable()) >= 8
 
@@ -115,15 +140,25 @@ def test_command(command):
             assert check(result.stdout, result.stderr), (result.stdout, result.stderr)
 
 
-def test_python_blocks_run_in_order():
-    """Every Python block but the server's, one after another in one interpreter."""
-    script = "\n".join(block for block in blocks("python") if "from openai import" not in block)
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment(),
+def test_continued_blocks_say_so():
+    """A page's first Python block cannot continue anything, and every script of the README
+    runs alone: it is what a newcomer copies."""
+    for page in PAGES:
+        first = next(iter(blocks("python", page)), "")
+        assert not first.lstrip().startswith(CONTINUES), page
+    assert not any(CONTINUES in block for block in blocks("python", README))
+    assert len(scripts()) >= 8
+
+
+@pytest.mark.parametrize("name, source", scripts(), ids=[name for name, _ in scripts()])
+def test_python_block(name, source):
+    """Each script in a fresh interpreter; the JSON-schema examples print valid, finished JSON."""
+    result = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=environment(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    # print(c.text, c.finish_reason) of the JSON-schema example
-    [(text, reason)] = re.findall(r'^(\{"speaker".*\}) (\w+)$', result.stdout, flags=re.MULTILINE)
-    assert set(json.loads(text)) == {"speaker", "age", "mood"} and reason == "stop"
+    if "dk.JsonSchema(" in source:  # print(c.text, c.finish_reason) of a JSON-schema example
+        [(text, reason)] = re.findall(r'^(\{"speaker".*\}) (\w+)$', result.stdout, flags=re.MULTILINE)
+        assert set(json.loads(text)) == {"speaker", "age", "mood"} and reason == "stop"
 
 
 def free_port() -> int:
@@ -133,21 +168,23 @@ def free_port() -> int:
 
 
 def test_server_examples():
-    """The Server section: `decodekit serve` (on a free port), then the openai snippet and
+    """The README's `decodekit serve` (on a free port), then every openai snippet and
     `eval arith --endpoint` against it."""
     [serve] = [c for c in commands() if c.startswith(SERVER)]
     [endpoint] = [c for c in commands() if c.startswith(ENDPOINT)]
-    [client] = [block for block in blocks("python") if "from openai import" in block]
+    clients = [block for block in blocks("python") if "from openai import" in block]
+    assert clients
     port = free_port()
     server = subprocess.Popen(["bash", "-c", "exec " + serve.replace("--port 8000", f"--port {port}")],
                               cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
         wait_for(f"http://127.0.0.1:{port}/health", server, seconds=90)
-        result = subprocess.run([sys.executable, "-c", client.replace(":8000/", f":{port}/")], cwd=ROOT,
-                                env=environment(), capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip()
+        for client in clients:
+            result = subprocess.run([sys.executable, "-c", client.replace(":8000/", f":{port}/")], cwd=ROOT,
+                                    env=environment(), capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.strip()
         result = shell(endpoint.replace(":8000/", f":{port}/"))
         assert result.returncode == 0, result.stderr
         assert "accuracy" in result.stdout
