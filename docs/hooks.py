@@ -111,7 +111,8 @@ def sampling_fields_table() -> str:
     from decodekit.params import DESCRIPTIONS, SamplingParams
     from decodekit.server.extensions import EXTENSIONS, RENAMED, allowed, sampling_name
 
-    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(SamplingParams)}
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                for f in fields(SamplingParams)}
     rows = ["| field | allowed | default | what it does |", "|---|---|---|---|"]
     for name in (*EXTENSIONS, *RENAMED):
         sampled = sampling_name(name)
