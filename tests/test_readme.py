@@ -32,7 +32,7 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 CONTINUES = "# (continues"
 BIN = Path(sys.executable).parent  # the environment's bin/: `decodekit` lives beside python
 
-# Prefix of a README command -> why the test does not run it.
+# Prefix of a command of the pages -> why the test does not run it.
 LONG = {
     "bash scripts/setup.sh": "builds the environment: CI runs command 2 (.ci/run) on every submission",
     "decodekit eval arith --strategies": "about 35 s (2 seeds x 3 strategies x 50 problems); "
@@ -49,6 +49,7 @@ LONG = {
     "decodekit bench": "a benchmark: half a minute (decode) to minutes (the others) by design",
     "decodekit serve --model shakespeare --port": "the Server section's serve command (a superset) "
     "runs in test_server_examples",
+    "mkdocs build": "builds the documentation site, 20-40 s: tests/test_docs.py runs it",
 }
 SERVER = "decodekit serve --model shakespeare --model shakespeare-draft --model arith --port 8000"
 ENDPOINT = "decodekit eval arith --endpoint http://127.0.0.1:8000/v1"
@@ -74,13 +75,15 @@ def scripts() -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
         chain: list[str] = []
+        scripts_of_page = []
         for number, block in enumerate(blocks("python", page), start=1):
             chain = [*chain, block] if block.lstrip().startswith(CONTINUES) else [block]
             if "from openai import" not in block:
-                found.append((f"{page.relative_to(ROOT)}:{number}", "\n".join(chain)))
-    # A block continued by the next one runs inside that one's script too; run each once.
-    return [(name, source) for name, source in found
-            if not any(other != source and other.startswith(source + "\n") for _, other in found)]
+                scripts_of_page.append((f"{page.relative_to(ROOT)}:{number}", "\n".join(chain)))
+        # A block continued by the next one runs inside that one's script too; run each once.
+        found += [(name, source) for name, source in scripts_of_page
+                  if not any(other.startswith(source + "\n") for _, other in scripts_of_page)]
+    return found
 
 
 def environment() -> dict[str, str]:
@@ -172,7 +175,7 @@ def test_server_examples():
     `eval arith --endpoint` against it."""
     [serve] = [c for c in commands() if c.startswith(SERVER)]
     [endpoint] = [c for c in commands() if c.startswith(ENDPOINT)]
-    clients = [block for block in blocks("python") if "from openai import" in block]
+    clients = list(dict.fromkeys(block for block in blocks("python") if "from openai import" in block))
     assert clients
     port = free_port()
     server = subprocess.Popen(["bash", "-c", "exec " + serve.replace("--port 8000", f"--port {port}")],

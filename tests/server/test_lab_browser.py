@@ -2,7 +2,7 @@
 loads /lab on the embedded models, runs each view and checks what it shows.
 
 Skipped without playwright or a Chromium binary (scripts/setup.sh dev installs both when it
-can). Screenshots go to a temporary directory, or to $DECODEKIT_LAB_SCREENSHOTS (the README's
+can). Screenshots go to a temporary directory, or to $DECODEKIT_LAB_SCREENSHOTS (docs/lab.md's
 are made with DECODEKIT_LAB_SCREENSHOTS=docs/img).
 """
 

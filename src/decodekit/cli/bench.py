@@ -80,7 +80,7 @@ DEFAULTS: dict[tuple[str, str | None], object] = {
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("which", choices=BENCHES, help="the benchmark (README, Command line; BENCHMARKS.md)")
+    p.add_argument("which", choices=BENCHES, help="the benchmark (docs/command-line.md; BENCHMARKS.md)")
     p.add_argument("--model", default=None,
                    help="a model name or directory (default shakespeare); bench packed also takes "
                    "qwen2.5-0.5b-16l (random)")

@@ -80,7 +80,7 @@ def apply_compile(args, model) -> None:
 def add_threads(p) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads (default: automatic, from the model's size and the free cores: "
-                   "1 for the shipped models; see README, Threads)")
+                   "1 for the shipped models; see docs/models.md, Threads)")
 
 
 def add_dtype(p) -> None:

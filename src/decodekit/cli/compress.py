@@ -23,8 +23,8 @@ def add_compress(sub) -> None:
     p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing Hessian diag")
     p.add_argument("--activation-bits", type=int, default=None,
                    help="8: also quantise each layer's input per block of 32 to int8 (W8A8/W4A8, "
-                        "llama.cpp's q8_0/q4_0 numerics; faster on CPU, costs perplexity: README); "
-                        "default: weight-only")  # fmt: skip
+                        "llama.cpp's q8_0/q4_0 numerics; faster on CPU, costs perplexity: "
+                        "docs/compression.md); default: weight-only")  # fmt: skip
     p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
     p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
     p.add_argument("--calib", type=int, default=None,

@@ -22,7 +22,7 @@ from decodekit.cli.common import (
 from decodekit.params import PRESETS, SamplingParams, preset_values
 
 # SamplingParams fields exposed as flags: name -> (type of one value, help). Each flag is the
-# field's name (and the server's, README "Server"); None (not given) leaves the field's default.
+# field's name (and the server's, docs/server.md); None (not given) leaves the field's default.
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "max_new_tokens": (int, "most tokens generated per sample (default 64)"),
     "min_new_tokens": (int, "EOS and stop tokens masked until this many (default 0)"),
@@ -70,7 +70,7 @@ def add_generate(sub) -> None:
                    r"so --stop '\n\n' stops at a blank line")
     p.add_argument("--order", default=None,
                    help="comma-separated adapter order (default: penalties, temperature, truncation; "
-                   "README, Sampling adapters)")
+                   "docs/decoding.md, Sampling adapters)")
     beam = p.add_argument_group("beam search: --strategy beam (decode/beam.py)")
     beam.add_argument("--num-beams", type=int, default=None, help="beams kept per step (default 4)")
     beam.add_argument("--length-penalty", type=float, default=None,

@@ -27,7 +27,7 @@ def port_number(text: str) -> int:
 
 
 def add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
     p.add_argument("--model", action="append", default=None,
                    help="embedded name, directory or ALIAS=PATH; repeatable (default shakespeare)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -35,7 +35,7 @@ from decodekit.request import Delta, make_requests
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Bounds of the server (README "Server"), validated on construction.
+    """Bounds of the server (docs/server.md), validated on construction.
 
     max_tokens: the most tokens one request may ask for (max_tokens above it: 400).
     max_n: the most samples per prompt (n, best_of, num_beams above it: 400).

@@ -3,7 +3,7 @@ the decoder (sampling on the engine, beam, contrastive, speculative), the constr
 the best-of-N / voting selection. Every bad value is an `APIError` naming its field.
 
 Chat prompts use the tokenizer's chat template when it has one; otherwise the plain
-template (README "Server"): one line per message, "ROLE: content\\n" (role upper-cased),
+template (docs/server.md): one line per message, "ROLE: content\\n" (role upper-cased),
 then "ASSISTANT:" for the model to continue.
 """
 

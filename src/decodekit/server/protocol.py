@@ -8,7 +8,7 @@ error, not coerced. Every failure becomes an `APIError`, whose body is OpenAI's
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-with `param` naming the offending field. Status codes (README "Server"): 400 for a
+with `param` naming the offending field. Status codes (docs/server.md): 400 for a
 malformed body or an invalid value, 404 for an unknown model or route, 503 (with
 Retry-After) when the queue is full, 504 when a request outlives the server's timeout;
 guard.py answers 401 (API key), 403 (Host, Origin), 413 (body size) and 415 (not JSON).
