@@ -44,6 +44,8 @@ def test_unknown_fields_are_ignored_and_named(server):
 
 
 def test_strict_fields_keep_openais_400(strict):
+    document = httpx.get(strict + "/openapi.json").json()
+    assert document["components"]["schemas"]["CompletionRequest"]["additionalProperties"] is False
     answer = httpx.post(strict + "/v1/completions", json={"model": "tiny", "prompt": "a", "temprature": 0.5})
     assert answer.status_code == 400
     assert answer.json()["error"] | {"message": None} == {"message": None, "type": "invalid_request_error",
