@@ -111,6 +111,9 @@ def test_a_pool_detects_past_an_endpoint_that_is_down(live):
         want = one.generate(["ROMEO:"] * 3, 2, params)  # a one-endpoint pool: the same seeds
         assert [[c.text for c in cs] for cs in got] == [[c.text for c in cs] for cs in want]
         assert pool.endpoints[0].profile is None and pool.endpoints[1].profile.name == "decodekit"
+        continuations = [" But soft", "\nJULIET"]
+        want = one.score("ROMEO:", continuations)
+        assert pool.score("ROMEO:", continuations) == pytest.approx(want, abs=1e-6)  # scoring fails over too
 
 
 def test_a_refused_connection_says_so():

@@ -462,19 +462,28 @@ class RemoteGenerator:
                              "the same text); refusing to return wrong scores")
 
     def _score_one(self, prompt: str, text: str) -> float:
+        """On the endpoint with the fewest requests in flight, or the next one where it cannot
+        be reached (its scoring check and echo are tied to one endpoint)."""
         if not text:
             return 0.0
         with self._lock:
-            endpoint = min(self.endpoints, key=lambda e: e.outstanding)
-        if self.verify:
-            self.check_scoring(endpoint, prompt)
-        return self._echo(endpoint, prompt, text)
+            order = sorted(self.endpoints, key=lambda e: e.outstanding)
+        error: RemoteError | None = None
+        for endpoint in order:
+            try:
+                if self.verify:
+                    self.check_scoring(endpoint, prompt)
+                return self._echo(endpoint, prompt, text)
+            except RemoteError as failure:
+                error = failure
+        assert error is not None
+        raise error
 
     def _echo(self, endpoint: Endpoint, prompt: str, text: str) -> float:
         body = {"model": self.model, "prompt": prompt + text, "max_tokens": 1, "echo": True,
                 "logprobs": 0, "temperature": 0.0, **self.profile_of(endpoint).neutral}
         try:
-            response = self.post("/completions", body, endpoint)
+            response = self.post("/completions", body, endpoint, 0 if len(self.endpoints) > 1 else None)
         except RemoteRequestError as error:
             raise ValueError(f"endpoint does not support scoring: {error}") from None
         usage = response.get("usage") or {}
