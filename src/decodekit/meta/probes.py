@@ -11,12 +11,12 @@ numbers. Each check asks for a known effect and looks for it:
   (otherwise the check cannot tell, and says so). `HOT` is 2, the top of the range OpenAI
   and vLLM accept ([0, 2]: vLLM answers 400 to more), so the probe is a request every
   profile's server takes;
-- a penalty (repetition, presence, frequency) at its strongest value in OpenAI's range
-  must change the greedy continuation of `PENALTY_TOKENS` tokens, which must repeat a
-  token (small models loop within 24 tokens). The penalty acts on what the continuation
-  repeats: servers apply presence and frequency penalties to generated tokens only (OpenAI,
-  vLLM, llama.cpp, decodekit), so a probe that looks only at the first generated token sees
-  no effect (the old check refused both penalties on every server);
+- a penalty (repetition 1e4; presence and frequency 2, the top of OpenAI's range) must
+  change the greedy continuation of `PENALTY_TOKENS` tokens, which must repeat a token
+  (small models loop within 24 tokens; otherwise the check cannot tell). Servers apply
+  presence and frequency penalties to the tokens they generate, not the prompt (OpenAI,
+  vLLM, llama.cpp, decodekit), so only a continuation shows them: a first generated token
+  never changes;
 - scoring: a short greedy continuation's log-probabilities, as generated, must equal those
   the echo request reports for the same text, within `SCORE_TOLERANCE`.
 
