@@ -19,8 +19,9 @@ cat > "$work/schemathesis.toml" <<'TOML'
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "400", "404", "503"]
 TOML
+# --strict-fields: the schema closes the bodies, so an unknown key must be refused (negative data)
 PYTHONPATH=src "$python" -m decodekit.cli serve --model shakespeare --max-tokens 8 --max-n 4 --timeout 30 \
-  --port "$port" > "$work/server.log" 2>&1 &
+  --strict-fields --port "$port" > "$work/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true; rm -rf "$work"' EXIT
 for _ in $(seq 120); do

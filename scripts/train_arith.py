@@ -60,6 +60,10 @@ from train_lm import (
     train_causal_lm,
 )
 
+# The conversation's text as it is: arith continues its own format ("Compute: 17+4*3-8=\n"), which
+# a chat client sends as the user's message; a role-tagged template would write characters that
+# its vocabulary lacks ("USER:").
+CHAT_TEMPLATE = "{%- for message in messages %}{{ message['content'] }}{%- endfor %}"
 CHARS = "0123456789+-*=: \nACPabcdeimnoprstuw"  # digits, operators, "Compute: ", "Answer: "
 TASK = ArithConfig(min_ops=2, max_ops=4, max_operand=20)
 SEEDS = {"train": 1, "val": 2, "reward_train": 3, "test": 4}  # disjoint problem streams
@@ -92,17 +96,27 @@ RUNS = {
 
 
 def build_tokenizer(out_dir: Path):
-    """One token per character, EOS as the only special token; AutoTokenizer loads it."""
+    """One token per character, EOS as the only special token; AutoTokenizer loads it.
+
+    Its tokens are spelled byte-level (GPT-2's byte-to-unicode map: " " is "Ġ", "\\n" is "Ċ")
+    with a ByteLevel decoder, because llguidance (constrained decoding) reads only byte-level
+    and byte-fallback tokenizers; a character-level vocabulary with a Fuse decoder encodes
+    and decodes the same text to the same ids, but llguidance refuses it ("can't determine
+    decoder type")."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {EOS: 0, "<unk>": 1} | {c: i + 2 for i, c in enumerate(CHARS)}
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    spelled = {c: byte_level.pre_tokenize_str(c)[0][0] for c in CHARS}
+    vocab = {EOS: 0, "<unk>": 1} | {spelled[c]: i + 2 for i, c in enumerate(CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), byte_level])
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS,
                                    pad_token=EOS, unk_token="<unk>", model_max_length=256,
                                    clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

@@ -311,8 +311,8 @@ def test_qwen_process_reward_model_head_and_chat_template(tmp_path, token_prm_di
     prm = RewardModel(path, RewardFormat(separator=":", chat_template=True, system="Compute"))
     assert prm.head == "token_classification" and prm.score_kind == "probability"
     ids, positions, _ = prm.encode("1+2*3=", STEPS)
-    prompt_tokens = prm.tokenizer.convert_ids_to_tokens(ids[: len(prm.prompt_ids("1+2*3="))])
-    assert "".join(prompt_tokens) == "Compute\n1+2*3=\nAnswer: "  # system, user turn, generation prompt
+    prompt = prm.tokenizer.decode(ids[: len(prm.prompt_ids("1+2*3="))])
+    assert prompt == "Compute\n1+2*3=\nAnswer: "  # system, user turn, generation prompt
     body = AutoModel.from_pretrained(path).eval()
     with torch.no_grad():
         states = body(input_ids=torch.tensor([ids])).last_hidden_state[0, positions]

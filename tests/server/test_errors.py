@@ -23,7 +23,8 @@ def chat_body(**changes):
     return {**CHAT_OK, **changes}
 
 
-LONG = list(range(3, 203))  # 200 token ids: with max_tokens 390 it overflows the 512 context
+# An unknown key (temprature) and a max_tokens past the context are taken as vLLM takes them,
+# unless the server is strict (test_clients.py).
 # (path, body: dict or raw bytes, status, param)
 BAD = [
     (COMPLETIONS, b'{"model": "tiny", "prompt": ', 400, None),
@@ -43,7 +44,6 @@ BAD = [
     (COMPLETIONS, body(max_tokens=0), 400, "max_tokens"),
     (COMPLETIONS, body(max_tokens=1.5), 400, "max_tokens"),
     (COMPLETIONS, body(max_tokens=100000), 400, "max_tokens"),
-    (COMPLETIONS, body(prompt=LONG, max_tokens=390), 400, "max_tokens"),
     (COMPLETIONS, body(prompt=[5] * 600), 400, "prompt"),
     (COMPLETIONS, body(prompt=[99999]), 400, "prompt"),
     (COMPLETIONS, body(prompt=""), 400, "prompt"),
@@ -55,7 +55,6 @@ BAD = [
     (COMPLETIONS, body(seed=-1), 400, "seed"),
     (COMPLETIONS, body(presence_penalty=3), 400, "presence_penalty"),
     (COMPLETIONS, body(logprobs=50), 400, "logprobs"),
-    (COMPLETIONS, body(temprature=0.5), 400, "temprature"),
     (COMPLETIONS, body(suffix="x"), 400, "suffix"),
     (COMPLETIONS, body(top_k=-5), 400, "top_k"),
     (COMPLETIONS, body(min_p="much"), 400, "min_p"),

@@ -86,8 +86,9 @@ def fake_llamacpp(honours_top_k: bool = True):
     """llama-cpp-python's server as it behaves: owned_by "me", its own names and defaults,
     unknown fields dropped, n ignored, and echoed prompt log-probs shifted by one position.
     Text is one character per token; greedy writes "a"s; a seeded draw writes letter seed % 5
-    unless top_k 1 (when honoured) or top_p/min_p leave one token; a repeat penalty > 1 moves
-    greedy off a letter the prompt holds."""
+    unless top_k 1 (when honoured) or top_p/min_p leave one token; a repeat penalty > 1 or a
+    presence penalty > 0 makes greedy write letters that neither the prompt nor the text
+    holds yet."""
     bodies = []
 
     def logprob(i: int) -> float:  # of the character at position i
@@ -102,9 +103,11 @@ def fake_llamacpp(honours_top_k: bool = True):
         top_k = body.get("top_k", 40) if honours_top_k else 40
         one = top_k == 1 or body.get("top_p", 0.95) < 1e-6 or body.get("min_p", 0.05) >= 1
         letter = "a" if greedy or one else "abcde"[body.get("seed", 0) % 5]
-        if greedy and body.get("repeat_penalty", 1.1) > 1 and letter in prompt:
-            letter = "z"
         text = letter * body.get("max_tokens", 16)
+        penalised = body.get("repeat_penalty", 1.1) > 1 or body.get("presence_penalty", 0) > 0
+        if greedy and penalised:  # no letter the prompt or the text already holds, while there is one
+            fresh = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in prompt]
+            text = "".join(fresh[i % len(fresh)] for i in range(len(text)))
         start = len(prompt)
         choice = {"index": 0, "text": text, "finish_reason": "length",
                   "logprobs": {"tokens": list(text), "text_offset": list(range(start, start + len(text))),

@@ -124,16 +124,19 @@ def run_eval_arith(args) -> None:
     if several:
         run_eval_sizes(args, config, models)
         return
-    generator = None
+    generator, failures = None, ()
     if args.endpoint:
-        from decodekit.meta.remote import RemoteGenerator
+        from decodekit.meta.remote import RemoteError, RemoteGenerator
         from decodekit.optional import require
 
         require("httpx", "server", "--endpoint")
 
         urls = args.endpoint[0] if len(args.endpoint) == 1 else args.endpoint
-        generator = RemoteGenerator(urls, model)
-    report = evaluate_arith(config, generator=generator, progress=show_progress(args))
+        generator, failures = RemoteGenerator(urls, model), (RemoteError,)
+    try:
+        report = evaluate_arith(config, generator=generator, progress=show_progress(args))
+    except failures as error:  # the endpoint failed after every retry: one line, no traceback
+        raise UsageError(f"--endpoint: {error}") from None
     show_report(args, report, plot, "accuracy (generated tokens per problem)", table)
 
 

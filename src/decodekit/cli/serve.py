@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from decodekit.cli.common import (
     add_compile,
@@ -48,8 +49,39 @@ def add_serve(sub) -> None:
                    help="Host names accepted besides localhost, 127.0.0.1, [::1] and --host ('*': any)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="a browser origin allowed to call the server (CORS); none by default")
+    p.add_argument("--chat-template", action="append", default=[], metavar="[MODEL=]FILE",
+                   help="a Jinja chat template file for /v1/chat/completions, replacing the model's "
+                   "own; MODEL=FILE for one served model; repeatable")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="answer 400 to a body key the server does not know, as OpenAI does "
+                   "(default: ignore it, log it and name it in the X-Ignored-Fields header, as vLLM does)")
+    p.add_argument("--strict-max-tokens", action="store_true",
+                   help="answer 400 to a max_tokens beyond the context left after the prompt "
+                   "(default: shorten it to fit, finish_reason \"length\", as vLLM does)")
     add_threads(p)
     p.set_defaults(run=run_serve)
+
+
+def chat_templates(specs: list[str], served: list[str]) -> dict[str, str]:
+    """Served name -> template text from --chat-template FILE (every model) or MODEL=FILE; a
+    file that cannot be read, or is not a Jinja template, is a ValueError naming it."""
+    from jinja2 import Environment, TemplateSyntaxError
+
+    templates: dict[str, str] = {}
+    for spec in specs:
+        name, given, rest = spec.partition("=")
+        names, path = ([name], rest) if given and name in served else (served, spec)
+        try:
+            text = Path(path).expanduser().read_text()
+            Environment().parse(text)
+        except OSError as error:
+            raise ValueError(f"--chat-template {spec}: cannot read {path} ({error.strerror}); give FILE or "
+                             f"MODEL=FILE with MODEL one of {served}") from None
+        except TemplateSyntaxError as error:
+            raise ValueError(f"--chat-template {spec}: not a Jinja template (line {error.lineno}: "
+                             f"{error.message})") from None
+        templates.update(dict.fromkeys(names, text))
+    return templates
 
 
 def run_serve(args) -> None:
@@ -68,8 +100,10 @@ def run_serve(args) -> None:
                           request_timeout=args.timeout, reward_models=tuple(args.reward_model),
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
-                          cors_origins=tuple(args.cors_origin))
+                          cors_origins=tuple(args.cors_origin), strict_fields=args.strict_fields,
+                          strict_max_tokens=args.strict_max_tokens)
     models, sources = load_served(args.model or ["shakespeare"], **model_options(args))
+    templates = chat_templates(args.chat_template, list(models))
     aliases = directory_aliases(sources)
     for name, source in sources.items():
         also = [alias for alias, served in aliases.items() if served == name]
@@ -78,4 +112,4 @@ def run_serve(args) -> None:
     set_threads(args, max(models.values(), key=lambda m: count_parameters(m) or 0))
     for model in models.values():
         apply_compile(args, model)
-    serve(Backend(models, config, aliases), args.host, args.port)
+    serve(Backend(models, config, aliases, templates), args.host, args.port)

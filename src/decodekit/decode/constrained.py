@@ -22,7 +22,9 @@ hand-written state machine.
   is an unfinished prefix of a valid output.
 
 Needs the `constrained` extra (`pip install decodekit[constrained]`) and a model with a
-fast tokenizer (a tokenizer.json: decodekit's `FastTokenizer` or transformers' fast one).
+fast tokenizer (a tokenizer.json: decodekit's `FastTokenizer` or transformers' fast one)
+that llguidance can read: a byte-level one (GPT-2's, Llama 3's, the shipped models') or a
+byte-fallback one (Llama 2's); another kind raises `UnreadableTokenizer`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from decodekit.params import SamplingParams
 from decodekit.request import MaskBuilder, TokenMask
 
 NEG_INF = float("-inf")
+
+
+class UnreadableTokenizer(ValueError):
+    """llguidance cannot read the model's tokenizer (its decoder is neither byte-level nor
+    byte-fallback): the model cannot be constrained, whatever the request asks."""
 
 
 def _llguidance():
@@ -174,8 +181,13 @@ def ll_tokenizer(model: LanguageModel):
         backend = copy.copy(backend)
         backend.no_padding()
         backend.no_truncation()
-        per_tokenizer[key] = llg.LLTokenizer(backend.to_str(), n_vocab=model.vocab_size,
-                                             eos_token=list(model.eos_token_ids))  # fmt: skip
+        try:
+            per_tokenizer[key] = llg.LLTokenizer(backend.to_str(), n_vocab=model.vocab_size,
+                                                 eos_token=list(model.eos_token_ids))  # fmt: skip
+        except ValueError as error:
+            raise UnreadableTokenizer(
+                f"model {model.name!r}: llguidance cannot read its tokenizer.json ({error}); constrained "
+                "decoding needs a byte-level or byte-fallback tokenizer") from None
     return per_tokenizer[key]
 
 
@@ -191,10 +203,22 @@ class GrammarMask:
         first = llg.LLMatcher(ll_tokenizer(model), constraint.grammar(), log_level=0)
         if first.is_error():
             raise ValueError(f"constraint cannot be compiled: {first.get_error()}")
-        self.matchers = [first] + [first.deep_copy() for _ in range(num_rows - 1)]
+        self.matchers = [first]
         self.vocab_size = model.vocab_size
         self.words = (model.vocab_size + 31) // 32  # llguidance packs 32 tokens per int32
         self.shifts = torch.arange(32, dtype=torch.int32)
+        if not self.can_begin():
+            raise ValueError(f"constraint allows no token of model {model.name!r}'s vocabulary to begin "
+                             "with: the vocabulary cannot write what the grammar requires first")
+        self.matchers += [first.deep_copy() for _ in range(num_rows - 1)]
+
+    def can_begin(self) -> bool:
+        """Whether some token of the vocabulary can begin the output. Where none can (arith's 37
+        characters cannot write a JSON object's "{"), llguidance's mask still lets the unknown
+        token through and its matcher then refuses it, so the allowed tokens are tried, each on
+        a copy (the first succeeds wherever the mask is right)."""
+        allowed = self.allowed()[0].nonzero().flatten().tolist()
+        return any(self.matchers[0].deep_copy().consume_token(token) for token in allowed)
 
     def allowed(self) -> torch.Tensor:
         """Which tokens each row may take next: [R, V] bool."""

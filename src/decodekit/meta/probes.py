@@ -8,10 +8,15 @@ numbers. Each check asks for a known effect and looks for it:
 - a filter (top_k, top_p, min_p, typical_p) at its most restrictive value (top_k 1, top_p
   and typical_p 1e-9, min_p 1) leaves one token, so `SAMPLES` seeded one-token draws at
   temperature `HOT` must all be the same token; the same draws without it must not be
-  (otherwise the check cannot tell, and says so);
-- a penalty (repetition, presence, frequency) at its strongest value must change the
-  greedy next token where the model's own greedy continuation first repeats a token
-  (the prompt then holds the token greedy picks; small models loop within 24 tokens);
+  (otherwise the check cannot tell, and says so). `HOT` is 2, the top of the range OpenAI
+  and vLLM accept ([0, 2]: vLLM answers 400 to more), so the probe is a request every
+  profile's server takes;
+- a penalty (repetition 1e4; presence and frequency 2, the top of OpenAI's range) must
+  change the greedy continuation of `PENALTY_TOKENS` tokens, which must repeat a token
+  (small models loop within 24 tokens; otherwise the check cannot tell). Servers apply
+  presence and frequency penalties to the tokens they generate, not the prompt (OpenAI,
+  vLLM, llama.cpp, decodekit), so only a continuation shows them: a first generated token
+  never changes;
 - scoring: a short greedy continuation's log-probabilities, as generated, must equal those
   the echo request reports for the same text, within `SCORE_TOLERANCE`.
 
@@ -27,7 +32,8 @@ from decodekit.meta.profiles import FILTERS, PENALTIES
 
 PROMPT = "The"
 SAMPLES = 8
-HOT = 3.0
+HOT = 2.0  # the highest temperature OpenAI and vLLM accept
+PENALTY_TOKENS = 24
 SCORE_TOLERANCE = 1e-3
 STRONGEST = {"top_k": 1, "top_p": 1e-9, "min_p": 1.0, "typical_p": 1e-9, "repetition_penalty": 1e4,
              "presence_penalty": 2.0, "frequency_penalty": 2.0}
@@ -60,16 +66,17 @@ def honours(send: Send, name: str, wire_name: str) -> bool:
             raise Inconclusive(f"{SAMPLES} draws at temperature {HOT} were all the same token")
         return len(set(first_tokens(send, PROMPT, field))) == 1
     assert name in PENALTIES, name
-    answer = greedy(send, PROMPT, 24, {"logprobs": 0})
-    tokens = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or []
-    repeat = next((j for j, token in enumerate(tokens) if token and token in tokens[:j]), None)
-    if repeat is None:
-        raise Inconclusive("the greedy continuation repeats no token")
-    prompt = PROMPT + "".join(tokens[:repeat])  # its greedy next token is one the prompt holds
-    plain = text_of(greedy(send, prompt, 1))
-    if not plain or plain not in prompt:
-        raise Inconclusive("the greedy next token does not repeat the prompt")
-    return text_of(greedy(send, prompt, 1, field)) != plain
+    plain = greedy(send, PROMPT, PENALTY_TOKENS, {"logprobs": 0})
+    tokens = ((plain.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or []
+    repeats = any(token in tokens[:j] for j, token in enumerate(tokens))
+    if tokens and not repeats:
+        raise Inconclusive(f"the greedy continuation of {PROMPT!r} repeats no token in {PENALTY_TOKENS}")
+    if text_of(greedy(send, PROMPT, PENALTY_TOKENS, field)) != text_of(plain):
+        return True
+    if not tokens:  # no tokens to show that something was there to penalise
+        raise Inconclusive("the endpoint returned no token log-probabilities, and the penalty changed "
+                           "nothing")
+    return False
 
 
 def score_agrees(send: Send, prompt: str) -> tuple[float, float] | None:

@@ -14,7 +14,9 @@ at its default, so the server's own defaults never change the distribution.
 
 Exact or refused (`verify=True`): a field the server has no name for raises ValueError
 before anything is sent; a filter or penalty the caller sets is probed once per endpoint
-(meta/probes.py: a known-effect request) and refused if it has no effect there; `score()`
+(meta/probes.py: a known-effect request, inside the ranges every profile's server accepts)
+and refused if it has no effect there; a probe that cannot decide (or that the server
+refuses) raises ValueError saying why and naming `verify=False`; `score()`
 first checks that the endpoint's echoed log-probabilities equal those it generates for a
 short greedy continuation (within 1e-3) and otherwise refuses, naming the endpoint.
 Probes are not counted in `budget`.
@@ -24,10 +26,16 @@ fewest requests in flight, and a request that fails there (5xx, 429, timeout, no
 connection) to another one. Every sample is its own request seeded
 `derive_seed(seed, "sample", i)`, so seeded results do not depend on which endpoint drew
 which sample: a pool of any size, one endpoint included (`[url]`), gives the same samples
-and the same budget. Failures: 429 and 5xx answers and connection
-errors are retried `retries` times with exponential backoff (`backoff` * 2^attempt
-seconds), waiting what a Retry-After header asks instead when it is given; other 4xx
-answers raise `RemoteRequestError` (a ValueError) at once.
+and the same budget, as long as its servers run one engine: each engine (vLLM, decodekit,
+...) draws its own samples for a seed, so a seeded `generate` on a pool whose endpoints
+detect as different profiles raises ValueError unless `mixed_engines=True` (unseeded
+sampling is the same distribution everywhere and is never refused). Failures: 429 and 5xx
+answers and connection errors are retried `retries` times with exponential backoff
+(`backoff` * 2^attempt seconds), waiting what a Retry-After header asks instead when it is
+given; other 4xx answers raise `RemoteRequestError` (a ValueError) at once. An endpoint
+that cannot be reached while its profile is detected or a field probed has failed like
+one that cannot be reached with the request: the pool moves on, and detects it again when
+it next tries it. A refused connection says so ("connection refused").
 
 Sequential fallback: an endpoint that refuses n > 1 (a 400 naming `n`, or fewer choices
 than asked) gets n separate requests instead, sample i seeded with seed + i (unseeded
@@ -190,6 +198,7 @@ class RemoteGenerator:
         profile: str | None = None,
         chat: bool = False,
         verify: bool = True,
+        mixed_engines: bool = False,
         transport=None,
     ):
         import httpx
@@ -208,7 +217,7 @@ class RemoteGenerator:
         self.endpoints = [Endpoint(base if base.endswith("/v1") else base + "/v1", fixed) for base in bases]
         self.base_url = self.endpoints[0].url
         self.spread = not isinstance(base_url, str)  # a pool: one request per sample, seeds derived
-        self.model, self.chat, self.verify = model, chat, verify
+        self.model, self.chat, self.verify, self.mixed_engines = model, chat, verify, mixed_engines
         key = api_key or os.environ.get("DECODEKIT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # Idle connections are dropped after 2 s, before a server's usual 5 s keep-alive timeout
@@ -230,17 +239,25 @@ class RemoteGenerator:
 
     # ------------------------------------------------------------------ HTTP
 
-    def post(self, path: str, body, endpoint: Endpoint | None = None) -> dict:
+    def post(self, path: str, body, endpoint: Endpoint | None = None, retries: int | None = None) -> dict:
         """POST `body` (a dict, or endpoint -> dict) to `endpoint`, or to the pool's endpoint with
         the fewest requests in flight, moving to another one when it fails. 429, 5xx, timeouts
-        and connection errors are retried (`retries` times in all); other 4xx raise
-        RemoteRequestError."""
+        and connection errors are retried (`retries` times in all, default the generator's);
+        other 4xx raise RemoteRequestError. An endpoint that cannot be reached while `body`
+        learns what it is (detection, probes) has failed like one that cannot be reached with
+        the request."""
+        retries = self.retries if retries is None else retries
         failed: set[int] = set()
         error: Exception | None = None
-        for attempt in range(self.retries + 1):
+        for attempt in range(retries + 1):
             chosen = endpoint or self._acquire(failed)
             try:
-                response, error = self._send(chosen, path, body(chosen) if callable(body) else body)
+                try:
+                    payload = body(chosen) if callable(body) else body
+                except RemoteError as unreachable:
+                    response, error = None, unreachable
+                else:
+                    response, error = self._send(chosen, path, payload)
             finally:
                 if endpoint is None:
                     with self._lock:
@@ -249,7 +266,7 @@ class RemoteGenerator:
                 return response
             failed.add(id(chosen))
             another = endpoint is None and len(failed) < len(self.endpoints)
-            if attempt < self.retries and not another:
+            if attempt < retries and not another:
                 failed.clear()  # every endpoint failed once: wait, then try them again
                 time.sleep(retry_wait(response, attempt, self.backoff))
         assert error is not None
@@ -269,7 +286,7 @@ class RemoteGenerator:
         try:
             response = self.client.post(url, json=body)
         except httpx.TransportError as failure:  # timeouts included
-            return None, RemoteError(f"{url}: {type(failure).__name__}: {failure}")
+            return None, unreachable(url, failure)
         if response.status_code == 200:
             return response.json(), None
         message, param = error_detail(response)
@@ -281,26 +298,56 @@ class RemoteGenerator:
     # ------------------------------------------------------------------ what an endpoint does
 
     def profile_of(self, endpoint: Endpoint) -> Profile:
-        """The endpoint's profile: given, or detected from /v1/models and its Server header."""
+        """The endpoint's profile: given, or detected from /v1/models and its Server header.
+        An endpoint that cannot be reached raises RemoteError (the pool moves on, and detects
+        it again next time); one that answers without naming its server, ValueError."""
         if endpoint.profile is None:
             import httpx
 
+            url = endpoint.url + "/models"
             try:
-                response = self.client.get(endpoint.url + "/models")
-                name = detect_profile(response.json() if response.status_code == 200 else {},
-                                      response.headers.get("server"))
-            except (httpx.HTTPError, ValueError):
-                name = None
+                response = self.client.get(url)
+            except httpx.TransportError as failure:
+                raise unreachable(url, failure) from None
+            try:
+                models = response.json() if response.status_code == 200 else {}
+            except ValueError:
+                models = {}
+            name = detect_profile(models if isinstance(models, dict) else {}, response.headers.get("server"))
             if name is None:
                 raise ValueError(f"cannot tell which server {endpoint.url} is (neither /v1/models' owned_by "
                                  f"nor its Server header names one): pass profile= one of {sorted(PROFILES)}")
             endpoint.profile = PROFILES[name]
         return endpoint.profile
 
+    def check_engines(self, detect: bool = True) -> None:
+        """Refuse (ValueError) seeded samples from a pool whose servers run different engines
+        (unless `mixed_engines`): each engine draws its own samples for one seed (vLLM and
+        decodekit agree on none), so the results would depend on which endpoint drew which
+        sample. `detect`: detect the endpoints not yet known (those that cannot be reached
+        now are checked when a request first reaches them)."""
+        if self.mixed_engines or not self.spread:
+            return
+        engines = set()
+        for endpoint in self.endpoints:
+            try:
+                if detect or endpoint.profile is not None:
+                    engines.add(self.profile_of(endpoint).name)
+            except RemoteError:
+                continue
+        if len(engines) > 1:
+            raise ValueError(f"this pool mixes {' and '.join(sorted(engines))} servers, which draw different "
+                             "samples for the same seed, so seeded results would depend on which endpoint "
+                             "drew each sample: use one engine per pool, or pass mixed_engines=True to "
+                             "accept that (unseeded sampling is not affected)")
+
     def _probe_send(self, endpoint: Endpoint):
         profile = self.profile_of(endpoint)
+        # In a pool, one attempt: an endpoint that fails its probe fails the request there,
+        # and another endpoint takes it (post), instead of waiting out this one's retries.
+        retries = 0 if len(self.endpoints) > 1 else None
         return lambda body: self.post("/completions", {"model": self.model, "n": 1, **profile.neutral,
-                                                       **body}, endpoint)
+                                                       **body}, endpoint, retries)
 
     def check_fields(self, endpoint: Endpoint, params: SamplingParams) -> None:
         """Refuse (ValueError) a field the endpoint's server would drop: unknown to its profile,
@@ -324,6 +371,10 @@ class RemoteGenerator:
                     except probes.Inconclusive as why:
                         raise ValueError(f"cannot check that {endpoint.url} applies {name} ({why}); pass "
                                          "verify=False to send it unchecked") from None
+                    except RemoteRequestError as refused:
+                        raise ValueError(f"cannot check that {endpoint.url} applies {name}: it refused "
+                                         f"the probe ({refused}); pass verify=False to send it unchecked"
+                                         ) from None
             if not endpoint.honoured[name]:
                 raise ValueError(f"{endpoint.url} ignores {name} ({wire} at its strongest had no effect on "
                                  "a probe): refusing rather than sampling without it")
@@ -337,6 +388,8 @@ class RemoteGenerator:
         params: SamplingParams | Sequence[SamplingParams],
     ) -> list[list[Completion]]:
         prompts, counts, params_list = per_prompt(prompts, n, params)
+        if self.spread and any(p.seed is not None for p in params_list):
+            self.check_engines()
         if self.spread:  # each sample its own request, seeded by its index: placement-free
             jobs = [[self.pool.submit(self._request, prompt, 1, sample_params(p, j))
                      for j in range(k)] for prompt, k, p in zip(prompts, counts, params_list)]
@@ -378,6 +431,8 @@ class RemoteGenerator:
         def body(endpoint: Endpoint) -> dict:
             self.check_fields(endpoint, params)
             profile = self.profile_of(endpoint)
+            if params.seed is not None:
+                self.check_engines(detect=False)  # this endpoint may be reached for the first time
             body = request_body(self.model, prompt, k, params, self.request_logprobs, profile, self.chat)
             if self.return_token_ids:
                 body["return_token_ids"] = True
@@ -397,7 +452,7 @@ class RemoteGenerator:
             if endpoint.scoring is False:
                 try:
                     endpoint.scoring = probes.score_agrees(self._probe_send(endpoint), prompt)
-                except probes.Inconclusive as why:
+                except (probes.Inconclusive, RemoteRequestError) as why:
                     raise ValueError(f"cannot check {endpoint.url}'s scoring ({why}); pass verify=False "
                                      "to score unchecked") from None
         if endpoint.scoring is not None:
@@ -407,19 +462,28 @@ class RemoteGenerator:
                              "the same text); refusing to return wrong scores")
 
     def _score_one(self, prompt: str, text: str) -> float:
+        """On the endpoint with the fewest requests in flight, or the next one where it cannot
+        be reached (its scoring check and echo are tied to one endpoint)."""
         if not text:
             return 0.0
         with self._lock:
-            endpoint = min(self.endpoints, key=lambda e: e.outstanding)
-        if self.verify:
-            self.check_scoring(endpoint, prompt)
-        return self._echo(endpoint, prompt, text)
+            order = sorted(self.endpoints, key=lambda e: e.outstanding)
+        error: RemoteError | None = None
+        for endpoint in order:
+            try:
+                if self.verify:
+                    self.check_scoring(endpoint, prompt)
+                return self._echo(endpoint, prompt, text)
+            except RemoteError as failure:
+                error = failure
+        assert error is not None
+        raise error
 
     def _echo(self, endpoint: Endpoint, prompt: str, text: str) -> float:
         body = {"model": self.model, "prompt": prompt + text, "max_tokens": 1, "echo": True,
                 "logprobs": 0, "temperature": 0.0, **self.profile_of(endpoint).neutral}
         try:
-            response = self.post("/completions", body, endpoint)
+            response = self.post("/completions", body, endpoint, 0 if len(self.endpoints) > 1 else None)
         except RemoteRequestError as error:
             raise ValueError(f"endpoint does not support scoring: {error}") from None
         usage = response.get("usage") or {}
@@ -462,6 +526,17 @@ def continuation_logprob(response: dict, prompt: str) -> float:
         elif offset + len(token) > len(prompt):
             raise ValueError("the continuation changes the prompt's tokenisation at the boundary")
     return total
+
+
+def unreachable(url: str, failure: Exception) -> RemoteError:
+    """The RemoteError of a request that reached no server at `url`, saying which way it failed."""
+    import httpx
+
+    if isinstance(failure, httpx.ConnectError) and "refused" in str(failure).lower():
+        return RemoteError(f"cannot connect to {url}: connection refused (is a server running there?)")
+    if isinstance(failure, httpx.TimeoutException):
+        return RemoteError(f"{url}: no answer in time ({type(failure).__name__}: {failure})")
+    return RemoteError(f"cannot reach {url}: {type(failure).__name__}: {failure}")
 
 
 def error_detail(response) -> tuple[str, str | None]:

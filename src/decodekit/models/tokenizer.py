@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,9 @@ class FastTokenizer:
         self.chat_template = config.get("chat_template") or (
             template.read_text() if template is not None and template.is_file() else None)  # fmt: skip
         self._transformers = None  # the transformers tokenizer, built for chat templates only
+        # A server renders templates in several threads at once, and transformers' lazy
+        # imports are not safe to race ("cannot import name 'AutoTokenizer'"): one builds it.
+        self._building = threading.Lock()
 
     @classmethod
     def from_directory(cls, path: Path) -> FastTokenizer | None:
@@ -146,10 +150,11 @@ class FastTokenizer:
         """transformers' rendering of the directory's chat template (imports transformers)."""
         if self.path is None:
             raise TypeError("this tokenizer was not loaded from a directory, so it has no chat template")
-        if self._transformers is None:
-            from transformers import AutoTokenizer
+        with self._building:
+            if self._transformers is None:
+                from transformers import AutoTokenizer
 
-            self._transformers = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+                self._transformers = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         return self._transformers.apply_chat_template(*args, **kwargs)
 
     def save_pretrained(self, directory: str | Path) -> None:

@@ -145,9 +145,11 @@ async def answer(request: Request, kind: type, backend: Backend):
     plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+    # the body keys the server ignored (plan.py), named for the client (vLLM only logs them)
+    ignored = {"X-Ignored-Fields": ", ".join(plan.ignored)} if plan.ignored else {}
     if plan.stream:
         return StreamingResponse(stream(plan, jobs, rid, backend, clock), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **ignored})
     drawn = await guarded(collect_all(plan, jobs, backend, clock), request, jobs, backend)
     model = backend.models[plan.model]
     chosen = drawn
@@ -157,12 +159,14 @@ async def answer(request: Request, kind: type, backend: Backend):
                                              scorer)
                   for text, completions in zip(plan.prompt_texts, drawn)]
     if plan.chat:
-        return responses.chat_body(plan, model, rid, chosen, drawn)
-    echoes = [None] * len(plan.prompts)
-    if plan.echo and plan.logprobs is not None:
-        echoes = [await backend.run_blocking(responses.prompt_logprobs, model, ids, plan.logprobs)
-                  for ids in plan.prompts]
-    return responses.completion_body(plan, model, rid, chosen, drawn, echoes)
+        body = responses.chat_body(plan, model, rid, chosen, drawn)
+    else:
+        echoes = [None] * len(plan.prompts)
+        if plan.echo and plan.logprobs is not None:
+            echoes = [await backend.run_blocking(responses.prompt_logprobs, model, ids, plan.logprobs)
+                      for ids in plan.prompts]
+        body = responses.completion_body(plan, model, rid, chosen, drawn, echoes)
+    return JSONResponse(body, headers=ignored) if ignored else body
 
 
 def start(plan: Plan, backend: Backend) -> list[Job]:

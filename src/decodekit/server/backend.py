@@ -45,6 +45,10 @@ class ServerConfig:
     may name (`scorer`), loaded on first use. Access (server/guard.py): api_key (None: no
     key), max_body_bytes (larger bodies: 413), allowed_hosts (`Host` names accepted besides
     the loopback ones; "*": any), cors_origins (browser origins allowed; none by default).
+    What real clients send (as vLLM takes it): a body key the server does not know is ignored,
+    logged and named in the answer's `X-Ignored-Fields` header (strict_fields: a 400, as
+    OpenAI answers); a max_tokens beyond the context left after the prompt is shortened to
+    fit, the answer then ending with finish_reason "length" (strict_max_tokens: a 400).
     """
 
     max_tokens: int = 2048
@@ -59,6 +63,8 @@ class ServerConfig:
     max_body_bytes: int = 8 * 2**20
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    strict_fields: bool = False
+    strict_max_tokens: bool = False
 
     def __post_init__(self):
         for name in ("max_tokens", "max_n", "max_queued", "max_running", "kv_bytes", "retry_after",
@@ -150,10 +156,12 @@ class ThreadJob:
 
 class Backend:
     """Served models by name, an engine for each model with paged KV, a worker thread for the rest.
-    `aliases` are other ids a request may name a served model by (a directory's full path)."""
+    `aliases` are other ids a request may name a served model by (a directory's full path);
+    `chat_templates` (served name -> Jinja text, `serve --chat-template`) replace the models'
+    own chat templates."""
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None,
-                 aliases: dict[str, str] | None = None):
+                 aliases: dict[str, str] | None = None, chat_templates: dict[str, str] | None = None):
         from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
         from decodekit.engine.shared import engine_for
@@ -165,6 +173,11 @@ class Backend:
         unknown = sorted(set(self.aliases.values()) - set(self.models))
         if unknown:
             raise ValueError(f"aliases name models that are not served: {unknown}")
+        self.chat_templates = dict(chat_templates or {})
+        unknown = sorted(set(self.chat_templates) - set(self.models))
+        if unknown:
+            raise ValueError(f"chat templates name models that are not served: {unknown}; served: "
+                             f"{sorted(self.models)}")
         self.config = config = config or ServerConfig()
         self.engine_config = engine_config = EngineConfig(
             max_kv_bytes=config.kv_bytes, max_running=config.max_running, max_waiting=config.max_queued)

@@ -6,10 +6,11 @@ pydantic model (protocol.py), each route's 200 its response model (a stream's
 `text/event-stream` beside it), and every error it may answer the one error body. A schema
 fuzzer (schemathesis, scripts/fuzz_server.sh) and generated clients use it.
 
-The published request schemas close the objects (`additionalProperties: false`) over the
-fields the server knows: OpenAI's, decodekit's strategy fields and the sampling
-extensions (extensions.py: typed, bounded and described from SamplingParams); the parser
-accepts exactly these and answers 400 to any other key.
+The published request schemas list the fields the server knows: OpenAI's, decodekit's
+strategy fields and the sampling extensions (extensions.py: typed, bounded and described
+from SamplingParams). With `strict_fields` they close the objects (`additionalProperties:
+false`): the parser accepts exactly these and answers 400 to any other key; by default the
+server ignores other keys (naming them in X-Ignored-Fields), and the schema leaves them open.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def add_schema(components: dict, model: type[BaseModel], mode: str = "validation
 def constrain_request(schema: dict, models: list[str], config) -> None:
     """A request's schema lists every key the parser accepts and no other, the served models and
     the single-field bounds (plan.py, SamplingParams); checks across fields stay 400s."""
-    schema["additionalProperties"] = False
+    schema["additionalProperties"] = not config.strict_fields
     properties = schema["properties"]
     properties["model"]["enum"] = models
     bounds = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},

@@ -2,13 +2,18 @@
 the decoder (sampling on the engine, beam, contrastive, speculative), the constraint and
 the best-of-N / voting selection. Every bad value is an `APIError` naming its field.
 
-Chat prompts use the tokenizer's chat template when it has one; otherwise the plain
-template (docs/server.md): one line per message, "ROLE: content\\n" (role upper-cased),
-then "ASSISTANT:" for the model to continue.
+Chat prompts use the served model's chat template (`serve --chat-template`), else the
+tokenizer's when it has one; otherwise the plain template (docs/server.md): one line per
+message, "ROLE: content\\n" (role upper-cased), then "ASSISTANT:" for the model to continue.
+
+What clients that target vLLM send is taken as vLLM takes it (backend.py ServerConfig):
+unknown body keys are ignored and named (`Plan.ignored`), and a max_tokens beyond the
+context left is shortened to fit.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +22,8 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams, preset_values
 from decodekit.server.backend import Backend, Job
 from decodekit.server.protocol import APIError, ChatMessage, ChatRequest, GenerationRequest
+
+log = logging.getLogger(__name__)
 
 LOGPROB_SCORERS = ("mean_logprob", "logprob")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -53,6 +60,7 @@ class Plan:
     return_token_ids: bool = False
     chat: bool = False
     score_only: bool = False  # echo with max_tokens 0: the prompt's log-probs, nothing generated
+    ignored: tuple[str, ...] = ()  # body keys the server does not know, ignored (not strict_fields)
 
 
 def api_error(error: Exception, default_param: str | None = None,
@@ -67,17 +75,21 @@ def api_error(error: Exception, default_param: str | None = None,
     return APIError(400, message, param, "invalid_value")
 
 
-def chat_text(model: LanguageModel, messages: list[ChatMessage]) -> tuple[str, bool]:
-    """The prompt text of a conversation, and whether it came from the tokenizer's template."""
+def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str | None = None
+              ) -> tuple[str, bool]:
+    """The prompt text of a conversation, and whether it came from a chat template: `template`
+    (the server's for this model) or else the tokenizer's."""
     if not messages:
         raise APIError(400, "messages must contain at least one message", "messages", "invalid_value")
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise APIError(400, f"model {model.name!r} has no tokenizer, so it cannot chat", "model")
     turns = [{"role": m.role, "content": m.text()} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
+    if template is not None or getattr(tokenizer, "chat_template", None):
+        chosen = {} if template is None else {"chat_template": template}
         try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True), True
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
+                                                 **chosen), True
         except Exception as error:  # a template may reject a role order (jinja raises)
             raise APIError(400, f"the chat template rejected the messages: {error}", "messages") from None
     return "".join(f"{t['role'].upper()}: {t['content']}\n" for t in turns) + "ASSISTANT:", False
@@ -119,11 +131,11 @@ def check_max_tokens(value: int | None, default: int | None, longest: int, conte
     if value > backend.config.max_tokens:
         raise APIError(400, f"{field_name} must be <= {backend.config.max_tokens} (this server's bound), "
                        f"got {value}", field_name, "invalid_value")
-    if value > room:
+    if value > room and (backend.config.strict_max_tokens or room < 1):
         raise APIError(400, f"this model's context is {context} tokens; the prompt has {longest}, so "
                        f"{field_name} must be <= {room}, got {value}", field_name,
                        "context_length_exceeded")
-    return value
+    return min(value, room)  # as vLLM: what fits, then finish_reason "length"
 
 
 def check_count(value: int, name: str, backend: Backend) -> None:
@@ -164,6 +176,29 @@ def constraint_of(req: GenerationRequest):
     except (ValueError, TypeError) as error:
         raise APIError(400, f"{param}: {error}", param, "invalid_value") from None
     return constraint
+
+
+def constraint_param(req: GenerationRequest) -> str:
+    """The field that asked for constrained output (constraint_of allows one)."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        return "response_format"
+    return next(name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                if getattr(req, name) is not None)
+
+
+def check_tokenizer(model: LanguageModel, param: str) -> None:
+    """The model's tokenizer must be one llguidance reads: if not, the server cannot constrain
+    this model whatever the request says, so it is the server's error (500), not the client's."""
+    from decodekit.decode.constrained import UnreadableTokenizer, ll_tokenizer
+
+    try:
+        ll_tokenizer(model)
+    except UnreadableTokenizer as error:
+        raise APIError(500, f"{param} cannot be served for this model: {error}", param,
+                       "unsupported_tokenizer", "server_error") from None
+    except (TypeError, ValueError) as error:  # no tokenizer, no EOS: this model cannot be constrained
+        raise APIError(400, f"{param}: {error}", param, "invalid_value") from None
 
 
 def sampling_params(req: GenerationRequest, samples: int, max_tokens: int, logprobs: int | None,
@@ -274,10 +309,14 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     name = served_name(req.model, backend)
     model = backend.models[name]
     chat = isinstance(req, ChatRequest)
+    ignored = tuple(req.unknown_fields(backend.config.strict_fields))
+    if ignored:
+        log.warning("ignored fields the server does not know: %s (--strict-fields refuses them)",
+                    ", ".join(ignored))
     n = req.n
     check_count(n, "n", backend)
     if chat:
-        text, templated = chat_text(model, req.messages)
+        text, templated = chat_text(model, req.messages, backend.chat_templates.get(name))
         ids = template_ids(model, text) if templated else None
         prompts = [encode(model, ids if ids is not None else text, "messages")]
         texts = [text]
@@ -316,6 +355,8 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     elif req.contrastive_alpha is not None or req.amateur_temperature is not None:
         raise APIError(400, "contrastive_alpha and amateur_temperature need amateur_model", "amateur_model")
     constraint = constraint_of(req)
+    if constraint is not None:
+        check_tokenizer(model, constraint_param(req))
     if constraint is not None and decoder == "speculative":
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
@@ -327,7 +368,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     include_usage = req.stream_options.include_usage if req.stream_options else False
     return Plan(name, prompts, texts, params, n, decoder, options, amateur, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
-                score_only=echo and max_tokens == 0)
+                score_only=echo and max_tokens == 0, ignored=ignored)
 
 
 def launch(plan: Plan, index: int, backend: Backend) -> Job:

@@ -115,13 +115,23 @@ class GenerationRequest(SamplingFields):
     answer_regex: str | None = None
     return_token_ids: bool = False
 
-    def extensions(self) -> dict[str, Any]:
-        """The SamplingParams fields the body sets (by their own or vLLM's name); a key the
-        server does not know is a 400 naming it."""
+    def unknown_fields(self, strict: bool) -> list[str]:
+        """The body's keys this server does not know, which it ignores (as vLLM does); with
+        `strict` (OpenAI's behaviour) the first is a 400 naming it. An OpenAI field this server
+        does not implement (UNSUPPORTED: tools, ...) is a 400 either way: ignoring it would
+        answer another question than the one asked."""
+        unknown = []
         for key in self.model_extra or {}:
             if key in UNSUPPORTED:
                 raise APIError(400, f"{key} is not supported by this server build", key, "unsupported")
-            raise APIError(400, f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+            if strict:
+                raise APIError(400, f"Unrecognized request argument supplied: {key}", key,
+                               "unknown_parameter")
+            unknown.append(key)
+        return unknown
+
+    def extensions(self) -> dict[str, Any]:
+        """The SamplingParams fields the body sets (by their own or vLLM's name)."""
         given = [name for name in (*EXTENSIONS, *RENAMED) if name in self.model_fields_set]
         for alias, name in RENAMED.items():
             if alias in given and name in given:
