@@ -12,6 +12,7 @@ import platform
 import re
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 # What an absent optional extra (pyproject's [project.optional-dependencies]) takes away. The
@@ -51,7 +52,7 @@ def report() -> dict[str, Any]:
     facts = {
         "versions": {"decodekit": _version("decodekit"), "python": platform.python_version(),
                      "torch": torch.__version__, "transformers": _version("transformers")},
-        "decodekit_path": str(_package_dir()),
+        "decodekit_path": str(Path(__file__).resolve().parent),  # the package that runs
         "python_path": sys.executable,
         "cpu": {"name": _cpu_name(), "machine": platform.machine(), "cores": available_cores(),
                 "flags": None if flags is None else {f: f in flags for f in kernel_build.ISA_FLAGS}},
@@ -127,12 +128,6 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _package_dir():
-    from pathlib import Path
-
-    import decodekit
-
-    return Path(decodekit.__file__).parent
 
 
 def _cpu_name() -> str:
