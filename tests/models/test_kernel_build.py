@@ -203,3 +203,14 @@ def test_the_kernels_command_reports_without_building(installed, cxx, monkeypatc
     assert out == ("decodekit kernels: unavailable (not built yet; `python -m decodekit.models.kernels "
                    f"--build` builds it): {installed}\n")
     assert cxx.calls() == []
+
+
+def test_an_unwritable_cache_means_one_line_and_the_pure_torch_paths(installed, cxx, monkeypatch, capfd):
+    monkeypatch.setenv("CXX", str(cxx()))
+    installed.parent.parent.write_text("a file where the cache directory should be")
+    with pytest.raises(kernel_build.BuildError, match="cannot write .*/kernels: Not a directory"):
+        kernel_build.ensure()
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("decodekit: the CPU kernels cannot be built (cannot write ")
+    assert cxx.calls() == []

@@ -171,12 +171,13 @@ def build(target: Path, retry: bool = True) -> Path:
     process built it meanwhile) is kept. `retry=False`: a failure another process recorded
     meanwhile is not tried again. A failure is recorded in `<target>.failed`, said in one line
     on stderr and raised as BuildError."""
-    failed = Path(f"{target}.failed")
+    failed, lock = Path(f"{target}.failed"), Path(f"{target}.lock")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise BuildError(f"cannot create {target.parent}: {error.strerror}") from None
-    with _locked(Path(f"{target}.lock")) as waited:
+        lock.touch()
+    except OSError as error:  # nowhere to remember a failure either: said again by each process
+        raise _failed(None, BuildError(f"cannot write {target.parent}: {error.strerror}"), False) from None
+    with _locked(lock) as waited:
         if target.is_file():
             if waited:
                 print(" built by the other process", file=sys.stderr, flush=True)
@@ -206,11 +207,12 @@ def build(target: Path, retry: bool = True) -> Path:
     return target
 
 
-def _failed(record: Path, error: BuildError, announced: bool) -> BuildError:
+def _failed(record: Path | None, error: BuildError, announced: bool) -> BuildError:
     """Remember `error` in `record` (the compiler's output too), end or write the one line on
     stderr, and return the one-line error to raise."""
-    with contextlib.suppress(OSError):
-        record.write_text(f"{error}\n")
+    if record is not None:
+        with contextlib.suppress(OSError):
+            record.write_text(f"{error}\n")
     reason = str(error).partition("\n")[0]
     said = (f" failed ({reason}; log: {record})" if announced
             else f"decodekit: the CPU kernels cannot be built ({reason})")
