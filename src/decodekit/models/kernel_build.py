@@ -12,11 +12,12 @@ mismatched build is never loaded. It is looked for in two places (`find`):
   wheel) builds it.
 
 `ensure` builds it at first use when neither holds one: one g++ command per source, run side
-by side, then one link (75-200 s cold on a loaded 2-core AMD EPYC Zen 3, BENCHMARKS.md
-"Kernel build"), announced by one line on stderr that ends with the time it took. Two
-processes that start at once build once: the builder holds `<name>.lock` (`fcntl.flock`),
-the other waits and then loads what it built, and the library appears under its final name
-only when complete (a rename). A failure (no compiler, a compile error) is remembered in
+by side, then one link. That costs ~80 s of CPU with g++ 12 on an AMD EPYC Zen 3 (21-26 s per
+source, mostly torch's headers), so minutes of wall time on a busy machine: 464 s on 2 cores
+at a load average of 12 (BENCHMARKS.md, "Kernel build"). One line on stderr announces it and
+ends with the time it took. Two processes that start at once build once: the builder holds
+`<name>.lock` (`fcntl.flock`), the other waits and then loads what it built, and the library
+appears under its final name only when complete (a rename). A failure (no compiler, a compile error) is remembered in
 `<name>.failed` beside it, so later processes run the pure-torch paths without trying again
 (`python -m decodekit.models.kernels --build` tries again). A CPU without AVX2 + FMA, or one
 that is not x86-64, is never built for.
