@@ -17,10 +17,10 @@ source, mostly torch's headers), so minutes of wall time on a busy machine: 464 
 at a load average of 12 (BENCHMARKS.md, "Kernel build"). One line on stderr announces it and
 ends with the time it took. Two processes that start at once build once: the builder holds
 `<name>.lock` (`fcntl.flock`), the other waits and then loads what it built, and the library
-appears under its final name only when complete (a rename). A failure (no compiler, a compile error) is remembered in
-`<name>.failed` beside it, so later processes run the pure-torch paths without trying again
-(`python -m decodekit.models.kernels --build` tries again). A CPU without AVX2 + FMA, or one
-that is not x86-64, is never built for.
+appears under its final name only when complete (a rename). A failure (no compiler, a
+compile error) is remembered in `<name>.failed` beside it, so later processes run the
+pure-torch paths without trying again (`python -m decodekit.models.kernels --build` tries
+again). A CPU without AVX2 + FMA, or one that is not x86-64, is never built for.
 """
 
 from __future__ import annotations
