@@ -25,10 +25,13 @@ pip install "torch==2.13.0"
 step "installing decodekit (editable) with extras [$extras]; this takes a minute or two"
 pip install -e ".[$extras]"
 .venv/bin/python -c "import decodekit, torch, transformers"
-# decodekit's CPU GEMV kernels (src/decodekit/models/csrc): ~20 s with g++ (two files). Without a compiler,
-# or if the build fails, setup goes on and the pure-torch paths run
-# (`python -m decodekit.models.kernels` says which).
-step "building decodekit's CPU kernels (optional)"
+# decodekit's CPU kernels (src/decodekit/models/csrc, three sources compiled side by side with g++):
+# built once per source, torch version and CPU into src/decodekit/models/_native/, so a later run
+# only finds them (a few seconds, mostly importing torch). A cold build costs about 80 s of CPU
+# time with g++ 12 on an AMD EPYC Zen 3: about a minute on two idle cores, several on a busy
+# machine (464 s at a load of 12 on 2 cores). Without a compiler, or if the build fails, setup
+# goes on and the pure-torch paths run (`decodekit doctor` says which, and what it costs).
+step "building decodekit's CPU kernels unless built (optional)"
 .venv/bin/python -m decodekit.models.kernels --build || echo "    kernels not built: the pure-torch paths will run"
 if [[ ",$extras," == *",dev,"* ]]; then
   # Optional: the lab's browser tests (tests/server/test_lab_browser.py) drive Debian's

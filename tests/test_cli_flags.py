@@ -347,6 +347,7 @@ ROWS = [
      "bfloat16"),
     ("plan --json", ["plan", "arith", "--context", "8", "--json"], "stdout", "", json_out),
     ("models --json", ["models", "--json"], "stdout", "", json_out),
+    ("doctor --json", ["doctor", "--json"], "stdout", "", json_out),
     ("models --dtype-report", ["models", "--dtype-report"], "dtype_report", "", called),
     ("align bon --n", ["align", "bon", "--n", "3", "--p", "0.5,0.5", "--r", "0,1"], "bon_report", "n", 3),
     ("align bon --p", ["align", "bon", "--n", "3", "--p", "0.2,0.8", "--r", "0,1"], "bon_report", "p",

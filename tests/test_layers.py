@@ -19,12 +19,12 @@ ROOT = "decodekit"  # the package's __init__.py
 # Bottom first, as docs/ARCHITECTURE.md states them. A unit imports only units of its own
 # layer or of layers below; within a layer, the cycle check keeps imports one-way.
 LAYERS = [
-    {"validate", "params", "completion", "optional", "runtime", "text"},  # params imports validate only
+    {"validate", "params", "completion", "optional", "runtime", "text", "cache_dir"},  # params: validate only
     {"models", "sampling"},  # the LanguageModel contract and models; sampling adapters
     {"compress", "request"},  # compression of models; the request model of every decoder
     {"engine"},  # paged KV, prefix cache, scheduler: runs requests
     {"decode"},  # primitive generators: the plain loop, beam, contrastive, speculative
-    {ROOT, "meta", "align"},  # public API; meta-generators; alignment over them
+    {ROOT, "meta", "align", "environment"},  # public API; meta-generators; alignment; `doctor`'s report
     {"server", "bench", "cli"},  # user surfaces
 ]
 LAYER = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

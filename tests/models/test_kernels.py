@@ -206,13 +206,15 @@ def test_the_pure_torch_fallback_runs_when_the_kernels_are_off():
 
 
 def test_status_says_why_when_not_built(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "BUILD_DIR", tmp_path)
+    from decodekit.models import kernel_build
+
+    monkeypatch.setattr(kernel_build, "BUILD_DIR", tmp_path / "native")
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path / "cache"))
     kernels.status.cache_clear()
     try:
-        state = kernels.status()
-        if state.available:  # the library was loaded earlier in this process: nothing to find
-            pytest.skip("the ops are already loaded in this process")
-        assert state.reason.startswith("not built: run `python -m decodekit.models.kernels --build`")
+        state = kernels.status(build=False)  # a report never builds
+        assert not state.available
+        assert state.reason == "not built yet; `python -m decodekit.models.kernels --build` builds it"
     finally:
         monkeypatch.undo()
         kernels.status.cache_clear()

@@ -15,6 +15,7 @@ import sys
 from decodekit.cli.bench import add_bench
 from decodekit.cli.common import Parser, UsageError
 from decodekit.cli.compress import add_compress
+from decodekit.cli.doctor import add_doctor
 from decodekit.cli.evaluate import add_align, add_eval
 from decodekit.cli.generate import add_generate
 from decodekit.cli.models import add_models
@@ -60,6 +61,7 @@ def build_parser() -> Parser:
     add_compress(sub)
     add_serve(sub)
     add_plan(sub)
+    add_doctor(sub)
     return parser
 
 

@@ -35,7 +35,7 @@ a background thread, once the decode-only steps it has already run would have re
 bucket's warm-up (a JIT's tiering: past work predicts future work), and automatically only
 for buckets of up to 8 rows, where the step is overhead-bound. The warm-up of each bucket of
 each model shape is measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
-models/dtype_probe.py `cache_dir`), so a short
+cache_dir.py), so a short
 command such as `decodekit generate "ROMEO:"` never waits for a compile. `compile=True`
 compiles on the first decode step, `False` never. A compilation that fails leaves the engine
 eager with one warning; a request never fails for it.
@@ -54,9 +54,9 @@ from pathlib import Path
 
 import torch
 
+from decodekit.cache_dir import cache_dir
 from decodekit.models import kernels
 from decodekit.models.base import weights_stamp
-from decodekit.models.dtype_probe import cache_dir
 from decodekit.models.native import NativeLM
 
 _log = logging.getLogger(__name__)

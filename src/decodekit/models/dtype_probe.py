@@ -20,11 +20,11 @@ The machines measured sit far from the line (0.72-0.76x without AMX, ~1.5x with 
 the probe's few percent of noise; a machine within that noise of 1.0 may get either, at a
 cost of those few percent.
 
-The verdict is cached in `dtype-probe.json` under `$DECODEKIT_CACHE_DIR`, else
-`$XDG_CACHE_HOME/decodekit`, else `~/.cache/decodekit`, keyed by the CPU (vendor, family,
-model, name, flags), torch's and decodekit's versions, a digest of the linear path's source
-and whether decodekit's GEMV kernels run (models/kernels.py); an unreadable, corrupt or
-unwritable cache is ignored (the probe runs again).
+The verdict is cached in `dtype-probe.json` in decodekit's cache directory (cache_dir.py:
+`$DECODEKIT_CACHE_DIR`, else `$XDG_CACHE_HOME/decodekit`, else `~/.cache/decodekit`), keyed
+by the CPU (vendor, family, model, name, flags), torch's and decodekit's versions, a digest of
+the linear path's source and whether decodekit's GEMV kernels run (models/kernels.py); an
+unreadable, corrupt or unwritable cache is ignored (the probe runs again).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from decodekit.cache_dir import cache_dir
+
 CACHE_FILE = "dtype-probe.json"
 CACHE_FORMAT = 1
 MAX_ENTRIES = 8  # several machines may share one home directory
@@ -50,15 +52,6 @@ DECODE_ROUNDS = 5
 PREFILL_ROWS, PREFILL_ROUNDS = 16, 2
 CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name")
 SOURCES = ("native.py", "kernels.py")  # the linear path, hashed into the key
-
-
-def cache_dir() -> Path:
-    """Where the verdict is cached (module docstring)."""
-    if os.environ.get("DECODEKIT_CACHE_DIR"):
-        return Path(os.environ["DECODEKIT_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "decodekit"
-    return Path.home() / ".cache" / "decodekit"
 
 
 def cpu_identity() -> dict[str, str]:

@@ -28,32 +28,26 @@ Each kernel decodes a block of 4 weight rows once for up to 4 input rows at a ti
 rows (batched decoding, a speculative verification span) cost far less than that many
 single-row calls.
 
-They are built ahead of time, never at run time: `python -m decodekit.models.kernels
---build` (scripts/setup.sh runs it) compiles the source with g++ into `_native/` beside this
-file, the library's name carrying a hash of the source and the torch version, so a stale
-or mismatched build is never loaded. Without it (no compiler, a failed build, a CPU without
-AVX2 + FMA, or DECODEKIT_KERNELS=0) every caller runs its pure-torch path; `status()` says
-which and why.
+The library is built once per source, torch version and CPU, at first use or by
+`python -m decodekit.models.kernels --build` (scripts/setup.sh runs it), and found again by
+every later process (models/kernel_build.py: where, the lock, the failures remembered).
+Without it (no compiler, a failed build, a CPU without AVX2 + FMA, or DECODEKIT_KERNELS=0)
+every caller runs its pure-torch path; `status()` says which and why.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "gemv.cpp", CSRC / "gemv_a8.cpp", CSRC / "gemm.cpp")  # one library; gemv_common.h is shared
-BUILD_DIR = Path(__file__).with_name("_native")  # gitignored
+from decodekit.models import kernel_build
+
 DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
 ISA_NAMES = {1: "avx2", 2: "avx512"}
 # Rows up to which the float kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24, round 2:
@@ -74,25 +68,25 @@ class Status:
 
     available: bool
     reason: str  # the instruction set in use, or why the pure-torch paths run
-    library: Path
-
-
-def library_path() -> Path:
-    """Where `build` puts the library for this source and this torch."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, CSRC / "gemv_common.h")))
-    return BUILD_DIR / f"gemv-{digest.hexdigest()[:12]}-torch{torch.__version__.replace('+', '_')}.so"
+    library: Path | None  # the library loaded, or where it would be built (None: not known)
 
 
 @functools.cache
-def status() -> Status:
-    """Load the built library once (module docstring); never compiles."""
-    path = library_path()
+def status(build: bool = True) -> Status:
+    """Load the library once per process, building it first when none was built for this
+    source, torch and CPU and no earlier build failed (`build=False`: never build, for a
+    report). Never raises: whatever stops the kernels is the reason."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        return Status(False, f"disabled by {DISABLE_ENV}=0", path)
-    if not path.exists():
-        return Status(
-            False, f"not built: run `python -m decodekit.models.kernels --build` ({path.name})", path
-        )
+        return Status(False, f"disabled by {DISABLE_ENV}=0", None)
+    try:
+        path = kernel_build.ensure() if build else kernel_build.find()
+        if path is None:
+            target = kernel_build.build_dir() / kernel_build.library_name()
+            failure = kernel_build.remembered_failure(target)
+            why = f"an earlier build failed ({failure})" if failure else "not built yet"
+            return Status(False, f"{why}; `python -m decodekit.models.kernels --build` builds it", target)
+    except (kernel_build.BuildError, OSError) as error:
+        return Status(False, str(error), None)
     try:
         if not hasattr(torch.ops.decodekit, "isa"):
             torch.ops.load_library(str(path))
@@ -221,41 +215,13 @@ def int4_kernel_layout(group_size: int | None, in_features: int) -> tuple[int, i
     return None
 
 
-def build(verbose: bool = True) -> Status:
-    """Compile csrc/gemv.cpp, gemv_a8.cpp and gemm.cpp into `library_path()` with the system C++
-    compiler (no ninja needed: one g++ command). Raises RuntimeError with the compiler's output on failure."""
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (g++ or c++, or set CXX)")
-    target = library_path()
-    BUILD_DIR.mkdir(exist_ok=True)
-    lib_dirs = cpp_extension.library_paths()
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = [
-        compiler,
-        "-O3",
-        "-std=c++17",
-        "-shared",
-        "-fPIC",
-        "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-    ]
-    command += [f"-I{path}" for path in cpp_extension.include_paths()]
-    command += [*map(str, SOURCES), "-o", str(target) + ".tmp"]
-    command += [f"-L{path}" for path in lib_dirs] + [f"-Wl,-rpath,{path}" for path in lib_dirs]
-    command += ["-lc10", "-ltorch_cpu", "-ltorch"]
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"compiling {', '.join(p.name for p in SOURCES)} failed:\n{done.stderr[-4000:]}")
-    os.replace(str(target) + ".tmp", target)
-    for old in BUILD_DIR.glob("gemv-*.so"):
-        if old != target:
-            old.unlink()
-    if verbose:
-        print(f"built {target} in {time.perf_counter() - start:.0f} s")
+def build() -> Status:
+    """Build the library for this source, torch and CPU unless it is built already, trying
+    again after a failure an earlier process remembered (models/kernel_build.py). Raises
+    BuildError (a RuntimeError) with the compiler's output on failure."""
+    if (reason := kernel_build.unsupported_cpu(kernel_build.cpu_flags())) is not None:
+        raise kernel_build.BuildError(reason)
+    kernel_build.find() or kernel_build.build(kernel_build.build_dir() / kernel_build.library_name())
     status.cache_clear()
     return status()
 
@@ -265,17 +231,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m decodekit.models.kernels", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "--build", action="store_true", help="compile the kernels (scripts/setup.sh runs this)"
+        "--build", action="store_true",
+        help="build the kernels for this source, torch and CPU unless built (scripts/setup.sh runs this)",
     )
     args = parser.parse_args(argv)
     if args.build:
         try:
             build()
-        except RuntimeError as error:
+        except kernel_build.BuildError as error:
             print(f"decodekit kernels not built; the pure-torch paths will run. {error}", file=sys.stderr)
             return 1
-    state = status()
-    print(f"decodekit kernels: {'available' if state.available else 'unavailable'} ({state.reason})")
+    state = status(build=False)
+    where = f": {state.library}" if state.library else ""
+    print(f"decodekit kernels: {'available' if state.available else 'unavailable'} ({state.reason}){where}")
     if state.available:  # the activation-quantised ops need AVX-512 VNNI for their wide variant
         a8 = {2: "avx512-vnni", 1: "avx2"}[torch.ops.decodekit.a8_isa()]
         print(f"W8A8 / W4A8 kernels (activation_bits=8): {a8}")
