@@ -49,6 +49,8 @@ LONG = {
     "decodekit bench": "a benchmark: half a minute (decode) to minutes (the others) by design",
     "decodekit serve --model shakespeare --port": "the Server section's serve command (a superset) "
     "runs in test_server_examples",
+    "pip install '.[all]'": "installs decodekit into the environment: tests/test_install.py builds the "
+    "wheel and installs it into a temporary venv",
     "mkdocs build": "builds the documentation site, 20-40 s: tests/test_docs.py runs it",
 }
 SERVER = "decodekit serve --model shakespeare --model shakespeare-draft --model arith --port 8000"
