@@ -139,6 +139,15 @@ def advance_to(bar, n: float) -> None:
         bar.n = n  # exactly, past update's float sum
 
 
+def within_unit(bar):
+    """For the unit of `bar` about to run: a callback that puts the bar at a share (0 to 1)
+    of it, for work that reports its own progress (a timing's runs, a training's steps).
+    The caller ends the unit with callback(1.0), not bar.update(), which would add a unit
+    to the share already shown."""
+    start = bar.n
+    return lambda share: advance_to(bar, start + min(max(share, 0.0), 1.0))
+
+
 PROGRESS_INTERVAL = 10.0  # seconds between ProgressLines' lines
 
 
