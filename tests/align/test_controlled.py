@@ -415,6 +415,10 @@ def test_progress_reports_come_within_sampling_and_training(tiny_lm):
     assert _tokens(out) == _tokens(generate(tiny_lm, "the", params, adapter=steer))
     assert shares == sorted(shares) and shares[0] > 0 and shares[-1] == 1.0 and len(shares) >= 5
     shares = []
+    reported = kl_terms(tiny_lm, steer, "the", out, on_progress=shares.append)
+    assert shares == [1 / 3, 2 / 3, 1.0]  # a path at a time
+    assert all(torch.equal(a, b) for a, b in zip(reported, kl_terms(tiny_lm, steer, "the", out)))
+    shares = []
     samples = sample_base(tiny_lm, "the", params, top_k=4, on_progress=shares.append)
     assert samples.tokens.tolist() == [list(t) for t in _tokens(generate(tiny_lm, "the", params))]
     assert shares == sorted(shares) and shares[-1] == pytest.approx(1.0) and len(shares) >= 6

@@ -119,14 +119,15 @@ class ValueTilt:
         return torch.full_like(logp, float("-inf")).scatter(-1, ids, top_logp)
 
 
-def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt,
-             completions: Sequence[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt, completions: Sequence[Completion],
+             on_progress: Callable[[float], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Monte Carlo terms of KL(pi || p) for completions of `prompt` drawn with `tilt`:
     log_ratio [N] = sum_t log pi(z_t)/p(z_t), read from each completion's processed and raw
     logprobs (pi: the distribution each token was drawn from), and step_kl [N] = sum_t
     KL(pi_t || p_t) along its path, pi_t the tilt of p_t, recomputed in one forward over the
     paths (so the decode loop keeps no alignment bookkeeping). Both have mean KL(pi || p)
-    when the params leave the tilt unchanged (temperature 1, no other adapter)."""
+    when the params leave the tilt unchanged (temperature 1, no other adapter).
+    `on_progress`: the share of the paths done, after each."""
     log_ratio = torch.tensor([sum(c.processed_logprobs) - sum(c.logprobs) for c in completions])
     prompt_ids = encode_prompt(model, prompt)
     rows = [list(c.token_ids) for c in completions]
@@ -138,6 +139,8 @@ def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt,
         log_pi = torch.log_softmax(tilt.tilt(logp, [row[:t] for t in range(len(row))]), dim=-1)
         terms = torch.where(log_pi.isfinite(), log_pi.exp() * (log_pi - logp), 0.0)
         step_kl[i] = terms.sum()
+        if on_progress is not None:
+            on_progress((i + 1) / len(rows))
     return log_ratio, step_kl
 
 

@@ -182,9 +182,10 @@ def _run_frontier(config: FrontierConfig, stages: _Stages) -> dict:
         for lam in config.lams:
             steer = ValueTilt(value, lam, config.top_k)
             run = params.replace(n=config.samples, seed=derive_seed(config.seed, "token-wise", name, lam))
-            out = generate_reporting(model, prompt, run, adapter=steer, on_progress=stages.part(0.0, 0.9))
+            # the sampling, then the KL terms, a third of the stage (measured on the shipped model)
+            out = generate_reporting(model, prompt, run, adapter=steer, on_progress=stages.part(0.0, 0.65))
             rewards = score(model, [c.token_ids for c in out], reward)
-            log_ratio, step_kl = kl_terms(model, steer, prompt, out)
+            log_ratio, step_kl = kl_terms(model, steer, prompt, out, on_progress=stages.part(0.7, 1.0))
             kl = float(log_ratio.mean())
             se = float(log_ratio.std() / math.sqrt(log_ratio.numel()))
             points.append(_sampled(f"token-wise CD ({name})", f"lam={lam:g}", kl, rewards,
