@@ -130,6 +130,8 @@ P = "params."
 ROWS = [
     # generate: every SamplingParams flag lands in the params of decodekit.generate
     ("generate prompt", [*G], "generate", "prompts", "x"),
+    ("generate --prompt-file", ["generate", "--prompt-file", "prompt.txt"], "generate", "prompts",
+     "ROMEO:\n"),
     ("generate --model", [*G, "--model", "arith"], "load_model", "name_or_path", "arith"),
     ("generate --strategy", [*G, "--strategy", "beam"], "beam_search", "", called),
     ("generate --n", [*G, "--n", "3"], "generate", P + "n", 3),
@@ -390,6 +392,9 @@ def sinks(monkeypatch, tiny_lm, tmp_path):
     monkeypatch.chdir(tmp_path)  # compress --out and the plots land here; the repository's files:
     for name in ("examples", "pyproject.toml", "README.md"):
         (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "c.txt").write_text("ROMEO: calibration text")  # the file flags' files, read
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(12))  # before the (replaced) work starts
+    (tmp_path / "prompt.txt").write_text("ROMEO:\n")
     return calls
 
 

@@ -70,7 +70,7 @@ def test_heal_and_contrastive_flags(capsys, tiny_llama_dir, amateur_dir):
     (["--regex", "a(b"], "invalid regex"),
     (["--contrastive-alpha", "0.3"], "--contrastive-alpha needs --amateur-model or --strategy contrastive"),
     (["--strategy", "contrastive", "--temperature", "0.7"], "takes no --temperature"),
-    (["--json-schema", "/no/such/schema.json"], "No such file"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema /no/such/schema.json: no such file"),
     (["--regex", "[0-9]", "--heal"], "heal cannot be combined with a constraint"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tiny_llama_dir, flags, message):

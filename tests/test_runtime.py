@@ -99,7 +99,9 @@ def test_progress_enabled_writes_a_bar_to_a_terminal(capsys, monkeypatch):
 
 def test_progress_off_a_terminal_is_a_line_every_few_seconds(capsys):
     """Issue 26: a long command off a terminal prints done/total and the rate now and then."""
-    assert isinstance(runtime.progress(total=2, enabled=True), runtime.ProgressLines)  # capsys: no TTY
+    lines_bar = runtime.progress(total=2, enabled=True)
+    lines_bar.close()  # (its timer would print into later tests)
+    assert isinstance(lines_bar, runtime.ProgressLines)  # capsys: no TTY
     assert list(runtime.progress(range(3), desc="quick", enabled=True)) == [0, 1, 2]
     assert capsys.readouterr().err == ""  # done before the first line is due: nothing
     bar = runtime.ProgressLines(total=4, desc="bench kv", interval=0.2)
@@ -112,6 +114,24 @@ def test_progress_off_a_terminal_is_a_line_every_few_seconds(capsys):
     assert len(lines) >= 3 and all(line.startswith("bench kv: ") for line in lines)
     assert re.fullmatch(r"bench kv: 1/4 \(25%\), \d+\.\d\d/s, 0 s", lines[0])
     assert re.fullmatch(r"bench kv: 4/4 \(100%\), \d+\.\d\d/s, done in \d s, sinks_recent", lines[-1])
+
+
+def test_advance_to_moves_a_bar_by_a_fraction_of_a_unit(capsys, monkeypatch):
+    """Issue 35: a unit of minutes shows its progress within it, two decimals, never backwards."""
+    bar = runtime.ProgressLines(total=3, desc="stages", interval=60)
+    for share in (0.1, 0.2, 0.3):
+        runtime.advance_to(bar, 1 + share)
+    assert bar.n == 1.3  # not 1.3000000000000003
+    runtime.advance_to(bar, 1.0)
+    assert bar.n == 1.3
+    bar._line()
+    bar.close()
+    assert capsys.readouterr().err.startswith("stages: 1.3/3 (43%), ")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with runtime.progress(total=3, desc="stages", enabled=True) as bar:
+        runtime.advance_to(bar, 0.25)
+        bar.refresh()
+        assert "0.25/3" in capsys.readouterr().err  # tqdm's bar too
 
 
 def two_layers() -> nn.Module:

@@ -128,6 +128,26 @@ def progress(
     return tqdm(iterable, total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def advance_to(bar, n: float) -> None:
+    """Move a progress bar (tqdm or ProgressLines) forward to `n` units, a fraction of a unit
+    allowed: a unit that takes minutes (a training, a batch of samples) shows its own progress
+    within (issue 35: `eval alignment` read 0/21 for ten minutes). Two decimals, so that the
+    bar reads 1.37/21 and not a float's rounding; never backwards."""
+    n = round(n, 2)
+    if n > bar.n:
+        bar.update(n - bar.n)
+        bar.n = n  # exactly, past update's float sum
+
+
+def within_unit(bar):
+    """For the unit of `bar` about to run: a callback that puts the bar at a share (0 to 1)
+    of it, for work that reports its own progress (a timing's runs, a training's steps).
+    The caller ends the unit with callback(1.0), not bar.update(), which would add a unit
+    to the share already shown."""
+    start = bar.n
+    return lambda share: advance_to(bar, start + min(max(share, 0.0), 1.0))
+
+
 PROGRESS_INTERVAL = 10.0  # seconds between ProgressLines' lines
 
 
@@ -157,7 +177,7 @@ class ProgressLines:
 
     def _line(self, last: bool = False) -> None:
         elapsed = time.monotonic() - self.start
-        done = f"{self.n}/{self.total} ({self.n / self.total:.0%})" if self.total else f"{self.n}"
+        done = f"{self.n:g}/{self.total} ({self.n / self.total:.0%})" if self.total else f"{self.n:g}"
         rate = f"{self.n / elapsed:.2f}/s" if elapsed > 0 else "-"
         postfix = f", {self.postfix}" if self.postfix else ""
         state = f"done in {elapsed:.0f} s" if last else f"{elapsed:.0f} s"

@@ -12,6 +12,7 @@ import torch
 from decodekit.align.blockwise import BlockwiseCD
 from decodekit.align.controlled import (
     ValueTilt,
+    generate_reporting,
     keyword_reward,
     kl_terms,
     newline_length_reward,
@@ -402,3 +403,31 @@ def test_orm_reward_scores_the_completion_for_its_question():
     reward = orm_reward("2+3", lambda q, s: calls.append((q, s)) or 0.25)
     assert reward(" 5") == 0.25
     assert calls == [("2+3", " 5")]
+
+
+def test_progress_reports_come_within_sampling_and_training(tiny_lm):
+    """Issue 35: the callbacks that move `eval alignment`'s bar within a stage. Reporting
+    changes nothing: the same seeded completions and the same losses."""
+    params = SamplingParams(n=3, max_new_tokens=5, seed=4, ignore_eos=True)
+    steer = ValueTilt(PrefixValue(tiny_lm.vocab_size, dim=8), 2.0, top_k=16)
+    shares = []
+    out = generate_reporting(tiny_lm, "the", params, adapter=steer, on_progress=shares.append)
+    assert _tokens(out) == _tokens(generate(tiny_lm, "the", params, adapter=steer))
+    assert shares == sorted(shares) and shares[0] > 0 and shares[-1] == 1.0 and len(shares) >= 5
+    shares = []
+    reported = kl_terms(tiny_lm, steer, "the", out, on_progress=shares.append)
+    assert shares == [1 / 3, 2 / 3, 1.0]  # a path at a time
+    assert all(torch.equal(a, b) for a, b in zip(reported, kl_terms(tiny_lm, steer, "the", out)))
+    shares = []
+    samples = sample_base(tiny_lm, "the", params, top_k=4, on_progress=shares.append)
+    assert samples.tokens.tolist() == [list(t) for t in _tokens(generate(tiny_lm, "the", params))]
+    assert shares == sorted(shares) and shares[-1] == pytest.approx(1.0) and len(shares) >= 6
+    assert any(0 < share < 0.8 for share in shares)  # during the sampling, not only after it
+    samples.rewards = torch.arange(3.0)
+    for train in (train_cdq, train_fudge):
+        shares, first = [], PrefixValue(tiny_lm.vocab_size, dim=4)
+        second = PrefixValue(tiny_lm.vocab_size, dim=4)
+        second.load_state_dict(first.state_dict())
+        losses = train(first, samples, steps=4, on_progress=shares.append)
+        assert shares == [0.25, 0.5, 0.75, 1.0]
+        assert losses == train(second, samples, steps=4)

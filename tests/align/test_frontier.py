@@ -17,12 +17,51 @@ SMALL = frontier.FrontierConfig(base_samples=16, samples=4, max_tokens=6, bon_n=
                                 train_top_k=8, train_steps=3)
 
 
+class RecordingBar:
+    """tqdm's interface as the frontier uses it, recording the bar's position at each move."""
+
+    def __init__(self, total, desc, enabled):
+        self.total, self.n, self.positions = total, 0, []
+
+    def update(self, n=1):
+        self.n += n
+        self.positions.append(self.n)
+
+    def set_postfix_str(self, text, refresh=True):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.positions.append(self.n)  # where it ended (advance_to sets n exactly)
+
+
 @pytest.fixture(scope="module")
-def report():
+def run():
+    bars = []
     before = torch.get_num_threads()
-    out = frontier.alignment_frontier(SMALL)  # runs on SMALL.threads = 1 thread
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(frontier, "progress_bar", lambda **kw: bars.append(RecordingBar(**kw)) or bars[-1])
+        out = frontier.alignment_frontier(SMALL, progress=True)  # runs on SMALL.threads = 1 thread
     assert torch.get_num_threads() == before  # and restores the setting
-    return out
+    return out, bars[0]
+
+
+@pytest.fixture(scope="module")
+def report(run):
+    return run[0]
+
+
+def test_progress_moves_within_every_stage(run):
+    """Issue 35: the bar read 0/21 for ten minutes, one unit a stage. Each stage (the base
+    samples, each training, each token-wise and blockwise run) now moves it in between."""
+    bar = run[1]
+    stages = 3 + 2 * len(SMALL.lams) + 2 * len(SMALL.blocks)
+    assert bar.total == stages and bar.positions[-1] == stages
+    assert bar.positions == sorted(bar.positions)
+    for stage in range(stages):
+        assert any(stage < p < stage + 1 for p in bar.positions), (stage, bar.positions)
 
 
 def _by(report, method):

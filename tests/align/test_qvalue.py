@@ -183,3 +183,12 @@ def test_models_without_hidden_states_say_so():
 
     with pytest.raises(TypeError, match="model 'bare' \\(Bare\\) does not expose hidden states"):
         Bare().hidden_states(torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_training_reports_its_progress_after_every_minibatch():
+    """Issue 35: `eval alignment --value hidden` moves its bar within a training."""
+    samples = _tree(64, seed=1)
+    shares = []
+    torch.manual_seed(0)
+    train_q_cdq(QHead(3, 2, width=8), samples, epochs=2, batch_size=32, on_progress=shares.append)
+    assert shares == pytest.approx([i / 8 for i in range(1, 9)])  # 64 samples of 2 pairs, 16 a batch

@@ -13,7 +13,8 @@ def test_bench_rows_and_table(tiny_llama_dir, one_thread, capsys, monkeypatch):
     report = bench_compress(str(tiny_llama_dir), new_tokens=4, repeats=1, configs=configs,
                             progress=True, text=TEXT)  # fmt: skip
     fp32, int8, sparse = report["rows"]
-    assert "bench compress: 3/3 (100%)" in capsys.readouterr().err  # progress over the three configurations
+    # progress over the three configurations and then the decode timings
+    assert "bench compress: 4/4 (100%)" in capsys.readouterr().err
     assert [r["config"] for r in report["rows"]] == ["fp32", "rtn-8b", "magnitude-2:4"]
     assert fp32["ppl_change_pct"] == 0.0 and fp32["memory_ratio"] == 1.0
     # 2 blocks x (9216 weights x 3 bytes saved - 256 scales x 4 bytes): test_pretrained.py,

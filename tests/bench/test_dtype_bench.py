@@ -21,7 +21,11 @@ def test_compressed_rows_and_fraction_of_peak():
         batch = row["batch2"]
         peak = peaks["float32" if name != "int8-rtn" else "bfloat16"]
         assert batch["gflops"] > 0
-        assert batch["fraction_of_peak"] == pytest.approx(batch["gflops"] / peak, abs=2e-3)
+        # One measurement, rounded twice: gflops to 0.1 and fraction_of_peak to 0.001 (the
+        # peak as reported). Read back from the rounded gflops, the fraction is off by at most
+        # the two roundings, 0.05 / peak + 0.0005, at any load; a fixed 2e-3 failed wherever a
+        # loaded machine's peak was near 1 GFLOP/s (1.188 against 1.2 / 1.0).
+        assert abs(batch["fraction_of_peak"] - batch["gflops"] / peak) <= 0.05 / peak + 0.0005 + 1e-9
     assert set(result["ratio_to_float32_cpu_time"]) == {"int8-rtn", "hf_float32"}
 
 

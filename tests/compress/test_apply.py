@@ -73,9 +73,11 @@ def test_collect_hessians_matches_captured_inputs_and_stops_early():
             lambda m, args: calls.__setitem__("block1", calls["block1"] + 1)
         ),
     ]
-    hessians = collect_hessians(model, layers, batches)
+    shares = []
+    hessians = collect_hessians(model, layers, batches, on_progress=shares.append)
     for handle in handles:
         handle.remove()
+    assert shares == [1 / 3, 2 / 3, 1.0]  # issue 35: the calibration moves the bar batch by batch
     expected = hessian_from_inputs(torch.cat(captured))
     assert torch.allclose(hessians["model.layers.0.mlp.down_proj"], expected, rtol=1e-4, atol=1e-5)
     assert calls["block1"] == 0  # every batch stopped once block 0 had its inputs

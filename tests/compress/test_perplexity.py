@@ -92,6 +92,37 @@ def test_strided_perplexity_equals_hand_windows_on_a_native_model(tiny_lm):
     assert result.perplexity == pytest.approx(math.exp(total / 39), rel=1e-5)
 
 
+def test_progress_moves_after_every_batch_of_windows(tiny_lm, monkeypatch):
+    """Issue 35: `eval perplexity` printed nothing for 9 min 41 s; the bar now moves with
+    every batch of windows, and the score is the same with it or without it."""
+    from decodekit.compress import evaluate
+
+    positions = []
+
+    class Recorder:
+        n = 0
+
+        def __init__(self, total, desc, enabled):
+            assert (total, enabled) == (4, True)
+
+        def update(self, n=1):
+            self.n += n
+            positions.append(self.n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    ids = torch.tensor(tiny_lm.encode("ROMEO: But soft, what light through yonder window breaks? " * 3))[:40]
+    plain = perplexity(tiny_lm, ids, window=16, stride=8, batch_tokens=32)
+    monkeypatch.setattr(evaluate, "progress_bar", Recorder)
+    shown = perplexity(tiny_lm, ids, window=16, stride=8, batch_tokens=32, progress=True)
+    assert positions == [2, 4]  # 4 windows of 16 tokens, 2 a batch
+    assert shown == plain
+
+
 def test_text_perplexity_defaults_to_the_models_context(tiny_lm):
     text = "JULIET: O Romeo, Romeo, wherefore art thou Romeo? " * 8
     result = text_perplexity(tiny_lm, text)

@@ -65,12 +65,42 @@ def arith_ngram():
     return train_ngram(texts, NGramConfig(6, "kneser-ney"), level="char", vocabulary=vocabulary, eos="$")
 
 
-def test_evaluate_end_to_end_with_oracle_scorers(arith_ngram, tmp_path, one_thread):
+class RecordingBar:
+    """tqdm's interface as evaluate_arith uses it, recording the bar's position at each move."""
+
+    def __init__(self, total, desc, enabled):
+        self.total, self.n, self.positions = total, 0, []
+
+    def update(self, n=1):
+        self.n += n
+        self.positions.append(self.n)
+
+    def set_postfix_str(self, text, refresh=True):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_evaluate_end_to_end_with_oracle_scorers(arith_ngram, tmp_path, one_thread, monkeypatch):
+    from decodekit.meta import evaluate
+
     strategies = ("single", "majority", "bon-oracle", "beam-oracle", "rebase-oracle", "calculator")
-    config = EvalConfig(strategies=strategies, ns=(1, 2, 4), seeds=2, problems=4, width=2)
+    # rows=8: two prompts of 4 samples a generator call, so the sampling has calls to show
+    config = EvalConfig(strategies=strategies, ns=(1, 2, 4), seeds=2, problems=4, width=2, rows=8)
     scorers = arith_scorers(config)  # oracle scorers only: no learned model is loaded
     problems = generate_problems(4, seed=12, config=ArithConfig(2, 3, 9))
-    report = evaluate_arith(config, LocalGenerator(arith_ngram), scorers, problems)
+    bars = []
+    monkeypatch.setattr(evaluate, "progress_bar", lambda **kw: bars.append(RecordingBar(**kw)) or bars[-1])
+    report = evaluate_arith(config, LocalGenerator(arith_ngram), scorers, problems, progress=True)
+    # Issue 35: the bar moves within each of its units (a seed's parallel, tree and chain part)
+    [bar] = bars
+    assert bar.total == 6 and bar.positions[-1] == 6 and bar.positions == sorted(bar.positions)
+    for unit in range(6):
+        assert any(unit < p < unit + 1 for p in bar.positions), (unit, bar.positions)
     summary = {(r["strategy"], r["n"]): r for r in report["summary"]}
     assert set(summary) == {("single", 1), ("calculator", 1)} | {
         (s, n) for s in strategies[1:-1] for n in (1, 2, 4)}

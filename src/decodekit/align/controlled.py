@@ -37,11 +37,12 @@ import torch
 
 from decodekit.align.value import BaseSamples
 from decodekit.completion import Completion
-from decodekit.decode.sample import generate
+from decodekit.decode.sample import generate, stream_events
 from decodekit.models.base import LanguageModel, next_token_logprobs, score_tokens
 from decodekit.params import SamplingParams
 from decodekit.request import Prompt, encode_prompt
 from decodekit.sampling import SamplerState
+from decodekit.sampling.chain import Chain
 from decodekit.validate import check_n, check_range
 
 __all__ = [
@@ -118,14 +119,15 @@ class ValueTilt:
         return torch.full_like(logp, float("-inf")).scatter(-1, ids, top_logp)
 
 
-def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt,
-             completions: Sequence[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt, completions: Sequence[Completion],
+             on_progress: Callable[[float], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Monte Carlo terms of KL(pi || p) for completions of `prompt` drawn with `tilt`:
     log_ratio [N] = sum_t log pi(z_t)/p(z_t), read from each completion's processed and raw
     logprobs (pi: the distribution each token was drawn from), and step_kl [N] = sum_t
     KL(pi_t || p_t) along its path, pi_t the tilt of p_t, recomputed in one forward over the
     paths (so the decode loop keeps no alignment bookkeeping). Both have mean KL(pi || p)
-    when the params leave the tilt unchanged (temperature 1, no other adapter)."""
+    when the params leave the tilt unchanged (temperature 1, no other adapter).
+    `on_progress`: the share of the paths done, after each."""
     log_ratio = torch.tensor([sum(c.processed_logprobs) - sum(c.logprobs) for c in completions])
     prompt_ids = encode_prompt(model, prompt)
     rows = [list(c.token_ids) for c in completions]
@@ -137,17 +139,38 @@ def kl_terms(model: LanguageModel, tilt: ValueTilt, prompt: Prompt,
         log_pi = torch.log_softmax(tilt.tilt(logp, [row[:t] for t in range(len(row))]), dim=-1)
         terms = torch.where(log_pi.isfinite(), log_pi.exp() * (log_pi - logp), 0.0)
         step_kl[i] = terms.sum()
+        if on_progress is not None:
+            on_progress((i + 1) / len(rows))
     return log_ratio, step_kl
 
 
+def generate_reporting(model: LanguageModel, prompt: Prompt, params: SamplingParams, *,
+                       adapter: Chain | None = None,
+                       on_progress: Callable[[float], None] | None = None) -> list[Completion]:
+    """`generate`'s params.n completions of one prompt (the same ones: it streams the same
+    requests), calling `on_progress` with the share of the n * max_new_tokens tokens generated
+    so far, as they come: a long sampling run shows its progress within."""
+    if on_progress is None:
+        return generate(model, [prompt], params, adapter=adapter)[0]
+    completions: list = [None] * params.n
+    done, whole = 0, params.n * params.max_new_tokens
+    for delta in stream_events(model, [prompt], params, adapter=adapter):
+        done += len(delta.token_ids)
+        on_progress(done / whole)
+        if delta.completion is not None:
+            completions[delta.sample_index] = delta.completion
+    return completions
+
+
 def sample_base(model: LanguageModel, prompt: Prompt, params: SamplingParams,
-                top_k: int = 64) -> BaseSamples:
+                top_k: int = 64, on_progress: Callable[[float], None] | None = None) -> BaseSamples:
     """params.n samples of p through `generate`, with the top-k of p before every position
     (what CD-Q trains on; from one forward over the paths). A value trains on samples of one
     length: use ignore_eos and no stop strings. Rewards are left at zero: fill them with
-    `score`."""
+    `score`. `on_progress`: the share done, from 0 to 1, as the samples and the top-k come."""
     top_k = min(check_n(top_k, "top_k"), model.vocab_size)
-    completions = generate(model, [prompt], params)[0]
+    sampling = None if on_progress is None else (lambda share: on_progress(0.8 * share))
+    completions = generate_reporting(model, prompt, params, on_progress=sampling)
     lengths = sorted({len(c.token_ids) for c in completions})
     if len(lengths) > 1:
         raise ValueError(f"base samples must have one length to train a value on, got lengths {lengths}; "
@@ -161,6 +184,8 @@ def sample_base(model: LanguageModel, prompt: Prompt, params: SamplingParams,
         values, ids = torch.stack(paths).topk(top_k, dim=-1)  # [n, L, k]
         child_logp.append(values)
         child_ids.append(ids)
+        if on_progress is not None:  # the top-k forwards: the last fifth
+            on_progress(0.8 + 0.2 * sum(map(len, child_ids)) / len(tokens))
     return BaseSamples(tokens, torch.zeros(len(tokens)), torch.cat(child_ids), torch.cat(child_logp))
 
 

@@ -38,15 +38,23 @@ import torch
 
 from decodekit.align.blockwise import BlockwiseCD
 from decodekit.align.bon import blockwise_kl_bound, bon_kl_bound, bon_kl_mc, bon_pmf
-from decodekit.align.controlled import ValueTilt, keyword_reward, kl_terms, sample_base, score, style_reward
+from decodekit.align.controlled import (
+    ValueTilt,
+    generate_reporting,
+    keyword_reward,
+    kl_terms,
+    sample_base,
+    score,
+    style_reward,
+)
 from decodekit.align.qvalue import HiddenValue, QHead, add_hidden_states, train_q_cdq, train_q_fudge
 from decodekit.align.soft_bon import soft_bon_pmf
 from decodekit.align.tilt import tilt
 from decodekit.align.value import BaseSamples, PrefixValue, train_cdq, train_fudge
-from decodekit.decode.sample import generate
 from decodekit.meta.generator import LocalGenerator, derive_seed
 from decodekit.optional import require
 from decodekit.params import SamplingParams
+from decodekit.runtime import advance_to
 from decodekit.runtime import progress as progress_bar
 from decodekit.validate import check_n
 
@@ -114,15 +122,32 @@ def alignment_frontier(config: FrontierConfig | None = None, progress: bool = Fa
 def _frontier(config: FrontierConfig, progress: bool) -> dict:
     stages = 3 + 2 * len(config.lams) + 2 * len(config.blocks)
     with progress_bar(total=stages, desc="eval alignment", enabled=progress) as bar:
-
-        def say(line: str) -> None:
-            bar.set_postfix_str(line, refresh=False)
-            bar.update()
-
-        return _run_frontier(config, say)
+        return _run_frontier(config, _Stages(bar))
 
 
-def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
+class _Stages:
+    """The frontier's progress bar, one unit a stage (the base samples, each value's
+    training, each token-wise and blockwise run): `within(share)` while a stage runs, so a
+    stage of minutes moves the bar (issue 35: it read 0/21 for ten minutes), and `done(line)`
+    at its end, the line beside the bar."""
+
+    def __init__(self, bar):
+        self.bar, self.finished = bar, 0
+
+    def within(self, share: float) -> None:
+        advance_to(self.bar, self.finished + min(share, 1.0))
+
+    def part(self, start: float, end: float) -> Callable[[float], None]:
+        """`within` for a part of the stage that runs from `start` to `end` of it."""
+        return lambda share: self.within(start + (end - start) * share)
+
+    def done(self, line: str) -> None:
+        self.finished += 1
+        self.bar.set_postfix_str(line, refresh=False)
+        advance_to(self.bar, self.finished)
+
+
+def _run_frontier(config: FrontierConfig, stages: _Stages) -> dict:
     from decodekit.models.registry import load_model
 
     start, cpu = time.perf_counter(), time.process_time()
@@ -134,11 +159,11 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
     params = SamplingParams(max_new_tokens=length, ignore_eos=True)
 
     base = sample_base(model, prompt, params.replace(n=config.base_samples, seed=config.seed),
-                       config.train_top_k)
+                       config.train_top_k, on_progress=stages.part(0.0, 0.9))
     base.rewards = score(model, base.tokens, reward)
     r = base.rewards.numpy().astype(np.float64)
     uniform = np.full(r.size, 1.0 / r.size)
-    say(f"base: {r.size} samples, mean reward {r.mean():.3f}")
+    stages.done(f"base: {r.size} samples, mean reward {r.mean():.3f}")
     points = [_sampled("base", "p", 0.0, base.rewards)]
     for n in (n for n in config.bon_n if 4 * n <= r.size):  # the plug-in needs n << samples
         pi = bon_pmf(uniform, r, n)
@@ -152,22 +177,24 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
         t = tilt(uniform, r, beta)
         points.append(_point("optimal tilt", f"beta={beta:g}", t.kl, t.expected_reward))
 
-    values = _train_values(config, model, prompt, base, say)
+    values = _train_values(config, model, prompt, base, stages)
     for name, value in values.items():
         for lam in config.lams:
             steer = ValueTilt(value, lam, config.top_k)
             run = params.replace(n=config.samples, seed=derive_seed(config.seed, "token-wise", name, lam))
-            [out] = generate(model, [prompt], run, adapter=steer)
+            # the sampling, then the KL terms, a third of the stage (measured on the shipped model)
+            out = generate_reporting(model, prompt, run, adapter=steer, on_progress=stages.part(0.0, 0.65))
             rewards = score(model, [c.token_ids for c in out], reward)
-            log_ratio, step_kl = kl_terms(model, steer, prompt, out)
+            log_ratio, step_kl = kl_terms(model, steer, prompt, out, on_progress=stages.part(0.7, 1.0))
             kl = float(log_ratio.mean())
             se = float(log_ratio.std() / math.sqrt(log_ratio.numel()))
             points.append(_sampled(f"token-wise CD ({name})", f"lam={lam:g}", kl, rewards,
                                    kl_se=se, kl_steps=float(step_kl.mean())))
-            say(f"token-wise {name} lam={lam:g}: reward {float(rewards.mean()):.3f}, KL {kl:.3f}")
+            stages.done(f"token-wise {name} lam={lam:g}: reward {float(rewards.mean()):.3f}, KL {kl:.3f}")
     for name, value in values.items():
         for k, m in config.blocks:
-            cd = BlockwiseCD(LocalGenerator(model), value.prefix_values, k, m)
+            cd = BlockwiseCD(LocalGenerator(model), _counting(value.prefix_values, math.ceil(length / m),
+                                                              stages.within), k, m)
             run = params.replace(seed=derive_seed(config.seed, "blockwise", k, m))
             [out] = cd.generate([prompt], config.samples, run)
             rewards = score(model, [c.token_ids for c in out], reward)
@@ -179,13 +206,28 @@ def _run_frontier(config: FrontierConfig, say: Callable[[str], None]) -> dict:
             point["bon_n_range"] = [bon_n_same_reward(r, point["reward"] + d * point["reward_se"])
                                     for d in (-1, 1)]
             points.append(point)
-            say(f"blockwise {name} K={k} M={m}: reward {float(rewards.mean()):.3f} = best-of-{same}")
+            stages.done(f"blockwise {name} K={k} M={m}: reward {float(rewards.mean()):.3f} = best-of-{same}")
     return {"config": asdict(config), "points": points, "seconds": time.perf_counter() - start,
             "cpu_seconds": time.process_time() - cpu}
 
 
+def _counting(value: Callable, calls: int, within: Callable[[float], None]) -> Callable:
+    """`value`, calling `within` with the share of `calls` made: BlockwiseCD scores each
+    block's candidates in one call, so this is its progress block by block."""
+    made = 0
+
+    def counted(candidates):
+        nonlocal made
+        out = value(candidates)
+        made += 1
+        within(made / calls)
+        return out
+
+    return counted
+
+
 def _train_values(config: FrontierConfig, model, prompt: list[int], base: BaseSamples,
-                  say: Callable[[str], None]) -> dict:
+                  stages: _Stages) -> dict:
     """{"CD-Q": value, "CD-FUDGE": value} of the configured kind, trained on `base`."""
     values = {}
     if config.value == "hidden":
@@ -193,15 +235,17 @@ def _train_values(config: FrontierConfig, model, prompt: list[int], base: BaseSa
     for name, cdq in (("CD-Q", True), ("CD-FUDGE", False)):
         if config.value == "bag":
             value = PrefixValue(model.vocab_size)
-            losses = (train_cdq if cdq else train_fudge)(value, base, steps=config.train_steps)
+            losses = (train_cdq if cdq else train_fudge)(value, base, steps=config.train_steps,
+                                                         on_progress=stages.within)
             values[name] = value.eval()
         else:
             head = QHead(base.hidden.shape[-1], model.vocab_size, config.head_width,
                          baseline=float(base.rewards.mean()))
             train = train_q_cdq if cdq else train_q_fudge
-            losses = train(head, base, epochs=config.train_epochs, seed=config.seed)
+            losses = train(head, base, epochs=config.train_epochs, seed=config.seed,
+                           on_progress=stages.within)
             values[name] = HiddenValue(model, prompt, head)
-        say(f"{name}: trained, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        stages.done(f"{name}: trained, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return values
 
 

@@ -37,7 +37,7 @@ states are computed once).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ def q_targets(q: torch.Tensor, samples: BaseSamples, rows: torch.Tensor, cdq: bo
 
 
 def _fit(head: QHead, samples: BaseSamples, cdq: bool, epochs: int, lr: float, batch_size: int,
-         seed: int) -> list[float]:
+         seed: int, on_progress: Callable[[float], None] | None) -> list[float]:
     if samples.hidden is None:
         raise ValueError("samples have no hidden states: call add_hidden_states(model, prompt, samples)")
     if cdq and (samples.child_ids is None or samples.child_logp is None):
@@ -118,9 +118,10 @@ def _fit(head: QHead, samples: BaseSamples, cdq: bool, epochs: int, lr: float, b
     order = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(head.parameters(), lr=lr)
     losses = []
-    for _ in range(epochs):
+    for epoch in range(epochs):
         total = 0.0
-        for rows in torch.randperm(n, generator=order).split(max(1, batch_size // length)):
+        batches = torch.randperm(n, generator=order).split(max(1, batch_size // length))
+        for i, rows in enumerate(batches):
             q = head(samples.hidden[rows])  # [b, L, V]
             target = q_targets(q.detach(), samples, rows, cdq)  # stop-gradient
             chosen = q.gather(-1, samples.tokens[rows, :, None])[..., 0]  # [b, L]
@@ -129,22 +130,27 @@ def _fit(head: QHead, samples: BaseSamples, cdq: bool, epochs: int, lr: float, b
             loss.backward()
             opt.step()
             total += loss.item() * len(rows)
+            if on_progress is not None:
+                on_progress((epoch + (i + 1) / len(batches)) / epochs)
         losses.append(total / n)
     return losses
 
 
 def train_q_fudge(head: QHead, samples: BaseSamples, epochs: int = 4, lr: float = 1e-3,
-                  batch_size: int = 512, seed: int = 0) -> list[float]:
+                  batch_size: int = 512, seed: int = 0,
+                  on_progress: Callable[[float], None] | None = None) -> list[float]:
     """CD-FUDGE: Q(s_t, x_t) of every pair of every sample regressed onto the sample's
-    reward. Mean loss of each epoch."""
-    return _fit(head, samples, False, epochs, lr, batch_size, seed)
+    reward. Mean loss of each epoch. `on_progress`: the share done, after each minibatch."""
+    return _fit(head, samples, False, epochs, lr, batch_size, seed, on_progress)
 
 
 def train_q_cdq(head: QHead, samples: BaseSamples, epochs: int = 4, lr: float = 1e-3,
-                batch_size: int = 512, seed: int = 0) -> list[float]:
+                batch_size: int = 512, seed: int = 0,
+                on_progress: Callable[[float], None] | None = None) -> list[float]:
     """CD-Q: Q(s_t, x_t) regressed onto E_p[Q(s_t+1, .)] (stop-gradient, the current head)
-    and the last pair onto the reward. Mean loss of each epoch."""
-    return _fit(head, samples, True, epochs, lr, batch_size, seed)
+    and the last pair onto the reward. Mean loss of each epoch. `on_progress`: the share
+    done, after each minibatch."""
+    return _fit(head, samples, True, epochs, lr, batch_size, seed, on_progress)
 
 
 class HiddenValue:

@@ -21,7 +21,7 @@ Training, on samples of the base policy (`BaseSamples`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +121,7 @@ def cdq_targets(value: PrefixValue, samples: BaseSamples) -> torch.Tensor:
 
 
 def _fit(value: PrefixValue, samples: BaseSamples, steps: int, lr: float, cdq: bool,
-         refresh: int) -> list[float]:
+         refresh: int, on_progress: Callable[[float], None] | None) -> list[float]:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if lr <= 0:
@@ -138,22 +138,26 @@ def _fit(value: PrefixValue, samples: BaseSamples, steps: int, lr: float, cdq: b
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if on_progress is not None:
+            on_progress((step + 1) / steps)
     return losses
 
 
-def train_fudge(value: PrefixValue, samples: BaseSamples, steps: int = 300, lr: float = 1e-2
-                ) -> list[float]:
-    """CD-FUDGE: every prefix of a base sample regressed onto the sample's reward. Losses."""
-    return _fit(value, samples, steps, lr, cdq=False, refresh=1)
+def train_fudge(value: PrefixValue, samples: BaseSamples, steps: int = 300, lr: float = 1e-2,
+                on_progress: Callable[[float], None] | None = None) -> list[float]:
+    """CD-FUDGE: every prefix of a base sample regressed onto the sample's reward. Losses.
+    `on_progress`: the share of the steps done, after each."""
+    return _fit(value, samples, steps, lr, cdq=False, refresh=1, on_progress=on_progress)
 
 
 def train_cdq(value: PrefixValue, samples: BaseSamples, steps: int = 300, lr: float = 1e-2,
-              refresh: int = 10) -> list[float]:
+              refresh: int = 10, on_progress: Callable[[float], None] | None = None) -> list[float]:
     """CD-Q: V(prefix) regressed onto E_p[V(prefix + z)] (target refreshed every `refresh`
-    steps, stop-gradient) and the full sequence onto its reward. Losses."""
+    steps, stop-gradient) and the full sequence onto its reward. Losses. `on_progress`: the
+    share of the steps done, after each."""
     if refresh < 1:
         raise ValueError(f"refresh must be >= 1, got {refresh}")
-    return _fit(value, samples, steps, lr, cdq=True, refresh=refresh)
+    return _fit(value, samples, steps, lr, cdq=True, refresh=refresh, on_progress=on_progress)
 
 
 def cdq_fixed_point(policy, reward, depth: int, iterations: int | None = None) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from decodekit.bench.decode import machine
 from decodekit.compress.recipe import CompressConfig
 from decodekit.runtime import progress as progress_bar
+from decodekit.runtime import within_unit
 
 CONFIGS: tuple[CompressConfig | None, ...] = (
     None,  # the float32 model
@@ -43,16 +45,21 @@ CONFIGS: tuple[CompressConfig | None, ...] = (
 
 
 def decode_tokens_per_second(
-    models: list, new_tokens: int, repeats: int, prompt: str = "ROMEO:"
+    models: list, new_tokens: int, repeats: int, prompt: str = "ROMEO:",
+    on_progress: Callable[[float], None] | None = None,
 ) -> list[float]:
     """Greedy tokens/s of each model: one warm-up each, then `repeats` rounds over all models
     (interleaved, so load from other processes on a shared machine hits every model alike);
-    the median round per model."""
+    the median round per model. `on_progress`: the share of the runs done, after each."""
     import decodekit as dk
 
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    runs, done = len(models) * (repeats + 1), 0
     for model in models:
         dk.generate(model, prompt, params)  # warm-up
+        done += 1
+        if on_progress is not None:
+            on_progress(done / runs)
     times: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
         for i, model in enumerate(models):
@@ -60,6 +67,9 @@ def decode_tokens_per_second(
             [completion] = dk.generate(model, prompt, params)
             times[i].append(time.perf_counter() - start)
             assert len(completion.token_ids) == new_tokens
+            done += 1
+            if on_progress is not None:
+                on_progress(done / runs)
     return [new_tokens / statistics.median(t) for t in times]
 
 
@@ -133,7 +143,8 @@ def bench_compress(
     kl_windows: int = 16,
 ) -> dict:
     """Rows of `measure` for every configuration, decode speeds, and each row's change against
-    fp32. `progress` shows a bar over the configurations on stderr. Runs on `threads` torch threads:
+    fp32. `progress` shows a bar over the configurations and then the decode timings (one
+    unit, moving with each run) on stderr. Runs on `threads` torch threads:
     on a shared 2-core machine two threads that wait on each other decode several times
     slower than one (measured: 42 vs 358 tok/s while other jobs ran)."""
     previous = torch.get_num_threads()
@@ -141,13 +152,15 @@ def bench_compress(
     try:
         reference = kl_reference(model_name, text, kl_windows)
         rows, models = [], []
-        bar = progress_bar(configs, desc="bench compress", enabled=progress)
-        for config in bar:
-            bar.set_postfix_str(config.label() if config is not None else "fp32")
-            row, model = measure(model_name, config, calib_windows, text, reference)
-            rows.append(row)
-            models.append(model)
-        speeds = decode_tokens_per_second(models, new_tokens, repeats)
+        with progress_bar(total=len(configs) + 1, desc="bench compress", enabled=progress) as bar:
+            for config in configs:
+                bar.set_postfix_str(config.label() if config is not None else "fp32")
+                row, model = measure(model_name, config, calib_windows, text, reference)
+                rows.append(row)
+                models.append(model)
+                bar.update()
+            bar.set_postfix_str("decode speeds")
+            speeds = decode_tokens_per_second(models, new_tokens, repeats, on_progress=within_unit(bar))
         report_machine = machine()
     finally:
         torch.set_num_threads(previous)

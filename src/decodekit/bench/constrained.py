@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from decodekit.bench.decode import machine
 from decodekit.runtime import progress as progress_bar
+from decodekit.runtime import within_unit
 
 PROMPT = "ROMEO:\n"
 CONSTRAINTS = {
@@ -46,15 +48,21 @@ def make_constraint(kind: str, spec):
     return {"json": JsonSchema, "regex": Regex, "grammar": Grammar}[kind](spec)
 
 
-def paired_seconds(first, second, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds of `first()` and `second()`, alternated `repeats` times after one warm-up each."""
+def paired_seconds(first, second, repeats: int, on_progress: Callable[[float], None] | None = None,
+                   ) -> tuple[list[float], list[float]]:
+    """Seconds of `first()` and `second()`, alternated `repeats` times after one warm-up each;
+    `on_progress`: the share of the rounds done, after each."""
     first(), second()
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
+    for i in range(repeats):
+        if on_progress is not None:
+            on_progress((i + 1) / (repeats + 1))
         for fn, out in ((first, times[0]), (second, times[1])):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
+    if on_progress is not None:
+        on_progress(1.0)
     return times
 
 
@@ -97,6 +105,7 @@ def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new
         constraint = make_constraint(kind, spec)
         for mode, temperature in (("greedy", 0.0), ("sample", 1.0)):
             bar.set_postfix_str(f"{kind} {mode}")
+            step = within_unit(bar)
             params = dk.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
             [c] = dk.generate(model, PROMPT, params, constraint=constraint)
             count = len(c.token_ids)
@@ -106,6 +115,7 @@ def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new
                 lambda p=params, c=constraint: dk.generate(model, PROMPT, p, constraint=c),
                 lambda p=plain: dk.generate(model, PROMPT, p),
                 repeats,
+                step,
             )
             results["runs"].append({
                 "constraint": kind, "strategy": mode, "new_tokens": count, "finish_reason": c.finish_reason,
@@ -119,6 +129,6 @@ def bench_constrained(model_name: str = "shakespeare", repeats: int = 3, max_new
                                         * 1e-6 * count / statistics.median(without), 2),
                 "text": c.text[:200],
             })
-            bar.update()
+            step(1.0)
     bar.close()
     return results

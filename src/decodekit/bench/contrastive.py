@@ -21,6 +21,7 @@ from decodekit.bench.decode import machine
 from decodekit.compress.evaluate import HELD_OUT
 from decodekit.models.base import LanguageModel, score_batch
 from decodekit.runtime import progress as progress_bar
+from decodekit.runtime import within_unit
 
 
 def held_out_prompts(count: int, text: str | None = None) -> list[str]:
@@ -72,14 +73,20 @@ def bench_contrastive(
     results = {"expert": expert_name, "amateur": amateur_name, "alpha": alpha,
                "amateur_temperature": amateur_temperature, "prompts": len(texts),
                "new_tokens": new_tokens, "machine": machine(), "strategies": {}}
-    for name, (model, params) in progress_bar(strategies.items(), total=len(strategies),
-                                              desc="bench contrastive", enabled=progress):
+    bar = progress_bar(total=len(strategies), desc="bench contrastive", enabled=progress)
+    for name, (model, params) in strategies.items():
+        bar.set_postfix_str(name)
+        step = within_unit(bar)
         start = time.perf_counter()
-        if name.endswith("beam4"):
-            completions = [dk.beam_search(model, [p], params, num_beams=4)[0][0] for p in prompt_ids]
+        if name.endswith("beam4"):  # a search per prompt, the slowest strategy: shown prompt by prompt
+            completions = []
+            for p in prompt_ids:
+                completions.append(dk.beam_search(model, [p], params, num_beams=4)[0][0])
+                step(len(completions) / len(prompt_ids))
         else:
             completions = [cs[0] for cs in dk.generate(model, prompt_ids, params)]
         seconds = time.perf_counter() - start
+        step(1.0)
         ids = [c.token_ids for c in completions]
         results["strategies"][name] = {
             "distinct_2": round(statistics.fmean(distinct(x, 2) for x in ids), 4),
@@ -89,4 +96,5 @@ def bench_contrastive(
             "tok_s": round(sum(map(len, ids)) / seconds, 1),
             "example": texts[0] + completions[0].text,
         }
+    bar.close()
     return results

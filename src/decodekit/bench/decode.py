@@ -12,22 +12,29 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date
 
 import torch
 
 from decodekit.runtime import progress as progress_bar
+from decodekit.runtime import within_unit
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _median_seconds(fn, repeats: int, on_progress: Callable[[float], None] | None = None) -> float:
+    """Median seconds of `repeats` runs of fn() after one warm-up; `on_progress`: the share
+    of the runs done, after each."""
     fn()  # warm-up
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if on_progress is not None:
+            on_progress((i + 1) / (repeats + 1))
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+    if on_progress is not None:
+        on_progress(1.0)
     return statistics.median(times)
 
 
@@ -112,11 +119,9 @@ def bench_decode(model_name: str = "shakespeare", new_tokens: int = 256, repeats
             assert out.shape[1] - ids.shape[1] == new_tokens
 
         bar.set_postfix_str(f"decodekit {mode}")
-        ours_s = _median_seconds(ours, repeats)
-        bar.update()
+        ours_s = _median_seconds(ours, repeats, within_unit(bar))
         bar.set_postfix_str(f"transformers {mode}")
-        hf_s = _median_seconds(theirs, repeats)
-        bar.update()
+        hf_s = _median_seconds(theirs, repeats, within_unit(bar))
         results[mode] = {
             "decodekit_tok_s": round(new_tokens / ours_s, 1),
             "hf_tok_s": round(new_tokens / hf_s, 1),

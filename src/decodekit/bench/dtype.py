@@ -21,6 +21,7 @@ are bfloat16 GEMMs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,11 +29,20 @@ import torch
 from decodekit.bench.decode import load_pair, machine
 from decodekit.bench.engine import CONCURRENT, prompts_from_text, run_engine, run_hf, timed_once
 from decodekit.runtime import progress as progress_bar
+from decodekit.runtime import within_unit
 
 
-def _median(fn, repeats: int) -> dict:
+def _median(fn, repeats: int, on_progress: Callable[[float], None] | None = None) -> dict:
+    """Median wall and CPU seconds of `repeats` runs after a warm-up; `on_progress`: the
+    share of the runs done, after each."""
     fn()  # warm-up
-    runs = [timed_once(fn) for _ in range(repeats)]
+    runs = []
+    for i in range(repeats):
+        if on_progress is not None:
+            on_progress((i + 1) / (repeats + 1))
+        runs.append(timed_once(fn))
+    if on_progress is not None:
+        on_progress(1.0)
     return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in ("wall_s", "cpu_s")}
 
 
@@ -112,30 +122,32 @@ def bench_dtype(
     for name, model in [*models.items(), ("hf_float32", None)]:
         row = rows[name] = {}
         if model is None:
-            seconds = _median(hf_prefill, repeats)
+            seconds = _median(hf_prefill, repeats, within_unit(bar))
         else:
-            seconds = _median(lambda model=model: prefill(model, [long_prompt]), repeats)
+            seconds = _median(lambda model=model: prefill(model, [long_prompt]), repeats, within_unit(bar))
         row["prefill"] = _rates(seconds, prompt_tokens)
-        bar.update()
         if model is None:
-            seconds = _median(lambda: run_hf(hf, [short_prompt], new_tokens, False, pad=eos), repeats)
+            seconds = _median(lambda: run_hf(hf, [short_prompt], new_tokens, False, pad=eos), repeats,
+                              within_unit(bar))
         else:
-            seconds = _median(lambda model=model: dk.generate(model, [short_prompt], greedy), repeats)
+            seconds = _median(lambda model=model: dk.generate(model, [short_prompt], greedy), repeats,
+                              within_unit(bar))
         row["decode_batch1"] = _rates(seconds, new_tokens)
-        bar.update()
         for batch in batches:
             prompts = prompts_from_text(first, batch, CONCURRENT["prompt_lengths"])
             params = dk.SamplingParams(max_new_tokens=batch_new_tokens, seed=0, ignore_eos=True)
+            step = within_unit(bar)
             if model is None:
-                seconds = _median(lambda p=prompts: run_hf(hf, p, batch_new_tokens, True, pad=eos), repeats)
+                seconds = _median(lambda p=prompts: run_hf(hf, p, batch_new_tokens, True, pad=eos), repeats,
+                                  step)
             else:
-                seconds = _median(lambda m=model, p=prompts, s=params: run_engine(m, p, s, config), repeats)
+                seconds = _median(lambda m=model, p=prompts, s=params: run_engine(m, p, s, config), repeats,
+                                  step)
             row[f"batch{batch}"] = _rates(seconds, batch * batch_new_tokens)
             processed = sum(len(p) for p in prompts) + batch * batch_new_tokens
             gflops = 2 * first.num_parameters() * processed / seconds["cpu_s"] / 1e9
             peak = peaks[torch.float32 if name in ("float32", "hf_float32") else torch.bfloat16]
             row[f"batch{batch}"] |= {"gflops": round(gflops, 1), "fraction_of_peak": round(gflops / peak, 3)}
-            bar.update()
     bar.close()
     results["results"] = rows
     base = rows.get("float32")

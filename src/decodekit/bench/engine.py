@@ -29,23 +29,31 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from decodekit.bench.decode import hf_generation, load_pair, machine
 from decodekit.runtime import progress as progress_bar
+from decodekit.runtime import within_unit
 
 SCENARIOS = ("single", "shared_prefix", "concurrent", "memory")
 
 
-def compare(ours, theirs, repeats: int) -> tuple[dict, dict]:
+def compare(ours, theirs, repeats: int, on_progress: Callable[[float], None] | None = None,
+            ) -> tuple[dict, dict]:
     """Median wall and CPU seconds of `ours()` and `theirs()`, run alternately (after one
-    warm-up each) so that both see the same load on a shared machine."""
+    warm-up each) so that both see the same load on a shared machine; `on_progress`: the
+    share of the rounds done, after each."""
     ours(), theirs()
     runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
-    for _ in range(repeats):
+    for i in range(repeats):
+        if on_progress is not None:
+            on_progress((i + 1) / (repeats + 1))
         runs["ours"].append(timed_once(ours))
         runs["theirs"].append(timed_once(theirs))
+    if on_progress is not None:
+        on_progress(1.0)
     return tuple(  # type: ignore[return-value]
         {key: statistics.median(r[key] for r in runs[side]) for key in ("wall_s", "cpu_s")}
         for side in ("ours", "theirs")
@@ -154,10 +162,10 @@ def bench_engine(
         greedy = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         warmup = timed_once(lambda: run_engine(model, prompt, greedy, config))["wall_s"]
         ours, theirs = compare(lambda: run_engine(model, prompt, greedy, config),
-                               lambda: run_hf(hf, prompt, new_tokens, False, pad=eos), repeats)
+                               lambda: run_hf(hf, prompt, new_tokens, False, pad=eos), repeats,
+                               within_unit(bar))
         results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens),
                              **({"compile_warmup_s": round(warmup, 2)} if compile else {})}  # fmt: skip
-        bar.update()
     if "shared_prefix" in scenarios:
         bar.set_postfix_str("shared_prefix")
         samples, generated = 16, 128
@@ -166,18 +174,18 @@ def bench_engine(
         params = dk.SamplingParams(max_new_tokens=generated, n=samples, seed=0, ignore_eos=True)
         stats = {}
         ours, theirs = compare(lambda: stats.update(run_engine(model, [prompt], params, config)),
-                               lambda: run_hf(hf, [prompt], generated, True, samples, eos), repeats)
+                               lambda: run_hf(hf, [prompt], generated, True, samples, eos), repeats,
+                               within_unit(bar))
         results["shared_prefix"] = {
             "prompt_tokens": length, "samples": samples, "new_tokens": generated,
             **_ratios(ours, theirs, samples * generated),
             "decodekit_prefill_tokens": stats["prefill_tokens"],
             "hf_prefill_tokens": samples * length,
         }  # fmt: skip
-        bar.update()
     if "concurrent" in scenarios:
         bar.set_postfix_str("concurrent")
-        results["concurrent"] = _concurrent(dk, model, hf, eos, params_count, repeats, config)
-        bar.update()
+        results["concurrent"] = _concurrent(dk, model, hf, eos, params_count, repeats, config,
+                                            within_unit(bar))
     if "memory" in scenarios:
         bar.set_postfix_str("memory")
         results["memory"] = {backend: _in_fresh_process(model_name, backend, threads, dtype, device)
@@ -190,14 +198,15 @@ def bench_engine(
 CONCURRENT = {"requests": 64, "new_tokens": 128, "prompt_lengths": [16, 32, 64, 96, 128]}
 
 
-def _concurrent(dk, model, hf, eos, params_count, repeats, config) -> dict:
+def _concurrent(dk, model, hf, eos, params_count, repeats, config, on_progress) -> dict:
     spec = CONCURRENT
     prompts = prompts_from_text(model, spec["requests"], spec["prompt_lengths"])
     params = dk.SamplingParams(max_new_tokens=spec["new_tokens"], seed=0, ignore_eos=True)
     generated = spec["requests"] * spec["new_tokens"]
     prompt_tokens = sum(len(p) for p in prompts)
     ours, theirs = compare(lambda: run_engine(model, prompts, params, config),
-                           lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats)
+                           lambda: run_hf(hf, prompts, spec["new_tokens"], True, pad=eos), repeats,
+                           on_progress)
     peak = peak_matmul_flops()
     flops = 2 * params_count  # per token
     return {

@@ -87,15 +87,27 @@ def local(fn: Callable[[], Any]) -> Timer:
     return run
 
 
-def median_seconds(timers: dict[str, Timer], repeats: int) -> dict[str, tuple[float, float]]:
+def median_seconds(timers: dict[str, Timer], repeats: int,
+                   on_progress: Callable[[float], None] | None = None) -> dict[str, tuple[float, float]]:
     """Median (CPU, wall) seconds of each timer over `repeats` rounds after one warm-up each;
-    the rounds interleave the timers, so a change of load on a shared machine hits them alike."""
+    the rounds interleave the timers, so a change of load on a shared machine hits them alike.
+    `on_progress`: the share of the runs done, after each."""
+    runs, done = len(timers) * (repeats + 1), 0
+
+    def ran() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done / runs)
+
     for timer in timers.values():
         timer()
+        ran()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in timers}
     for _ in range(repeats):
         for name, timer in timers.items():
             times[name].append(timer())
+            ran()
     return {name: (statistics.median(c for c, _ in t), statistics.median(w for _, w in t))
             for name, t in times.items()}  # fmt: skip
 
@@ -172,6 +184,7 @@ def bench_packed(
     from decodekit.decode.drafters import ModelDrafter, self_draft
     from decodekit.models.qlinear import kernel_counts
     from decodekit.runtime import progress as progress_bar
+    from decodekit.runtime import within_unit
 
     if peer not in (None, "llamacpp"):
         raise ValueError(f"peer must be None or 'llamacpp', got {peer!r}")
@@ -183,6 +196,8 @@ def bench_packed(
     auto = str(cpu_bfloat16_dtype()).removeprefix("torch.")  # what "auto" makes of a bf16 checkpoint
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    names = ["float32", "bfloat16", *QUANT_ROWS]  # the rows, then their timings and speculative's
+    bar = progress_bar(total=len(names) + 2, desc="bench packed", enabled=progress)
     try:
         base = load(model_name, torch.float32)
         ids = base.encode(TEST_TEXT.read_text())
@@ -191,13 +206,13 @@ def bench_packed(
         prefill = torch.tensor([ids[:prefill_tokens]])  # [1, T]
         rows: list[dict] = []
         models: dict[str, Any] = {}
-        bar = progress_bar(["float32", "bfloat16", *QUANT_ROWS], desc="bench packed", enabled=progress)
-        for name in bar:
+        for name in names:
             bar.set_postfix_str(name)
             row: dict[str, Any] = {"config": name}
             if name in QUANT_ROWS and not group_fits(base, QUANT_ROWS[name].group_size):
                 rows.append({**row, "skipped": f"no layer's input width is a multiple of "
                                                   f"{QUANT_ROWS[name].group_size}"})  # fmt: skip
+                bar.update()
                 continue
             if name == "float32":
                 model = base
@@ -214,6 +229,8 @@ def bench_packed(
                 row["perplexity"] = round(text_perplexity(model).perplexity, 3)
             rows.append(row)
             models[name] = model
+            bar.update()
+        bar.set_postfix_str("timings")
         with ExitStack() as stack:
             timers = decode_timers(models, new_tokens, prefill, compile)
             run = None
@@ -221,7 +238,7 @@ def bench_packed(
                 run = llamacpp.start(base, model_name, prefill_tokens, new_tokens, threads, stack)
                 if isinstance(run, llamacpp.PeerRun):
                     timers |= llamacpp.timers(run, base.encode(PROMPT), new_tokens, ids[:prefill_tokens])
-            seconds = median_seconds(timers, repeats)
+            seconds = median_seconds(timers, repeats, within_unit(bar))
             measured = speeds(seconds, list(models), new_tokens, prefill_tokens, wall)
             reference = measured["float32"]
             for row in rows:
@@ -240,6 +257,8 @@ def bench_packed(
         int4_gptq = models["int4 GPTQ"]
         del models
 
+        bar.set_postfix_str("speculative")
+        step = within_unit(bar)
         params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         [plain] = dk.generate(base, PROMPT, params)
         drafters = {"self-int4 (RTN g32)": self_draft(base), "self int4 GPTQ": ModelDrafter(int4_gptq)}
@@ -251,13 +270,15 @@ def bench_packed(
             timers[name] = local(lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4))
             speculative[name] = {"acceptance_rate": round(result.stats.acceptance_rate, 3),
                                  "block_efficiency": round(result.stats.block_efficiency, 2)}  # fmt: skip
-        seconds = {name: pair[1 if wall else 0] for name, pair in median_seconds(timers, repeats).items()}
+        medians = median_seconds(timers, repeats, step)
+        seconds = {name: pair[1 if wall else 0] for name, pair in medians.items()}
         speculative["plain_f32_tok_s"] = round(new_tokens / seconds["plain"], 2)
         for name in drafters:
             speculative[name]["tok_s"] = round(new_tokens / seconds[name], 2)
             speculative[name]["vs_plain_f32"] = round(seconds["plain"] / seconds[name], 2)
         report_machine = machine()
     finally:
+        bar.close()
         torch.set_num_threads(previous)
     return {"model": model_name, "parameters": base.num_parameters(), "new_tokens": new_tokens,
             "prefill_tokens": prefill_tokens, "repeats": repeats, "calib_windows": calib_windows,

@@ -11,6 +11,7 @@ from decodekit.cli.common import (
     add_threads,
     check_plot,
     model_options,
+    read_file,
     refuse_others,
     set_threads,
     show_progress,
@@ -245,6 +246,9 @@ def run_bench(args) -> None:
     elif args.which == "packed" and args.gguf:
         from decodekit.bench.gguf_files import bench_gguf
 
+        for path in args.gguf:
+            if read_file("--gguf", path, head=4) != b"GGUF":
+                raise UsageError(f"--gguf {path}: not a GGUF file (it does not start with 'GGUF')")
         result = bench_gguf(args.gguf, args.new_tokens, args.repeats, threads=threads or 1, peer=args.peer)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed

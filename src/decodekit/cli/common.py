@@ -156,6 +156,43 @@ def check_out_file(path: str) -> None:
         raise UsageError(f"--out {path}: directory {str(folder)!r} is not writable")
 
 
+def read_file(flag: str, path: str, head: int | None = None) -> str | bytes:
+    """The contents of the file a flag names ('-': standard input) as UTF-8 text, or its first
+    `head` bytes; a missing, unreadable or undecodable file is a UsageError naming the flag
+    and the path (not a raw `[Errno 2]` line that does not say which flag)."""
+    if path == "-":
+        if sys.stdin.isatty():  # a user typing: say how to end, so it does not look hung
+            print(f"{flag} -: reading standard input; end it with Ctrl-D", file=sys.stderr, flush=True)
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            with Path(path).expanduser().open("rb") as file:
+                data = file.read(-1 if head is None else head)
+        except FileNotFoundError:
+            raise UsageError(f"{flag} {path}: no such file") from None
+        except IsADirectoryError:
+            raise UsageError(f"{flag} {path}: is a directory, not a file") from None
+        except OSError as error:  # permission denied, an unreadable device, ...
+            raise UsageError(f"{flag} {path}: cannot read it ({error.strerror or error})") from None
+    if head is not None:
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{flag} {path}: not UTF-8 text (byte {error.start} is "
+                         f"{data[error.start:error.start + 1]!r})") from None
+
+
+def parse_file(flag: str, path: str, parse):
+    """`parse` of the text of the file a flag names: a malformed file (`parse` raises
+    ValueError or TypeError) is a UsageError naming the flag and the path."""
+    text = read_file(flag, path)
+    try:
+        return parse(text)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"{flag} {path}: {error}") from None
+
+
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
 ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.|$)", re.DOTALL)
 

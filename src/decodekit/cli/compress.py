@@ -9,6 +9,7 @@ from decodekit.cli.common import (
     add_threads,
     check_out_dir,
     check_out_file,
+    read_file,
     set_threads,
     show_progress,
 )
@@ -55,6 +56,8 @@ def run_compress(args) -> None:
                          f"not {args.method}")
     gguf = args.out.endswith(".gguf")
     check_out_file(args.out) if gguf else check_out_dir(args.out)  # before minutes of calibration
+    if args.calib_file is not None:
+        read_file("--calib-file", args.calib_file)  # exists, readable, UTF-8: checked before the model loads
     set_threads(args)  # the model loads inside compress_to_dir; None picks for a small model
     if gguf:
         from decodekit.compress.gguf import compress_to_gguf

@@ -12,6 +12,7 @@ from decodekit.cli.common import (
     add_threads,
     check_plot,
     model_options,
+    read_file,
     refuse_others,
     set_threads,
     show_progress,
@@ -188,9 +189,10 @@ def run_eval_perplexity(args) -> None:
     if args.text is not None and args.split is not None:
         raise UsageError("give --text or --split, not both")
     text_path = Path(args.text) if args.text else HELD_OUT[args.split or "test"]
+    text = read_file("--text", args.text) if args.text else text_path.read_text()
     model = dk.load_model(name, **model_options(args))
     set_threads(args, model)
-    result = text_perplexity(model, text_path.read_text(), args.window, args.stride)
+    result = text_perplexity(model, text, args.window, args.stride, progress=show_progress(args))
     if args.json:
         print(json.dumps({"model": name, "text": str(text_path), **result.to_dict()}, indent=1))
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from decodekit.cli.common import (
     Renamed,
@@ -15,6 +16,8 @@ from decodekit.cli.common import (
     apply_compile,
     given,
     model_options,
+    parse_file,
+    read_file,
     set_threads,
     unescape,
     warn,
@@ -55,7 +58,13 @@ CONSTRAINT_FLAGS = ("json_schema", "regex", "grammar", "choices")
 
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt text, taken as it is ('@FILE' too: read a file with --prompt-file); "
+                   "'-' reads it from standard input")
+    p.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="read the prompt from FILE (UTF-8, exactly as it is, final newline included; "
+                   "'-': standard input) instead of the PROMPT argument: for prompts too long for a "
+                   "command line")
     p.add_argument("--model", default="shakespeare", help="embedded model name or local directory")
     p.add_argument("--strategy", default="sample", help="|".join(STRATEGIES) + " (default sample)")
     p.add_argument("--n", type=int, default=None,
@@ -154,10 +163,27 @@ def generation_model(args):
     return dk.ContrastiveLM(model, amateur, **knobs)
 
 
+def read_prompt(args) -> str:
+    """The prompt: the PROMPT argument ('-': standard input) or the text of --prompt-file,
+    exactly one of them. A PROMPT of '@FILE' stays text (a prompt may start with '@'), with
+    a warning when FILE exists, since curl-style '@FILE' reading is what was likely meant."""
+    if args.prompt is None and args.prompt_file is None:
+        raise UsageError("no prompt: give it as an argument ('-': standard input) or with --prompt-file FILE")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError(f"give the prompt as an argument or with --prompt-file, not both (got "
+                         f"{args.prompt!r:.40} and --prompt-file {args.prompt_file})")
+    if args.prompt_file is not None:
+        return read_file("--prompt-file", args.prompt_file)
+    if args.prompt == "-":
+        return read_file("PROMPT", "-")
+    if args.prompt.startswith("@") and Path(args.prompt[1:]).expanduser().is_file():
+        warn(args, f"the prompt {args.prompt!r} is taken as text; to read the file, give "
+             f"--prompt-file {args.prompt[1:]}")
+    return args.prompt
+
+
 def constraint_from(args):
     """The constraint of --json-schema, --regex, --grammar or --choices, or None."""
-    from pathlib import Path
-
     given = [name for name in CONSTRAINT_FLAGS if getattr(args, name) is not None]
     if len(given) > 1:
         raise UsageError("give at most one of --json-schema, --regex, --grammar, --choices")
@@ -166,11 +192,11 @@ def constraint_from(args):
     import decodekit as dk
 
     if args.json_schema is not None:
-        return dk.JsonSchema(Path(args.json_schema).read_text())
+        return parse_file("--json-schema", args.json_schema, dk.JsonSchema)
     if args.regex is not None:
         return dk.Regex(args.regex)
     if args.grammar is not None:
-        return dk.Grammar(Path(args.grammar).read_text())
+        return parse_file("--grammar", args.grammar, dk.Grammar)
     return dk.Choices([c for c in args.choices.split(",") if c] if args.choices else [])
 
 
@@ -199,6 +225,7 @@ def sampling_params(args) -> SamplingParams:
 def run_generate(args) -> None:
     import decodekit as dk
 
+    args.prompt = read_prompt(args)
     params = sampling_params(args)
     mask = {"constraint": constraint_from(args), "heal": args.heal}
     check_combination(args, params, mask)

@@ -34,6 +34,7 @@ from decodekit.compress.hessian import HessianAccumulator
 from decodekit.compress.prune import parse_n_m, prune_magnitude, prune_sparsegpt
 from decodekit.compress.quantize import gptq_quantize
 from decodekit.models.qlinear import QuantizedLinear, QuantSpec, quantize_rtn
+from decodekit.runtime import advance_to
 from decodekit.runtime import progress as progress_bar
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], Any]
@@ -93,8 +94,10 @@ def collect_hessians(
     layers: dict[str, nn.Linear],
     calib_batches: Sequence[torch.Tensor],
     forward: ForwardFn = default_forward,
+    on_progress: Callable[[float], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """H = 2 X Xᵀ [K, K] of each layer's inputs over the calibration batches [B, T]."""
+    """H = 2 X Xᵀ [K, K] of each layer's inputs over the calibration batches [B, T];
+    `on_progress`: the share of the batches done, after each."""
     accumulators = {
         name: HessianAccumulator(layer.in_features, layer.weight.device)
         for name, layer in layers.items()
@@ -115,10 +118,12 @@ def collect_hessians(
     handles = [layer.register_forward_pre_hook(hook_for(name)) for name, layer in layers.items()]
     try:
         with torch.no_grad():
-            for tokens in calib_batches:
+            for i, tokens in enumerate(calib_batches):
                 seen.clear()
                 with contextlib.suppress(_StopForward):
                     forward(model, tokens)
+                if on_progress is not None:
+                    on_progress((i + 1) / len(calib_batches))
     finally:
         for handle in handles:
             handle.remove()
@@ -160,11 +165,15 @@ def _compress_layers(
         groups = block_groups(layers) if sequential else [list(layers)]
         for group in groups:
             group_layers = {name: layers[name] for name in group}
-            hessians = collect_hessians(model, group_layers, calib_batches, forward or default_forward)
-            for name in group:
+            start = bar.n
+            # the calibration forwards (40 s a block for the shipped model on a loaded machine,
+            # issue 35) move the bar within the group's first layer
+            hessians = collect_hessians(model, group_layers, calib_batches, forward or default_forward,
+                                        on_progress=lambda share, at=start: advance_to(bar, at + 0.9 * share))
+            for i, name in enumerate(group):
                 bar.set_postfix_str(name, refresh=False)
                 compress_one(name, layers[name], hessians.pop(name))
-                bar.update()
+                advance_to(bar, start + i + 1)
 
 
 def quantize_model(

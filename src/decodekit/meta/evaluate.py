@@ -27,6 +27,7 @@ from decodekit.meta.parallel import choose_best, vote
 from decodekit.meta.result import Candidate
 from decodekit.meta.tree import TreeConfig, tree_search_batch
 from decodekit.params import SamplingParams
+from decodekit.runtime import advance_to
 from decodekit.runtime import progress as progress_bar
 
 PARALLEL = ("single", "majority", "bon-orm", "weighted-orm", "bon-oracle", "weighted-oracle")
@@ -113,9 +114,10 @@ def arith_scorers(config: EvalConfig) -> dict[str, Callable]:
 
 
 def sample_parallel(generator, prompts: list[str], n: int, config: EvalConfig, seed: int,
-                    entropies: bool = False):
+                    entropies: bool = False, on_progress: Callable[[float], None] | None = None):
     """n completions per prompt, each prompt its own seed, `config.rows` samples per call
-    (entropies: SamplingParams.entropies, what a probe of the policy reads)."""
+    (entropies: SamplingParams.entropies, what a probe of the policy reads); `on_progress`:
+    the share of the prompts done, after each call."""
     params = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                             entropies=entropies)
     per_call = max(1, config.rows // n)
@@ -124,6 +126,8 @@ def sample_parallel(generator, prompts: list[str], n: int, config: EvalConfig, s
         chunk = range(start, min(start + per_call, len(prompts)))
         seeded = [params.replace(seed=derive_seed(seed, "sample", i)) for i in chunk]
         results += generator.generate([prompts[i] for i in chunk], n, seeded)
+        if on_progress is not None:
+            on_progress(len(results) / len(prompts))
     return results
 
 
@@ -150,7 +154,10 @@ def subset_curve(strategy: str, problems: list[list[Candidate]], truths: list, t
     return statistics.fmean(accuracy), statistics.fmean(spent)
 
 
-def evaluate_parallel(generator, problems, scorers, config: EvalConfig, seed: int) -> list[dict]:
+def evaluate_parallel(generator, problems, scorers, config: EvalConfig, seed: int,
+                      on_progress: Callable[[float], None] | None = None) -> list[dict]:
+    """The parallel strategies' rows; `on_progress`: the share done (of the sampling, which
+    is most of the time) after each generator call."""
     from decodekit.meta.tasks.arith import extract_answer, format_prompt
 
     strategies = [s for s in config.strategies if s in PARALLEL]
@@ -158,7 +165,7 @@ def evaluate_parallel(generator, problems, scorers, config: EvalConfig, seed: in
         return []
     prompts = [format_prompt(p) for p in problems]
     start = time.perf_counter()
-    samples = sample_parallel(generator, prompts, max(config.ns), config, seed)
+    samples = sample_parallel(generator, prompts, max(config.ns), config, seed, on_progress=on_progress)
     sampled = time.perf_counter() - start
     texts = [(prompt, c.text) for prompt, cs in zip(prompts, samples) for c in cs]
     scores = {kind: scorers[kind](texts) for kind in ("orm", "orm-oracle") if kind in scorers}
@@ -182,36 +189,44 @@ def evaluate_parallel(generator, problems, scorers, config: EvalConfig, seed: in
     return rows
 
 
-def evaluate_tree(generator, problems, scorers, config: EvalConfig, seed: int) -> list[dict]:
+def evaluate_tree(generator, problems, scorers, config: EvalConfig, seed: int,
+                  on_progress: Callable[[float], None] | None = None) -> list[dict]:
+    """The tree strategies' rows; `on_progress`: the share done after each strategy and N,
+    each weighted by its N (a search's work grows with its beams)."""
     from decodekit.meta.tasks.arith import extract_answer, format_prompt
 
     prompts = [format_prompt(p) for p in problems]
     truths = [p.answer for p in problems]
     tree = TreeConfig(width=config.width, aggregate=config.aggregate, final=config.tree_final,
                       tau=config.tau)
+    runs = [(strategy, n) for strategy in config.strategies if strategy in TREE for n in config.ns
+            if config.tree_max_n is None or n <= config.tree_max_n]
+    work, done = sum(n for _, n in runs), 0
     rows = []
-    for strategy in (s for s in config.strategies if s in TREE):
+    for strategy, n in runs:
         method, kind = strategy.split("-")
         prm = scorers["prm" if kind == "prm" else "prm-oracle"]
-        for n in config.ns:
-            if config.tree_max_n is not None and n > config.tree_max_n:
-                continue
-            params = SamplingParams(temperature=config.temperature, max_new_tokens=config.step_tokens,
-                                    seed=derive_seed(seed, strategy, n))
-            start = time.perf_counter()
-            results = tree_search_batch(generator, prompts, prm, n, method, params, tree,
-                                        extract=extract_answer, prm_kind="batch",
-                                        is_final=lambda step: step.startswith("Answer"))
-            row = {"strategy": strategy, "n": n, "seed": seed,
-                   "accuracy": statistics.fmean(r.answer == t for r, t in zip(results, truths)),
-                   "seconds": time.perf_counter() - start}
-            for key in ("generated_tokens", "prompt_tokens", "reused_prefix_tokens", "scorer_calls"):
-                row[key] = statistics.fmean(r.budget[key] for r in results)
-            rows.append(row)
+        params = SamplingParams(temperature=config.temperature, max_new_tokens=config.step_tokens,
+                                seed=derive_seed(seed, strategy, n))
+        start = time.perf_counter()
+        results = tree_search_batch(generator, prompts, prm, n, method, params, tree,
+                                    extract=extract_answer, prm_kind="batch",
+                                    is_final=lambda step: step.startswith("Answer"))
+        row = {"strategy": strategy, "n": n, "seed": seed,
+               "accuracy": statistics.fmean(r.answer == t for r, t in zip(results, truths)),
+               "seconds": time.perf_counter() - start}
+        for key in ("generated_tokens", "prompt_tokens", "reused_prefix_tokens", "scorer_calls"):
+            row[key] = statistics.fmean(r.budget[key] for r in results)
+        rows.append(row)
+        done += n
+        if on_progress is not None:
+            on_progress(done / work)
     return rows
 
 
-def evaluate_chain(generator, problems, scorers, config: EvalConfig, seed: int) -> list[dict]:
+def evaluate_chain(generator, problems, scorers, config: EvalConfig, seed: int,
+                   on_progress: Callable[[float], None] | None = None) -> list[dict]:
+    """The calculator's row; `on_progress`: the share of the problems done, after each."""
     from decodekit.meta.chain import generate_with_tool
     from decodekit.meta.tasks.arith import check_answer, format_prompt
 
@@ -219,8 +234,12 @@ def evaluate_chain(generator, problems, scorers, config: EvalConfig, seed: int) 
         return []
     params = SamplingParams(temperature=config.temperature, max_new_tokens=config.step_tokens)
     start = time.perf_counter()
-    results = [generate_with_tool(generator, format_prompt(p), params=params.replace(
-        seed=derive_seed(seed, "calculator", i))) for i, p in enumerate(problems)]
+    results = []
+    for i, p in enumerate(problems):
+        results.append(generate_with_tool(generator, format_prompt(p),
+                                          params=params.replace(seed=derive_seed(seed, "calculator", i))))
+        if on_progress is not None:
+            on_progress(len(results) / len(problems))
     row = {"strategy": "calculator", "n": 1, "seed": seed,
            "accuracy": statistics.fmean(check_answer(p, r.text) for p, r in zip(problems, results)),
            "seconds": time.perf_counter() - start}
@@ -251,8 +270,8 @@ def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = No
     """Run the configured strategies; returns {"config", "problems", "rows", "summary"}.
     generator, scorers (as `arith_scorers` returns) and problems default to the embedded
     model, its reward models and `eval_problems(config.problems)`. `progress` shows a bar
-    on stderr (named `desc`) over seeds x parts (parallel, tree, chain), each part's time
-    beside it."""
+    on stderr (named `desc`) over seeds x parts (parallel, tree, chain), moving within each
+    part (issue 35), each part's time beside it."""
     if generator is None:
         from decodekit.models.registry import load_model
 
@@ -263,12 +282,13 @@ def evaluate_arith(config: EvalConfig, generator=None, scorers: dict | None = No
     parts = (evaluate_parallel, evaluate_tree, evaluate_chain)
     with progress_bar(total=config.seeds * len(parts), desc=desc, enabled=progress) as bar:
         for seed in range(config.seeds):
-            for part in parts:
-                start = time.perf_counter()
-                rows += part(generator, problems, scorers, config, seed)
+            for i, part in enumerate(parts):
+                start, finished = time.perf_counter(), seed * len(parts) + i
+                rows += part(generator, problems, scorers, config, seed,
+                             on_progress=lambda share, at=finished: advance_to(bar, at + share))
                 bar.set_postfix_str(f"seed {seed}: {part.__name__} in {time.perf_counter() - start:.1f} s",
                                     refresh=False)
-                bar.update()
+                advance_to(bar, finished + 1)
     return {"config": asdict(config), "problems": len(problems), "rows": rows, "summary": summarize(rows)}
 
 
