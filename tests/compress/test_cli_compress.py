@@ -91,13 +91,18 @@ def test_bad_eval_values_exit_2_with_one_line(tiny_llama_dir, capsys):
     assert "eval arith takes no MODEL argument" in capsys.readouterr().err
 
 
-def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys):
+def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     import shutil
 
     import safetensors.torch
     import torch
 
+    from decodekit.models import dtype_probe
     from decodekit.models.qlinear import QuantSpec, quantize_rtn
+
+    # The dtype probe's verdict pinned (bfloat16, as on AVX-512-BF16 CPUs): what "auto" makes of a
+    # bfloat16 checkpoint is measured per CPU and load (tests/models/test_dtype.py covers both verdicts).
+    monkeypatch.setattr(dtype_probe, "cpu_bfloat16_dtype", lambda: torch.bfloat16)
 
     source = tmp_path / "bf16"
     shutil.copytree(tiny_llama_dir, source)
