@@ -210,7 +210,7 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     one softmax and one search, each request's uniforms from its own generator, so every row
     gets the token it would get alone (tests/test_request.py)."""
     if len(live) == 0:
-        return torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device=logits.device)
     if live[0].request is live[-1].request:  # one request's rows (contiguous): no copies
         processed, chosen = _sample_request(logits, live[0].request, hidden)
         record(live, logits, processed, chosen)
@@ -220,7 +220,7 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         processed, chosen = _sample_batch(logits, batches[0][2])
         record(live, logits, processed, chosen)
         return chosen
-    tokens = torch.empty(len(live), dtype=torch.long)
+    tokens = torch.empty(len(live), dtype=torch.long, device=logits.device)
     processed_all = torch.empty_like(logits)  # [R, V]
     for start, stop, requests in batches:
         raw = logits[start:stop]  # [r, V]

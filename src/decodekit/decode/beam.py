@@ -143,7 +143,7 @@ class BeamSearch:
         processed = self.chain(allowed, self.state)  # [K, V]
         scores = torch.log_softmax(processed, dim=-1)
         raw = torch.log_softmax(logits, dim=-1)
-        totals = torch.tensor([b.total for b in beams])[:, None] + scores  # [K, V]
+        totals = torch.tensor([b.total for b in beams], device=scores.device)[:, None] + scores  # [K, V]
         # 2K candidates (one more K per extra stop token, as Hugging Face keeps) leave at least
         # K that do not stop, to refill the live beams.
         width = max(2, 1 + len(self.stop_ids)) * num_beams
@@ -193,7 +193,7 @@ class BeamSearch:
             self.beams = []  # out of length, or stopped early: live beams cannot beat the finished ones
             return None
         self.state.select_rows(parents)
-        chosen = torch.tensor(tokens)
+        chosen = torch.tensor(tokens, device=logits.device)
         self.state.accept(chosen, processed[parents])
         if mask is not None:
             mask.select_rows(parents)
@@ -212,7 +212,7 @@ def _beam_plain(model: LanguageModel, search: BeamSearch) -> list[Completion]:
     logits, cache = prefill(model, [search.prompt_ids])  # [1, V]
     while (parents := search.advance(logits)) is not None:
         cache.select(parents)
-        logits = model.forward(torch.tensor(search.tokens)[:, None], cache)[:, -1, :]  # [K, V]
+        logits = model.forward(torch.tensor(search.tokens, device=logits.device)[:, None], cache)[:, -1, :]  # [K, V]
     return search.completions()
 
 

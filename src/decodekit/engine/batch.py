@@ -182,21 +182,21 @@ def group_short_spans(
     short = [span for span in spans if span.end - span.start <= SHORT_SPAN]
     if len(short) < 2 or any(w is not None for w in windows):
         return None, spans
-    starts = torch.tensor([span.start for span in short])  # [B]
-    new = torch.tensor([span.end - span.start for span in short])
-    lengths = torch.tensor([span.length for span in short])
-    count, width = int(new.max()), int(lengths.max())  # T, S
-    offset = torch.minimum(torch.arange(count)[None, :], new[:, None] - 1)  # [B, T]
-    queries = (starts[:, None] + offset).flatten()
-    real = (torch.arange(count)[None, :] < new[:, None]).flatten().nonzero()[:, 0]
-    seen = (lengths - new)[:, None] + offset  # [B, T] each query's own position
-    mask = (torch.arange(width)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
+    device = short[0].blocks.device  # beside the pool the indices index
+    # The spans' sizes are host numbers: the group's indices are built on the host and
+    # uploaded once each (no read of a device tensor).
+    counts = [span.end - span.start for span in short]
+    count, width = max(counts), max(span.length for span in short)  # T, S
+    offsets = [[min(t, new - 1) for t in range(count)] for new in counts]  # [B, T]
+    queries = [span.start + t for span, row in zip(short, offsets) for t in row]
+    real = [b * count + t for b, new in enumerate(counts) for t in range(new)]
+    seen = torch.tensor([[span.length - new + t for t in row]
+                         for span, new, row in zip(short, counts, offsets)], device=device)  # [B, T]
+    mask = (torch.arange(width, device=device)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
     num_blocks = -(-width // block_size)
-    blocks = []
-    for span in short:
-        table = span.blocks.tolist()
-        blocks += table + table[:1] * (num_blocks - len(table))
-    group = SpanGroup(queries, real, queries[real], torch.tensor(blocks), mask)
+    padded = [torch.cat([span.blocks, span.blocks[:1].expand(num_blocks - len(span.blocks))]) for span in short]
+    group = SpanGroup(torch.tensor(queries, device=device), torch.tensor(real, device=device),
+                      torch.tensor([queries[i] for i in real], device=device), torch.cat(padded), mask)
     grouped = set(map(id, short))
     return group, [span for span in spans if id(span) not in grouped]
 

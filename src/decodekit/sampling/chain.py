@@ -71,7 +71,7 @@ class SamplerState:
         self.memory: dict[Any, torch.Tensor] = {}
         if params.mirostat_tau is not None and "mirostat" in params.order:
             # Mirostat v2 starts its target at twice the target surprise tau.
-            self.mu = torch.full((num_rows,), 2.0 * params.mirostat_tau, dtype=torch.float64)
+            self.mu = torch.full((num_rows,), 2.0 * params.mirostat_tau, dtype=torch.float64, device="cpu")  # host
 
     @property
     def num_rows(self) -> int:
@@ -98,7 +98,7 @@ class SamplerState:
         """Keep and reorder rows (beam search): row i becomes a copy of old row rows[i]."""
         self.generated = [list(self.generated[r]) for r in rows]
         if self.mu is not None:
-            self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long)].clone()
+            self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long, device=self.mu.device)].clone()
         for key, tensor in self.memory.items():
             self.memory[key] = tensor[torch.as_tensor(list(rows), dtype=torch.long, device=tensor.device)]
 

@@ -179,7 +179,7 @@ def xtc(
     """
     if probability <= 0:
         return logits.clone()
-    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
+    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device="cpu")  # CPU generator
     applies = (draw < probability).to(logits.device)[:, None]  # [R, 1]
     probs = _probs64(logits)
     above = probs >= threshold
@@ -256,8 +256,9 @@ def no_repeat_ngram(
         if len(context) < n:
             banned.append([])
             continue
-        windows = torch.as_tensor(list(context), dtype=torch.long).unfold(0, n, 1)  # [W, n]
-        prefix = torch.as_tensor(list(context[len(context) - n + 1 :]), dtype=torch.long)
+        # the history is host data: matched on the host, only the bans reach the device
+        windows = torch.as_tensor(list(context), dtype=torch.long, device="cpu").unfold(0, n, 1)  # [W, n]
+        prefix = torch.as_tensor(list(context[len(context) - n + 1 :]), dtype=torch.long, device="cpu")
         match = (windows[:, : n - 1] == prefix).all(dim=-1)
         banned.append(windows[match, n - 1].tolist())
     return _ban(logits, banned)
@@ -284,9 +285,9 @@ def frequency_presence(
 def dry_match_lengths(context: Sequence[int], limit: int) -> torch.Tensor:
     """For each position j < N - 1: the length of the longest suffix of context[: j + 1]
     that is also a suffix of the whole context, capped at `limit` (0 when none): [N - 1]."""
-    tokens = torch.as_tensor(list(context), dtype=torch.long)
+    tokens = torch.as_tensor(list(context), dtype=torch.long, device="cpu")  # host history
     last = len(tokens) - 1
-    lengths = torch.zeros(max(last, 0), dtype=torch.long)
+    lengths = torch.zeros(max(last, 0), dtype=torch.long, device="cpu")
     if last < 1 or limit < 1:
         return lengths
     alive = torch.nonzero(tokens[:last] == tokens[last]).flatten()  # matches of length >= 1
