@@ -299,11 +299,17 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
     raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
     processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
-    raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
-    processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()
-    entropies = raw_entropy(raw_lp).tolist() if any(row.request.params.entropies for row in rows) else None
+    # One read of the step's numbers on the host (a device synchronisation): each row's
+    # token, its two logprobs and, when asked, its entropy, as float64 (ids are exact).
+    columns = [index[:, 0].double(), raw_lp.gather(-1, index)[:, 0].double(),
+               processed_lp.gather(-1, index)[:, 0].double()]  # fmt: skip
+    if any(row.request.params.entropies for row in rows):
+        columns.append(raw_entropy(raw_lp).double())
+    host = torch.stack(columns).tolist()  # [3 or 4, R]
+    tokens, raw_chosen, processed_chosen = [int(t) for t in host[0]], host[1], host[2]
+    entropies = host[3] if len(host) > 3 else None
     local = 0
-    for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+    for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
         local = local + 1 if i > 0 and rows[i - 1].request is row.request else 0
         request = row.request
         params, mask = request.params, request.mask

@@ -87,8 +87,10 @@ class PagedBatch:
         running: RunningRows | None,
         prefills: list[PrefillSpan],
         windows: tuple[int | None, ...] = (),
+        end: int = 0,
     ):
         self.pool = pool
+        self.end = end  # 1 + the step's largest position, known on the host (no read of `positions`)
         self.slots = slots
         self.running = running
         self.prefills = prefills
@@ -254,8 +256,9 @@ def paged_forward(
     their final hidden states (after the final norm, what the LM head read), (logits,
     states [K, hidden] float32), for an adapter that reads them (align/qvalue.py)."""
     assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
-    model.check_positions(int(positions.max()) + 1)
-    cos, sin = model.rope.tables(int(positions.max()) + 1)
+    end = batch.end or int(positions.max()) + 1
+    model.check_positions(end)
+    cos, sin = model.rope.tables(end)
     cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
     masks = [(None, False)] * model.config.num_layers  # PagedBatch masks by itself
     out = model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant, states)
@@ -307,7 +310,7 @@ def build_batch(
     def as_long(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows)
+    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows, max(positions, default=-1) + 1)
     return as_long(tokens), as_long(positions), batch, as_long(keep)
 
 
@@ -323,7 +326,8 @@ def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
     columns = torch.arange(width, device=device)[None, :]  # [1, S]
     for window in windows:
         first = lengths - window if window is not None else torch.zeros_like(lengths)
-        if int(lengths.min()) == width and int(first.max()) <= 0:
+        # from the host's lengths: reading the device's would synchronise every step
+        if min(running.lengths) == width and (window is None or width - window <= 0):
             masks[window] = None
             continue
         mask = ((columns < lengths[:, None]) & (columns >= first[:, None]))[:, None, None, :]
