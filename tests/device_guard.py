@@ -65,8 +65,8 @@ class NamedDevices(TorchFunctionMode):
                 and not _keeps_a_tensor(func, args)):  # fmt: skip
             where = decodekit_caller()
             if where is not None and self.raises:
-                raise UnnamedDevice(f"torch.{func.__name__} at {where} names no device: pass the "
-                                    f"model's (device=x.device) or device='cpu' for host bookkeeping")  # fmt: skip
+                raise UnnamedDevice(f"torch.{func.__name__} at {where} names no device: pass the model's "
+                                    "(device=x.device) or device='cpu' for host bookkeeping")  # fmt: skip
             if where is not None:
                 self.unnamed[f"{where} ({func.__name__})"] += 1
         return func(*args, **kwargs)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from device_guard import HostReads, NamedDevices, UnnamedDevice
 
 import decodekit as dk
 from decodekit.models.registry import ASSETS
+from device_guard import HostReads, NamedDevices, UnnamedDevice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,30 +53,31 @@ def _arith(models, method):
     generator = LocalGenerator(models["arith"])
     if method == "best-of-n":
         orm = models["orm"]
-        return best_of_n(generator, format_prompt(problem), 4, lambda _, text: orm(problem.question, text), params)
+        return best_of_n(generator, format_prompt(problem), 4, lambda _, t: orm(problem.question, t), params)
     prm = models["prm"]
     return tree_search(generator, format_prompt(problem), prm, n=4, method="rebase", params=params,
                        extract=extract_answer)  # fmt: skip
 
 
+S = "shakespeare"
 RUNS = {
-    "greedy": lambda m: dk.generate(m["shakespeare"], "ROMEO:", GREEDY),
-    "seeded": lambda m: dk.generate(m["shakespeare"], ["ROMEO:", "JULIET: O"], SEEDED.replace(n=2, logprobs=2)),
-    "adapters": lambda m: dk.generate(m["shakespeare"], ["ROMEO:", "JULIET: O"], SEEDED.replace(**ADAPTERS)),
-    "mirostat": lambda m: dk.generate(m["shakespeare"], "ROMEO:", SEEDED.replace(mirostat_tau=3.0)),
-    "allowed-tokens": lambda m: dk.generate(m["shakespeare"], "ROMEO:", SEEDED.replace(allowed_token_ids=(1, 2, 3))),
-    "short-prompts-together": lambda m: dk.generate(m["shakespeare"], ["RO", "JU", "O R", "Th"], GREEDY),
-    "stream": lambda m: list(dk.stream(m["shakespeare"], "ROMEO:", GREEDY)),
-    "beam": lambda m: dk.beam_search(m["shakespeare"], "ROMEO:", GREEDY, num_beams=3),
-    "speculative-draft": lambda m: dk.speculative_generate(m["shakespeare"], m["draft"], "ROMEO:", GREEDY),
-    "speculative-seeded": lambda m: dk.speculative_generate(m["shakespeare"], m["draft"], "ROMEO:", SEEDED),
-    "speculative-self-int4": lambda m: dk.speculative_generate(m["shakespeare"], "self-int4", "ROMEO:", GREEDY),
-    "speculative-prompt-lookup": lambda m: dk.speculative_generate(m["shakespeare"], "prompt-lookup",
+    "greedy": lambda m: dk.generate(m[S], "ROMEO:", GREEDY),
+    "seeded": lambda m: dk.generate(m[S], ["ROMEO:", "JULIET: O"], SEEDED.replace(n=2, logprobs=2)),
+    "adapters": lambda m: dk.generate(m[S], ["ROMEO:", "JULIET: O"], SEEDED.replace(**ADAPTERS)),
+    "mirostat": lambda m: dk.generate(m[S], "ROMEO:", SEEDED.replace(mirostat_tau=3.0)),
+    "allowed-tokens": lambda m: dk.generate(m[S], "ROMEO:", SEEDED.replace(allowed_token_ids=(1, 2, 3))),
+    "short-prompts-together": lambda m: dk.generate(m[S], ["RO", "JU", "O R", "Th"], GREEDY),
+    "stream": lambda m: list(dk.stream(m[S], "ROMEO:", GREEDY)),
+    "beam": lambda m: dk.beam_search(m[S], "ROMEO:", GREEDY, num_beams=3),
+    "speculative-draft": lambda m: dk.speculative_generate(m[S], m["draft"], "ROMEO:", GREEDY),
+    "speculative-seeded": lambda m: dk.speculative_generate(m[S], m["draft"], "ROMEO:", SEEDED),
+    "speculative-self-int4": lambda m: dk.speculative_generate(m[S], "self-int4", "ROMEO:", GREEDY),
+    "speculative-prompt-lookup": lambda m: dk.speculative_generate(m[S], "prompt-lookup",
                                                                    "ROMEO: ROMEO: ROMEO:", SEEDED),
-    "contrastive": lambda m: dk.generate(dk.ContrastiveLM(m["shakespeare"], m["draft"]), "ROMEO:", GREEDY),
-    "contrastive-window": lambda m: dk.generate(dk.ContrastiveLM(m["shakespeare"], m["draft"], amateur_window=4),
+    "contrastive": lambda m: dk.generate(dk.ContrastiveLM(m[S], m["draft"]), "ROMEO:", GREEDY),
+    "contrastive-window": lambda m: dk.generate(dk.ContrastiveLM(m[S], m["draft"], amateur_window=4),
                                                 "ROMEO:", GREEDY),
-    "constrained": lambda m: dk.generate(m["shakespeare"], "ROMEO:", GREEDY.replace(ignore_eos=False),
+    "constrained": lambda m: dk.generate(m[S], "ROMEO:", GREEDY.replace(ignore_eos=False),
                                          constraint=dk.Regex("[a-z ]{4,8}")),
     "best-of-n-hf-orm": lambda m: _arith(m, "best-of-n"),
     "tree-search-hf-prm": lambda m: _arith(m, "tree"),
@@ -104,7 +105,8 @@ def test_the_compiled_step_names_its_inputs_devices(models):
     from decodekit.models.native import NativeLM
 
     shakespeare = models["shakespeare"]
-    model = NativeLM(shakespeare.net, shakespeare.config, tokenizer=shakespeare.tokenizer, name="s")  # no steps yet
+    # a new model object: no compiled steps yet (`lanes_for` keeps them on the model object)
+    model = NativeLM(shakespeare.net, shakespeare.config, tokenizer=shakespeare.tokenizer, name="s")
 
     def run():
         engine = Engine(model, EngineConfig(compile=True, block_size=4, num_blocks=256))

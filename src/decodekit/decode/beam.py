@@ -212,7 +212,8 @@ def _beam_plain(model: LanguageModel, search: BeamSearch) -> list[Completion]:
     logits, cache = prefill(model, [search.prompt_ids])  # [1, V]
     while (parents := search.advance(logits)) is not None:
         cache.select(parents)
-        logits = model.forward(torch.tensor(search.tokens, device=logits.device)[:, None], cache)[:, -1, :]  # [K, V]
+        tokens = torch.tensor(search.tokens, device=logits.device)[:, None]  # [K, 1]
+        logits = model.forward(tokens, cache)[:, -1, :]  # [K, V]
     return search.completions()
 
 

@@ -196,7 +196,7 @@ def group_short_spans(
                          for span, new, row in zip(short, counts, offsets)], device=device)  # [B, T]
     mask = (torch.arange(width, device=device)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
     num_blocks = -(-width // block_size)
-    padded = [torch.cat([span.blocks, span.blocks[:1].expand(num_blocks - len(span.blocks))]) for span in short]
+    padded = [torch.cat([s.blocks, s.blocks[:1].expand(num_blocks - len(s.blocks))]) for s in short]
     group = SpanGroup(torch.tensor(queries, device=device), torch.tensor(real, device=device),
                       torch.tensor([queries[i] for i in real], device=device), torch.cat(padded), mask)
     grouped = set(map(id, short))

@@ -357,11 +357,12 @@ class QuantizedLinear(nn.Module):
         else:
             codes = torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
         self.register_buffer("qweight", codes)
-        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float32, device=device))
+        scales = torch.ones(out_features, groups, dtype=torch.float32, device=device)
+        self.register_buffer("scales", scales)
         # Zero points (module docstring): Ŵ = codes · scales + offsets.
         self.offsets: torch.Tensor | None
         if offsets:
-            self.register_buffer("offsets", torch.zeros(out_features, groups, dtype=torch.float32, device=device))
+            self.register_buffer("offsets", torch.zeros_like(scales))
         else:
             self.offsets = None
         if bias:
@@ -370,8 +371,9 @@ class QuantizedLinear(nn.Module):
             self.register_parameter("bias", None)
         # The packed kernel's operands, derived from qweight and scales and never saved
         # (module docstring); empty until `prepare_kernel` fills them.
-        self.register_buffer("kernel_weight", torch.empty(0, dtype=torch.uint8, device=device), persistent=False)
-        self.register_buffer("kernel_scales", torch.empty(0, dtype=torch.bfloat16, device=device), persistent=False)
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        self.register_buffer("kernel_weight", empty, persistent=False)
+        self.register_buffer("kernel_scales", empty.to(torch.bfloat16), persistent=False)
         self.kernel = choose_kernel(self.spec, in_features, out_features)
         self.kernel_group = 0  # the int4 kernel's group size, set by `prepare_kernel`
         self.register_load_state_dict_post_hook(_prepare_after_load)

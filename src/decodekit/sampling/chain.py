@@ -71,7 +71,8 @@ class SamplerState:
         self.memory: dict[Any, torch.Tensor] = {}
         if params.mirostat_tau is not None and "mirostat" in params.order:
             # Mirostat v2 starts its target at twice the target surprise tau.
-            self.mu = torch.full((num_rows,), 2.0 * params.mirostat_tau, dtype=torch.float64, device="cpu")  # host
+            tau = 2.0 * params.mirostat_tau
+            self.mu = torch.full((num_rows,), tau, dtype=torch.float64, device="cpu")  # host, as `accept`
 
     @property
     def num_rows(self) -> int:

@@ -179,7 +179,7 @@ def xtc(
     """
     if probability <= 0:
         return logits.clone()
-    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device="cpu")  # CPU generator
+    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device="cpu")
     applies = (draw < probability).to(logits.device)[:, None]  # [R, 1]
     probs = _probs64(logits)
     above = probs >= threshold
