@@ -101,10 +101,15 @@ def both(tmp_path_factory):
         where["gguf"] = write_gguf(ASSETS / "shakespeare", path / "s-q8_0.gguf", "q8_0")
     except ImportError:
         pass
+    from decodekit.models.qlinear import set_kernels
+
     out = {}
     for device in ("cpu", "cuda"):
         out[device] = {key: dk.load_model(name, device=device) for key, name in where.items()}
         out[device]["orm"], out[device]["prm"] = load_orm("arith-hf-orm"), load_prm("arith-hf-prm")
+    for key in ROUNDED:
+        if key in out["cpu"]:
+            set_kernels(out["cpu"][key].net, "unpack")  # the GPU's float32 maths (test above)
     return out
 
 
@@ -134,7 +139,7 @@ def _runs():
 
 GREEDY_RUNS = ["greedy", "short-prompts-together", "stream", "beam", "speculative-draft",
                "speculative-self-int4", "contrastive", "contrastive-window", "constrained"]  # fmt: skip
-ROUNDED = ["int8", "int4", "gguf"]  # compressed: their CPU kernels round x to bfloat16
+ROUNDED = ["int8", "int4", "gguf"]  # compressed: the CPU's packed kernels round x to bfloat16
 
 
 @pytest.mark.parametrize("name", GREEDY_RUNS)
@@ -150,5 +155,12 @@ def test_seeded_strategies_on_the_device_repeat_themselves(both, name):
     run = _runs()[name]
     first = _tokens(run(both["cuda"]))
     assert first == _tokens(run(both["cuda"]))
-    if name in ROUNDED:
-        assert first  # ran; the tokens are compared with the CPU's unpack path above
+
+
+@pytest.mark.parametrize("name", ROUNDED)
+def test_compressed_models_on_the_device_give_the_cpus_unpack_tokens(both, name):
+    if name not in both["cuda"]:
+        pytest.skip("needs the gguf package")
+    model = {"cpu": both["cpu"][name], "cuda": both["cuda"][name]}
+    cpu, gpu = (dk.generate(model[d], ["ROMEO:", "JU"], GREEDY) for d in ("cpu", "cuda"))
+    assert _tokens(gpu) == _tokens(cpu)

@@ -67,6 +67,7 @@ RUNS = {
     "mirostat": lambda m: dk.generate(m[S], "ROMEO:", SEEDED.replace(mirostat_tau=3.0)),
     "allowed-tokens": lambda m: dk.generate(m[S], "ROMEO:", SEEDED.replace(allowed_token_ids=(1, 2, 3))),
     "short-prompts-together": lambda m: dk.generate(m[S], ["RO", "JU", "O R", "Th"], GREEDY),
+    "healing": lambda m: dk.generate(m[S], "ROMEO: Wh", GREEDY, heal=True),
     "stream": lambda m: list(dk.stream(m[S], "ROMEO:", GREEDY)),
     "beam": lambda m: dk.beam_search(m[S], "ROMEO:", GREEDY, num_beams=3),
     "speculative-draft": lambda m: dk.speculative_generate(m[S], m["draft"], "ROMEO:", GREEDY),

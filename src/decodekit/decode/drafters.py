@@ -189,7 +189,8 @@ class PromptLookupDrafter:
         tokens = self.lookup(context, num_tokens)
         # one-hot on the host; verification moves it beside the target's logits
         probs = torch.zeros((len(tokens), sampler.vocab_size), dtype=torch.float64, device="cpu")
-        probs[torch.arange(len(tokens), device="cpu"), torch.tensor(tokens, device="cpu")] = 1.0
+        rows = torch.arange(len(tokens), device="cpu")
+        probs[rows, torch.tensor(tokens, dtype=torch.long, device="cpu")] = 1.0
         return Draft(tokens, probs)
 
 
