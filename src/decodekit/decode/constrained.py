@@ -210,9 +210,10 @@ class GrammarMask:
         """-inf on the tokens the grammar does not allow: [R, V] -> [R, V]."""
         return logits.masked_fill(~self.allowed(logits.device), NEG_INF)
 
-    def accept(self, tokens: torch.Tensor) -> None:
-        """Advance each row's matcher by its chosen token [R]."""
-        for matcher, token in zip(self.matchers, tokens.tolist(), strict=True):
+    def accept(self, tokens: torch.Tensor | Sequence[int]) -> None:
+        """Advance each row's matcher by its chosen token [R] (a tensor or host ints)."""
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        for matcher, token in zip(self.matchers, ids, strict=True):
             if not matcher.consume_token(int(token)):
                 raise ValueError(
                     f"token {token} breaks the constraint ({matcher.get_error()}); the sampling "

@@ -73,8 +73,8 @@ class HealingMask:
                 keep[row, len(self.table) :] = False
         return logits.masked_fill(~keep, NEG_INF)
 
-    def accept(self, tokens: torch.Tensor) -> None:
-        for row, token in enumerate(tokens.tolist()):
+    def accept(self, tokens: torch.Tensor | Sequence[int]) -> None:
+        for row, token in enumerate(tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens):
             piece = self.table[token] if token < len(self.table) else None
             self.remaining[row] = self.remaining[row][len(piece or b"") :]
 
