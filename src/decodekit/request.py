@@ -298,14 +298,20 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
     processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     # One read of the step's numbers on the host (a device synchronisation): each row's
-    # token, its two logprobs and, when asked, its entropy, as float64 (ids are exact).
-    columns = [index[:, 0].double(), raw_lp.gather(-1, index)[:, 0].double(),
-               processed_lp.gather(-1, index)[:, 0].double()]  # fmt: skip
+    # token, its two logprobs and, when asked, its entropy and top logprobs, as float64
+    # (ids are exact).
+    columns = [index[:, 0], raw_lp.gather(-1, index)[:, 0], processed_lp.gather(-1, index)[:, 0]]
+    entropy_at = len(columns)
     if any(row.request.params.entropies for row in rows):
-        columns.append(raw_entropy(raw_lp).double())
-    host = torch.stack(columns).tolist()  # [3 or 4, R]
+        columns.append(raw_entropy(raw_lp))
+    top = min(max(row.request.params.logprobs or 0 for row in rows), raw_lp.shape[-1])
+    top_at = len(columns)
+    if top:
+        values, ids = raw_lp.topk(top, dim=-1)  # [R, k]
+        columns += [*ids.T, *values.T]
+    host = torch.stack([column.double() for column in columns]).tolist()  # [C, R]
     tokens, raw_chosen, processed_chosen = [int(t) for t in host[0]], host[1], host[2]
-    entropies = host[3] if len(host) > 3 else None
+    entropies = host[entropy_at] if top_at > entropy_at else None
     at = 0
     for request, count in accepting:
         request.state.accept(tokens[at : at + count], processed[at : at + count])
@@ -320,8 +326,8 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
         row.logprobs.append(raw_chosen[i])
         row.processed_logprobs.append(processed_chosen[i])
         if params.logprobs:
-            values, ids = raw_lp[i].topk(params.logprobs)
-            row.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+            k = min(params.logprobs, top)
+            row.top_logprobs.append({int(host[top_at + j][i]): host[top_at + top + j][i] for j in range(k)})
         if params.entropies:
             row.entropies.append(entropies[i])
         if token in params.stop_token_ids or (
