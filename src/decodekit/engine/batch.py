@@ -307,11 +307,11 @@ def build_batch(
     if decoding:
         rows = _running_rows(running, set(windows) or {None})
 
-    def as_long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows, max(positions, default=-1) + 1)
-    return as_long(tokens), as_long(positions), batch, as_long(keep)
+    # the step's indices in one copy to the device: tokens, positions, slots [T] and keep [K]
+    flat = torch.tensor(tokens + positions + all_slots + keep, dtype=torch.long, device=device)
+    tokens_t, positions_t, slots_t, keep_t = flat.split([len(tokens)] * 3 + [len(keep)])
+    batch = PagedBatch(pool, slots_t, rows, prefills, windows, max(positions, default=-1) + 1)
+    return tokens_t, positions_t, batch, keep_t
 
 
 def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:

@@ -72,19 +72,21 @@ def _prefix_cutoff(sorted_key: torch.Tensor, sorted_probs: torch.Tensor, mass: f
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
     """How often each token occurs in each row's history: [R, V] float32."""
     counts = torch.zeros(len(histories), vocab_size, device=device)
-    for row, history in enumerate(histories):
-        if history:
-            ids = torch.as_tensor(list(history), dtype=torch.long, device=device)
-            counts[row].index_add_(0, ids, torch.ones(len(ids), device=device))
+    # every row's (row, token) pairs in one copy to the device, not one per row
+    pairs = [(row, token) for row, history in enumerate(histories) for token in history]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long, device=device).T  # [2, N]
+        counts.index_put_((index[0], index[1]), counts.new_ones(index.shape[1]), accumulate=True)
     return counts
 
 
 def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     """-inf at banned[row] for each row."""
     out = logits.clone()
-    for row, ids in enumerate(banned):
-        if ids:
-            out[row, torch.as_tensor(list(ids), dtype=torch.long, device=out.device)] = NEG_INF
+    pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]  # one copy for all rows
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long, device=out.device).T  # [2, N]
+        out[index[0], index[1]] = NEG_INF
     return out
 
 
