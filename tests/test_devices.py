@@ -28,14 +28,16 @@ ADAPTERS = dict(logit_bias={5: 1.0}, bad_words=("the",), min_new_tokens=2, no_re
 def models(tmp_path_factory):
     from decodekit.compress import CompressConfig, compress_to_dir
 
-    pytest.importorskip("gguf")
-    from decodekit.compress.gguf import write_gguf
-
     path = tmp_path_factory.mktemp("devices")
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=8), path / "int8")
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, group_size=32), path / "int4")
-    write_gguf(ASSETS / "shakespeare", path / "s-q8_0.gguf", "q8_0")
-    names = {"int8": path / "int8", "int4": path / "int4", "gguf": path / "s-q8_0.gguf"}
+    names = {"int8": path / "int8", "int4": path / "int4"}
+    try:  # the gguf package (the dev extra) writes the file
+        from decodekit.compress.gguf import write_gguf
+
+        names["gguf"] = write_gguf(ASSETS / "shakespeare", path / "s-q8_0.gguf", "q8_0")
+    except ImportError:
+        pass
     loaded = {key: dk.load_model(where) for key, where in names.items()}
     from decodekit.meta.tasks.arith import load_orm, load_prm
 
@@ -90,6 +92,8 @@ RUNS = {
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_strategy_names_its_tensors_devices(models, name):
+    if name == "gguf" and "gguf" not in models:
+        pytest.skip("needs the gguf package")
     with NamedDevices():
         out = RUNS[name](models)
     assert out  # each run returns its completions (or a search's result)
