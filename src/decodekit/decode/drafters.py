@@ -253,7 +253,7 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
             return PromptLookupDrafter()
         if draft == "self-int4":
             return self_draft(target)
-        from decodekit.models.registry import embedded_models, load_model
+        from decodekit.models.registry import embedded_models, load_model, resolve
 
         if draft == "auto":
             draft = f"{target.name}-draft"
@@ -263,7 +263,9 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
                     "name a draft model or use 'prompt-lookup'"
                 )
         name = draft
-        draft = draft_for(target, ("model", name), lambda: load_model(name))
+        # beside the target (an n-gram model runs on the CPU only; verification moves its draft)
+        device = "cpu" if resolve(name)[2] == "ngram" else target.device
+        draft = draft_for(target, ("model", name), lambda: load_model(name, device=device))
     if isinstance(draft, LanguageModel):
         check_vocabulary(draft, target)
         return ModelDrafter(draft)
