@@ -1,6 +1,8 @@
-"""Every path on a CUDA device (issue 15, item 1): generate, the engine, speculative decoding,
-bfloat16 and compressed models, each against the same run on the CPU. Marked `cuda`; they
-skip on a machine without a GPU (`pytest -m cuda` selects them)."""
+"""Every path on a CUDA device (issues 15 and 33): every strategy of tests/test_devices.py
+(which checks on the CPU that each names its tensors' devices) run on the GPU, greedy
+output equal to the CPU's and seeded output equal to itself; bfloat16 and compressed models.
+Marked `cuda`; they skip on a machine without a GPU (`pytest -m cuda` selects them;
+scripts/gpu_check.sh runs them and the speed table)."""
 
 from __future__ import annotations
 
@@ -63,11 +65,102 @@ def test_bfloat16_on_the_device():
 
 
 def test_a_compressed_model_on_the_device(tmp_path):
+    """The GPU runs a compressed layer's float32 "unpack" maths (models/qlinear.py); the CPU's
+    packed kernels round x to bfloat16 (int8pack, or any prefill above PACKED_MAX_ROWS rows),
+    so the CPU reference is the same layers set to "unpack"."""
     from decodekit.compress import CompressConfig, compress_to_dir
+    from decodekit.models.qlinear import set_kernels
 
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=8), tmp_path / "int8")
     cpu = dk.load_model(tmp_path / "int8")
+    set_kernels(cpu.net, "unpack")
     gpu = dk.load_model(tmp_path / "int8", device="cuda")
     torch.testing.assert_close(prefill(gpu, [IDS])[0].cpu(), prefill(cpu, [IDS])[0], rtol=1e-3, atol=1e-3)
     [completion] = dk.generate(gpu, "ROMEO:", GREEDY)
     assert len(completion.token_ids) == 24
+
+
+# Every strategy of tests/test_devices.py on the GPU. Greedy runs (and the compressed and
+# GGUF models, whose CPU kernels round differently, see above: there the GPU's own second run)
+# must equal the CPU's tokens; seeded ones must repeat themselves.
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """Each model of test_devices.py `models`, on the CPU and on the GPU."""
+    from decodekit.compress import CompressConfig, compress_to_dir
+    from decodekit.meta.tasks.arith import load_orm, load_prm
+    from decodekit.models.registry import ASSETS
+
+    path = tmp_path_factory.mktemp("cuda")
+    compress_to_dir("shakespeare", CompressConfig("rtn", bits=8), path / "int8")
+    compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, group_size=32), path / "int4")
+    where = {"shakespeare": "shakespeare", "draft": "shakespeare-draft", "arith": "arith",
+             "int8": path / "int8", "int4": path / "int4"}  # fmt: skip
+    try:
+        from decodekit.compress.gguf import write_gguf
+
+        where["gguf"] = write_gguf(ASSETS / "shakespeare", path / "s-q8_0.gguf", "q8_0")
+    except ImportError:
+        pass
+    from decodekit.models.qlinear import set_kernels
+
+    out = {}
+    for device in ("cpu", "cuda"):
+        out[device] = {key: dk.load_model(name, device=device) for key, name in where.items()}
+        out[device]["orm"], out[device]["prm"] = load_orm("arith-hf-orm"), load_prm("arith-hf-prm")
+    for key in ROUNDED:
+        if key in out["cpu"]:
+            set_kernels(out["cpu"][key].net, "unpack")  # the GPU's float32 maths (test above)
+    return out
+
+
+def _tokens(result) -> list:
+    """Comparable token ids of a run's result: completions (nested), a stream's deltas, a
+    speculative result or a meta-generator's result."""
+    if hasattr(result, "completions"):
+        return _tokens(result.completions)
+    if hasattr(result, "candidates"):  # a meta-generator's: its candidates' texts and the answer
+        return [[getattr(c, "text", None) for c in result.candidates], repr(getattr(result, "answer", None))]
+    if hasattr(result, "token_ids"):
+        return list(result.token_ids)
+    if isinstance(result, list | tuple):
+        return [_tokens(item) for item in result]
+    return repr(result)
+
+
+def _runs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_devices import RUNS
+
+    return RUNS
+
+
+GREEDY_RUNS = ["greedy", "short-prompts-together", "stream", "beam", "speculative-draft",
+               "speculative-self-int4", "contrastive", "contrastive-window", "constrained"]  # fmt: skip
+ROUNDED = ["int8", "int4", "gguf"]  # compressed: the CPU's packed kernels round x to bfloat16
+
+
+@pytest.mark.parametrize("name", GREEDY_RUNS)
+def test_greedy_strategies_on_the_device_give_the_cpus_tokens(both, name):
+    run = _runs()[name]
+    assert _tokens(run(both["cuda"])) == _tokens(run(both["cpu"]))
+
+
+@pytest.mark.parametrize("name", sorted(set(_runs()) - set(GREEDY_RUNS)))
+def test_seeded_strategies_on_the_device_repeat_themselves(both, name):
+    if name == "gguf" and "gguf" not in both["cuda"]:
+        pytest.skip("needs the gguf package")
+    run = _runs()[name]
+    first = _tokens(run(both["cuda"]))
+    assert first == _tokens(run(both["cuda"]))
+
+
+@pytest.mark.parametrize("name", ROUNDED)
+def test_compressed_models_on_the_device_give_the_cpus_unpack_tokens(both, name):
+    if name not in both["cuda"]:
+        pytest.skip("needs the gguf package")
+    model = {"cpu": both["cpu"][name], "cuda": both["cuda"][name]}
+    cpu, gpu = (dk.generate(model[d], ["ROMEO:", "JU"], GREEDY) for d in ("cpu", "cuda"))
+    assert _tokens(gpu) == _tokens(cpu)

@@ -40,7 +40,7 @@ class TokenMask(Protocol):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor: ...  # [R, V] -> [R, V]
 
-    def accept(self, tokens: torch.Tensor) -> None: ...  # [R] chosen tokens
+    def accept(self, tokens: torch.Tensor | Sequence[int]) -> None: ...  # [R] chosen tokens
 
     def select_rows(self, rows: Sequence[int]) -> None: ...
 
@@ -210,17 +210,17 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     one softmax and one search, each request's uniforms from its own generator, so every row
     gets the token it would get alone (tests/test_request.py)."""
     if len(live) == 0:
-        return torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device=logits.device)
     if live[0].request is live[-1].request:  # one request's rows (contiguous): no copies
         processed, chosen = _sample_request(logits, live[0].request, hidden)
-        record(live, logits, processed, chosen)
+        record(live, logits, processed, chosen, [(live[0].request, len(live))])
         return chosen
     batches = _batches(live, hidden is not None)
     if len(batches) == 1:  # one batch of several requests: no copies
         processed, chosen = _sample_batch(logits, batches[0][2])
-        record(live, logits, processed, chosen)
+        record(live, logits, processed, chosen, batches[0][2])
         return chosen
-    tokens = torch.empty(len(live), dtype=torch.long)
+    tokens = torch.empty(len(live), dtype=torch.long, device=logits.device)
     processed_all = torch.empty_like(logits)  # [R, V]
     for start, stop, requests in batches:
         raw = logits[start:stop]  # [r, V]
@@ -231,7 +231,7 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
             processed, chosen = _sample_request(raw, request, None if hidden is None else hidden[start:stop])
         processed_all[start:stop] = processed
         tokens[start:stop] = chosen
-    record(live, logits, processed_all, tokens)
+    record(live, logits, processed_all, tokens, [pair for _, _, requests in batches for pair in requests])
     return tokens
 
 
@@ -261,7 +261,7 @@ def _batches(live: list[Row], with_hidden: bool) -> list[tuple[int, int, list[tu
 
 def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tuple[torch.Tensor, ...]:
     """Several requests' rows [R, V] through their common row-wise chain: processed logits
-    and tokens [R], each request's state advanced."""
+    and tokens [R] (`record` advances each request's state)."""
     first = requests[0][0]
     processed = raw if first.chain.identity else first.chain(raw, first.state)
     if first.params.greedy:
@@ -269,49 +269,65 @@ def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tup
     else:
         probs = torch.softmax(processed.double(), dim=-1)
         chosen = draw_rows(probs, [(request.state.generator, rows) for request, rows in requests])
-    at = 0
-    for request, rows in requests:
+    for request, _ in requests:
         request.state.hidden = None
-        request.state.accept(chosen[at : at + rows], processed[at : at + rows])
-        at += rows
     return processed, chosen
 
 
 def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | None) -> tuple:
-    """One request's rows [r, V] (hidden [r, H] or None): processed logits and tokens [r], its
-    state (and mask) advanced. A chain without adapters samples from the raw logits themselves."""
+    """One request's rows [r, V] (hidden [r, H] or None): processed logits and tokens [r]
+    (`record` advances its state and mask). A chain without adapters samples from the raw
+    logits themselves."""
     # The token mask comes first, so the chain renormalises over the allowed tokens.
     allowed = raw if request.mask is None else request.mask.apply(raw)
     request.state.hidden = hidden if hidden is not None and request.wants_hidden else None
     identity = request.mask is None and getattr(request.chain, "identity", False)
     processed = allowed if identity else request.chain(allowed, request.state)
     chosen = select_tokens(processed, request.state)  # [r]
-    request.state.accept(chosen, processed)
-    if request.mask is not None:
-        request.mask.accept(chosen)
     return processed, chosen
 
 
-def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor):
+def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor,
+           accepting: list[tuple[Request, int]] = ()):  # fmt: skip
     """Append each row's token and logprobs, and end the rows it finishes. The rows may
     belong to several requests (each request's rows contiguous, in its state's order); the
-    log-softmaxes run once over the whole batch."""
+    log-softmaxes run once over the whole batch. accepting: (request, rows) in the rows'
+    order whose state and mask accept the tokens here, from the one host read of the step
+    (a caller that accepted them itself passes none)."""
     raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
     processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
-    raw_chosen = raw_lp.gather(-1, index)[:, 0].tolist()
-    processed_chosen = processed_lp.gather(-1, index)[:, 0].tolist()
-    entropies = raw_entropy(raw_lp).tolist() if any(row.request.params.entropies for row in rows) else None
+    # One read of the step's numbers on the host (a device synchronisation): each row's
+    # token, its two logprobs and, when asked, its entropy and top logprobs, as float64
+    # (ids are exact).
+    columns = [index[:, 0], raw_lp.gather(-1, index)[:, 0], processed_lp.gather(-1, index)[:, 0]]
+    entropy_at = len(columns)
+    if any(row.request.params.entropies for row in rows):
+        columns.append(raw_entropy(raw_lp))
+    top = min(max(row.request.params.logprobs or 0 for row in rows), raw_lp.shape[-1])
+    top_at = len(columns)
+    if top:
+        values, ids = raw_lp.topk(top, dim=-1)  # [R, k]
+        columns += [*ids.T, *values.T]
+    host = torch.stack([column.double() for column in columns]).tolist()  # [C, R]
+    tokens, raw_chosen, processed_chosen = [int(t) for t in host[0]], host[1], host[2]
+    entropies = host[entropy_at] if top_at > entropy_at else None
+    at = 0
+    for request, count in accepting:
+        request.state.accept(tokens[at : at + count], processed[at : at + count])
+        if request.mask is not None:
+            request.mask.accept(tokens[at : at + count])
+        at += count
     local = 0
-    for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+    for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
         local = local + 1 if i > 0 and rows[i - 1].request is row.request else 0
         request = row.request
         params, mask = request.params, request.mask
         row.logprobs.append(raw_chosen[i])
         row.processed_logprobs.append(processed_chosen[i])
         if params.logprobs:
-            values, ids = raw_lp[i].topk(params.logprobs)
-            row.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+            k = min(params.logprobs, top)
+            row.top_logprobs.append({int(host[top_at + j][i]): host[top_at + top + j][i] for j in range(k)})
         if params.entropies:
             row.entropies.append(entropies[i])
         if token in params.stop_token_ids or (

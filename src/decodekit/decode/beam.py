@@ -143,18 +143,23 @@ class BeamSearch:
         processed = self.chain(allowed, self.state)  # [K, V]
         scores = torch.log_softmax(processed, dim=-1)
         raw = torch.log_softmax(logits, dim=-1)
-        totals = torch.tensor([b.total for b in beams])[:, None] + scores  # [K, V]
+        totals = torch.tensor([b.total for b in beams], device=scores.device)[:, None] + scores  # [K, V]
         # 2K candidates (one more K per extra stop token, as Hugging Face keeps) leave at least
         # K that do not stop, to refill the live beams.
         width = max(2, 1 + len(self.stop_ids)) * num_beams
-        best = totals.flatten().topk(min(width, int(torch.isfinite(totals).sum())))
-        raw_values = raw.flatten()[best.indices].tolist()
-        score_values = scores.flatten()[best.indices].tolist()
+        best = totals.flatten().topk(min(width, totals.numel()))
+        # One read on the host: the candidates' indices, raw and processed log-probs, totals;
+        # the removed (-inf) ones dropped there, not counted on the device first.
+        picked = [best.indices, raw.flatten()[best.indices], scores.flatten()[best.indices], best.values]
+        host = torch.stack([column.double() for column in picked]).tolist()
+        finite = [i for i, total in enumerate(host[3]) if math.isfinite(total)]
+        indices = [int(host[0][i]) for i in finite]
+        raw_values, score_values = [host[1][i] for i in finite], [host[2][i] for i in finite]
         vocab = totals.shape[1]
         self.steps += 1
         last = self.steps == self.max_steps  # every candidate stops: out of length
         parents, tokens, next_beams, fates = [], [], [], []
-        for rank, flat in enumerate(best.indices.tolist()):
+        for rank, flat in enumerate(indices):
             parent, token = divmod(flat, vocab)
             beam = beams[parent]
             score = score_values[rank]
@@ -184,7 +189,7 @@ class BeamSearch:
                 break
         if self.trace is not None:
             fates += ["pruned"] * (len(score_values) - len(fates))
-            ranked = [divmod(flat, vocab) for flat in best.indices.tolist()]
+            ranked = [divmod(flat, vocab) for flat in indices]
             self.trace.append([(parent, token, score, beams[parent].total + score, fate)
                                for (parent, token), score, fate in zip(ranked, score_values, fates)])
         self.beams = next_beams
@@ -193,11 +198,10 @@ class BeamSearch:
             self.beams = []  # out of length, or stopped early: live beams cannot beat the finished ones
             return None
         self.state.select_rows(parents)
-        chosen = torch.tensor(tokens)
-        self.state.accept(chosen, processed[parents])
+        self.state.accept(tokens, processed[parents])  # host ints: no copy to the device and back
         if mask is not None:
             mask.select_rows(parents)
-            mask.accept(chosen)
+            mask.accept(tokens)
         self.tokens = tokens
         return parents
 
@@ -212,7 +216,8 @@ def _beam_plain(model: LanguageModel, search: BeamSearch) -> list[Completion]:
     logits, cache = prefill(model, [search.prompt_ids])  # [1, V]
     while (parents := search.advance(logits)) is not None:
         cache.select(parents)
-        logits = model.forward(torch.tensor(search.tokens)[:, None], cache)[:, -1, :]  # [K, V]
+        tokens = torch.tensor(search.tokens, device=logits.device)[:, None]  # [K, 1]
+        logits = model.forward(tokens, cache)[:, -1, :]  # [K, V]
     return search.completions()
 
 

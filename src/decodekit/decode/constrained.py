@@ -206,7 +206,6 @@ class GrammarMask:
         self.matchers = [first]
         self.vocab_size = model.vocab_size
         self.words = (model.vocab_size + 31) // 32  # llguidance packs 32 tokens per int32
-        self.shifts = torch.arange(32, dtype=torch.int32)
         if not self.can_begin():
             raise ValueError(f"constraint allows no token of model {model.name!r}'s vocabulary to begin "
                              "with: the vocabulary cannot write what the grammar requires first")
@@ -220,21 +219,25 @@ class GrammarMask:
         allowed = self.allowed()[0].nonzero().flatten().tolist()
         return any(self.matchers[0].deep_copy().consume_token(token) for token in allowed)
 
-    def allowed(self) -> torch.Tensor:
-        """Which tokens each row may take next: [R, V] bool."""
-        bitmask = torch.zeros((len(self.matchers), self.words), dtype=torch.int32)  # [R, W]
+    def allowed(self, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Which tokens each row may take next: [R, V] bool on `device`. The grammar runs on
+        the host, which writes the packed mask (V / 32 words a row); only that is copied, and
+        unpacked beside the logits."""
+        bitmask = torch.zeros((len(self.matchers), self.words), dtype=torch.int32, device="cpu")  # [R, W]
         for row, matcher in enumerate(self.matchers):
             matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), self.words * 4)
-        bits = (bitmask[:, :, None] >> self.shifts) & 1  # [R, W, 32], bit i of word w = token 32w+i
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = (bitmask.to(device)[:, :, None] >> shifts) & 1  # [R, W, 32], bit i of word w = token 32w+i
         return bits.flatten(1)[:, : self.vocab_size].bool()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """-inf on the tokens the grammar does not allow: [R, V] -> [R, V]."""
-        return logits.masked_fill(~self.allowed().to(logits.device), NEG_INF)
+        return logits.masked_fill(~self.allowed(logits.device), NEG_INF)
 
-    def accept(self, tokens: torch.Tensor) -> None:
-        """Advance each row's matcher by its chosen token [R]."""
-        for matcher, token in zip(self.matchers, tokens.tolist(), strict=True):
+    def accept(self, tokens: torch.Tensor | Sequence[int]) -> None:
+        """Advance each row's matcher by its chosen token [R] (a tensor or host ints)."""
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        for matcher, token in zip(self.matchers, ids, strict=True):
             if not matcher.consume_token(int(token)):
                 raise ValueError(
                     f"token {token} breaks the constraint ({matcher.get_error()}); the sampling "

@@ -97,8 +97,9 @@ class WindowCache(Cache):
     """What an amateur with a context window needs: each row's tokens [B, L] and mask [B, L]."""
 
     def __init__(self, batch_size: int):
-        self.tokens = torch.zeros((batch_size, 0), dtype=torch.long)
-        self.mask = torch.zeros((batch_size, 0), dtype=torch.bool)
+        # host bookkeeping: the amateur's windows are cut from these as lists
+        self.tokens = torch.zeros((batch_size, 0), dtype=torch.long, device="cpu")
+        self.mask = torch.zeros((batch_size, 0), dtype=torch.bool, device="cpu")
 
     @property
     def length(self) -> int:
@@ -111,7 +112,7 @@ class WindowCache(Cache):
         return other
 
     def select(self, rows: Sequence[int]) -> None:
-        index = torch.as_tensor(list(rows), dtype=torch.long)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)
         self.tokens, self.mask = self.tokens[index], self.mask[index]
 
     def crop(self, length: int) -> None:
@@ -178,6 +179,7 @@ class ContrastiveLM(LanguageModel):
         self.alpha, self.amateur_temperature = float(alpha), float(amateur_temperature)
         self.amateur_window, self.amateur_weight = amateur_window, float(amateur_weight)
         self.name = f"contrastive({expert.name}, {amateur.name})"
+        self.device = expert.device
         self.vocab_size = expert.vocab_size
         self.eos_token_ids = expert.eos_token_ids
         self.tokenizer = expert.tokenizer
@@ -239,6 +241,7 @@ class ContrastiveLM(LanguageModel):
         """Amateur logits [B, T, V], each position computed from its last W real tokens only."""
         if mask is None:
             mask = torch.ones_like(tokens, dtype=torch.bool)  # [B, T]
+        tokens, mask = tokens.to(cache.tokens.device), mask.to(cache.tokens.device)  # read as lists below
         cache.tokens = torch.cat([cache.tokens, tokens], dim=1)  # [B, L + T]
         cache.mask = torch.cat([cache.mask, mask], dim=1)
         width, (batch, steps) = self.amateur_window, tokens.shape
@@ -251,9 +254,9 @@ class ContrastiveLM(LanguageModel):
                 end = len(history) - new + j + 1
                 windows.append(history[max(0, end - width) : end])
                 places.append((b, t))
-        out = torch.zeros(batch, steps, self.vocab_size)  # padding positions stay 0 (unused)
+        out = torch.zeros(batch, steps, self.vocab_size, device=self.amateur.device)  # padding stays 0
         if windows:
-            window_tokens, window_mask = left_pad(windows)
+            window_tokens, window_mask = left_pad(windows, device=self.amateur.device)
             fresh = self.amateur.new_cache(len(windows))
             logits = self.amateur.forward(window_tokens, fresh, window_mask)[:, -1, :]  # [N, V]
             rows, cols = zip(*places, strict=True)

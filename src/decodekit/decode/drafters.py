@@ -82,8 +82,8 @@ class DraftSampler:
         return int(token), torch.softmax(processed[0].double(), dim=-1)
 
 
-def empty_draft(vocab_size: int) -> Draft:
-    return Draft([], torch.zeros((0, vocab_size), dtype=torch.float64))
+def empty_draft(vocab_size: int, device: torch.device) -> Draft:
+    return Draft([], torch.zeros((0, vocab_size), dtype=torch.float64, device=device))
 
 
 class IncrementalModel:
@@ -104,18 +104,17 @@ class IncrementalModel:
         self.calls = 0
 
     def next_logits(self, sequence: Sequence[int], count: int) -> torch.Tensor:
-        """Logits [count, V] float32 on the CPU predicting sequence[-count + 1:] and the token
-        after it. Verification runs on the CPU in float64 with the request's CPU generator:
-        its tensors are [γ + 1, V], small beside a forward, and every acceptance test reads
-        scalars anyway (a device sync per block)."""
+        """Logits [count, V] float32 on the model's device predicting sequence[-count + 1:] and
+        the token after it. Verification runs where the target's logits are (speculative.py
+        `settle_block`); its decisions are read on the host once per block."""
         assert 1 <= count <= len(sequence), (count, len(sequence))
         keep = min(common_prefix(self.tokens, sequence), len(sequence) - count)
         if keep == 0:
             self.cache = self.model.new_cache(1)
         elif keep < len(self.tokens):
             self.cache.crop(keep)
-        new = torch.as_tensor(list(sequence[keep:]), dtype=torch.long)[None]  # [1, T]
-        logits = self.model.forward(new, self.cache)[0, -count:].cpu()  # [count, V]
+        new = torch.tensor(list(sequence[keep:]), dtype=torch.long, device=self.model.device)[None]  # [1, T]
+        logits = self.model.forward(new, self.cache)[0, -count:]  # [count, V]
         self.tokens = list(sequence)
         self.calls += 1
         return logits
@@ -144,7 +143,7 @@ class ModelDrafter:
     def propose(self, context: Sequence[int], num_tokens: int, sampler: DraftSampler) -> Draft:
         num_tokens = min(num_tokens, self.model.max_context - len(context) + 1)
         if num_tokens <= 0:
-            return empty_draft(sampler.vocab_size)
+            return empty_draft(sampler.vocab_size, self.model.device)
         sequence, probs = list(context), []
         for _ in range(num_tokens):
             logits = self.runner.next_logits(sequence, 1)[0]  # [V]
@@ -175,7 +174,7 @@ class PromptLookupDrafter:
 
     def lookup(self, context: Sequence[int], num_tokens: int) -> list[int]:
         """The up to `num_tokens` tokens that followed the last earlier match, or []."""
-        ids = torch.as_tensor(list(context), dtype=torch.long)
+        ids = torch.tensor(list(context), dtype=torch.long, device="cpu")  # host: token ids are lists
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ids) <= n or num_tokens <= 0:
                 continue
@@ -188,8 +187,10 @@ class PromptLookupDrafter:
 
     def propose(self, context: Sequence[int], num_tokens: int, sampler: DraftSampler) -> Draft:
         tokens = self.lookup(context, num_tokens)
-        probs = torch.zeros((len(tokens), sampler.vocab_size), dtype=torch.float64)
-        probs[torch.arange(len(tokens)), torch.as_tensor(tokens, dtype=torch.long)] = 1.0
+        # one-hot on the host; verification moves it beside the target's logits
+        probs = torch.zeros((len(tokens), sampler.vocab_size), dtype=torch.float64, device="cpu")
+        rows = torch.arange(len(tokens), device="cpu")
+        probs[rows, torch.tensor(tokens, dtype=torch.long, device="cpu")] = 1.0
         return Draft(tokens, probs)
 
 
@@ -252,7 +253,7 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
             return PromptLookupDrafter()
         if draft == "self-int4":
             return self_draft(target)
-        from decodekit.models.registry import embedded_models, load_model
+        from decodekit.models.registry import embedded_models, load_model, resolve
 
         if draft == "auto":
             draft = f"{target.name}-draft"
@@ -262,7 +263,9 @@ def make_drafter(draft: object, target: LanguageModel) -> Drafter:
                     "name a draft model or use 'prompt-lookup'"
                 )
         name = draft
-        draft = draft_for(target, ("model", name), lambda: load_model(name))
+        # beside the target (an n-gram model runs on the CPU only; verification moves its draft)
+        device = "cpu" if resolve(name)[2] == "ngram" else target.device
+        draft = draft_for(target, ("model", name), lambda: load_model(name, device=device))
     if isinstance(draft, LanguageModel):
         check_vocabulary(draft, target)
         return ModelDrafter(draft)

@@ -50,16 +50,18 @@ class HealingMask:
         self.remaining = [removed] * num_rows
         self._allowed: dict[bytes, torch.Tensor] = {}  # remaining bytes -> allowed [V] bool
 
-    def allowed_for(self, remaining: bytes) -> torch.Tensor:
-        """[V] bool: tokens whose bytes start with `remaining` or are a non-empty prefix of it."""
+    def allowed_for(self, remaining: bytes, device: str | torch.device = "cpu") -> torch.Tensor:
+        """[V] bool on `device`: tokens whose bytes start with `remaining` or are a non-empty
+        prefix of it (built on the host once per `remaining`, copied once)."""
         if remaining not in self._allowed:
             self._allowed[remaining] = torch.tensor(
                 [
                     b is not None and len(b) > 0 and (b.startswith(remaining) or remaining.startswith(b))
                     for b in self.table
-                ]
+                ],
+                device=device,
             )
-        return self._allowed[remaining]
+        return self._allowed[remaining].to(device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         if not any(self.remaining):
@@ -67,12 +69,12 @@ class HealingMask:
         keep = torch.ones_like(logits, dtype=torch.bool)  # [R, V]
         for row, remaining in enumerate(self.remaining):
             if remaining:
-                keep[row, : len(self.table)] = self.allowed_for(remaining)
+                keep[row, : len(self.table)] = self.allowed_for(remaining, logits.device)
                 keep[row, len(self.table) :] = False
         return logits.masked_fill(~keep, NEG_INF)
 
-    def accept(self, tokens: torch.Tensor) -> None:
-        for row, token in enumerate(tokens.tolist()):
+    def accept(self, tokens: torch.Tensor | Sequence[int]) -> None:
+        for row, token in enumerate(tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens):
             piece = self.table[token] if token < len(self.table) else None
             self.remaining[row] = self.remaining[row][len(piece or b"") :]
 

@@ -103,7 +103,7 @@ def block_acceptance(
     weights = [1.0]
     for ratio in ratios.tolist():
         weights.append(min(weights[-1] * ratio, 1.0))
-    P = torch.tensor(weights, dtype=torch.float64)  # [γ + 1]
+    P = torch.tensor(weights, dtype=torch.float64, device=p.device)  # [γ + 1]
     Z = (P[1:gamma, None] * p[1:gamma].double() - q[1:gamma].double()).clamp(min=0).sum(-1)
     denominator = Z + 1.0 - P[1:gamma]
     h = torch.where(denominator > 0, Z / denominator.clamp(min=1e-300), 0.0)
@@ -121,7 +121,7 @@ def residual(p_next: torch.Tensor, q_next: torch.Tensor, weight: float = 1.0) ->
 def token_verify(p, q, draft, generator) -> tuple[int, int]:
     """Token verification: accept x_i while η_i < h_i; y from the residual or p_{γ+1}."""
     gamma = len(draft)
-    eta = torch.rand(gamma, generator=generator, dtype=torch.float64)
+    eta = uniforms(gamma, generator, p.device)
     tau = int((eta < token_acceptance(p, q, draft)).long().cumprod(0).sum()) if gamma else 0
     if tau == gamma:
         return tau, int(draw(p[gamma], generator))
@@ -134,12 +134,18 @@ def block_verify(p, q, draft, generator) -> tuple[int, int]:
     if gamma == 0:
         return 0, int(draw(p[0], generator))
     h, P = block_acceptance(p, q, draft)
-    eta = torch.rand(gamma, generator=generator, dtype=torch.float64)
+    eta = uniforms(gamma, generator, p.device)
     hits = (eta < h).nonzero()
     tau = int(hits[-1]) + 1 if len(hits) else 0
     if tau == gamma:
         return tau, int(draw(p[gamma], generator))
     return tau, int(draw(residual(p[tau], q[tau], float(P[tau])), generator))
+
+
+def uniforms(count: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """`count` float64 uniforms from the request's (CPU) generator, on `device`: the same
+    draws whatever the device (sampling/select.py `draw`)."""
+    return torch.rand(count, generator=generator, dtype=torch.float64, device="cpu").to(device)
 
 
 def greedy_verify(p: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:
@@ -157,20 +163,20 @@ def tau_distribution(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.T
     "block" (τ = the last successful coin, h_0 = 1) verification."""
     gamma = len(draft)
     if rule == "token":
-        h = torch.cat([token_acceptance(p, q, draft), torch.zeros(1, dtype=torch.float64)])
-        survive = torch.cat([torch.ones(1, dtype=torch.float64), torch.cumprod(h[:gamma], 0)])
+        h = torch.cat([token_acceptance(p, q, draft), p.new_zeros(1, dtype=torch.float64)])
+        survive = torch.cat([p.new_ones(1, dtype=torch.float64), torch.cumprod(h[:gamma], 0)])
         return survive * (1 - h)
     if rule != "block":
         raise ValueError(f"rule must be 'token' or 'block', got {rule!r}")
-    h = torch.cat([torch.ones(1, dtype=torch.float64), block_acceptance(p, q, draft)[0]])
+    h = torch.cat([p.new_ones(1, dtype=torch.float64), block_acceptance(p, q, draft)[0]])
     fail_after = torch.flip(torch.cumprod(torch.flip(1 - h, [0]), 0), [0])  # Π_{j >= i} (1 - h_j)
-    return h * torch.cat([fail_after[1:], torch.ones(1, dtype=torch.float64)])
+    return h * torch.cat([fail_after[1:], h.new_ones(1)])
 
 
 def expected_accepted(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> float:
     """E[τ | draft]: the accepted draft tokens a rule keeps on average for this block."""
     dist = tau_distribution(rule, p, q, draft)
-    return float((dist * torch.arange(len(dist), dtype=torch.float64)).sum())
+    return float((dist * torch.arange(len(dist), dtype=torch.float64, device=dist.device)).sum())
 
 
 # -- configuration, statistics, result --------------------------------------------------------
@@ -297,7 +303,7 @@ def process_block(chain, state: SamplerState, raw: torch.Tensor, draft: list[int
         processed = chain(raw[i : i + 1], scratch)  # [1, V]
         rows.append(processed)
         if i < len(draft):
-            scratch.accept(torch.tensor([draft[i]]), processed)
+            scratch.accept(torch.tensor([draft[i]], device=processed.device), processed)
     return torch.cat(rows)
 
 
@@ -336,7 +342,10 @@ def settle_block(
     params = row.request.params
     processed = process_block(row.request.chain, state, raw, draft.tokens)  # [γ+1, V]
     p = torch.softmax(processed.double(), dim=-1)  # [γ+1, V]
-    x = torch.as_tensor(draft.tokens, dtype=torch.long)  # [γ]
+    # Verification runs where the target's logits are; a draft from another device (an
+    # n-gram model on the CPU) is moved once.
+    draft = Draft(draft.tokens, draft.probs.to(p.device), draft.model_calls)
+    x = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)  # [γ]
     uniforms = state.generator.get_state() if config.trace is not None and not params.greedy else None
     if params.greedy:
         tau, y = greedy_verify(processed, x)
@@ -346,7 +355,7 @@ def settle_block(
         config.trace(BlockTrace(row, list(draft.tokens), draft.probs, processed, p, tau, y, uniforms))
     emitted = 0
     for i, token in enumerate(draft.tokens[:tau] + [y]):
-        chosen = torch.tensor([token])
+        chosen = torch.tensor([token], device=processed.device)
         state.accept(chosen, processed[i : i + 1])
         # The emitted token is distributed as p_{i+1}: report that as its processed logprob.
         record([row], raw[i : i + 1], processed[i : i + 1], chosen)
@@ -563,7 +572,7 @@ class SpeculativeProgram(Program):
         [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
         self.stats.target_seconds += time.perf_counter() - middle
         for r, raw in zip(live, logits, strict=True):
-            probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size).probs
+            probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size, raw.device).probs
             draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
             raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
             tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)

@@ -87,8 +87,10 @@ class PagedBatch:
         running: RunningRows | None,
         prefills: list[PrefillSpan],
         windows: tuple[int | None, ...] = (),
+        end: int = 0,
     ):
         self.pool = pool
+        self.end = end  # 1 + the step's largest position, known on the host (no read of `positions`)
         self.slots = slots
         self.running = running
         self.prefills = prefills
@@ -182,21 +184,21 @@ def group_short_spans(
     short = [span for span in spans if span.end - span.start <= SHORT_SPAN]
     if len(short) < 2 or any(w is not None for w in windows):
         return None, spans
-    starts = torch.tensor([span.start for span in short])  # [B]
-    new = torch.tensor([span.end - span.start for span in short])
-    lengths = torch.tensor([span.length for span in short])
-    count, width = int(new.max()), int(lengths.max())  # T, S
-    offset = torch.minimum(torch.arange(count)[None, :], new[:, None] - 1)  # [B, T]
-    queries = (starts[:, None] + offset).flatten()
-    real = (torch.arange(count)[None, :] < new[:, None]).flatten().nonzero()[:, 0]
-    seen = (lengths - new)[:, None] + offset  # [B, T] each query's own position
-    mask = (torch.arange(width)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
+    device = short[0].blocks.device  # beside the pool the indices index
+    # The spans' sizes are host numbers: the group's indices are built on the host and
+    # uploaded once each (no read of a device tensor).
+    counts = [span.end - span.start for span in short]
+    count, width = max(counts), max(span.length for span in short)  # T, S
+    offsets = [[min(t, new - 1) for t in range(count)] for new in counts]  # [B, T]
+    queries = [span.start + t for span, row in zip(short, offsets) for t in row]
+    real = [b * count + t for b, new in enumerate(counts) for t in range(new)]
+    seen = torch.tensor([[span.length - new + t for t in row]
+                         for span, new, row in zip(short, counts, offsets)], device=device)  # [B, T]
+    mask = (torch.arange(width, device=device)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
     num_blocks = -(-width // block_size)
-    blocks = []
-    for span in short:
-        table = span.blocks.tolist()
-        blocks += table + table[:1] * (num_blocks - len(table))
-    group = SpanGroup(queries, real, queries[real], torch.tensor(blocks), mask)
+    padded = [torch.cat([s.blocks, s.blocks[:1].expand(num_blocks - len(s.blocks))]) for s in short]
+    group = SpanGroup(torch.tensor(queries, device=device), torch.tensor(real, device=device),
+                      torch.tensor([queries[i] for i in real], device=device), torch.cat(padded), mask)
     grouped = set(map(id, short))
     return group, [span for span in spans if id(span) not in grouped]
 
@@ -254,8 +256,9 @@ def paged_forward(
     their final hidden states (after the final norm, what the LM head read), (logits,
     states [K, hidden] float32), for an adapter that reads them (align/qvalue.py)."""
     assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
-    model.check_positions(int(positions.max()) + 1)
-    cos, sin = model.rope.tables(int(positions.max()) + 1)
+    end = batch.end or int(positions.max()) + 1
+    model.check_positions(end)
+    cos, sin = model.rope.tables(end)
     cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
     masks = [(None, False)] * model.config.num_layers  # PagedBatch masks by itself
     out = model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant, states)
@@ -304,11 +307,11 @@ def build_batch(
     if decoding:
         rows = _running_rows(running, set(windows) or {None})
 
-    def as_long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows)
-    return as_long(tokens), as_long(positions), batch, as_long(keep)
+    # the step's indices in one copy to the device: tokens, positions, slots [T] and keep [K]
+    flat = torch.tensor(tokens + positions + all_slots + keep, dtype=torch.long, device=device)
+    tokens_t, positions_t, slots_t, keep_t = flat.split([len(tokens)] * 3 + [len(keep)])
+    batch = PagedBatch(pool, slots_t, rows, prefills, windows, max(positions, default=-1) + 1)
+    return tokens_t, positions_t, batch, keep_t
 
 
 def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
@@ -323,7 +326,8 @@ def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
     columns = torch.arange(width, device=device)[None, :]  # [1, S]
     for window in windows:
         first = lengths - window if window is not None else torch.zeros_like(lengths)
-        if int(lengths.min()) == width and int(first.max()) <= 0:
+        # from the host's lengths: reading the device's would synchronise every step
+        if min(running.lengths) == width and (window is None or width - window <= 0):
             masks[window] = None
             continue
         mask = ((columns < lengths[:, None]) & (columns >= first[:, None]))[:, None, None, :]

@@ -30,7 +30,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
-from decodekit.engine.compiled import CompilePolicy, PrefixKV, eligible, lanes_for
+from decodekit.engine.compiled import CompilePolicy, PrefixKV, bucket, eligible, lanes_for
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockPool, PoolCorrupted, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
@@ -543,20 +543,23 @@ class Engine:
         running_kv = self.running_kv
         self._prefix_kv = prefix = PrefixKV.for_rows(running_kv.prefixes, self._prefix_kv)
         seqs = [work.seq for work in works]
+        if (bucket(len(seqs)), prefix is not None) not in self.lanes.ready:
+            return None  # not compiled (yet): no inputs to build
+        device = running_kv.keys.device  # the step's indices live beside the rows they index
         # each row's token, its position, and the positions its row holds before it: [3, B]
         per_row = torch.tensor([[seq.tokens[seq.table.length - 1] for seq in seqs],
                                 [seq.table.length - 1 for seq in seqs],
-                                [length - 1 for length in running_kv.lengths]])  # fmt: skip
+                                [length - 1 for length in running_kv.lengths]], device=device)  # fmt: skip
         tokens, positions, stored = per_row.unbind()
-        bounds = None if prefix is None else torch.tensor(prefix.bounds(running_kv.prefixes))
+        bounds = None if prefix is None else torch.tensor(prefix.bounds(running_kv.prefixes), device=device)
         out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, bounds)
         if out is None:
             return None
         logits, keys, values = out  # [B, V], [N, B, H_kv, D]
-        rows = torch.arange(len(seqs))
+        rows = torch.arange(len(seqs), device=device)
         running_kv.keys[:, rows, :, stored] = keys.transpose(0, 1)  # [B, N, H_kv, D]
         running_kv.values[:, rows, :, stored] = values.transpose(0, 1)
-        slots = torch.tensor([work.slots[0] for work in works])
+        slots = torch.tensor([work.slots[0] for work in works], device=device)
         self.pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
         self.compiled_steps += 1
         return logits

@@ -44,7 +44,7 @@ def block_bytes(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
 ) -> int:
     """Bytes of one block's keys and values over all layers (int8: its float32 scales too)."""
-    per_vector = head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    per_vector = head_dim * kv_dtype.itemsize
     if kv_dtype == torch.int8:
         per_vector += 4
     return 2 * num_layers * num_kv_heads * block_size * per_vector

@@ -34,10 +34,11 @@ class TransformersScorer:
         for b in range(0, len(items), BATCH):
             chunk = items[b : b + BATCH]
             width = max(len(ids) for ids, _, _ in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, (seq, _, _) in enumerate(chunk):  # right padding: positions stay 0..n-1
-                ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
+            # right padding: positions stay 0..n-1; built on the host, copied once
+            device = self.body.device
+            ids = torch.tensor([list(seq) + [0] * (width - len(seq)) for seq, _, _ in chunk], device=device)
+            mask = (torch.arange(width, device=device)[None, :]
+                    < torch.tensor([len(seq) for seq, _, _ in chunk], device=device)[:, None]).long()
             states = self.body(input_ids=ids, attention_mask=mask).last_hidden_state.float()  # [B, T, H]
             for row, (seq, positions, _) in enumerate(chunk):
                 out.append(self.head(states[row, positions]))  # [S, L]

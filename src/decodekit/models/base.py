@@ -69,6 +69,7 @@ class LanguageModel(ABC):
     eos_token_ids: tuple[int, ...]
     tokenizer: Any | None
     max_context: int
+    device: torch.device = torch.device("cpu")  # where its logits are; a model on another sets its own
     supports_paged_kv: bool = False
     supports_fork: bool = True
     supports_crop: bool = True
@@ -120,17 +121,17 @@ class LanguageModel(ABC):
         return self.decode([token_id])
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists to one tensor. Returns tokens [B, T] long and mask [B, T] bool."""
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int = 0, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to one tensor on `device` (built on the host, copied once).
+    Returns tokens [B, T] long and mask [B, T] bool."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
     width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
-        mask[row, width - len(prompt) :] = True
-    return tokens, mask
+    rows = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    seen = [[False] * (width - len(p)) + [True] * len(p) for p in prompts]
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(seen, device=device)
 
 
 def prefill(model: LanguageModel, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Cache]:
@@ -140,7 +141,7 @@ def prefill(model: LanguageModel, prompts: Sequence[Sequence[int]]) -> tuple[tor
         raise ValueError(
             f"prompt has {longest} tokens, more than the model's context of {model.max_context}"
         )
-    tokens, mask = left_pad(prompts)
+    tokens, mask = left_pad(prompts, device=model.device)
     cache = model.new_cache(len(prompts))
     logits = model.forward(tokens, cache, mask)  # [B, T, V]
     return logits[:, -1, :], cache
@@ -165,8 +166,8 @@ def next_token_logprobs(
     if isinstance(rows, torch.Tensor):  # [B, T], no padding
         tokens, mask = rows, None
     else:
-        tokens, mask = left_pad(rows)
-        mask = None if bool(mask.all()) else mask
+        tokens, mask = left_pad(rows, device=model.device)
+        mask = None if all(len(row) == tokens.shape[1] for row in rows) else mask
     width = tokens.shape[1]
     logp = logprobs(model, tokens, mask)  # [B, T, V]
     # the logits at column t predict the token at t + 1

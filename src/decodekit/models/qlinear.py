@@ -345,6 +345,7 @@ class QuantizedLinear(nn.Module):
         bias: bool = True,
         offsets: bool = False,
         activation_bits: int | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         super().__init__()
         self.spec = QuantSpec(bits, group_size, activation_bits)
@@ -352,25 +353,27 @@ class QuantizedLinear(nn.Module):
         self.out_features = out_features
         groups = self.spec.num_groups(in_features)
         if self.packed:
-            codes = torch.zeros(out_features, (in_features + 1) // 2, dtype=torch.uint8)
+            codes = torch.zeros(out_features, (in_features + 1) // 2, dtype=torch.uint8, device=device)
         else:
-            codes = torch.zeros(out_features, in_features, dtype=torch.int8)
+            codes = torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
         self.register_buffer("qweight", codes)
-        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float32))
+        scales = torch.ones(out_features, groups, dtype=torch.float32, device=device)
+        self.register_buffer("scales", scales)
         # Zero points (module docstring): Ŵ = codes · scales + offsets.
         self.offsets: torch.Tensor | None
         if offsets:
-            self.register_buffer("offsets", torch.zeros(out_features, groups, dtype=torch.float32))
+            self.register_buffer("offsets", torch.zeros_like(scales))
         else:
             self.offsets = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
         # The packed kernel's operands, derived from qweight and scales and never saved
         # (module docstring); empty until `prepare_kernel` fills them.
-        self.register_buffer("kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
-        self.register_buffer("kernel_scales", torch.empty(0, dtype=torch.bfloat16), persistent=False)
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        self.register_buffer("kernel_weight", empty, persistent=False)
+        self.register_buffer("kernel_scales", empty.to(torch.bfloat16), persistent=False)
         self.kernel = choose_kernel(self.spec, in_features, out_features)
         self.kernel_group = 0  # the int4 kernel's group size, set by `prepare_kernel`
         self.register_load_state_dict_post_hook(_prepare_after_load)
@@ -393,8 +396,8 @@ class QuantizedLinear(nn.Module):
             codes, scales = quantize_rtn(linear.weight, spec)
         has_bias = linear.bias is not None
         module = cls(linear.in_features, linear.out_features, spec.bits, spec.group_size, has_bias,
-                     activation_bits=spec.activation_bits)  # fmt: skip
-        module.to(linear.weight.device).set_codes(codes, scales)
+                     activation_bits=spec.activation_bits, device=linear.weight.device)  # fmt: skip
+        module.set_codes(codes, scales)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach().to(torch.float32))
         return module

@@ -81,10 +81,10 @@ def inverse_frequencies(rope: RopeConfig, num_positions: int) -> torch.Tensor:
         # NTK-aware: base * (factor * L / L_max - (factor - 1)) ^ (D / (D - 2)).
         stretch = rope.factor * num_positions / rope.max_positions - (rope.factor - 1)
         theta = theta * stretch ** (dim / (dim - 2))
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # host maths (below)
     inv_freq = 1.0 / (theta**exponents)
     if rope.frequency_factors:
-        inv_freq = inv_freq / torch.tensor(rope.frequency_factors, dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(rope.frequency_factors, dtype=torch.float32, device="cpu")
     if rope.kind == "linear":
         return inv_freq / rope.factor
     if rope.kind == "llama3":
@@ -126,9 +126,9 @@ class RotaryTables:
         """Tables for positions [0, num_positions) with the frequencies of a sequence of
         `freq_positions` positions (only dynamic NTK depends on it)."""
         inv_freq = inverse_frequencies(self.rope, freq_positions)  # [D/2]
-        freqs = torch.arange(num_positions).float()[:, None] * inv_freq[None, :]  # [P, D/2]
+        freqs = torch.arange(num_positions, device="cpu").float()[:, None] * inv_freq[None, :]  # [P, D/2]
         half = inv_freq.shape[0]
-        sign = torch.cat([-torch.ones(half), torch.ones(half)])  # [D]
+        sign = torch.cat([-torch.ones(half, device="cpu"), torch.ones(half, device="cpu")])  # [D]
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         # Computed in float32 on the CPU (transformers' numbers), then moved once.
         cos, sin = angles.cos().to(self.dtype), (angles.sin() * sign).to(self.dtype)

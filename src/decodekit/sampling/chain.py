@@ -71,7 +71,8 @@ class SamplerState:
         self.memory: dict[Any, torch.Tensor] = {}
         if params.mirostat_tau is not None and "mirostat" in params.order:
             # Mirostat v2 starts its target at twice the target surprise tau.
-            self.mu = torch.full((num_rows,), 2.0 * params.mirostat_tau, dtype=torch.float64)
+            tau = 2.0 * params.mirostat_tau
+            self.mu = torch.full((num_rows,), tau, dtype=torch.float64, device="cpu")  # host, as `accept`
 
     @property
     def num_rows(self) -> int:
@@ -81,16 +82,19 @@ class SamplerState:
         """Prompt + generated tokens of every row."""
         return [self.prompt_ids + row for row in self.generated]
 
-    def accept(self, tokens: torch.Tensor, processed_logits: torch.Tensor) -> None:
-        """Record the chosen tokens [R] drawn from `processed_logits` [R, V]."""
-        assert tokens.shape == (self.num_rows,), (tokens.shape, self.num_rows)
-        for row, token in enumerate(tokens.tolist()):
+    def accept(self, tokens: torch.Tensor | Sequence[int], processed_logits: torch.Tensor) -> None:
+        """Record the chosen tokens [R] (a tensor, or ints already read on the host) drawn from
+        `processed_logits` [R, V]."""
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        assert len(ids) == self.num_rows, (len(ids), self.num_rows)
+        for row, token in enumerate(ids):
             self.generated[row].append(int(token))
         if self.mu is not None:
             # Mirostat v2: mu <- mu - eta * (surprise - tau), surprise in bits under the
             # distribution the token was drawn from.
             log_probs = torch.log_softmax(processed_logits.double(), dim=-1)
-            chosen = log_probs.gather(-1, tokens.to(log_probs.device).long()[:, None])[:, 0]
+            index = torch.tensor(ids, dtype=torch.long, device=log_probs.device)
+            chosen = log_probs.gather(-1, index[:, None])[:, 0]
             surprise = -chosen.cpu() / math.log(2)
             self.mu = self.mu - self.params.mirostat_eta * (surprise - self.params.mirostat_tau)
 
@@ -98,7 +102,7 @@ class SamplerState:
         """Keep and reorder rows (beam search): row i becomes a copy of old row rows[i]."""
         self.generated = [list(self.generated[r]) for r in rows]
         if self.mu is not None:
-            self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long)].clone()
+            self.mu = self.mu[torch.as_tensor(list(rows), dtype=torch.long, device=self.mu.device)].clone()
         for key, tensor in self.memory.items():
             self.memory[key] = tensor[torch.as_tensor(list(rows), dtype=torch.long, device=tensor.device)]
 

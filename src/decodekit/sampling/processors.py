@@ -72,19 +72,21 @@ def _prefix_cutoff(sorted_key: torch.Tensor, sorted_probs: torch.Tensor, mass: f
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
     """How often each token occurs in each row's history: [R, V] float32."""
     counts = torch.zeros(len(histories), vocab_size, device=device)
-    for row, history in enumerate(histories):
-        if history:
-            ids = torch.as_tensor(list(history), dtype=torch.long, device=device)
-            counts[row].index_add_(0, ids, torch.ones(len(ids), device=device))
+    # every row's (row, token) pairs in one copy to the device, not one per row
+    pairs = [(row, token) for row, history in enumerate(histories) for token in history]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long, device=device).T  # [2, N]
+        counts.index_put_((index[0], index[1]), counts.new_ones(index.shape[1]), accumulate=True)
     return counts
 
 
 def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     """-inf at banned[row] for each row."""
     out = logits.clone()
-    for row, ids in enumerate(banned):
-        if ids:
-            out[row, torch.as_tensor(list(ids), dtype=torch.long, device=out.device)] = NEG_INF
+    pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]  # one copy for all rows
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long, device=out.device).T  # [2, N]
+        out[index[0], index[1]] = NEG_INF
     return out
 
 
@@ -179,7 +181,7 @@ def xtc(
     """
     if probability <= 0:
         return logits.clone()
-    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
+    draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device="cpu")
     applies = (draw < probability).to(logits.device)[:, None]  # [R, 1]
     probs = _probs64(logits)
     above = probs >= threshold
@@ -256,8 +258,9 @@ def no_repeat_ngram(
         if len(context) < n:
             banned.append([])
             continue
-        windows = torch.as_tensor(list(context), dtype=torch.long).unfold(0, n, 1)  # [W, n]
-        prefix = torch.as_tensor(list(context[len(context) - n + 1 :]), dtype=torch.long)
+        # the history is host data: matched on the host, only the bans reach the device
+        windows = torch.as_tensor(list(context), dtype=torch.long, device="cpu").unfold(0, n, 1)  # [W, n]
+        prefix = torch.as_tensor(list(context[len(context) - n + 1 :]), dtype=torch.long, device="cpu")
         match = (windows[:, : n - 1] == prefix).all(dim=-1)
         banned.append(windows[match, n - 1].tolist())
     return _ban(logits, banned)
@@ -284,9 +287,9 @@ def frequency_presence(
 def dry_match_lengths(context: Sequence[int], limit: int) -> torch.Tensor:
     """For each position j < N - 1: the length of the longest suffix of context[: j + 1]
     that is also a suffix of the whole context, capped at `limit` (0 when none): [N - 1]."""
-    tokens = torch.as_tensor(list(context), dtype=torch.long)
+    tokens = torch.as_tensor(list(context), dtype=torch.long, device="cpu")  # host history
     last = len(tokens) - 1
-    lengths = torch.zeros(max(last, 0), dtype=torch.long)
+    lengths = torch.zeros(max(last, 0), dtype=torch.long, device="cpu")
     if last < 1 or limit < 1:
         return lengths
     alive = torch.nonzero(tokens[:last] == tokens[last]).flatten()  # matches of length >= 1

@@ -24,7 +24,7 @@ def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]
     """`draw` for the rows of several requests at once, probs [R, V]: each request's
     (generator, rows) in order draws its uniforms as `draw` would, so every row's token is
     the one it gets alone."""
-    u = torch.cat([torch.rand(rows, generator=g, dtype=torch.float64) for g, rows in generators])
+    u = torch.cat([torch.rand(n, generator=g, dtype=torch.float64, device="cpu") for g, n in generators])
     return _invert(probs, u)
 
 
@@ -37,7 +37,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     generator). An index of zero probability is never drawn: the search returns the first i
     with cdf[i] > u * total.
     """
-    u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64)  # [...] in [0, 1)
+    u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64, device="cpu")  # [...], [0, 1)
     return _invert(probs, u)
 
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU check (issue 33): every strategy on CUDA (tests/test_cuda.py: greedy equal to the
+# CPU's, seeded equal to itself) and the engine's speed table against transformers' generate()
+# in the same run. About 8 minutes on one H100; run from the repository root with the venv:
+#
+#     bash scripts/gpu_check.sh [--dtype bfloat16]
+#
+# Its output goes into BENCHMARKS.md with the GPU's name. It has not run yet (no GPU was
+# at hand when it was written).
+set -euo pipefail
+dtype=bfloat16
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dtype) dtype="$2"; shift 2 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (allowed: --dtype NAME)" >&2; exit 2 ;;
+    esac
+done
+python="${PYTHON:-python}"
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU')"
+"$python" -c "import torch; print('GPU:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
+echo "==> pytest -m cuda (every strategy on the GPU)"
+timeout 240 "$python" -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider
+for shape in qwen2.5-0.5b llama-3.2-1b; do
+    # the issue's table: batch 1, 16 samples of a 512-token prompt, 64 concurrent requests
+    echo "==> decodekit bench engine --device cuda --shape $shape --dtype $dtype (against transformers)"
+    timeout 120 "$python" -c "import sys; from decodekit.cli import main; sys.exit(main(sys.argv[1:]))" \
+        bench engine --device cuda --shape "$shape" --dtype "$dtype" --new-tokens 128 --repeats 2
+done

@@ -1,0 +1,171 @@
+"""Every strategy under `NamedDevices` (tests/device_guard.py; issue 33): a tensor factory in
+decodekit without a device raises, so a CPU-only CI catches the tensors that would land on
+the CPU beside a GPU model (a CPU block index into a CUDA pool, a CPU draft compared with a
+CUDA argmax, the compiled step's inputs). tests/test_cuda.py runs the same strategies on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import decodekit as dk
+from decodekit.models.registry import ASSETS
+from device_guard import HostReads, NamedDevices, UnnamedDevice
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = dk.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = dk.SamplingParams(max_new_tokens=8, seed=3, ignore_eos=True)
+# Every sampling adapter of params.DEFAULT_ORDER at a value where it acts (mirostat replaces
+# the truncations, allowed_token_ids the bans: each has its own run).
+ADAPTERS = dict(logit_bias={5: 1.0}, bad_words=("the",), min_new_tokens=2, no_repeat_ngram_size=3,
+                repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1, dry_multiplier=0.5,
+                temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, typical_p=0.95, epsilon=1e-4, eta=1e-4,
+                top_n_sigma=3.0, xtc_probability=0.5)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from decodekit.compress import CompressConfig, compress_to_dir
+
+    path = tmp_path_factory.mktemp("devices")
+    compress_to_dir("shakespeare", CompressConfig("rtn", bits=8), path / "int8")
+    compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, group_size=32), path / "int4")
+    names = {"int8": path / "int8", "int4": path / "int4"}
+    try:  # the gguf package (the dev extra) writes the file
+        from decodekit.compress.gguf import write_gguf
+
+        names["gguf"] = write_gguf(ASSETS / "shakespeare", path / "s-q8_0.gguf", "q8_0")
+    except ImportError:
+        pass
+    loaded = {key: dk.load_model(where) for key, where in names.items()}
+    from decodekit.meta.tasks.arith import load_orm, load_prm
+
+    return {"shakespeare": dk.load_model("shakespeare"), "draft": dk.load_model("shakespeare-draft"),
+            "arith": dk.load_model("arith"), "orm": load_orm("arith-hf-orm"), "prm": load_prm("arith-hf-prm"),
+            **loaded}  # fmt: skip
+
+
+def _arith(models, method):
+    from decodekit.meta import LocalGenerator, best_of_n, tree_search
+    from decodekit.meta.tasks.arith import extract_answer, format_prompt, generate_problems
+
+    problem = generate_problems(1, seed=3)[0]
+    params = SEEDED.replace(max_new_tokens=24)
+    generator = LocalGenerator(models["arith"])
+    if method == "best-of-n":
+        orm = models["orm"]
+        return best_of_n(generator, format_prompt(problem), 4, lambda _, t: orm(problem.question, t), params)
+    prm = models["prm"]
+    return tree_search(generator, format_prompt(problem), prm, n=4, method="rebase", params=params,
+                       extract=extract_answer)  # fmt: skip
+
+
+S = "shakespeare"
+RUNS = {
+    "greedy": lambda m: dk.generate(m[S], "ROMEO:", GREEDY),
+    "seeded": lambda m: dk.generate(m[S], ["ROMEO:", "JULIET: O"], SEEDED.replace(n=2, logprobs=2)),
+    "adapters": lambda m: dk.generate(m[S], ["ROMEO:", "JULIET: O"], SEEDED.replace(**ADAPTERS)),
+    "mirostat": lambda m: dk.generate(m[S], "ROMEO:", SEEDED.replace(mirostat_tau=3.0)),
+    "allowed-tokens": lambda m: dk.generate(m[S], "ROMEO:", SEEDED.replace(allowed_token_ids=(1, 2, 3))),
+    "short-prompts-together": lambda m: dk.generate(m[S], ["RO", "JU", "O R", "Th"], GREEDY),
+    "healing": lambda m: dk.generate(m[S], "ROMEO: Wh", GREEDY, heal=True),
+    "stream": lambda m: list(dk.stream(m[S], "ROMEO:", GREEDY)),
+    "beam": lambda m: dk.beam_search(m[S], "ROMEO:", GREEDY, num_beams=3),
+    "speculative-draft": lambda m: dk.speculative_generate(m[S], m["draft"], "ROMEO:", GREEDY),
+    "speculative-seeded": lambda m: dk.speculative_generate(m[S], m["draft"], "ROMEO:", SEEDED),
+    "speculative-self-int4": lambda m: dk.speculative_generate(m[S], "self-int4", "ROMEO:", GREEDY),
+    "speculative-prompt-lookup": lambda m: dk.speculative_generate(m[S], "prompt-lookup",
+                                                                   "ROMEO: ROMEO: ROMEO:", SEEDED),
+    "contrastive": lambda m: dk.generate(dk.ContrastiveLM(m[S], m["draft"]), "ROMEO:", GREEDY),
+    "contrastive-window": lambda m: dk.generate(dk.ContrastiveLM(m[S], m["draft"], amateur_window=4),
+                                                "ROMEO:", GREEDY),
+    "constrained": lambda m: dk.generate(m[S], "ROMEO:", GREEDY.replace(ignore_eos=False),
+                                         constraint=dk.Regex("[a-z ]{4,8}")),
+    "best-of-n-hf-orm": lambda m: _arith(m, "best-of-n"),
+    "tree-search-hf-prm": lambda m: _arith(m, "tree"),
+    "int8": lambda m: dk.generate(m["int8"], ["ROMEO:", "JU"], SEEDED),
+    "int4": lambda m: dk.generate(m["int4"], ["ROMEO:", "JU"], SEEDED),
+    "gguf": lambda m: dk.generate(m["gguf"], ["ROMEO:", "JU"], GREEDY),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_strategy_names_its_tensors_devices(models, name):
+    if name == "gguf" and "gguf" not in models:
+        pytest.skip("needs the gguf package")
+    with NamedDevices():
+        out = RUNS[name](models)
+    assert out  # each run returns its completions (or a search's result)
+
+
+def test_the_compiled_step_names_its_inputs_devices(models):
+    """The eager code around the compiled decode step (engine.py `_compiled_forward`: the
+    rows' tokens, positions and slots) under the guard; the graph itself runs without it
+    (dynamo cannot trace a Python mode), compiled before."""
+    from torch.overrides import _pop_mode_temporarily
+
+    from decodekit.engine import compiled
+    from decodekit.engine.engine import Engine, EngineConfig
+    from decodekit.models.native import NativeLM
+
+    shakespeare = models["shakespeare"]
+    # a new model object: no compiled steps yet (`lanes_for` keeps them on the model object)
+    model = NativeLM(shakespeare.net, shakespeare.config, tokenizer=shakespeare.tokenizer, name="s")
+
+    def run():
+        engine = Engine(model, EngineConfig(compile=True, block_size=4, num_blocks=256))
+        handles = [engine.submit(model.encode("ROMEO:"), GREEDY)]  # one bucket: a short compile
+        while engine.has_work():
+            engine.step()
+        return [[c.token_ids for c in h.result(0)] for h in handles], engine.compiled_steps
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "BACKEND", "aot_eager")  # compiles in seconds
+        want, _ = run()
+    lanes = compiled.lanes_for(model)
+    assert lanes.ready and not lanes.failed
+
+    def outside_the_guard(step):
+        def call(*args):
+            with _pop_mode_temporarily():
+                return step(*args)
+        return call
+
+    lanes.ready = {key: outside_the_guard(step) for key, step in lanes.ready.items()}
+    with NamedDevices():
+        got, steps = run()
+    assert got == want and steps > 0
+
+
+def test_the_guard_names_an_unnamed_factory_in_decodekit():
+    from decodekit.models.base import left_pad
+
+    with NamedDevices(), pytest.raises(UnnamedDevice, match=r"torch.tensor at decodekit/.*names no device"):
+        left_pad([[1, 2]], device=None)  # device=None is a factory without a device
+    with NamedDevices():
+        assert torch.zeros(2).device.type == "cpu"  # tests and other libraries are theirs
+        left_pad([[1, 2]], device="cpu")
+
+
+HOST_READ_RUNS = {
+    "one greedy row": lambda m, k: dk.generate(m, "JULIET:", GREEDY.replace(max_new_tokens=k)),
+    "16 requests, 4 settings": lambda m, k: dk.generate(
+        m, [f"JULIET {i}:" for i in range(16)],
+        [SEEDED.replace(max_new_tokens=k, top_p=0.6 + 0.1 * (i % 4), logprobs=1) for i in range(16)]),
+    "beam": lambda m, k: dk.beam_search(m, "JULIET:", GREEDY.replace(max_new_tokens=k), num_beams=4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HOST_READ_RUNS))
+def test_a_decode_step_reads_the_host_once(models, name):
+    """A decode step reads its sampled tokens (and their logprobs) on the host in one copy
+    and nothing else: no per-request `.tolist()`, no per-row `.item()` (a GPU synchronises
+    on each). Counted over 8 extra steps, so the prompt's step does not count."""
+    model = models["shakespeare"]
+    dk.generate(model, "ROMEO:", GREEDY)  # the engine and its pool, built
+    with HostReads() as longer:
+        HOST_READ_RUNS[name](model, 17)
+    with HostReads() as shorter:
+        HOST_READ_RUNS[name](model, 9)
+    assert (longer.total - shorter.total) / 8 <= 1, sorted((longer.counts - shorter.counts).items())
