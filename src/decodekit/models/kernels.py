@@ -162,11 +162,12 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """int4 codes int8 [N, K] in [-8, 7] as the kernels read them (csrc/gemv_int4.cpp): padded with zero codes to `width` (a multiple of 128) inputs and to
-    a multiple of 4 rows, then per block of 4 rows and chunk of 128 inputs, each row's 64
-    bytes, read as 32 little-endian words: word j holds inputs j, 32 + j, 64 + j and 96 + j,
-    each + 8, in its nibbles 0..3. A block's rows lie side by side so the kernel reads one
-    stream. Returns uint8 [ceil(N / 4) * 4, width / 2]."""
+    """int4 codes int8 [N, K] in [-8, 7] as the kernels read them (csrc/gemv_int4.cpp):
+    padded with zero codes to `width` (a multiple of 128) inputs and to a multiple of 4 rows,
+    then per block of 4 rows and chunk of 128 inputs, each row's 64 bytes, read as 32
+    little-endian words: word j holds inputs j, 32 + j, 64 + j and 96 + j, each + 8, in its
+    nibbles 0..3. A block's rows lie side by side so the kernel reads one stream. Returns
+    uint8 [ceil(N / 4) * 4, width / 2]."""
     n, k = codes.shape
     assert width % 128 == 0 and width >= k
     rows = -(-n // 4) * 4
