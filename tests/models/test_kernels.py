@@ -86,6 +86,7 @@ def _quantized(bits: int, group: int | None, k: int, n: int) -> QuantizedLinear:
 INT_CASES = [  # (bits, group, K, N): per channel and grouped, K and N not multiples of 16 / 4
     (8, None, 896, 64), (8, None, 45, 7), (8, 32, 96, 13), (8, 64, 128, 9), (8, 128, 256, 5),
     (4, None, 896, 64), (4, None, 45, 7), (4, 32, 96, 13), (4, 64, 128, 9), (4, 128, 384, 6),
+    (4, 192, 192, 5),  # int4: 192 inputs padded to 256, the last group short (padding)
     (3, 32, 32, 3),
 ]  # fmt: skip
 
@@ -170,6 +171,41 @@ def test_outputs_are_the_same_bits_on_one_and_two_threads(weight):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (2, 130, 75)])
+def test_half_transposed_weights_compute_exact_products_with_float32_sums(dtype, m, k, n):
+    # linear_t over a bf16 / f16 wt [K, N]: each weight widens exactly to f32, x stays f32.
+    x, w, b = _x_w(m, k, n)
+    wt = w.t().contiguous().to(dtype)
+    y = torch.ops.decodekit.linear_t(x, wt, b)
+    torch.testing.assert_close(y, x @ wt.float() + b, atol=1e-5, rtol=1e-5)
+    # bf16 / f16 x: the same f32 sums over x widened, rounded once to x's dtype.
+    xh = x.to(dtype)
+    yh = torch.ops.decodekit.linear_t(xh, wt, None)
+    assert yh.dtype == dtype
+    assert torch.equal(yh, torch.ops.decodekit.linear_t(xh.float(), wt, None).to(dtype))
+
+
+@needs_kernels
+def test_the_avx2_transposed_kernels_give_the_same_bits(tmp_path):
+    # linear_t's AVX-512 and AVX2 variants run y = fma(w, x, y) in one order per output
+    # (csrc/gemv.cpp, axpy_avx512 / axpy_avx2), for f32, bf16 and f16 weights alike.
+    script = "\n".join([
+        "import sys, torch",
+        "from decodekit.models import kernels as k",
+        "assert k.status().reason == sys.argv[2], k.status().reason",
+        "out = []",
+        "for i, (m, kk, n) in enumerate([(1, 896, 72), (3, 130, 75), (2, 64, 7)]):",
+        "    for dtype in (torch.float32, torch.bfloat16, torch.float16):",
+        "        torch.manual_seed(i)",
+        "        x, wt = torch.randn(m, kk), torch.randn(kk, n).to(dtype)",
+        "        out.append(torch.ops.decodekit.linear_t(x, wt, None))",
+        "torch.save(out, sys.argv[1])",
+    ])  # fmt: skip
+    same_bits_per_isa(script, tmp_path)
 
 
 @needs_kernels

@@ -14,10 +14,12 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
 - `linear_rows(x, w, scales, group, bias)`: row-major w [N, K] of float32, bfloat16,
   float16 or int8, with optional float32 scales [N, K / group]; x is read in float32, so
   float and int8 weights compute in float32 (weight-only: the same numbers as dequantising),
-  except bfloat16 x with bfloat16 weights (a bfloat16 model) on AVX-512: exact products by
+  except bfloat16 x with bfloat16 weights (a bfloat16 model) on AVX-512 BF16: exact products by
   vdpbf16ps, f32 sums in its rounding (denormals flushed);
-- `linear_int4(x, w, scales, group, bias)`: int4 codes repacked by `pack_int4_blocks`, x
-  rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums;
+- `linear_int4(x, w, scales, group, bias)` (csrc/gemv_int4.cpp): int4 codes repacked by
+  `pack_int4_blocks`, x rounded to bfloat16 (as qlinear.py's int4pack path), float32 sums
+  (AVX-512 BF16: vdpbf16ps; AVX2: codes + 8 masked in place against pre-scaled x, the + 8
+  taken off per group, the same value up to float32 rounding);
 - `linear_w8a8(x, w, scales, bias)`, `linear_w4a8(x, w, scales, bias)` (csrc/gemv_a8.cpp):
   activation-quantised, for layers that opted in (`activation_bits=8`): x quantised per block
   of 32 inputs to int8 with one scale each (llama.cpp's q8_0), int8 / int4 codes repacked by
@@ -153,12 +155,12 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """int4 codes int8 [N, K] in [-8, 7] as the kernel reads them (csrc/gemv.cpp,
-    `int4_dot4_avx512`): padded with zero codes to `width` (a multiple of 128) inputs and to
-    a multiple of 4 rows, then per block of 4 rows and chunk of 128 inputs, each row's 64
-    bytes, read as 32 little-endian words: word j holds inputs j, 32 + j, 64 + j and 96 + j,
-    each + 8, in its nibbles 0..3. A block's rows lie side by side so the kernel reads one
-    stream. Returns uint8 [ceil(N / 4) * 4, width / 2]."""
+    """int4 codes int8 [N, K] in [-8, 7] as the kernels read them (csrc/gemv_int4.cpp):
+    padded with zero codes to `width` (a multiple of 128) inputs and to a multiple of 4 rows,
+    then per block of 4 rows and chunk of 128 inputs, each row's 64 bytes, read as 32
+    little-endian words: word j holds inputs j, 32 + j, 64 + j and 96 + j, each + 8, in its
+    nibbles 0..3. A block's rows lie side by side so the kernel reads one stream. Returns
+    uint8 [ceil(N / 4) * 4, width / 2]."""
     n, k = codes.shape
     assert width % 128 == 0 and width >= k
     rows = -(-n // 4) * 4

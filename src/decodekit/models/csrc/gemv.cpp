@@ -16,33 +16,22 @@
 //                            8 KiB ahead prefetched (prefetch_ahead); bf16 weights with bf16
 //                            x (a bfloat16 model) one row at a time by vdpbf16ps instead
 //                            (dot_bf16_avx512; AVX-512 only, the AVX2 variant widens x).
-//   decodekit::linear_int4   int4 codes repacked (kernels.pack_int4_blocks): blocks of 4 rows
-//                            side by side in chunks of 128 inputs, 64 bytes a row, word j
-//                            holding inputs j, 32 + j, 64 + j, 96 + j as code + 8 in its 4
-//                            nibbles: nibbles -> bfloat16 through a 16-entry table (vpermw),
-//                            dot products with bf16 x by vdpbf16ps, f32 sums.
+//   (decodekit::linear_int4, the weight-only int4 op, is gemv_int4.cpp.)
 //
-// The AVX-512 kernels decode each weight block once for up to 4 rows of x (dot4_avx512,
-// int4_dot4_avx512), so 2-64 rows (batched decoding, speculative verification) cost far
-// less than as many single-row calls.
+// The AVX-512 kernels decode each weight block once for up to 4 rows of x (dot4_avx512), so
+// 2-64 rows (batched decoding, speculative verification) cost far less than as many
+// single-row calls.
 //
-// Each has an AVX-512 (F/BW/VL; BF16 for int4 and bf16 x) and an AVX2 + FMA variant, picked
-// once by the CPU's features (DECODEKIT_GEMV_ISA=avx2 forces the second, for tests), and runs in
-// parallel over blocks of outputs (at::parallel_for; the transposed f32 kernel over fixed
-// halves of the inputs too), so each output is summed in one fixed order whatever the
-// thread count.
+// Each has an AVX-512 (F/BW/VL/DQ; BF16 for the bf16 x bf16 kernel) and an AVX2 + FMA variant,
+// picked once by the CPU's instructions (gemv_common.h; DECODEKIT_GEMV_ISA=avx2 forces the
+// second, for tests), and runs in parallel over blocks of outputs (at::parallel_for; the
+// transposed f32 kernel over fixed halves of the inputs too), so each output is summed in one
+// fixed order whatever the thread count.
 #include "gemv_common.h"
 
 namespace {
 
 enum class WT { F32, BF16, F16, I8 };
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 template <WT T>
 inline float load1(const void* p, int64_t k) {
@@ -158,7 +147,7 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
 // (inputs k mod 128 in 32s) hide the instruction's latency; each x row's sum is its own chain,
 // so a row's result does not depend on MB.
 template <int MB>
-AVX512 void dot_bf16_avx512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t ahead, float* out) {
+AVX512_BF16 void dot_bf16_avx512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t ahead, float* out) {
   __m512 acc[MB][4];
   UNROLL for (int m = 0; m < MB; ++m)
     UNROLL for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
@@ -237,76 +226,7 @@ AVX512 void axpy_avx512(const char* wt, int64_t K, int64_t N, const float* x, in
   }
 }
 
-// int4: a block of 4 weight rows, stored as chunks of 128 inputs x 4 rows, 64 bytes per row
-// (file comment); x rows in bf16, zero padded to Kp, row stride Kp. The 64 bytes are 32
-// words, word j holding inputs j, 32 + j, 64 + j and 96 + j in its nibbles 0..3 (as q + 8):
-// plane i (word >> 4i) becomes 32 bf16 weights through one vpermw, whose index is the word's
-// low 5 bits, so the table holds the 16 values twice and nothing needs masking. Group sizes
-// are multiples of 32 (one plane); a group's sum is scaled after its last plane. Each plane
-// is decoded once for all MB x rows, and each (r, m) sum runs the same operations whatever MB.
-template <int MB, bool G32>
-AVX512 void int4_dot4_avx512(const uint8_t* wb, const uint16_t* x, int64_t Kp, const float* const* scales,
-                             int64_t group, int64_t ahead, float* out) {
-  alignas(64) static const uint16_t table[32] = {
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-  const __m512i lut = _mm512_load_si512(table);
-  __m512 tot[4][MB], acc[4][MB];
-  UNROLL for (int r = 0; r < 4; ++r)
-    UNROLL for (int m = 0; m < MB; ++m) tot[r][m] = acc[r][m] = _mm512_setzero_ps();
-  const int64_t planes = Kp / 32, per_group = group / 32;
-  for (int64_t b = 0; b < Kp / 128; ++b) {
-    const uint8_t* chunk = wb + b * 256;
-    if (ahead)
-      UNROLL for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(chunk + ahead + 64 * i), _MM_HINT_T0);
-    UNROLL for (int i = 0; i < 4; ++i) {
-      const int64_t c = b * 4 + i;
-      const __m128i shift = _mm_cvtsi32_si128(4 * i);
-      UNROLL for (int r = 0; r < 4; ++r) {
-        __m512i v = _mm512_srl_epi16(_mm512_loadu_si512(chunk + 64 * r), shift);
-        __m512bh wq = (__m512bh)_mm512_permutexvar_epi16(v, lut);
-        if constexpr (G32) {  // each plane its own group: its sum is scaled at once
-          const __m512 s = _mm512_set1_ps(scales[r][c]);
-          UNROLL for (int m = 0; m < MB; ++m) {
-            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
-            tot[r][m] = _mm512_fmadd_ps(d, s, tot[r][m]);
-          }
-        } else {
-          UNROLL for (int m = 0; m < MB; ++m)
-            acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wq, (__m512bh)_mm512_loadu_si512(x + m * Kp + c * 32));
-        }
-      }
-      if (!G32 && ((c + 1) % per_group == 0 || c + 1 == planes)) {
-        const int64_t g = c / per_group;
-        UNROLL for (int r = 0; r < 4; ++r)
-          UNROLL for (int m = 0; m < MB; ++m) {
-            tot[r][m] = _mm512_fmadd_ps(acc[r][m], _mm512_set1_ps(scales[r][g]), tot[r][m]);
-            acc[r][m] = _mm512_setzero_ps();
-          }
-      }
-    }
-  }
-  UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
-}
-
-template <bool G32>
-void int4_rows(int64_t mb, const uint8_t* wb, const uint16_t* x, int64_t Kp, const float* const* scales, int64_t group,
-               int64_t ahead, float* out) {
-  if (mb == 4) int4_dot4_avx512<4, G32>(wb, x, Kp, scales, group, ahead, out);
-  else if (mb == 3) int4_dot4_avx512<3, G32>(wb, x, Kp, scales, group, ahead, out);
-  else if (mb == 2) int4_dot4_avx512<2, G32>(wb, x, Kp, scales, group, ahead, out);
-  else int4_dot4_avx512<1, G32>(wb, x, Kp, scales, group, ahead, out);
-}
-
 // ---------------------------------------------------------------- AVX2 ----------------
-
-AVX2 inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <WT T>
 AVX2 inline __m256 load8(const void* p, int64_t k) {
@@ -322,29 +242,60 @@ AVX2 inline __m256 load8(const void* p, int64_t k) {
   }
 }
 
+// n < 8 elements from k, widened to f32 in 8 lanes, zeros past n (a group's last steps).
 template <WT T>
+AVX2 inline __m256 load8_part(const void* p, int64_t k, int64_t n) {
+  alignas(32) float part[8] = {};
+  for (int64_t j = 0; j < n; ++j) part[j] = load1<T>(p, k + j);
+  return _mm256_load_ps(part);
+}
+
+// The AVX2 dot4_avx512 (issue 39): out[m * 4 + r] = sum_g scale[r, g] (w[r, group g] . x[m,
+// group g]) for a block of 4 weight rows and MB <= 2 rows of x, each weight step widened once
+// for both rows; one chain per (r, m) over steps of 8 inputs, a group's sum scaled into tot
+// (per lane; in memory, the chains and x fill the registers), the lanes summed at the end.
+// Each (r, m) runs the same operations whatever MB. Each row's stream prefetches `ahead` bytes
+// on at every cache line (the rows are short streams the hardware prefetcher does not ramp up
+// on). On the Zen 3, one x row, against the float32 kernel: int8 per channel 1.5 -> 1.7x at
+// 896 -> 9728 and 2.4x at 4864 -> 896, int8 in groups of 64 1.0 -> 1.5x and 1.9x.
+template <WT T, int MB>
 AVX2 void dot4_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
-                    float* out) {
-  float tot[4] = {0, 0, 0, 0};
+                    int64_t ahead, float* out) {
+  constexpr int64_t line = 64 / elem_bytes(T);  // elements per cache line
+  float tot[4][MB][8] = {};
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = k0 + group;
-    __m256 a[4], b[4];
-    for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+    __m256 acc[4][MB];
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
     int64_t k = k0;
-    for (; k + 16 <= k1; k += 16) {
-      __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-      for (int r = 0; r < 4; ++r) {
-        a[r] = _mm256_fmadd_ps(load8<T>(w[r], k), xa, a[r]);
-        b[r] = _mm256_fmadd_ps(load8<T>(w[r], k + 8), xb, b[r]);
+    for (; k + 8 <= k1; k += 8) {
+      if (ahead && k % line < 8)
+        UNROLL for (int r = 0; r < 4; ++r) _mm_prefetch(w[r] + k * elem_bytes(T) + ahead, _MM_HINT_T0);
+      __m256 xv[MB];
+      UNROLL for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+      UNROLL for (int r = 0; r < 4; ++r) {
+        const __m256 wv = load8<T>(w[r], k);
+        UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
       }
     }
-    for (int r = 0; r < 4; ++r) {
-      float s = hsum256(_mm256_add_ps(a[r], b[r]));
-      for (int64_t j = k; j < k1; ++j) s += load1<T>(w[r], j) * x[j];
-      tot[r] += scales ? s * scales[r][g] : s;
+    if (k < k1) {
+      __m256 xv[MB];
+      UNROLL for (int m = 0; m < MB; ++m) xv[m] = load8_part<WT::F32>(x + m * K, k, k1 - k);
+      UNROLL for (int r = 0; r < 4; ++r) {
+        const __m256 wv = load8_part<T>(w[r], k, k1 - k);
+        UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      }
     }
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) {
+        const __m256 t = _mm256_loadu_ps(tot[r][m]);
+        _mm256_storeu_ps(tot[r][m], scales ? _mm256_fmadd_ps(acc[r][m], _mm256_set1_ps(scales[r][g]), t)
+                                           : _mm256_add_ps(t, acc[r][m]));
+      }
   }
-  for (int r = 0; r < 4; ++r) out[r] = tot[r];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = hsum256(_mm256_loadu_ps(tot[r][m]));
 }
 
 template <WT T>
@@ -379,33 +330,6 @@ AVX2 void axpy_avx2(const char* wt, int64_t K, int64_t N, const float* x, int64_
     const char* w0 = wt + k * row;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] = std::fma(load1<T>(w0, n), x[m * K + k], y[m * N + n]);
-  }
-}
-
-// int4 on the AVX-512 kernel's layout (int4_dot4_avx512), x in f32 (bf16-rounded), one x row.
-AVX2 void int4_dot4_avx2(const uint8_t* wb, const float* x, int64_t Kp, const float* const* scales, int64_t group,
-                         float* out) {
-  const __m256 eight = _mm256_set1_ps(8.0f);
-  const __m256i low4 = _mm256_set1_epi32(15);
-  const int64_t planes = Kp / 32, per_group = group / 32;
-  for (int r = 0; r < 4; ++r) {
-    float tot = 0, sum = 0;
-    for (int64_t c = 0; c < planes; ++c) {
-      const uint8_t* chunk = wb + (c / 4) * 256 + 64 * r;
-      const int i = int(c % 4);
-      __m256 acc = _mm256_setzero_ps();
-      for (int j = 0; j < 32; j += 8) {  // words j..j+7: inputs 32i + j.. in nibble i
-        __m256i q = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 2 * j)));
-        q = _mm256_and_si256(_mm256_srl_epi32(q, _mm_cvtsi32_si128(4 * i)), low4);
-        acc = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), eight), _mm256_loadu_ps(x + c * 32 + j), acc);
-      }
-      sum += hsum256(acc);
-      if ((c + 1) % per_group == 0 || c + 1 == planes) {
-        tot += sum * scales[r][c / per_group];
-        sum = 0;
-      }
-    }
-    out[r] = tot;
   }
 }
 
@@ -473,7 +397,17 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
         const float* x = xp + m0 * K;
         const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
         if (!wide)
-          for (int64_t m = 0; m < mb; ++m) dot4_avx2<T>(w, xp + (m0 + m) * K, K, sc, group, out + 4 * m);
+          for (int64_t m = 0; m < mb; m += 2) {  // pairs of x rows (dot4_avx2)
+            const float* xm = xp + (m0 + m) * K;
+            // At least a whole block ahead: a row's prefetch lands in the next block, not in
+            // rows of this one that the other 4 streams read now (Zen 3, int8 4864 -> 896:
+            // 6.2 GB/s with 8 KiB, 8.6 with one block, 19 KiB).
+            const int64_t first = m == 0 && ahead ? std::max(ahead, 4 * row_bytes) : 0;
+            if (mb - m >= 2)
+              dot4_avx2<T, 2>(w, xm, K, sc, group, first, out + 4 * m);
+            else
+              dot4_avx2<T, 1>(w, xm, K, sc, group, first, out + 4 * m);
+          }
         else if (mb == 4)
           dot4_avx512<T, 4>(w, x, K, sc, group, ahead, out);
         else if (mb == 3)
@@ -530,7 +464,7 @@ at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10
     group = K;
   }
   TORCH_CHECK(group >= 1, "group must be positive");
-  if (w.scalar_type() == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16 && !s.defined() && isa() == kAvx512) {
+  if (w.scalar_type() == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16 && !s.defined() && avx512_bf16()) {
     // bf16 x bf16: products exact in f32 (dot_bf16_avx512); f32 x keeps the f32 kernel below.
     at::Tensor x = x_in.contiguous();
     at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
@@ -555,69 +489,6 @@ at::Tensor linear_rows_2d(const at::Tensor& x_in, const at::Tensor& w, const c10
   return finish(y, bias, x_in.scalar_type());
 }
 
-inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round to nearest even
-
-// w: uint8 [ceil(N / 4) * 4, Kp / 2] as kernels.pack_int4_blocks lays it out (blocks of 4 rows,
-// chunks of 128 inputs); scales: f32 [N, ceil(Kp / group)].
-at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales_in, int64_t group,
-                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(isa() != kNone, "decodekit GEMV kernels need AVX2 + FMA");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
-                  w.size(0) % 4 == 0 && w.size(1) % 64 == 0,
-              "w must be a contiguous CPU uint8 [4j, Kp / 2] tensor, Kp a multiple of 128");
-  const int64_t Kp = w.size(1) * 2;
-  TORCH_CHECK(group > 0 && group % 32 == 0, "group must be a multiple of 32");
-  at::Tensor s = scales_in.to(at::kFloat).contiguous();
-  const int64_t N = s.size(0);
-  TORCH_CHECK(s.dim() == 2 && (N + 3) / 4 * 4 == w.size(0) && s.size(1) == (Kp + group - 1) / group,
-              "scales must be [N, ceil(Kp / group)] with w holding ceil(N / 4) * 4 rows");
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.size(1) <= Kp, "x must be a CPU [M, K <= Kp] tensor");
-  const int64_t M = x_in.size(0), K = x_in.size(1);
-  at::Tensor xf = x_in.to(at::kFloat).contiguous();
-  // x rounded to bfloat16 (the AVX2 path rounds the same way, so both compute one thing), zero padded.
-  const bool wide = isa() == kAvx512;
-  at::Tensor xb_t = at::zeros({M, Kp}, at::kShort);  // 64-byte aligned
-  at::Tensor xr_t = wide ? at::Tensor() : at::zeros({M, Kp}, at::kFloat);  // the AVX2 path's x
-  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
-  float* xr = wide ? nullptr : xr_t.data_ptr<float>();
-  const float* xs = xf.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      const uint16_t h = float_to_bf16(xs[m * K + k]);
-      xb[m * Kp + k] = h;
-      if (xr) xr[m * Kp + k] = bf16_to_float(h);
-    }
-  at::Tensor y = at::empty({M, N}, xf.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const int64_t G = s.size(1), block_bytes = 2 * Kp;  // 4 rows of Kp / 2 bytes
-  const int64_t blocks = (N + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * Kp));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
-      const uint8_t* wb = wp + b * block_bytes;
-      const float* sr[4];
-      block_scale_rows(sp, n0, rows, G, sr);
-      for_row_blocks(M, [&](int64_t m0, int64_t mb) {
-        float out[16];
-        const uint16_t* x = xb + m0 * Kp;
-        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;
-        if (!wide)
-          for (int64_t m = 0; m < mb; ++m) int4_dot4_avx2(wb, xr + (m0 + m) * Kp, Kp, sr, group, out + 4 * m);
-        else if (group == 32)
-          int4_rows<true>(mb, wb, x, Kp, sr, group, ahead, out);
-        else
-          int4_rows<false>(mb, wb, x, Kp, sr, group, ahead, out);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
-      });
-    }
-  });
-  return finish(y, bias, x_in.scalar_type());
-}
-
 at::Tensor linear_t(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias) {
   return like_rows(linear_t_2d(as_rows(x), wt, bias), x);
 }
@@ -625,11 +496,6 @@ at::Tensor linear_t(const at::Tensor& x, const at::Tensor& wt, const c10::option
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                        int64_t group, const c10::optional<at::Tensor>& bias) {
   return like_rows(linear_rows_2d(as_rows(x), w, scales, group, bias), x);
-}
-
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t group,
-                       const c10::optional<at::Tensor>& bias) {
-  return like_rows(linear_int4_2d(as_rows(x), w, scales, group, bias), x);
 }
 
 // A float weight w [N, K] in either layout: the transposed one (w.t() contiguous, as
@@ -652,12 +518,10 @@ TORCH_LIBRARY(decodekit, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_t(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? scales, int group, Tensor? bias) -> Tensor");
-  m.def("linear_int4(Tensor x, Tensor w, Tensor scales, int group, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_t", &linear_t);
   m.impl("linear_rows", &linear_rows);
-  m.impl("linear_int4", &linear_int4);
 }

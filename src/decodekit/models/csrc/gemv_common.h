@@ -15,7 +15,12 @@
 #include <cstring>
 #include <vector>
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+// One target per instruction family a kernel uses (issue 39): the float and int8 kernels need
+// AVX-512 F/BW/VL/DQ only, so Skylake-SP, Cascade Lake and Ice Lake run them; the kernels that
+// use vdpbf16ps (int4, bf16 x bf16) also need AVX-512 BF16 (`avx512_bf16`), and gemv_a8.cpp's
+// vpdpbusd needs VNNI.
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 // Small loops over the register blocks unroll fully, so their accumulators stay in registers.
 #define UNROLL _Pragma("GCC unroll 16")
@@ -24,13 +29,14 @@ namespace {
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// kAvx512: AVX-512 F/BW/VL/DQ (with AVX2 + FMA + F16C). DECODEKIT_GEMV_ISA=avx2 forces the AVX2
+// variants (tests compare the two), "none" the pure-torch paths.
 int64_t detect_isa() {
   const char* forced = std::getenv("DECODEKIT_GEMV_ISA");
   __builtin_cpu_init();
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                __builtin_cpu_supports("avx512bf16");
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (forced && std::strcmp(forced, "none") == 0) return kNone;
   if (forced && std::strcmp(forced, "avx2") == 0) return avx2 ? kAvx2 : kNone;
   return avx512 ? kAvx512 : (avx2 ? kAvx2 : kNone);
@@ -39,6 +45,15 @@ int64_t detect_isa() {
 int64_t isa() {
   static const int64_t level = detect_isa();
   return level;
+}
+
+// Whether the kernels built on vdpbf16ps (AVX512_BF16) run: the AVX-512 level and BF16.
+bool avx512_bf16() {
+  static const bool bf16 = [] {
+    __builtin_cpu_init();
+    return isa() == kAvx512 && __builtin_cpu_supports("avx512bf16");
+  }();
+  return bf16;
 }
 
 // Work per parallel task: small layers run on one thread (a fork costs a few microseconds).
@@ -73,6 +88,22 @@ void over_input_halves(int64_t M, int64_t N, int64_t K, int64_t width, int64_t g
   });
   if (hi)
     for (int64_t i = 0; i < M * N; ++i) yp[i] += hi[i];
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round to nearest even
+
+AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 void check_rows(const at::Tensor& x, int64_t K) {
