@@ -25,7 +25,7 @@ pip install "torch==2.13.0"
 step "installing decodekit (editable) with extras [$extras]; this takes a minute or two"
 pip install -e ".[$extras]"
 .venv/bin/python -c "import decodekit, torch, transformers"
-# decodekit's CPU kernels (src/decodekit/models/csrc, three sources compiled side by side with g++):
+# decodekit's CPU kernels (src/decodekit/models/csrc, every *.cpp compiled side by side with g++):
 # built once per source, torch version and CPU into src/decodekit/models/_native/, so a later run
 # only finds them (a few seconds, mostly importing torch). A cold build costs about 80 s of CPU
 # time with g++ 12 on an AMD EPYC Zen 3: about a minute on two idle cores, several on a busy
