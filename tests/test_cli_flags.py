@@ -339,6 +339,11 @@ ROWS = [
     ("serve --compile", ["serve", "--compile"], "engine_for", "config.compile", True),
     ("serve --no-compile", ["serve", "--no-compile"], "engine_for", "config.compile", False),
     ("serve --threads", ["serve", "--threads", "2"], "set_threads", "threads", 2),
+    ("serve --strict-fields", ["serve", "--strict-fields"], "Backend", "config.strict_fields", True),
+    ("serve --strict-max-tokens", ["serve", "--strict-max-tokens"], "Backend", "config.strict_max_tokens",
+     True),
+    ("serve --chat-template", ["serve", "--chat-template", "t.jinja"], "Backend", "chat_templates",
+     lambda templates: list(templates.values()) == ["{{ messages[0].content }}"]),
     # plan, models, align bon
     ("plan model", ["plan", "arith", "--context", "8"], "plan_memory", "name_or_path", "arith"),
     ("plan --context", ["plan", "arith", "--context", "8"], "plan_memory", "context", 8),
@@ -395,6 +400,7 @@ def sinks(monkeypatch, tiny_lm, tmp_path):
     (tmp_path / "c.txt").write_text("ROMEO: calibration text")  # the file flags' files, read
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(12))  # before the (replaced) work starts
     (tmp_path / "prompt.txt").write_text("ROMEO:\n")
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
     return calls
 
 
