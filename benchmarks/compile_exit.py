@@ -1,0 +1,81 @@
+"""Processes exit cleanly whatever a compilation is doing (issue 37): run a script of
+`generate` and `beam_search` calls on `shakespeare` with the automatic compile policy
+triggered from the first decode steps, many times, and count the runs that exit 0 with
+nothing on stderr.
+
+    python benchmarks/compile_exit.py --runs 20 --script repro   # the issue's reproduction
+    python benchmarks/compile_exit.py --runs 20 --script calls   # 200 generate/beam_search calls
+
+`repro`: eight rounds of `generate` (two prompts, n=2, 24 tokens) and `beam_search` (3
+beams, 12 tokens), then the script ends. `calls`: 200 calls, alternating. Each run gets
+a fresh DECODEKIT_CACHE_DIR whose compile-times.json records 0.01 s for every bucket of the
+model's shape, so the policy compiles at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = """
+import sys
+import decodekit as dk
+from decodekit.engine import compiled
+
+rounds = int(sys.argv[1])
+model = dk.load_model("shakespeare")
+calls = 0
+for i in range(rounds):
+    if i % 2 == 0 or rounds == 8:
+        dk.generate(model, ["ROMEO:", "JULIET: O"], dk.SamplingParams(n=2, max_new_tokens=24, seed=i))
+        calls += 1
+    if i % 2 == 1 or rounds == 8:
+        dk.beam_search(model, "KING:", dk.SamplingParams(max_new_tokens=12), num_beams=3)
+        calls += 1
+lanes = compiled.lanes_for(model)
+compiling = getattr(lanes, "compiling", None) or sorted(map(str, lanes._pending))
+print(calls, "calls;", "compiling", compiling, "ready", sorted(map(str, lanes.ready)))
+"""
+
+
+def cache_with_times(folder: Path) -> None:
+    """compile-times.json recording 0.01 s for every bucket of shakespeare's shape."""
+    import decodekit as dk
+    from decodekit.engine.compiled import BUCKETS, bucket_name, shape_key
+
+    key = shape_key(dk.load_model("shakespeare"))
+    times = {f"{key}/{bucket_name(size, prefixed)}": 0.01 for size in BUCKETS for prefixed in (False, True)}
+    (folder / "compile-times.json").write_text(json.dumps(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--script", choices=["repro", "calls"], default="repro")
+    args = parser.parse_args()
+    rounds = 8 if args.script == "repro" else 200
+    clean, results = 0, []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory() as folder:
+            cache_with_times(Path(folder))
+            env = {**os.environ, "DECODEKIT_CACHE_DIR": folder}
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, "-c", SCRIPT, str(rounds)], env=env,
+                                  capture_output=True, text=True, check=False)  # fmt: skip
+            seconds = time.perf_counter() - start
+        ok = done.returncode == 0 and not done.stderr.strip()
+        clean += ok
+        results.append({"run": run, "exit": done.returncode, "stderr": done.stderr.strip()[-300:],
+                        "stdout": done.stdout.strip()[-200:], "seconds": round(seconds, 1)})  # fmt: skip
+        print(json.dumps(results[-1]), flush=True)
+    print(f"{args.script}: {clean} of {args.runs} runs exited 0 with nothing on stderr")
+
+
+if __name__ == "__main__":
+    main()
