@@ -7,7 +7,8 @@ nothing on stderr.
     python benchmarks/compile_exit.py --runs 20 --script calls   # 200 generate/beam_search calls
 
 `repro`: eight rounds of `generate` (two prompts, n=2, 24 tokens) and `beam_search` (3
-beams, 12 tokens), then the script ends. `calls`: 200 calls, alternating. Each run gets
+beams, 12 tokens), then the script ends. `calls`: 200 calls, alternating
+`generate` (two prompts, n=2, 8 tokens) and `beam_search` (3 beams, 6 tokens). Each run gets
 a fresh DECODEKIT_CACHE_DIR whose compile-times.json records 0.01 s for every bucket of the
 model's shape, so the policy compiles at once.
 """
@@ -32,11 +33,15 @@ rounds = int(sys.argv[1])
 model = dk.load_model("shakespeare")
 calls = 0
 for i in range(rounds):
-    if i % 2 == 0 or rounds == 8:
+    if rounds == 8:  # the issue's reproduction
         dk.generate(model, ["ROMEO:", "JULIET: O"], dk.SamplingParams(n=2, max_new_tokens=24, seed=i))
-        calls += 1
-    if i % 2 == 1 or rounds == 8:
         dk.beam_search(model, "KING:", dk.SamplingParams(max_new_tokens=12), num_beams=3)
+        calls += 2
+    elif i % 2 == 0:
+        dk.generate(model, ["ROMEO:", "JULIET: O"], dk.SamplingParams(n=2, max_new_tokens=8, seed=i))
+        calls += 1
+    else:
+        dk.beam_search(model, "KING:", dk.SamplingParams(max_new_tokens=6), num_beams=3)
         calls += 1
 lanes = compiled.lanes_for(model)
 compiling = getattr(lanes, "compiling", None) or sorted(map(str, lanes._pending))

@@ -304,10 +304,12 @@ model = dk.load_model("shakespeare")
 times = {f"{shape_key(model)}/{bucket_name(b, p)}": 0.01 for b in BUCKETS for p in (False, True)}
 open(sys.argv[1] + "/compile-times.json", "w").write(json.dumps(times))
 lanes = lanes_for(model)
+rounds = 0
 for i in range(20):
     dk.generate(model, ["ROMEO:", "JULIET: O"], dk.SamplingParams(n=2, max_new_tokens=8, seed=i))
     dk.beam_search(model, "KING:", dk.SamplingParams(max_new_tokens=6), num_beams=3)
-    if lanes._pending:
+    rounds += bool(lanes._pending)
+    if rounds == 3:  # a few calls beside the compilation, as a script would go on
         break
 assert lanes._pending, "no compilation started"
 print("compiling at exit")

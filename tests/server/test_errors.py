@@ -189,3 +189,27 @@ def test_a_stream_that_times_out_ends_with_an_error_event(paused_server):
             pass
     backend.engines["tiny"].start()  # the server recovers
     assert client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=3).choices[0].text
+
+
+def test_an_unhandled_error_is_a_500_counted_in_metrics(server, monkeypatch):
+    """A route that raises is answered 500 by Starlette's outermost handler, outside the
+    metrics middleware: it is counted all the same (issue 37: /metrics had no 500 series)."""
+    from fastapi.testclient import TestClient
+
+    from decodekit.server.app import create_app
+
+    _, backend = server
+    stats, calls = backend.stats, []
+
+    def broken_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return stats()
+
+    monkeypatch.setattr(backend, "stats", broken_once)
+    client = TestClient(create_app(backend), base_url="http://127.0.0.1", raise_server_exceptions=False)
+    answer = client.get("/health")
+    assert answer.status_code == 500 and "a bug" in answer.json()["error"]["message"]
+    scraped = client.get("/metrics").text
+    assert 'decodekit_http_responses_total{status="500"} 1.0' in scraped
