@@ -31,13 +31,14 @@ step (models/static.py). Here:
 When to compile (`CompilePolicy`): compilation costs seconds to a minute (inductor caches
 its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so a later process pays only the tracing);
 a step saves a fraction of a millisecond. So the engine runs eager and compiles a bucket, in
-a background thread, once the decode-only steps it has already run would have repaid that
+a child process and then between two steps (compile_worker.py: a compilation never runs
+beside a step), once the decode-only steps it has already run would have repaid that
 bucket's warm-up (a JIT's tiering: past work predicts future work), and automatically only
 for buckets of up to 8 rows, where the step is overhead-bound. The warm-up of each bucket of
 each model shape is measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
 models/dtype_probe.py `cache_dir`), so a short
 command such as `decodekit generate "ROMEO:"` never waits for a compile. `compile=True`
-compiles on the first decode step, `False` never. A compilation that fails leaves the engine
+compiles before the second decode step, in the engine's process, `False` never. A compilation that fails leaves the engine
 eager with one warning; a request never fails for it.
 """
 
