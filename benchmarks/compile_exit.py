@@ -5,12 +5,15 @@ nothing on stderr.
 
     python benchmarks/compile_exit.py --runs 20 --script repro   # the issue's reproduction
     python benchmarks/compile_exit.py --runs 20 --script calls   # 200 generate/beam_search calls
+    python benchmarks/compile_exit.py --runs 4 --script serve    # the server, SIGTERM/SIGINT
 
 `repro`: eight rounds of `generate` (two prompts, n=2, 24 tokens) and `beam_search` (3
 beams, 12 tokens), then the script ends. `calls`: 200 calls, alternating
 `generate` (two prompts, n=2, 8 tokens) and `beam_search` (3 beams, 6 tokens). Each run gets
 a fresh DECODEKIT_CACHE_DIR whose compile-times.json records 0.01 s for every bucket of the
-model's shape, so the policy compiles at once.
+model's shape, so the policy compiles at once. `serve`: `decodekit serve` gets completions
+until /health lists a compilation, then SIGTERM or SIGINT (alternately); a clean run exits 0
+with no traceback (uvicorn logs on stderr).
 """
 
 from __future__ import annotations
@@ -59,10 +62,44 @@ def cache_with_times(folder: Path) -> None:
     (folder / "compile-times.json").write_text(json.dumps(times))
 
 
+def serve_once(env: dict, run: int) -> subprocess.CompletedProcess:
+    """`decodekit serve` on a free port; completions until /health lists a compilation,
+    then SIGTERM (even runs) or SIGINT (odd runs) while it compiles."""
+    import signal
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "serve", "--model", "shakespeare",
+                               "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    compiling = []
+    try:
+        for _ in range(600):
+            try:
+                compiling = httpx.get(url + "/health", timeout=5).json()["models"]["shakespeare"]["compiling"]
+                if compiling:
+                    break
+                httpx.post(url + "/v1/completions", timeout=120, json={
+                    "model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 24, "n": 2})
+            except httpx.TransportError:
+                time.sleep(0.5)
+    finally:
+        server.send_signal(signal.SIGTERM if run % 2 == 0 else signal.SIGINT)
+        out, err = server.communicate(timeout=120)
+    aborted = any(word in err for word in ("Traceback", "terminate called"))
+    return subprocess.CompletedProcess(server.args, server.returncode, f"compiling {compiling}",
+                                       err if aborted or server.returncode else "")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--script", choices=["repro", "calls"], default="repro")
+    parser.add_argument("--script", choices=["repro", "calls", "serve"], default="repro")
     args = parser.parse_args()
     rounds = 8 if args.script == "repro" else 200
     clean, results = 0, []
@@ -71,8 +108,11 @@ def main() -> None:
             cache_with_times(Path(folder))
             env = {**os.environ, "DECODEKIT_CACHE_DIR": folder}
             start = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", SCRIPT, str(rounds)], env=env,
-                                  capture_output=True, text=True, check=False)  # fmt: skip
+            if args.script == "serve":
+                done = serve_once(env, run)
+            else:
+                done = subprocess.run([sys.executable, "-c", SCRIPT, str(rounds)], env=env,
+                                      capture_output=True, text=True, check=False)  # fmt: skip
             seconds = time.perf_counter() - start
         ok = done.returncode == 0 and not done.stderr.strip()
         clean += ok

@@ -87,8 +87,10 @@ class PagedBatch:
         running: RunningRows | None,
         prefills: list[PrefillSpan],
         windows: tuple[int | None, ...] = (),
+        lengths: list[int] | None = None,  # [T] each token's sequence length after the step
     ):
         self.pool = pool
+        self.lengths = lengths  # dynamic RoPE's frequencies, per row (paged_forward)
         self.slots = slots
         self.running = running
         self.prefills = prefills
@@ -255,8 +257,13 @@ def paged_forward(
     states [K, hidden] float32), for an adapter that reads them (align/qvalue.py)."""
     assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
     model.check_positions(int(positions.max()) + 1)
-    cos, sin = model.rope.tables(int(positions.max()) + 1)
-    cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
+    if model.config.rope.kind == "dynamic":  # each token's frequencies from its own row's length
+        lengths = torch.tensor(batch.lengths, dtype=torch.long, device=positions.device)
+        cos, sin = model.rope.at(positions, lengths)
+    else:
+        cos, sin = model.rope.tables(int(positions.max()) + 1)
+        cos, sin = cos[positions], sin[positions]
+    cos, sin = cos[None, :, None], sin[None, :, None]  # [1, T, 1, D]
     masks = [(None, False)] * model.config.num_layers  # PagedBatch masks by itself
     out = model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant, states)
     return (out[0][0], out[1][0]) if states else out[0]
@@ -282,6 +289,7 @@ def build_batch(
     tokens: list[int] = []
     positions: list[int] = []
     all_slots: list[int] = []
+    lengths: list[int] = []  # each token's sequence length after this step (dynamic RoPE)
     keep: list[int] = []
     prefills: list[PrefillSpan] = []
     decoding = len(running) if running is not None else 0
@@ -290,6 +298,7 @@ def build_batch(
         start = len(tokens)
         tokens += seq_tokens[length - count : length]
         positions += range(length - count, length)
+        lengths += [length] * count
         all_slots += slots
         if every is not None and every[index]:
             keep += range(start, start + count)
@@ -307,7 +316,7 @@ def build_batch(
     def as_long(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows)
+    batch = PagedBatch(pool, as_long(all_slots), rows, prefills, windows, lengths)
     return as_long(tokens), as_long(positions), batch, as_long(keep)
 
 
