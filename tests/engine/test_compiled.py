@@ -255,7 +255,7 @@ def test_quantised_models_compile_with_their_kernels_and_equal_eager(sharp_lm, b
 HOOKS = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)  # what a tracer patches process-wide
 
 
-def test_eager_steps_run_while_a_bucket_compiles_and_never_see_a_tracers_hooks(sharp_lm, tmp_path, monkeypatch):
+def test_eager_steps_beside_a_compilation_never_see_a_tracers_hooks(sharp_lm, tmp_path, monkeypatch):
     """The automatic policy compiles a bucket while the engine goes on eager: hundreds of
     eager steps run meanwhile, none of them fails or runs while torch.fx's tracer has
     `torch.nn.Module.__call__` patched (issue 37: a step failed with `NameError: module is

@@ -208,7 +208,8 @@ def main(folder: str) -> int:
         example = tuple(torch.zeros_like(t, device=device) for t in job["example"])
         compile_step(model, job["name"], job["prefixed"], example, job["backend"], job["options"])
     except Exception as error:  # noqa: BLE001 -- reported to the parent, whose engine stays eager
-        (path / "result.json").write_text(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"}))
+        failure = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        (path / "result.json").write_text(json.dumps(failure))
         return 1
     (path / "result.json").write_text(json.dumps({"ok": True, "seconds": time.perf_counter() - start}))
     return 0

@@ -38,8 +38,9 @@ for buckets of up to 8 rows, where the step is overhead-bound. The warm-up of ea
 each model shape is measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
 models/dtype_probe.py `cache_dir`), so a short
 command such as `decodekit generate "ROMEO:"` never waits for a compile. `compile=True`
-compiles before the second decode step, in the engine's process, `False` never. A compilation that fails leaves the engine
-eager with one warning; a request never fails for it.
+compiles before the second decode step, in the engine's process, `False` never. A
+compilation that fails leaves the engine eager with one warning; a request never fails
+for it.
 """
 
 from __future__ import annotations
@@ -302,7 +303,8 @@ class CompiledLanes:
                 self._due[key] = (example, policy, None)
             return
         try:
-            job = CompileJob(self.model, _step_name(key), prefixed, example, BACKEND, compile_options(BACKEND))
+            options = compile_options(BACKEND)
+            job = CompileJob(self.model, _step_name(key), prefixed, example, BACKEND, options)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self._fail(f"{type(error).__name__}: {error}", key)
             return
@@ -358,7 +360,8 @@ class CompiledLanes:
         size, prefixed = key
         start = time.perf_counter()
         try:
-            compiled = compile_step(self.model, _step_name(key), prefixed, example, BACKEND, compile_options(BACKEND))
+            options = compile_options(BACKEND)
+            compiled = compile_step(self.model, _step_name(key), prefixed, example, BACKEND, options)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self._fail(f"{type(error).__name__}: {error}", key)
             return

@@ -4,8 +4,8 @@ The request counters and each engine's state (running and waiting requests and p
 KV blocks used, held, free and cached, and each member pool's: drafts, amateurs) are read
 from `Backend.stats()` at each scrape, so they cannot drift from `/health`; the HTTP
 answers by status are counted by `CountStatus`, an ASGI middleware outside every other, so
-refusals (401, 413, ...) are counted too, and so are the 500s of unhandled errors; a request's `TokenClock` times its deltas (time
-to first token, inter-token latency).
+refusals (401, 413, ...) are counted too, and so are the 500s of unhandled errors; a
+request's `TokenClock` times its deltas (time to first token, inter-token latency).
 """
 
 from __future__ import annotations
