@@ -495,4 +495,3 @@ class PrefixKV:
         spans = [(self.starts[id(p)], self.starts[id(p)] + p.length) if p is not None else (0, 0)
                  for p in prefixes]  # fmt: skip
         return [[a for a, _ in spans], [b for _, b in spans]]
-
