@@ -213,3 +213,21 @@ def test_an_unhandled_error_is_a_500_counted_in_metrics(server, monkeypatch):
     assert answer.status_code == 500 and "a bug" in answer.json()["error"]["message"]
     scraped = client.get("/metrics").text
     assert 'decodekit_http_responses_total{status="500"} 1.0' in scraped
+
+
+def test_integer_fields_take_integral_floats_as_openai_does(server):
+    """`"type": "integer"` in the published schema allows 40.0 (JSON Schema), and OpenAI
+    accepts it: so does the parser (issue 37: 400 invalid_type); 40.5 is still a 400 naming
+    the field, and so is a string."""
+    thread, _ = server
+    integers = {"top_k": 40, "max_tokens": 2, "n": 1, "seed": 3, "allowed_token_ids": [5, 6], "prompt": [7, 8]}
+    floats = body(top_k=40.0, max_tokens=2.0, n=1.0, seed=3.0, allowed_token_ids=[5.0, 6.0],
+                  prompt=[7.0, 8.0])
+    answer = httpx.post(thread.url + COMPLETIONS, json=floats)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] <= 2
+    assert httpx.post(thread.url + COMPLETIONS, json=body(**integers)).json()["choices"] \
+        == answer.json()["choices"]
+    for field, value in [("top_k", 40.5), ("max_tokens", 2.5), ("allowed_token_ids", [5.5]), ("n", "1")]:
+        refused = httpx.post(thread.url + COMPLETIONS, json=body(**{field: value}))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
