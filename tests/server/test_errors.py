@@ -220,7 +220,8 @@ def test_integer_fields_take_integral_floats_as_openai_does(server):
     accepts it: so does the parser (issue 37: 400 invalid_type); 40.5 is still a 400 naming
     the field, and so is a string."""
     thread, _ = server
-    integers = {"top_k": 40, "max_tokens": 2, "n": 1, "seed": 3, "allowed_token_ids": [5, 6], "prompt": [7, 8]}
+    integers = {"top_k": 40, "max_tokens": 2, "n": 1, "seed": 3, "allowed_token_ids": [5, 6],
+                "prompt": [7, 8]}
     floats = body(top_k=40.0, max_tokens=2.0, n=1.0, seed=3.0, allowed_token_ids=[5.0, 6.0],
                   prompt=[7.0, 8.0])
     answer = httpx.post(thread.url + COMPLETIONS, json=floats)
