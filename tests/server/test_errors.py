@@ -232,3 +232,32 @@ def test_integer_fields_take_integral_floats_as_openai_does(server):
     for field, value in [("top_k", 40.5), ("max_tokens", 2.5), ("allowed_token_ids", [5.5]), ("n", "1")]:
         refused = httpx.post(thread.url + COMPLETIONS, json=body(**{field: value}))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
+# A body that breaks each cross-field rule, and the field its 400 names.
+BROKEN_RULES = {
+    "best_of": (body(n=2, best_of=1), "best_of"),
+    "vote": (body(vote="majority"), "best_of"),
+    "scorer": (body(scorer="logprob"), "best_of"),
+    "num_beams": (body(num_beams=2), "num_beams"),
+    "draft_model": (body(use_beam_search=True, draft_model="tiny"), "draft_model"),
+    "num_draft_tokens": (body(num_draft_tokens=2), "num_draft_tokens"),
+    "top_logprobs": (chat_body(top_logprobs=2), "top_logprobs"),
+}
+
+
+def test_the_schema_says_every_cross_field_rule_the_server_checks(server):
+    """Each rule of plan.py `CROSS_FIELD_RULES` is in its field's description in /openapi.json,
+    and a body that breaks it is a 400 naming the field."""
+    from decodekit.server.plan import CROSS_FIELD_RULES
+
+    thread, _ = server
+    schemas = httpx.get(thread.url + "/openapi.json").json()["components"]["schemas"]
+    assert set(BROKEN_RULES) == set(CROSS_FIELD_RULES)
+    for name, rule in CROSS_FIELD_RULES.items():
+        request = "ChatRequest" if name == "top_logprobs" else "CompletionRequest"
+        assert rule in schemas[request]["properties"][name]["description"]
+        payload, param = BROKEN_RULES[name]
+        path = CHAT if "messages" in payload else COMPLETIONS
+        refused = httpx.post(thread.url + path, json=payload)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (name, refused.text)
