@@ -9,6 +9,11 @@ modules with `LaneAttention`), in seconds; one test runs inductor itself."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import engine_fixtures
 import pytest
 import torch
@@ -169,7 +174,7 @@ def test_the_automatic_policy_compiles_only_when_the_steps_so_far_repay_it(sharp
     policy.record(1, 3.5)
     assert policy.pays(1, 6_000, 0.002) and not policy.pays(2, 6_000, 0.002)  # bucket 2: unmeasured
     _, engine = run(fresh(sharp_lm), PROMPTS, None)  # a short run: eager, nothing compiled or compiling
-    assert engine.compiled_steps == 0 and not engine.lanes.ready and not engine.lanes._threads
+    assert engine.compiled_steps == 0 and not engine.lanes.ready and not engine.lanes.compiling
 
 
 def test_a_warm_up_is_recorded_and_read_back(sharp_lm, tmp_path, monkeypatch):
@@ -214,7 +219,8 @@ def test_the_automatic_policy_compiles_in_the_background_and_switches_over(sharp
     handle = engine.submit(PROMPTS[1], long)
     engine.step()
     engine.step()  # the first decode step: eager, and the bucket of 1 starts compiling
-    assert engine.lanes._threads and engine.compiled_steps == 0
+    assert engine.lanes.compiling == ["rows=1"] and engine.compiled_steps == 0
+    assert engine.stats()["compiling"] == ["rows=1"]
     engine.lanes.wait()
     while engine.has_work():
         engine.step()
@@ -244,3 +250,77 @@ def test_quantised_models_compile_with_their_kernels_and_equal_eager(sharp_lm, b
     want, _ = run(model, PROMPTS[:2], False)
     got, engine = run(model, PROMPTS[:2], True)
     assert got == want and engine.compiled_steps > 0 and engine.lanes.failed is None
+
+
+HOOKS = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)  # what a tracer patches process-wide
+
+
+def test_eager_steps_beside_a_compilation_never_see_a_tracers_hooks(sharp_lm, tmp_path, monkeypatch):
+    """The automatic policy compiles a bucket while the engine goes on eager: hundreds of
+    eager steps run meanwhile, none of them fails or runs while torch.fx's tracer has
+    `torch.nn.Module.__call__` patched (issue 37: a step failed with `NameError: module is
+    not installed as a submodule`), and the compiled bucket then gives the eager tokens."""
+    from decodekit.engine.batch import paged_forward
+
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    CompilePolicy.for_model(sharp_lm, None).record(1, 0.001)
+    long = dk.SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True)
+    model = fresh(sharp_lm)
+    [want], _ = run(model, [(PROMPTS[0], long)], False)
+    engine = Engine(model, EngineConfig(compile=None, block_size=4, num_blocks=512))
+    hooked = []  # per eager step: whether a tracer's hooks were in place
+
+    def forward(*args):
+        hooked.append((torch.nn.Module.__call__, torch.nn.Module.__getattr__) != HOOKS)
+        return paged_forward(*args)
+
+    engine._forward = forward
+    handles = [engine.submit(PROMPTS[0], long)]
+    engine.step()
+    engine.step()  # the first decode step asks for the bucket of 1
+    assert engine.lanes._pending == {(1, False)}
+    deadline = time.monotonic() + 300
+    while engine.lanes._pending and time.monotonic() < deadline:
+        if not engine.has_work():
+            handles.append(engine.submit(PROMPTS[0], long))
+        engine.step()
+        time.sleep(0.002)  # a server between requests: the compilation gets a core on a busy machine
+    eager_steps = len(hooked)
+    assert not engine.lanes._pending and engine.lanes.failed is None
+    assert eager_steps >= 100, eager_steps  # the compilation overlapped many steps
+    assert not any(hooked), f"{sum(hooked)} of {eager_steps} eager steps ran under a tracer's hooks"
+    handles.append(engine.submit(PROMPTS[0], long))
+    while engine.has_work():
+        engine.step()
+    assert all(h.result(0)[0].token_ids == want[0] for h in handles) and engine.compiled_steps > 0
+
+
+EXIT_SCRIPT = """
+import json, sys
+import decodekit as dk
+from decodekit.engine.compiled import BUCKETS, bucket_name, lanes_for, shape_key
+
+model = dk.load_model("shakespeare")
+times = {f"{shape_key(model)}/{bucket_name(b, p)}": 0.01 for b in BUCKETS for p in (False, True)}
+open(sys.argv[1] + "/compile-times.json", "w").write(json.dumps(times))
+lanes = lanes_for(model)
+rounds = 0
+for i in range(20):
+    dk.generate(model, ["ROMEO:", "JULIET: O"], dk.SamplingParams(n=2, max_new_tokens=8, seed=i))
+    dk.beam_search(model, "KING:", dk.SamplingParams(max_new_tokens=6), num_beams=3)
+    rounds += bool(lanes._pending)
+    if rounds == 3:  # a few calls beside the compilation, as a script would go on
+        break
+assert lanes._pending, "no compilation started"
+print("compiling at exit")
+"""
+
+
+def test_a_script_exits_cleanly_while_a_bucket_compiles(tmp_path):
+    """`generate` and `beam_search` until the automatic policy compiles a bucket, then the
+    script ends: exit code 0 and nothing on stderr (issue 37: SIGABRT, `terminate called
+    without an active exception`)."""
+    env = {**os.environ, "DECODEKIT_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    assert (done.returncode, done.stderr, done.stdout.strip()) == (0, "", "compiling at exit")

@@ -225,6 +225,36 @@ def test_dynamic_ntk_rope_beyond_max_positions_matches_transformers(tmp_path):
         assert (native_logits(model, tokens) - expected).abs().max() <= 1e-4
 
 
+def test_dynamic_ntk_rope_batched_greedy_equals_alone(tmp_path):
+    """Each row's frequencies come from its own length (rope.py `RotaryTables.at`), so rows
+    that pass the 16 trained positions at different steps decode the same batched on the
+    engine, padded through `forward`, and alone (issue 37: two of three prompts differed,
+    the batch sharing its longest row's frequencies)."""
+    import decodekit as dk
+
+    config = transformers.LlamaConfig(
+        **{**TINY, "max_position_embeddings": 16},
+        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config)
+    randomize(hf_model, seed=5)
+    hf_model.save_pretrained(tmp_path)
+    model = NativeLM.from_pretrained(tmp_path)
+    prompts = [[(7 * i + 3 * j) % 100 + 1 for i in range(4 + 7 * j)] for j in range(3)]  # 4, 11, 18 tokens
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    alone = [dk.generate(model, [prompt], greedy)[0][0].token_ids for prompt in prompts]
+    batched = [samples[0].token_ids for samples in dk.generate(model, prompts, greedy)]
+    assert batched == alone
+    # NativeLM.forward over a left-padded batch: each row's last logits as alone
+    width = max(map(len, prompts))
+    tokens = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    padded = model.forward(tokens, model.new_cache(3), mask)[:, -1]
+    for row, prompt in enumerate(prompts):
+        assert (padded[row] - native_logits(model, prompt)[-1]).abs().max() <= 1e-4
+
+
 def test_metadata_sharded_weights_and_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -188,3 +188,75 @@ def test_a_stream_that_times_out_ends_with_an_error_event(paused_server):
             pass
     backend.engines["tiny"].start()  # the server recovers
     assert client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=3).choices[0].text
+
+
+def test_an_unhandled_error_is_a_500_counted_in_metrics(server, monkeypatch):
+    """A route that raises is answered 500 by Starlette's outermost handler, outside the
+    metrics middleware: it is counted all the same (issue 37: /metrics had no 500 series)."""
+    from fastapi.testclient import TestClient
+
+    from decodekit.server.app import create_app
+
+    _, backend = server
+    stats, calls = backend.stats, []
+
+    def broken_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return stats()
+
+    monkeypatch.setattr(backend, "stats", broken_once)
+    client = TestClient(create_app(backend), base_url="http://127.0.0.1", raise_server_exceptions=False)
+    answer = client.get("/health")
+    assert answer.status_code == 500 and "a bug" in answer.json()["error"]["message"]
+    scraped = client.get("/metrics").text
+    assert 'decodekit_http_responses_total{status="500"} 1.0' in scraped
+
+
+def test_integer_fields_take_integral_floats_as_openai_does(server):
+    """`"type": "integer"` in the published schema allows 40.0 (JSON Schema), and OpenAI
+    accepts it: so does the parser (issue 37: 400 invalid_type); 40.5 is still a 400 naming
+    the field, and so is a string."""
+    thread, _ = server
+    integers = {"top_k": 40, "max_tokens": 2, "n": 1, "seed": 3, "allowed_token_ids": [5, 6],
+                "prompt": [7, 8]}
+    floats = body(top_k=40.0, max_tokens=2.0, n=1.0, seed=3.0, allowed_token_ids=[5.0, 6.0],
+                  prompt=[7.0, 8.0])
+    answer = httpx.post(thread.url + COMPLETIONS, json=floats)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] <= 2
+    assert httpx.post(thread.url + COMPLETIONS, json=body(**integers)).json()["choices"] \
+        == answer.json()["choices"]
+    for field, value in [("top_k", 40.5), ("max_tokens", 2.5), ("allowed_token_ids", [5.5]), ("n", "1")]:
+        refused = httpx.post(thread.url + COMPLETIONS, json=body(**{field: value}))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
+# A body that breaks each cross-field rule, and the field its 400 names.
+BROKEN_RULES = {
+    "best_of": (body(n=2, best_of=1), "best_of"),
+    "vote": (body(vote="majority"), "best_of"),
+    "scorer": (body(scorer="logprob"), "best_of"),
+    "num_beams": (body(num_beams=2), "num_beams"),
+    "draft_model": (body(use_beam_search=True, draft_model="tiny"), "draft_model"),
+    "num_draft_tokens": (body(num_draft_tokens=2), "num_draft_tokens"),
+    "top_logprobs": (chat_body(top_logprobs=2), "top_logprobs"),
+}
+
+
+def test_the_schema_says_every_cross_field_rule_the_server_checks(server):
+    """Each rule of plan.py `CROSS_FIELD_RULES` is in its field's description in /openapi.json,
+    and a body that breaks it is a 400 naming the field."""
+    from decodekit.server.plan import CROSS_FIELD_RULES
+
+    thread, _ = server
+    schemas = httpx.get(thread.url + "/openapi.json").json()["components"]["schemas"]
+    assert set(BROKEN_RULES) == set(CROSS_FIELD_RULES)
+    for name, rule in CROSS_FIELD_RULES.items():
+        request = "ChatRequest" if name == "top_logprobs" else "CompletionRequest"
+        assert rule in schemas[request]["properties"][name]["description"]
+        payload, param = BROKEN_RULES[name]
+        path = CHAT if "messages" in payload else COMPLETIONS
+        refused = httpx.post(thread.url + path, json=payload)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (name, refused.text)

@@ -88,9 +88,11 @@ class PagedBatch:
         prefills: list[PrefillSpan],
         windows: tuple[int | None, ...] = (),
         end: int = 0,
+        lengths: list[int] | None = None,  # [T] each token's sequence length after the step
     ):
         self.pool = pool
         self.end = end  # 1 + the step's largest position, known on the host (no read of `positions`)
+        self.lengths = lengths  # dynamic RoPE's frequencies, per row (paged_forward)
         self.slots = slots
         self.running = running
         self.prefills = prefills
@@ -258,8 +260,13 @@ def paged_forward(
     assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
     end = batch.end or int(positions.max()) + 1
     model.check_positions(end)
-    cos, sin = model.rope.tables(end)
-    cos, sin = cos[positions][None, :, None], sin[positions][None, :, None]  # [1, T, 1, D]
+    if model.config.rope.kind == "dynamic":  # each token's frequencies from its own row's length
+        lengths = torch.tensor(batch.lengths, dtype=torch.long, device=positions.device)
+        cos, sin = model.rope.at(positions, lengths)
+    else:
+        cos, sin = model.rope.tables(end)
+        cos, sin = cos[positions], sin[positions]
+    cos, sin = cos[None, :, None], sin[None, :, None]  # [1, T, 1, D]
     masks = [(None, False)] * model.config.num_layers  # PagedBatch masks by itself
     out = model.net(tokens[None], cos, sin, batch, masks, keep, batch_invariant, states)
     return (out[0][0], out[1][0]) if states else out[0]
@@ -285,6 +292,7 @@ def build_batch(
     tokens: list[int] = []
     positions: list[int] = []
     all_slots: list[int] = []
+    lengths: list[int] = []  # each token's sequence length after this step (dynamic RoPE)
     keep: list[int] = []
     prefills: list[PrefillSpan] = []
     decoding = len(running) if running is not None else 0
@@ -293,6 +301,7 @@ def build_batch(
         start = len(tokens)
         tokens += seq_tokens[length - count : length]
         positions += range(length - count, length)
+        lengths += [length] * count
         all_slots += slots
         if every is not None and every[index]:
             keep += range(start, start + count)
@@ -310,7 +319,7 @@ def build_batch(
     # the step's indices in one copy to the device: tokens, positions, slots [T] and keep [K]
     flat = torch.tensor(tokens + positions + all_slots + keep, dtype=torch.long, device=device)
     tokens_t, positions_t, slots_t, keep_t = flat.split([len(tokens)] * 3 + [len(keep)])
-    batch = PagedBatch(pool, slots_t, rows, prefills, windows, max(positions, default=-1) + 1)
+    batch = PagedBatch(pool, slots_t, rows, prefills, windows, max(positions, default=-1) + 1, lengths)
     return tokens_t, positions_t, batch, keep_t
 
 

@@ -31,14 +31,16 @@ step (models/static.py). Here:
 When to compile (`CompilePolicy`): compilation costs seconds to a minute (inductor caches
 its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so a later process pays only the tracing);
 a step saves a fraction of a millisecond. So the engine runs eager and compiles a bucket, in
-a background thread, once the decode-only steps it has already run would have repaid that
+a child process and then between two steps (compile_worker.py: a compilation never runs
+beside a step), once the decode-only steps it has already run would have repaid that
 bucket's warm-up (a JIT's tiering: past work predicts future work), and automatically only
 for buckets of up to 8 rows, where the step is overhead-bound. The warm-up of each bucket of
 each model shape is measured and remembered on disk (`compile-times.json` in decodekit's cache directory,
 cache_dir.py), so a short
 command such as `decodekit generate "ROMEO:"` never waits for a compile. `compile=True`
-compiles on the first decode step, `False` never. A compilation that fails leaves the engine
-eager with one warning; a request never fails for it.
+compiles before the second decode step, in the engine's process, `False` never. A
+compilation that fails leaves the engine eager with one warning; a request never fails
+for it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from pathlib import Path
 import torch
 
 from decodekit.cache_dir import cache_dir
+from decodekit.engine.compile_worker import STEPS, CompileJob
 from decodekit.models import kernels
 from decodekit.models.base import weights_stamp
 from decodekit.models.native import NativeLM
@@ -233,24 +236,59 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+def compile_options(backend) -> dict:
+    """torch.compile's options for a bucket's step."""
+    # No guards on the model's modules: these steps belong to one model object and its
+    # weights as they are (`lanes_for` builds new ones when they change), and checking each
+    # parameter on every call cost 0.65 ms a token at 240M (int4, 16 layers).
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if backend == "inductor":
+        # The graph's wrapper in C++, not Python: its ~50 buffer checks and each kernel's
+        # call leave the interpreter (0.30 -> 0.25 ms a step of `shakespeare`, int8/int4
+        # alike; a cold compile measured no longer, 18 s against 22 s).
+        options["cpp_wrapper"] = True
+    return options
+
+
+def compile_step(model: NativeLM, name: str, prefixed: bool, example: tuple, backend, options: dict):
+    """The bucket's step compiled and run once on `example` (which compiles it): in the
+    engine's process (`CompiledLanes`) or in a compile worker's (compile_worker.py)."""
+    kernels.register_fakes()
+    step = lanes_step(model, name, prefixed)
+    compiled = torch.compile(step, backend=backend, dynamic=False, fullgraph=True, options=options)
+    with torch.inference_mode():
+        _mark_dynamic(*example[3:5])
+        if prefixed:
+            _mark_dynamic(*example[5:7], rows=False)
+        compiled(*example)
+    return compiled
+
+
 @dataclass
 class CompiledLanes:
     """A model's compiled decode steps, one per bucket (and per bucket with a shared prefix),
     shared by its engines (`lanes_for`); compiled when an engine's policy says so; `run` uses
-    a bucket once it is ready."""
+    a bucket once it is ready.
+
+    Where compilation runs (compile_worker.py): with the automatic policy a child process
+    compiles the bucket first, filling the on-disk caches, and `poll` then compiles it here
+    from them; with `compile=True`, `poll` compiles it here at once. Either way `poll` runs
+    before a step, on the stepping thread, while no engine of the process steps."""
 
     model: NativeLM
     ready: dict[tuple[int, bool], object] = field(default_factory=dict)  # (bucket, prefixed) -> step
     failed: str | None = None
+    load_seconds: list[float] = field(default_factory=list)  # each in-process compilation's time
     _pending: set[tuple[int, bool]] = field(default_factory=set)
+    _jobs: dict = field(default_factory=dict)  # key -> (CompileJob, example, policy): in a child
+    _due: dict = field(default_factory=dict)  # key -> (example, policy, seconds or None): for `poll`
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _marked: list = field(default_factory=lambda: [None, None])  # the keys last marked dynamic: rows, prefix
-    _threads: list[threading.Thread] = field(default_factory=list)
 
     def want(self, rows: int, policy: CompilePolicy, decode_steps: int, eager_step_s: float,
              running_kv, prefixed: bool = False) -> None:  # fmt: skip
-        """Ask for the bucket of `rows` if `policy` says it pays: compiled in a background
-        thread (with `policy.mode` True, at once in this one)."""
+        """Ask for the bucket of `rows` if `policy` says it pays: compiled by a child process
+        and then by `poll` (with `policy.mode` True, by the next `poll` at once)."""
         size = bucket(rows)
         key = (size, prefixed)
         with self._lock:
@@ -261,51 +299,87 @@ class CompiledLanes:
             self._pending.add(key)
         example = _example_inputs(self.model, size, running_kv, prefixed)
         if policy.mode:
-            self._compile(key, example, policy)
+            with self._lock:
+                self._due[key] = (example, policy, None)
             return
-        thread = threading.Thread(target=self._compile, args=(key, example, policy), daemon=True,
-                                  name=f"decodekit-compile-{bucket_name(*key)}")  # fmt: skip
-        self._threads.append(thread)
-        thread.start()
+        try:
+            options = compile_options(BACKEND)
+            job = CompileJob(self.model, _step_name(key), prefixed, example, BACKEND, options)
+        except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
+            self._fail(f"{type(error).__name__}: {error}", key)
+            return
+        with self._lock:
+            self._jobs[key] = (job, example, policy)
+
+    @property
+    def compiling(self) -> list[str]:
+        """The buckets being compiled, or compiled by a child and waiting for `poll`."""
+        with self._lock:
+            return sorted(bucket_name(*key) for key in self._pending)
+
+    def poll(self) -> None:
+        """Between steps, never inside one: take the children's results, and compile here
+        the buckets that are due while no engine of the process steps (compile_worker.py)."""
+        if not self._pending:
+            return
+        with self._lock:
+            finished = [(key, entry) for key, entry in self._jobs.items() if entry[0].done()]
+            for key, (job, example, policy) in finished:
+                del self._jobs[key]
+                if job.error is None:
+                    self._due[key] = (example, policy, job.seconds)
+        for key, (job, _, _) in finished:
+            if job.error is not None:
+                self._fail(job.error, key)
+        while self._due:
+            with self._lock:
+                if not self._due:
+                    break
+                key, (example, policy, seconds) = self._due.popitem()
+            if not STEPS.alone(lambda: self._compile(key, example, policy, seconds)):  # noqa: B023 -- run at once
+                with self._lock:
+                    self._due[key] = (example, policy, seconds)  # the next step's poll
+                return
 
     def wait(self) -> None:
-        """Join the background compilations (tests, benchmarks)."""
-        for thread in list(self._threads):
-            thread.join()
+        """Wait for the children's compilations and compile their buckets here (tests,
+        benchmarks)."""
+        for job, _, _ in list(self._jobs.values()):
+            job.wait()
+        self.poll()
 
-    def _compile(self, key: tuple[int, bool], example, policy: CompilePolicy) -> None:
+    def end(self) -> None:
+        """Stop the children's compilations (their buckets stay eager)."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, {}
+            self._pending.difference_update(jobs)
+        for job, _, _ in jobs.values():
+            job.end()
+
+    def _compile(self, key: tuple[int, bool], example, policy: CompilePolicy, seconds: float | None) -> None:
         size, prefixed = key
         start = time.perf_counter()
         try:
-            kernels.register_fakes()
-            name = f"decode_step_{size}_rows" + ("_prefixed" if prefixed else "")
-            step = lanes_step(self.model, name, prefixed)
-            # No guards on the model's modules: these steps belong to one model object and its
-            # weights as they are (`lanes_for` builds new ones when they change), and checking
-            # each parameter on every call cost 0.65 ms a token at 240M (int4, 16 layers).
-            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            if BACKEND == "inductor":
-                # The graph's wrapper in C++, not Python: its ~50 buffer checks and each
-                # kernel's call leave the interpreter (0.30 -> 0.25 ms a step of `shakespeare`,
-                # int8/int4 alike; a cold compile measured no longer, 18 s against 22 s).
-                options["cpp_wrapper"] = True
-            compiled = torch.compile(step, backend=BACKEND, dynamic=False, fullgraph=True, options=options)
-            with torch.inference_mode():
-                _mark_dynamic(*example[3:5])
-                if prefixed:
-                    _mark_dynamic(*example[5:7], rows=False)
-                compiled(*example)
+            options = compile_options(BACKEND)
+            compiled = compile_step(self.model, _step_name(key), prefixed, example, BACKEND, options)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
-            self.failed = f"{type(error).__name__}: {error}"
-            message = f"the compiled decode step failed; the engine stays eager ({self.failed:.200})"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self._fail(f"{type(error).__name__}: {error}", key)
             return
         elapsed = time.perf_counter() - start
         with self._lock:
             self.ready[key] = compiled
             self._pending.discard(key)
-        policy.record(size, elapsed, prefixed)
-        _log.info("compiled the decode step for %s in %.1f s", bucket_name(size, prefixed), elapsed)
+            self.load_seconds.append(elapsed)
+        policy.record(size, elapsed if seconds is None else seconds, prefixed)
+        _log.info("compiled the decode step for %s in %.1f s here%s", bucket_name(size, prefixed), elapsed,
+                  "" if seconds is None else f" ({seconds:.1f} s in a compile worker)")  # fmt: skip
+
+    def _fail(self, error: str, key: tuple[int, bool]) -> None:
+        with self._lock:
+            self.failed = error
+            self._pending.discard(key)
+        message = f"the compiled decode step failed; the engine stays eager ({error:.200})"
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def run(self, rows: int, tokens, positions, stored, running_kv, prefix=None, bounds=None):
         """The compiled step for `rows` RunningKV rows, or None when its bucket is not ready.
@@ -337,6 +411,12 @@ class CompiledLanes:
             logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values,
                                                     prefix.keys, prefix.values, bounds)  # fmt: skip
         return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
+
+
+def _step_name(key: tuple[int, bool]) -> str:
+    """A bucket's code object name (`lanes_step`)."""
+    size, prefixed = key
+    return f"decode_step_{size}_rows" + ("_prefixed" if prefixed else "")
 
 
 def lanes_for(model: NativeLM) -> CompiledLanes:
@@ -415,4 +495,3 @@ class PrefixKV:
         spans = [(self.starts[id(p)], self.starts[id(p)] + p.length) if p is not None else (0, 0)
                  for p in prefixes]  # fmt: skip
         return [[a for a, _ in spans], [b for _, b in spans]]
-

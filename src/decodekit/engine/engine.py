@@ -30,6 +30,7 @@ import torch
 
 from decodekit.completion import Completion
 from decodekit.engine.batch import build_batch, paged_forward
+from decodekit.engine.compile_worker import STEPS
 from decodekit.engine.compiled import CompilePolicy, PrefixKV, bucket, eligible, lanes_for
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.kv import BlockPool, PoolCorrupted, block_bytes
@@ -289,7 +290,9 @@ class Engine:
         reserved, so nothing it did not finish writing reaches the prefix cache
         (`_fail_step`); then it raises the error. Waiting requests stay queued and the
         engine stays usable."""
-        with self._step_lock, torch.inference_mode():
+        if self.lanes is not None:
+            self.lanes.poll()  # a compilation runs here, between steps (compile_worker.py)
+        with STEPS.step(), self._step_lock, torch.inference_mode():
             self._stepping = True
             for member in self.members.values():
                 member.pool.journal = {}
@@ -688,6 +691,9 @@ class Engine:
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "resets": self.resets,
+            # the buckets a compile worker or the next step compiles (compile_worker.py): the
+            # CPU a server uses while no request runs
+            "compiling": self.lanes.compiling if self.lanes is not None else [],
         }
 
 

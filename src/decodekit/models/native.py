@@ -556,8 +556,9 @@ class NativeLM(LanguageModel):
             positions = cache.next_position[:, None] + real.long().cumsum(dim=1) - 1  # [B, T]
             positions = positions.clamp(min=0)
             self.check_positions(int(positions.max()) + 1)
-            cos, sin = self.rope.tables(int(positions.max()) + 1)
-            cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, T, 1, D]
+            lengths = positions.max(dim=1, keepdim=True).values.expand_as(positions) + 1  # each row's own
+            cos, sin = self.rope.at(positions, lengths)
+            cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]
         cache.append(mask, num_new)
         rowwise = self.batch_invariant
         by_window = {w: attention_mask(cache, num_new, w, explicit=rowwise)

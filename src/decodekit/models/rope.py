@@ -5,7 +5,12 @@ the angle position * inv_freq_i. Scalings change only `inv_freq`:
 - default:  inv_freq_i = theta^(-2i/D)
 - linear:   inv_freq / factor (position interpolation, Chen et al. 2023)
 - dynamic:  NTK-aware, theta is raised once positions exceed max_position_embeddings
-            (bloc97/emozilla; transformers `_compute_dynamic_ntk_parameters`)
+            (bloc97/emozilla; transformers `_compute_dynamic_ntk_parameters`). The length
+            is each row's own (`RotaryTables.at`): a token's frequencies are those of its
+            sequence's length in this forward, so a row decodes the same alone or batched.
+            (transformers shares one length, the batch's longest position, between rows:
+            its batched and alone outputs differ once a row passes the threshold; alone,
+            the two conventions agree.)
 - llama3:   low frequencies / factor, high frequencies kept, a smooth ramp between
             (Llama 3.1; transformers `_compute_llama3_parameters`)
 - frequency_factors: inv_freq_i / f_i for given per-frequency divisors (any kind): how GGUF
@@ -125,8 +130,13 @@ class RotaryTables:
     def _build(self, num_positions: int, freq_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for positions [0, num_positions) with the frequencies of a sequence of
         `freq_positions` positions (only dynamic NTK depends on it)."""
+        return self._rotations(torch.arange(num_positions, device="cpu"), freq_positions)
+
+    def _rotations(self, positions: torch.Tensor, freq_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [P, D] of `positions` [P] (any device) with the frequencies of a
+        sequence of `freq_positions` positions."""
         inv_freq = inverse_frequencies(self.rope, freq_positions)  # [D/2]
-        freqs = torch.arange(num_positions, device="cpu").float()[:, None] * inv_freq[None, :]  # [P, D/2]
+        freqs = positions.cpu().float()[:, None] * inv_freq[None, :]  # [P, D/2]
         half = inv_freq.shape[0]
         sign = torch.cat([-torch.ones(half, device="cpu"), torch.ones(half, device="cpu")])  # [D]
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
@@ -145,6 +155,23 @@ class RotaryTables:
                 capacity = min(capacity, self.rope.max_positions)
             self.cos, self.sin = self._build(capacity, 0)
         return self.cos, self.sin
+
+
+    def at(self, positions: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [..., D] of `positions` [...], each with the frequencies of
+        `lengths` [...] (same shape): the length of the token's own sequence in this forward.
+        Differs from `tables` only for dynamic NTK rows past max_position_embeddings."""
+        threshold = self.rope.max_positions if self.rope.kind == "dynamic" else None
+        cos, sin = self.tables(int(positions.max()) + 1 if threshold is None
+                               else min(int(positions.max()) + 1, threshold))  # fmt: skip
+        limit = cos.shape[0] - 1
+        cos, sin = cos[positions.clamp(max=limit)], sin[positions.clamp(max=limit)]
+        if threshold is None or int(lengths.max()) <= threshold:
+            return cos, sin
+        for length in lengths[lengths > threshold].unique().tolist():  # each long row's own base
+            chosen = lengths == length
+            cos[chosen], sin[chosen] = self._rotations(positions[chosen], length)
+        return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

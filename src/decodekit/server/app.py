@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -429,4 +430,14 @@ class ServerThread:
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000) -> None:
     """`decodekit serve`: answer until interrupted (the CLI loads the models: `load_models`)."""
     uvicorn = require("uvicorn", "server", "the server")
-    uvicorn.run(create_app(backend, host), host=host, port=port, log_level="info")
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again, whose default
+    # action ends the process with status 143: after a finished shutdown, exit 0 instead.
+    previous = signal.signal(signal.SIGTERM, _exit_after_shutdown)
+    try:
+        uvicorn.run(create_app(backend, host), host=host, port=port, log_level="info")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_after_shutdown(signum, frame) -> None:
+    raise SystemExit(0)

@@ -14,7 +14,7 @@ import types
 from dataclasses import MISSING, fields
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pydantic import ConfigDict, Field, create_model
+from pydantic import BeforeValidator, ConfigDict, Field, create_model
 
 from decodekit.params import (
     DEFAULT_ORDER,
@@ -34,7 +34,14 @@ EXTENSIONS = (
 )
 RENAMED = {"min_tokens": "min_new_tokens"}  # a request's name -> SamplingParams'
 
-TokenId = Annotated[int, Field(ge=0)]
+def _integral(value: Any) -> Any:
+    """An integral float (2.0) as the integer it is: JSON Schema's "integer" allows it, and so
+    does OpenAI; the strict parser refuses anything else that is not an int (2.5, "2", true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]  # every integer field of a request
+TokenId = Annotated[Integer, Field(ge=0)]
 Word = Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
 # Items whose type the annotation does not say exactly.
 ITEMS: dict[str, Any] = {"order": Literal[DEFAULT_ORDER], "bad_words": Word}
@@ -61,14 +68,14 @@ def sampling_name(name: str) -> str:
 
 def wire_type(kind: Any, items: Any = None) -> Any:
     """SamplingParams' annotation `kind` as the JSON body's type: tuples are lists (of `items`
-    where given), integers inside them token ids."""
+    where given), integers inside them token ids, integers `Integer`."""
     origin, args = get_origin(kind), get_args(kind)
     if origin is tuple:
-        item = items if items is not None else wire_type(args[0])
-        return list[TokenId if item is int else item]
+        item = items if items is not None else args[0]
+        return list[TokenId if item is int else wire_type(item)]
     if origin in (Union, types.UnionType):
         return Union[tuple(wire_type(arg, items) for arg in args)]  # noqa: UP007 -- built from a tuple
-    return kind
+    return Integer if kind is int else kind
 
 
 def bounds(name: str) -> dict[str, float]:

@@ -4,8 +4,8 @@ The request counters and each engine's state (running and waiting requests and p
 KV blocks used, held, free and cached, and each member pool's: drafts, amateurs) are read
 from `Backend.stats()` at each scrape, so they cannot drift from `/health`; the HTTP
 answers by status are counted by `CountStatus`, an ASGI middleware outside every other, so
-refusals (401, 413, ...) are counted too; a request's `TokenClock` times its deltas (time
-to first token, inter-token latency).
+refusals (401, 413, ...) are counted too, and so are the 500s of unhandled errors; a
+request's `TokenClock` times its deltas (time to first token, inter-token latency).
 """
 
 from __future__ import annotations
@@ -131,9 +131,20 @@ class CountStatus:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.responses.labels(str(message["status"])).inc()
             await send(message)
 
-        return await self.app(scope, receive, counting_send)
+        try:
+            return await self.app(scope, receive, counting_send)
+        except Exception:
+            # An unhandled error: Starlette's outermost middleware (ServerErrorMiddleware, which
+            # runs the app's `Exception` handler) answers 500 outside this one, so count it here.
+            if not started:
+                self.metrics.responses.labels("500").inc()
+            raise

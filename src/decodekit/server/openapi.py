@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from decodekit.server import protocol as p
 from decodekit.server.extensions import RENAMED
 from decodekit.server.guard import OPEN
+from decodekit.server.plan import CROSS_FIELD_RULES
 
 REF = "#/components/schemas/{model}"
 ERRORS = {
@@ -84,7 +85,8 @@ def add_schema(components: dict, model: type[BaseModel], mode: str = "validation
 
 def constrain_request(schema: dict, models: list[str], config) -> None:
     """A request's schema lists every key the parser accepts and no other, the served models and
-    the single-field bounds (plan.py, SamplingParams); checks across fields stay 400s."""
+    the single-field bounds (plan.py, SamplingParams); the checks across fields stay 400s, said
+    in their fields' descriptions (plan.py `CROSS_FIELD_RULES`)."""
     schema["additionalProperties"] = not config.strict_fields
     properties = schema["properties"]
     properties["model"]["enum"] = models
@@ -101,6 +103,10 @@ def constrain_request(schema: dict, models: list[str], config) -> None:
                 option.update(bound)
     if "messages" in properties:
         properties["messages"]["minItems"] = 1
+    for name, rule in CROSS_FIELD_RULES.items():  # checked by plan.py, said here
+        if name in properties:
+            described = properties[name].get("description")
+            properties[name]["description"] = f"{described} {rule}" if described else rule
     # a field and its vLLM name (min_tokens, min_new_tokens): one or the other
     schema["not"] = {"anyOf": [{"required": [alias, name]} for alias, name in RENAMED.items()]}
     for option in properties.get("prompt", {}).get("anyOf", []):  # a prompt has at least one token

@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 LOGPROB_SCORERS = ("mean_logprob", "logprob")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # decodekit's names in error messages -> the request's field names
+# The rules across fields that `plan_request` checks (400 naming the field), in words: the
+# published schema adds each to its field's description (openapi.py), so one table says them.
+CROSS_FIELD_RULES = {
+    "best_of": "Must be >= n. best_of > n, scorer and vote cannot be used with stream.",
+    "vote": "Needs best_of (the candidates per prompt); voting returns one answer, so n must be 1.",
+    "scorer": "Needs best_of (the candidates per prompt).",
+    "num_beams": "Needs use_beam_search: true; n must be <= num_beams.",
+    "draft_model": "Cannot be combined with use_beam_search or amateur_model.",
+    "num_draft_tokens": "Needs draft_model.",
+    "top_logprobs": "Needs logprobs: true.",
+}
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "alpha": "contrastive_alpha"}
 
 

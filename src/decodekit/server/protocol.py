@@ -4,7 +4,9 @@ Field names follow OpenAI's `/v1/completions` and `/v1/chat/completions` (and vL
 names for the extensions it shares with us: `top_k`, `min_p`, `min_tokens`,
 `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `guided_*`, `use_beam_search`).
 Bodies are parsed strictly (`model_validate_json`): a number given as a string is a type
-error, not coerced. Every failure becomes an `APIError`, whose body is OpenAI's
+error, not coerced; an integer field takes an integral float (`2.0`, as OpenAI and JSON
+Schema's "integer" do: extensions.py `Integer`), not 2.5. Every failure becomes an
+`APIError`, whose body is OpenAI's
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
@@ -20,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from decodekit.server.extensions import EXTENSIONS, RENAMED, SamplingFields, allowed, sampling_name
+from decodekit.server.extensions import EXTENSIONS, RENAMED, Integer, SamplingFields, allowed, sampling_name
 
 # OpenAI fields this server does not implement: a clear 400 rather than silence.
 UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call", "audio", "modalities",
@@ -76,12 +78,12 @@ class GenerationRequest(SamplingFields):
     decodekit's strategy extensions."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Integer | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: Integer = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Integer | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -98,7 +100,7 @@ class GenerationRequest(SamplingFields):
     guided_grammar: str | None = None
     # beam search (decode/beam.py)
     use_beam_search: bool = False
-    num_beams: int | None = None
+    num_beams: Integer | None = None
     length_penalty: float = 1.0
     early_stopping: bool = True
     # contrastive decoding (decode/contrastive.py): the amateur is another served model
@@ -107,9 +109,9 @@ class GenerationRequest(SamplingFields):
     amateur_temperature: float | None = None
     # speculative decoding (decode/speculative.py): a served model or "prompt-lookup"
     draft_model: str | None = None
-    num_draft_tokens: int | None = None
+    num_draft_tokens: Integer | None = None
     # best-of-N and voting (meta/parallel.py) with a named scorer
-    best_of: int | None = None
+    best_of: Integer | None = None
     scorer: str | None = None
     vote: Literal["majority", "weighted"] | None = None
     answer_regex: str | None = None
@@ -140,9 +142,9 @@ class GenerationRequest(SamplingFields):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Integer] | list[list[Integer]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Integer | None = None
 
 
 class TextPart(_Strict):
@@ -165,9 +167,9 @@ class ChatMessage(_Strict):
 
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Integer | None = None
 
 
 def parse_request(cls: type[GenerationRequest], body: bytes) -> GenerationRequest:
