@@ -103,3 +103,11 @@ def torch_kernels_only(monkeypatch):
     yield
     monkeypatch.undo()
     kernels.status.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def serve_process():
+    """tests/serving.py's `served`, for test directories that cannot import it (tests/server)."""
+    from serving import served
+
+    return served

@@ -5,17 +5,14 @@ accepted as its model id."""
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from decodekit.cli import main
+from serving import served
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,20 +32,9 @@ def test_port_0_serves_on_the_printed_port_under_the_full_path_too(tiny_llama_di
     pytest.importorskip("uvicorn")
     full = str(Path(tiny_llama_dir).resolve())
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "serve", "--model", full, "--port", "0",
-                               "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
-    log = []
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = server.stderr.readline()
-            assert line or server.poll() is None, "".join(log)
-            log.append(line)
-            if match := re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line):
-                break
-        else:
-            pytest.fail("the server did not start: " + "".join(log))
-        port = int(match.group(1))
+    command = [sys.executable, "-m", "decodekit.cli", "serve", "--model", full, "--port", "0",
+               "--threads", "1"]
+    with served(command, env) as (port, log):
         assert port != 0
         name = Path(full).name
         assert f"decodekit serve: model {name!r} from {full} (also as {full!r})\n" in log
@@ -58,10 +44,3 @@ def test_port_0_serves_on_the_printed_port_under_the_full_path_too(tiny_llama_di
             body = {"model": model, "prompt": "ab", "max_tokens": 2}
             answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert answer.status_code == 200 and answer.json()["model"] == name, answer.text
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()

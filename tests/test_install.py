@@ -16,20 +16,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 import tarfile
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from decodekit.models import kernel_build
+from serving import served
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (ROOT / "src" / "decodekit" / "models" / "csrc").iterdir())
@@ -148,28 +146,9 @@ def test_serve_from_the_wheel(venv, kernel_cache, tmp_path):
     pytest.importorskip("uvicorn")
     command = [str(venv / "bin" / "decodekit"), "serve", "--model", "shakespeare", "--port", "0",
                "--threads", "1"]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                              env=environment(venv, kernel_cache))
-    log: list[str] = []
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = server.stderr.readline()
-            assert line or server.poll() is None, "".join(log)
-            log.append(line)
-            if match := re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line):
-                break
-        else:
-            pytest.fail("the server did not start: " + "".join(log))
+    with served(command, environment(venv, kernel_cache), cwd=tmp_path) as (port, log):
         body = {"model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
-        answer = httpx.post(f"http://127.0.0.1:{match.group(1)}/v1/completions", json=body, timeout=60)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 4
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
     assert "building" not in "".join(log)

@@ -8,10 +8,7 @@ characters arith's vocabulary lacks: 0/10 before)."""
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,30 +24,11 @@ OWN_VOTE = 9
 
 
 @pytest.fixture(scope="module")
-def arith_server():
+def arith_server(serve_process):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     command = ["serve", "--model", "arith", "--port", "0", "--threads", "1"]
-    server = subprocess.Popen([sys.executable, "-m", "decodekit.cli", *command], stderr=subprocess.PIPE,
-                              text=True, env=env)
-    log = []
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = server.stderr.readline()
-            assert line or server.poll() is None, "".join(log)
-            log.append(line)
-            if match := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line):
-                break
-        else:
-            pytest.fail("the server did not start: " + "".join(log))
-        yield match.group(1)
-    finally:
-        server.terminate()
-        try:
-            server.wait(5)
-        except subprocess.TimeoutExpired:  # still waiting on a client's idle keep-alive connection
-            server.kill()
-            server.wait(5)
+    with serve_process([sys.executable, "-m", "decodekit.cli", *command], env, wait_s=5) as (port, _):
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_self_consistency_and_best_of_n_reach_decodekits_own_vote(arith_server):
