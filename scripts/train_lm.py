@@ -138,6 +138,7 @@ def train_causal_lm(
     bf16: bool = False,
     device: str = "cpu",
     progress: bool | None = None,
+    keep_best: bool = False,
 ) -> dict:
     """Train `model` (a transformers causal LM) and save it to `out_dir/final`.
 
@@ -149,6 +150,8 @@ def train_causal_lm(
     is where the model trains; the data stream stays on the CPU, so a run's windows are the
     same on any device. `progress` (None: when stderr is a terminal) shows a bar over the
     steps on stderr, the training loss beside it, instead of the per-step log lines.
+    `keep_best` also saves the model to `out_dir/best` whenever a periodic validation loss is
+    the lowest so far (a model that can overfit its data: the last step need not be the best).
     Returns {"history", "val_loss", "train_minutes"}.
     """
     if train_ids.dim() != 1 or val_ids.dim() != 1:
@@ -166,7 +169,7 @@ def train_causal_lm(
     gen = torch.Generator().manual_seed(seed)
     model.to(device)
     optimizer = make_optimizer(model, lr)
-    step, minutes_before, history = 0, 0.0, []
+    step, minutes_before, history, best_val = 0, 0.0, [], math.inf
     if resume and ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(state["model"])
@@ -174,6 +177,7 @@ def train_causal_lm(
         gen.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         step, minutes_before, history = state["step"], state["minutes"], state["history"]
+        best_val = state.get("best_val", math.inf)
         print(f"resumed from {ckpt_path} at step {step} ({minutes_before:.1f} min)", flush=True)
 
     def save_checkpoint(minutes: float) -> None:
@@ -185,6 +189,7 @@ def train_causal_lm(
             "step": step,
             "minutes": minutes,
             "history": history,
+            "best_val": best_val,
         }
         torch.save(state, str(ckpt_path) + ".tmp")
         os.replace(str(ckpt_path) + ".tmp", ckpt_path)  # never leave a half-written checkpoint
@@ -234,6 +239,9 @@ def train_causal_lm(
             val, _ = evaluate_loss(model, val_ids, seq_len, batch_size, EVAL_WINDOWS)
             say(f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
             history.append({"step": step, "val_loss": val, "minutes": minutes})
+            if keep_best and val < best_val:
+                best_val = val  # saved before the checkpoint that records it: a resume never skips it
+                model.save_pretrained(out / "best", safe_serialization=True)
             save_checkpoint(minutes_before + (time.perf_counter() - start) / 60)
 
     bar.close()
@@ -279,6 +287,12 @@ CONFIGS = {
     "shakespeare": LMConfig(256, 4, 4, 2, 688, 512, 512, 4, 2e-3, 50),
     # draft / amateur: ~15x fewer parameters, 2 layers
     "shakespeare-draft": LMConfig(64, 2, 2, 1, 172, 512, 512, 8, 4e-3, 50),
+    # issue 36's candidates for a memory-bound target (scripts/size_lm.py measures them;
+    # MODELS.md "shakespeare-large (in training)"): 14M (55 MB in float32, under 4x the
+    # 32 MiB L3), 36M (144 MB) and 56M (224 MB); head dim 64, KV heads half the heads
+    "large-14m": LMConfig(384, 8, 6, 3, 1024, 512, 512, 8, 1e-3, 100),
+    "large-36m": LMConfig(512, 12, 8, 4, 1376, 512, 512, 8, 1e-3, 100),
+    "large-56m": LMConfig(640, 12, 10, 5, 1728, 512, 512, 8, 1e-3, 100),
     # smoke test only
     "tiny": LMConfig(32, 1, 2, 1, 64, 64, 32, 4, 1e-3, 1),
 }
@@ -317,9 +331,20 @@ def load_texts(data_dir: Path, tiny: bool) -> tuple[str, str]:
     return (data_dir / "train.txt").read_text(), (data_dir / "val.txt").read_text()
 
 
+def add_tokenizer(folder: Path, source: Path, tokenizer) -> None:
+    """Tokenizer files and generation config beside a saved model, so that it loads by path."""
+    for name in TOKENIZER_FILES:  # copied verbatim: save_pretrained rewrites the class name
+        shutil.copyfile(source / name, folder / name)
+    from transformers import GenerationConfig
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(folder)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", choices=["shakespeare", "shakespeare-draft"], required=True)
+    parser.add_argument("--config", choices=["shakespeare", "shakespeare-draft", "shakespeare-large"],
+                        required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="smoke run: tiny model and data")
@@ -336,9 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-resume", action="store_true")
     parser.add_argument("--device", default="cpu", help="where to train: cpu (default) or cuda")
     parser.add_argument("--batch-size", type=int, default=None, help="override the config's")
+    parser.add_argument("--eval-every", type=int, default=100,
+                        help="steps between validation + checkpoint (and --keep-best's save)")
+    parser.add_argument("--keep-best", action="store_true",
+                        help="also save OUT/best: the model at the lowest periodic validation loss")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)  # the one place threading is set (STYLE.md 9)
     if args.tokenizer is None:
@@ -355,20 +384,19 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.config}{' (tiny)' if args.tiny else ''}: {n_params:,} parameters, "
           f"{len(train_ids):,} train / {len(val_ids):,} val tokens, {asdict(cfg)}", flush=True)
+    if args.keep_best:  # out/best loads by path as soon as its first weights are saved
+        (Path(args.out) / "best").mkdir(parents=True, exist_ok=True)
+        add_tokenizer(Path(args.out) / "best", Path(args.tokenizer), tokenizer)
     result = train_causal_lm(
         model, train_ids, val_ids, out_dir=args.out, seq_len=cfg.seq_len,
         batch_size=cfg.batch_size, steps=args.steps, lr=cfg.lr, seed=args.seed,
         warmup=min(cfg.warmup, max(1, args.steps // 10)),
-        eval_every=min(100, args.steps), log_every=1 if args.tiny else 10,
+        eval_every=min(args.eval_every, args.steps), log_every=1 if args.tiny else 10,
         resume=not args.no_resume, max_minutes=args.max_minutes, bf16=not args.fp32,
-        device=args.device,
+        device=args.device, keep_best=args.keep_best,
     )
     final = Path(args.out) / "final"
-    for name in TOKENIZER_FILES:  # copied verbatim: save_pretrained rewrites the class name
-        shutil.copyfile(Path(args.tokenizer) / name, final / name)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
-                     ).save_pretrained(final)
+    add_tokenizer(final, Path(args.tokenizer), tokenizer)
     print(f"saved {final} | val ppl {math.exp(result['val_loss']):.2f}", flush=True)
 
 

@@ -142,3 +142,27 @@ def test_progress_bar_replaces_the_step_lines(tmp_path, capsys, monkeypatch):
                              **kw)  # capsys is not a terminal: the log lines, no bar
     captured = capsys.readouterr()
     assert "train:" not in captured.err and "step     2 | loss" in captured.out
+
+
+def test_keep_best_saves_the_model_at_the_lowest_validation_loss(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                         tie_word_embeddings=True)
+    ids = torch.arange(400) % 20
+    # a learning rate far too high: the validation loss falls, then rises, so the best model
+    # is not the last one
+    kw = dict(seq_len=8, batch_size=2, steps=8, lr=0.3, warmup=1, eval_every=1, log_every=1)
+    model = LlamaForCausalLM(config)
+    result = train_lm.train_causal_lm(model, ids, ids[:100], out_dir=str(tmp_path / "r"), keep_best=True,
+                                      **kw)  # fmt: skip
+    periodic = [h["val_loss"] for h in result["history"] if "val_loss" in h and not h.get("final")]
+    assert len(periodic) == 8 and periodic.index(min(periodic)) < len(periodic) - 1
+    best = LlamaForCausalLM.from_pretrained(tmp_path / "r" / "best")
+    loss, _ = train_lm.evaluate_loss(best, ids[:100], 8, 2, train_lm.EVAL_WINDOWS)
+    assert loss == pytest.approx(min(periodic), rel=1e-5)
+    kw["steps"] = 1
+    train_lm.train_causal_lm(LlamaForCausalLM(config), ids, ids[:100], out_dir=str(tmp_path / "r2"), **kw)
+    assert not (tmp_path / "r2" / "best").exists()  # off by default
