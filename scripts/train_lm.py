@@ -293,6 +293,10 @@ CONFIGS = {
     "large-14m": LMConfig(384, 8, 6, 3, 1024, 512, 512, 8, 1e-3, 100),
     "large-36m": LMConfig(512, 12, 8, 4, 1376, 512, 512, 8, 1e-3, 100),
     "large-56m": LMConfig(640, 12, 10, 5, 1728, 512, 512, 8, 1e-3, 100),
+    # the memory-bound target (issue 36): large-36m, the smallest candidate whose float32
+    # weights (144 MB) are over 4x the 32 MiB L3, so its batch-1 decode streams from memory;
+    # batch 8 x 512 (4,096 tokens a step, twice `shakespeare`'s), 1,600 steps = 6.6M tokens
+    "shakespeare-large": LMConfig(512, 12, 8, 4, 1376, 512, 512, 8, 1e-3, 100),
     # smoke test only
     "tiny": LMConfig(32, 1, 2, 1, 64, 64, 32, 4, 1e-3, 1),
 }
