@@ -9,7 +9,10 @@ For each candidate shape in train_lm.py's CONFIGS (random weights; nothing is tr
   128-position KV cache: the best CPU time of a 1-token forward (a plain decode step) and of
   a 5-token forward (a speculative verification of 4 drafted tokens), with the weights'
   bytes over the 1-token time as an effective bandwidth. The shipped `shakespeare` is the
-  baseline, timed in the same run.
+  baseline, timed in the same run;
+- the acceptance α a draft needs for 2.0x and 1.6x (the issue's goals at T = 0 and 1), from
+  Leviathan et al.'s expected speedup with the measured cost ratios (`alpha_needed`), for
+  the drafts `shakespeare` and `shakespeare-draft`.
 
 One torch thread.
 
@@ -69,6 +72,31 @@ def decode_seconds(path: str, repeats: int) -> dict:
             "gb_per_s": weight_bytes / one / 1e9}
 
 
+def speedup(alpha: float, gamma: int, cost: float, verify: float) -> float:
+    """Leviathan et al.'s expected speedup: (1 - α^(γ+1)) / (1 - α) tokens per block, each
+    block costing γ draft steps (`cost` of a target step each) and one verification of γ + 1
+    tokens (`verify` target steps)."""
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * cost + verify)
+
+
+def alpha_needed(goal: float, cost: float, verify5: float, max_gamma: int = 16) -> tuple[float, int]:
+    """The smallest acceptance α at which some γ <= max_gamma reaches `goal`x, and that γ.
+    Verification of γ + 1 tokens costs 1 + (verify5 - 1) * γ / 4 target steps (linear through
+    the measured 5-token forward)."""
+    best = (1.0, max_gamma)
+    for gamma in range(1, max_gamma + 1):
+        verify = 1 + (verify5 - 1) * gamma / 4
+        if speedup(1.0, gamma, cost, verify) < goal:
+            continue
+        lo, hi = 0.0, 1.0
+        for _ in range(40):  # speedup rises with α: bisect
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if speedup(mid, gamma, cost, verify) < goal else (lo, mid)
+        best = min(best, (hi, gamma))
+    return best
+
+
 def rounded(row: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
@@ -88,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "shakespeare")
     results = []
     baseline = decode_seconds("shakespeare", args.decode_repeats)
+    draft_ms = decode_seconds("shakespeare-draft", args.decode_repeats)["decode_ms"]
     print("shakespeare (baseline):", json.dumps(rounded(baseline)), flush=True)
     for name in args.configs:
         cfg = CONFIGS[name]
@@ -99,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
             base_again = decode_seconds("shakespeare", args.decode_repeats)  # interleaved baseline
             row |= decode_seconds(tmp, args.decode_repeats)
             row["decode_over_shakespeare"] = row["decode_ms"] / base_again["decode_ms"]
+        for draft, ms in (("shakespeare", base_again["decode_ms"]), ("shakespeare-draft", draft_ms)):
+            for goal in (2.0, 1.6):
+                alpha, gamma = alpha_needed(goal, ms / row["decode_ms"], row["verify5_over_decode"])
+                row[f"alpha_for_{goal}x_{draft}"] = f"{alpha:.2f} (gamma {gamma})"
         step = train_step_seconds(model, args.batch_size, cfg.seq_len, args.train_steps)
         tokens = args.batch_size * cfg.seq_len
         row |= {f"train_tokens_per_cpu_s_{k}": tokens / v for k, v in step.items()}
