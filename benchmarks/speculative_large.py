@@ -114,7 +114,7 @@ def markdown(result: dict) -> str:
     lines += ["", "prompt lookup, copying prompt: " + ", ".join(
         f"{k}: {v['speedup_cpu']:.2f}x CPU, block eff. {v['block_efficiency']:.2f}" for k, v in copies)]
     lines += ["", "block vs token verification at T = 1 (paired E[block efficiency]): "
-              + ", ".join(f"{d} γ={g}: +{100 * v['gain']:.1f} %" for d, per in result["paired_t1"].items()
+              + ", ".join(f"{d} γ={g}: {100 * v['gain']:+.1f} %" for d, per in result["paired_t1"].items()
                           for g, v in per.items())]  # fmt: skip
     return "\n".join(lines)
 

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_lm import ASSETS, CONFIGS, build_model, make_optimizer  # noqa: E402
 
 
-def train_step_seconds(model, batch_size: int, seq_len: int, steps: int) -> dict[str, float]:
-    """Median CPU seconds of one optimizer step in float32 and under bfloat16 autocast."""
+def train_step_seconds(model, batch_size: int, seq_len: int, steps: int, dtypes) -> dict[str, float]:
+    """Median CPU seconds of one optimizer step in float32 and/or under bfloat16 autocast."""
     optimizer = make_optimizer(model, 1e-4)
-    times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    times: dict[str, list[float]] = {name: [] for name in dtypes}
     gen = torch.Generator().manual_seed(0)
     for i in range(steps + 1):
         for name in times:
@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", required=True, choices=sorted(CONFIGS))
     parser.add_argument("--batch-size", type=int, default=2, help="training windows per timed step")
-    parser.add_argument("--train-steps", type=int, default=2, help="timed steps per dtype")
+    parser.add_argument("--train-steps", type=int, default=2, help="timed steps per dtype (0: decode only)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"], help="training: float32, bfloat16 autocast")
     parser.add_argument("--decode-repeats", type=int, default=30)
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -132,10 +134,12 @@ def main(argv: list[str] | None = None) -> None:
             for goal in (2.0, 1.6):
                 alpha, gamma = alpha_needed(goal, ms / row["decode_ms"], row["verify5_over_decode"])
                 row[f"alpha_for_{goal}x_{draft}"] = f"{alpha:.2f} (gamma {gamma})"
-        step = train_step_seconds(model, args.batch_size, cfg.seq_len, args.train_steps)
-        tokens = args.batch_size * cfg.seq_len
-        row |= {f"train_tokens_per_cpu_s_{k}": tokens / v for k, v in step.items()}
-        row["bf16_over_fp32_speed"] = step["float32"] / step["bfloat16"]
+        if args.train_steps:
+            step = train_step_seconds(model, args.batch_size, cfg.seq_len, args.train_steps, args.dtypes)
+            tokens = args.batch_size * cfg.seq_len
+            row |= {f"train_tokens_per_cpu_s_{k}": tokens / v for k, v in step.items()}
+            if len(step) == 2:
+                row["bf16_over_fp32_speed"] = step["float32"] / step["bfloat16"]
         results.append(row)
         print(json.dumps(rounded(row)), flush=True)
     if args.json:
