@@ -1,0 +1,44 @@
+"""benchmarks/speculative_large.py (issue 36): the best-γ summary and the table, on rows of
+known figures (the sweep itself is timed work, run by hand on a checkpoint)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "speculative_large.py"
+spec = importlib.util.spec_from_file_location("speculative_large", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def row(draft, temperature, gamma, verify, speedup, adaptive=False, mean_gamma=None):
+    return {"draft": draft, "temperature": temperature, "gamma": gamma, "verify": verify,
+            "adaptive": adaptive, "mean_gamma": mean_gamma or gamma, "alpha": 0.5,
+            "acceptance_rate": 0.4, "block_efficiency": 1.5, "speedup_cpu": speedup, "speedup": speedup}
+
+
+def test_best_gamma_per_draft_temperature_and_rule_beside_the_adaptive_run():
+    rows = [row("d", 0.0, 2, "block", 1.1), row("d", 0.0, 4, "block", 1.4), row("d", 0.0, 6, "block", 1.2),
+            row("d", 0.0, 4, "block", 1.3, adaptive=True, mean_gamma=3.5),
+            row("d", 1.0, 2, "block", 0.9), row("d", 1.0, 2, "token", 1.05), row("d", 1.0, 4, "token", 1.0)]
+    best = {(b["temperature"], b["verify"]): b for b in bench.best_gammas(rows)}
+    assert set(best) == {(0.0, "block"), (1.0, "block"), (1.0, "token")}
+    assert best[0.0, "block"]["best_gamma"] == 4 and best[0.0, "block"]["best_speedup_cpu"] == 1.4
+    assert best[0.0, "block"]["adaptive_mean_gamma"] == 3.5
+    assert best[0.0, "block"]["adaptive_speedup_cpu"] == 1.3
+    assert best[1.0, "token"]["best_gamma"] == 2 and best[1.0, "token"]["adaptive_speedup_cpu"] is None
+
+
+def test_markdown_names_the_label_and_every_row():
+    rows = [row("shakespeare", 0.0, 2, "block", 1.25), row("shakespeare", 0.0, 4, "block", 1.5, True, 3.2)]
+    result = {"target": "ckpt", "label": "step 0, untrained", "new_tokens": 32, "prompts": 1,
+              "plain": {"t0": {"tok_s": 10.0}}, "rows": rows,
+              "copy_workload": {"gamma4": {"speedup_cpu": 1.44, "block_efficiency": 1.88}},
+              "paired_t1": {"shakespeare": {2: {"gain": -0.011}}}}
+    text = bench.markdown(result)
+    assert "step 0, untrained" in text
+    assert "| shakespeare | 0 | 2 | block | 0.50 | 0.40 | 1.50 | 1.25x | 1.25x |" in text
+    assert "adaptive (mean 3.2)" in text and "gamma4: 1.44x CPU" in text
+    assert "shakespeare γ=2: -1.1 %" in text
