@@ -30,6 +30,7 @@ from fastapi.responses import FileResponse
 from decodekit.meta.tree import METHODS, TreeConfig
 from decodekit.models.base import LanguageModel
 from decodekit.params import DEFAULT_ORDER, PRESETS, SamplingParams
+from decodekit.sampling.adapters import ADAPTERS
 from decodekit.server import lab_views as views
 from decodekit.server.plan import api_error
 from decodekit.server.protocol import APIError
@@ -39,17 +40,9 @@ FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
 BODIES = tuple(f"/lab/api/{name}" for name in ("sampler", "beam", "tree", "speculative", "votes"))
 LIBRARY_NAMES: dict[str, str] = {}  # a lab body names SamplingParams' fields as the library does
 MAX_NEW_TOKENS = 128  # the lab shows every step: longer runs are not readable anyway
-# The SamplingParams fields of each adapter (the page's editor; values are SamplingParams').
-ADAPTER_FIELDS = {
-    "logit_bias": ("logit_bias",), "allowed_tokens": ("allowed_token_ids",), "bad_words": ("bad_words",),
-    "min_tokens": ("min_new_tokens",), "no_repeat_ngram": ("no_repeat_ngram_size",),
-    "repetition_penalty": ("repetition_penalty",),
-    "frequency_presence": ("frequency_penalty", "presence_penalty"),
-    "dry": ("dry_multiplier", "dry_base", "dry_allowed_length"), "temperature": ("temperature",),
-    "top_k": ("top_k",), "top_p": ("top_p",), "min_p": ("min_p",), "typical": ("typical_p",),
-    "epsilon": ("epsilon",), "eta": ("eta",), "top_n_sigma": ("top_n_sigma",),
-    "xtc": ("xtc_threshold", "xtc_probability"), "mirostat": ("mirostat_tau", "mirostat_eta"),
-}
+# The SamplingParams fields of each adapter (the page's editor; values are SamplingParams'),
+# as each adapter declares them (sampling/adapters.py).
+ADAPTER_FIELDS = {name: adapter.fields for name, adapter in ADAPTERS.items()}
 # The sampler view's first chain: two active stages, so a first look shows the chain at work
 # (SamplingParams' own defaults are all off: an empty chain; issue 26).
 START = SamplingParams(temperature=0.8, top_p=0.95)
