@@ -4,6 +4,7 @@ used through the surfaces the recipe promises."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -180,8 +181,9 @@ def test_a_family_alias_is_one_entry_in_the_table(tmp_path, monkeypatch):
 
     config = {**shape_config("smollm2-135m"), "num_hidden_layers": 1}  # a small Llama checkpoint
     source = save_checkpoint(config, tmp_path / "llama")
-    alias = save_checkpoint({**config, "model_type": "toyllama", "architectures": ["ToyLlamaForCausalLM"]},
-                            tmp_path / "toyllama")  # fmt: skip
+    alias = shutil.copytree(source, tmp_path / "toyllama")
+    renamed = {**config, "model_type": "toyllama", "architectures": ["ToyLlamaForCausalLM"]}
+    (alias / "config.json").write_text(json.dumps(renamed))
     with pytest.raises(ValueError, match="not supported by the native backend"):
         dk.load_model(alias, backend="native")
     monkeypatch.setitem(FAMILIES, "toyllama", replace(FAMILIES["llama"], architecture="ToyLlamaForCausalLM"))
