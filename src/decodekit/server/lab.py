@@ -22,14 +22,14 @@ import json
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from decodekit.meta.tree import METHODS, TreeConfig
 from decodekit.models.base import LanguageModel
-from decodekit.params import DEFAULT_ORDER, PRESETS, SamplingParams
+from decodekit.params import DEFAULT_ORDER, NULLABLE_FIELDS, PRESETS, SamplingParams
 from decodekit.sampling.adapters import ADAPTERS
 from decodekit.server import lab_views as views
 from decodekit.server.plan import api_error
@@ -43,6 +43,11 @@ MAX_NEW_TOKENS = 128  # the lab shows every step: longer runs are not readable a
 # The SamplingParams fields of each adapter (the page's editor; values are SamplingParams'),
 # as each adapter declares them (sampling/adapters.py).
 ADAPTER_FIELDS = {name: adapter.fields for name, adapter in ADAPTERS.items()}
+_TYPES = get_type_hints(SamplingParams)
+# The editor's numeric inputs, and the fields whose empty input means null (off): by type.
+NULL_FIELDS = [f for fs in ADAPTER_FIELDS.values() for f in fs if f in NULLABLE_FIELDS]
+NUMBER_FIELDS = [f for fs in ADAPTER_FIELDS.values() for f in fs if _TYPES[f] in (int, float)
+                 or f in NULL_FIELDS and set(get_args(_TYPES[f])) <= {int, float, type(None)}]  # fmt: skip
 # The sampler view's first chain: two active stages, so a first look shows the chain at work
 # (SamplingParams' own defaults are all off: an empty chain; issue 26).
 START = SamplingParams(temperature=0.8, top_p=0.95)
@@ -192,7 +197,7 @@ def lab_router(backend) -> APIRouter:
     async def info():
         fields = {name: {f: getattr(START, f) for f in fs} for name, fs in ADAPTER_FIELDS.items()}
         return {"models": models.names(), "served": list(backend.models), "adapters": list(DEFAULT_ORDER),
-                "fields": fields,
+                "fields": fields, "numbers": NUMBER_FIELDS, "nullable": NULL_FIELDS,
                 "presets": {name: {"temperature": t, "top_p": p} for name, (t, p) in PRESETS.items()},
                 "tree_methods": list(METHODS), "max_n": max_n,
                 "max_new_tokens": MAX_NEW_TOKENS}
