@@ -68,6 +68,10 @@ def check_declaration(adapter: type[Adapter], on: dict) -> None:
     if adapter.rowwise:
         reseeded = run(LOGITS, state(params, HISTORY, seed=1))
         assert torch.equal(fresh, reseeded), f"{adapter.name} is declared row-wise but reads its state"
+        # the row-wise key compares its `fields` only: every other field must leave it be
+        others = {k: v for values in ON.values() for k, v in values.items() if k not in adapter.fields}
+        changed = adapter(SamplingParams(**{**others, **on}))(LOGITS, state(params))
+        assert torch.equal(fresh, changed), f"{adapter.name} reads a field it does not declare"
 
 
 def test_every_adapter_in_the_default_order_declares_all_its_properties():

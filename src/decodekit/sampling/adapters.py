@@ -1,7 +1,8 @@
 """The chain's adapters, each a class that declares what the rest of the package derives.
 
 An adapter class names itself (`name`, its place in `params.DEFAULT_ORDER`), the
-SamplingParams fields it reads (`fields`: the lab's editor shows them), and two properties:
+SamplingParams fields it reads (`fields`, every one besides `min_tokens_to_keep`: the lab's
+editor shows them, and the row-wise key compares them), and two properties:
 
 - `reads_history`: its output depends on the rows' tokens so far or on state updated by
   `SamplerState.accept` (mirostat's mu). Speculative decoding then processes a block's

@@ -1,8 +1,8 @@
 """A request's sampling chain and its state.
 
 `build_chain(params, tokenizer)` is built once per request and returns one adapter,
-`(logits [R, V], state) -> logits [R, V]`, that applies the active adapters of
-`processors` in `params.order`; adapters at their off values are left out. A caller's
+`(logits [R, V], state) -> logits [R, V]`, that applies the active adapters (adapters.py, each
+a class declaring its properties) in `params.order`; adapters at their off values are left out. A caller's
 own adapter (`first`: controlled decoding's value tilt, align/controlled.py) runs before
 them, so it changes the policy that the params then sample from. The
 per-request state (histories, the mirostat target, the request's random generator)
