@@ -56,8 +56,6 @@ PRESETS: dict[str, tuple[float, float]] = {
 }
 
 
-
-
 class Range(NamedTuple):
     """The values a numeric field allows: low to high, open ends excluded (integers: closed)."""
 
