@@ -93,11 +93,11 @@ print("recipe ok")
 
 
 def copy_package(where: Path) -> Path:
-    """A copy of the package's sources (its models and built kernels linked, not copied)."""
+    """A copy of the package's sources (its models and built kernels linked, not copied; the
+    byte code copied with its sources' times, so only the edited modules compile again)."""
     big = {"assets", "_native"}
     target = where / "decodekit"
-    skip = {*big, "__pycache__"}
-    shutil.copytree(PACKAGE, target, ignore=lambda folder, names: [n for n in names if n in skip])
+    shutil.copytree(PACKAGE, target, ignore=lambda folder, names: [n for n in names if n in big])
     for name in big:
         if (PACKAGE / "models" / name).exists():
             (target / "models" / name).symlink_to(PACKAGE / "models" / name)
