@@ -12,8 +12,8 @@ applies temperature last, which a user gets by reordering (REFERENCES.md).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, NamedTuple, get_args, get_type_hints
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
 
 from decodekit.validate import check_int, check_range
 
@@ -56,8 +56,6 @@ PRESETS: dict[str, tuple[float, float]] = {
 }
 
 
-
-
 class Range(NamedTuple):
     """The values a numeric field allows: low to high, open ends excluded (integers: closed)."""
 
@@ -67,76 +65,21 @@ class Range(NamedTuple):
     high_open: bool = False
 
 
-# Every numeric field's range, checked by `SamplingParams._validate` and published by the
-# server's OpenAPI document (server/extensions.py); None is allowed where the type says so.
-RANGES: dict[str, Range] = {
-    "max_new_tokens": Range(1),
-    "min_new_tokens": Range(0),
-    "temperature": Range(0.0),
-    "top_k": Range(-1),  # -1 (vLLM's) and 0: off
-    "top_p": Range(0.0, 1.0, low_open=True),
-    "min_p": Range(0.0, 1.0),
-    "typical_p": Range(0.0, 1.0, low_open=True),
-    "epsilon": Range(0.0, 1.0, high_open=True),
-    "eta": Range(0.0, 1.0, high_open=True),
-    "top_n_sigma": Range(0.0),
-    "min_tokens_to_keep": Range(1),
-    "mirostat_tau": Range(0.0, low_open=True),
-    "mirostat_eta": Range(0.0),
-    "xtc_threshold": Range(0.0, 1.0),
-    "xtc_probability": Range(0.0, 1.0),
-    "dry_multiplier": Range(0.0),
-    "dry_base": Range(1.0),
-    "dry_allowed_length": Range(1),
-    "repetition_penalty": Range(0.0, low_open=True),
-    "frequency_penalty": Range(-2.0, 2.0),
-    "presence_penalty": Range(-2.0, 2.0),
-    "no_repeat_ngram_size": Range(0),
-    "seed": Range(0, 2**63 - 1),
-    "n": Range(1),
-    "logprobs": Range(0, 20),
-}
-
-# What each field does, in one line (the server's OpenAPI descriptions).
-DESCRIPTIONS: dict[str, str] = {
-    "max_new_tokens": "the most tokens to generate",
-    "min_new_tokens": "EOS and stop tokens are masked until this many tokens are generated",
-    "temperature": "divides the logits; 0 is greedy",
-    "top_k": "keep the k most likely tokens; 0 or -1: off",
-    "top_p": "nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1: off",
-    "min_p": "drop tokens less likely than min_p times the most likely one; 0: off",
-    "typical_p": "locally typical sampling's mass; 1: off",
-    "epsilon": "epsilon sampling: drop tokens with probability below epsilon; 0: off",
-    "eta": "eta sampling's threshold scale; 0: off",
-    "top_n_sigma": "keep tokens whose logit is within n standard deviations of the largest; null: off",
-    "min_tokens_to_keep": "truncation adapters keep at least this many tokens",
-    "mirostat_tau": "Mirostat v2's target surprise in bits; null: off",
-    "mirostat_eta": "Mirostat's learning rate",
-    "xtc_threshold": "XTC: tokens at least this likely are candidates for exclusion",
-    "xtc_probability": "XTC: the chance a step excludes the top candidates; 0: off",
-    "dry_multiplier": "DRY repetition penalty's strength; 0: off",
-    "dry_base": "DRY's penalty base, raised to the repeat length beyond dry_allowed_length",
-    "dry_allowed_length": "DRY: repeats up to this length are not penalised",
-    "dry_sequence_breakers": "DRY: strings that end a repeated sequence",
-    "repetition_penalty": "divides the logits of tokens already seen (CTRL); 1: off",
-    "frequency_penalty": "subtracted per previous occurrence of a token; 0: off",
-    "presence_penalty": "subtracted once from every token already seen; 0: off",
-    "no_repeat_ngram_size": "forbid repeating any n-gram of this size; 0: off",
-    "logit_bias": "token id -> value added to its logit",
-    "bad_words": "words never generated: strings, or lists of token ids",
-    "allowed_token_ids": "only these token ids may be generated; null: all",
-    "stop": "strings that end the text (not included)",
-    "stop_token_ids": "token ids that end the text, besides EOS",
-    "ignore_eos": "keep generating past EOS",
-    "seed": "the random seed; null: random",
-    "n": "samples per prompt",
-    "logprobs": "log-probabilities of the chosen token and this many alternatives; null: none",
-    "entropies": "also return each token's raw entropy and the last step's raw log-probabilities",
-    "order": "the adapter chain's order (adapter names, each at most once)",
-}
-
-# Fields given as JSON or CLI lists, stored as tuples.
-SEQUENCE_FIELDS = ("dry_sequence_breakers", "bad_words", "stop", "stop_token_ids", "order")
+def option(
+    default: Any = MISSING,
+    description: str = "",
+    allowed: Range | None = None,
+    flag: str | None = None,
+    extension: bool = False,
+    factory: Any = MISSING,
+) -> Any:
+    """A SamplingParams field with everything the surfaces derive from it: `description` (one
+    line: the server's OpenAPI document and docs/server.md), `allowed` (a number's range,
+    checked by `_validate`, published by the server), `flag` (the help of `decodekit generate`'s
+    flag of the same name, cli/generate.py; None: no plain flag) and `extension` (a typed
+    request field the server adds to OpenAI's, server/extensions.py)."""
+    spec = {"description": description, "range": allowed, "flag": flag, "extension": extension}
+    return field(default=default, default_factory=factory, metadata=spec)
 
 
 @dataclass(frozen=True)
@@ -146,45 +89,101 @@ class SamplingParams:
     Off values: top_k=0 (or -1), top_p=1, min_p=0, typical_p=1, epsilon=0, eta=0,
     top_n_sigma=None, mirostat_tau=None, xtc_probability=0, dry_multiplier=0,
     penalties 1 (repetition) or 0 (frequency, presence). temperature=0 is greedy.
+    Each field declares its description, range, CLI flag and server exposure (`option`).
     """
 
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    epsilon: float = 0.0
-    eta: float = 0.0
-    top_n_sigma: float | None = None
-    min_tokens_to_keep: int = 1
-    mirostat_tau: float | None = None
-    mirostat_eta: float = 0.1
-    xtc_threshold: float = 0.1
-    xtc_probability: float = 0.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    no_repeat_ngram_size: int = 0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    bad_words: tuple[str | tuple[int, ...], ...] = ()
-    allowed_token_ids: tuple[int, ...] | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-    n: int = 1
-    logprobs: int | None = None
+    max_new_tokens: int = option(
+        64, "the most tokens to generate", Range(1), flag="most tokens generated per sample (default 64)")
+    min_new_tokens: int = option(
+        0, "EOS and stop tokens are masked until this many tokens are generated", Range(0),
+        flag="EOS and stop tokens masked until this many (default 0)", extension=True)
+    temperature: float = option(
+        1.0, "divides the logits; 0 is greedy", Range(0.0),
+        flag="divide the logits by T; 0 is greedy (default 1)")
+    top_k: int = option(
+        0, "keep the k most likely tokens; 0 or -1: off", Range(-1),  # -1 (vLLM's) and 0: off
+        flag="keep the K most likely tokens; 0 is off (default)", extension=True)
+    top_p: float = option(
+        1.0, "nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1: off",
+        Range(0.0, 1.0, low_open=True),
+        flag="nucleus: the smallest set with probability >= P, in (0, 1]; 1 is off (default)")
+    min_p: float = option(
+        0.0, "drop tokens less likely than min_p times the most likely one; 0: off", Range(0.0, 1.0),
+        flag="drop tokens below P times the top probability; 0 is off (default)", extension=True)
+    typical_p: float = option(
+        1.0, "locally typical sampling's mass; 1: off", Range(0.0, 1.0, low_open=True),
+        flag="locally typical sampling's mass, in (0, 1]; 1 is off (default)", extension=True)
+    epsilon: float = option(
+        0.0, "epsilon sampling: drop tokens with probability below epsilon; 0: off",
+        Range(0.0, 1.0, high_open=True),
+        flag="drop tokens with probability below E, in [0, 1); 0 is off (default)", extension=True)
+    eta: float = option(
+        0.0, "eta sampling's threshold scale; 0: off", Range(0.0, 1.0, high_open=True),
+        flag="eta sampling's entropy-scaled cut, in [0, 1); 0 is off (default)", extension=True)
+    top_n_sigma: float | None = option(
+        None, "keep tokens whose logit is within n standard deviations of the largest; null: off",
+        Range(0.0), flag="keep logits within N standard deviations of the top one (default off)",
+        extension=True)
+    min_tokens_to_keep: int = option(
+        1, "truncation adapters keep at least this many tokens", Range(1),
+        flag="every truncation keeps at least this many tokens (default 1)", extension=True)
+    mirostat_tau: float | None = option(
+        None, "Mirostat v2's target surprise in bits; null: off", Range(0.0, low_open=True),
+        flag="mirostat v2's target surprise in bits (default off)", extension=True)
+    mirostat_eta: float = option(
+        0.1, "Mirostat's learning rate", Range(0.0), flag="mirostat's learning rate (default 0.1)",
+        extension=True)
+    xtc_threshold: float = option(
+        0.1, "XTC: tokens at least this likely are candidates for exclusion", Range(0.0, 1.0),
+        flag="XTC: tokens above this probability may be excluded (default 0.1)", extension=True)
+    xtc_probability: float = option(
+        0.0, "XTC: the chance a step excludes the top candidates; 0: off", Range(0.0, 1.0),
+        flag="XTC: chance per step of excluding them; 0 is off (default)", extension=True)
+    dry_multiplier: float = option(
+        0.0, "DRY repetition penalty's strength; 0: off", Range(0.0),
+        flag="DRY repetition penalty's strength; 0 is off (default)", extension=True)
+    dry_base: float = option(
+        1.75, "DRY's penalty base, raised to the repeat length beyond dry_allowed_length", Range(1.0),
+        flag="DRY's base, >= 1 (default 1.75)", extension=True)
+    dry_allowed_length: int = option(
+        2, "DRY: repeats up to this length are not penalised", Range(1),
+        flag="DRY: repeats up to this length are free (default 2)", extension=True)
+    dry_sequence_breakers: tuple[str, ...] = option(
+        ("\n", ":", '"', "*"), "DRY: strings that end a repeated sequence", extension=True)
+    repetition_penalty: float = option(
+        1.0, "divides the logits of tokens already seen (CTRL); 1: off", Range(0.0, low_open=True),
+        flag="divide the logits of seen tokens by this (CTRL); 1 is off (default)", extension=True)
+    frequency_penalty: float = option(
+        0.0, "subtracted per previous occurrence of a token; 0: off", Range(-2.0, 2.0),
+        flag="subtract this times a token's count so far, in [-2, 2] (default 0)")
+    presence_penalty: float = option(
+        0.0, "subtracted once from every token already seen; 0: off", Range(-2.0, 2.0),
+        flag="subtract this from every token seen so far, in [-2, 2] (default 0)")
+    no_repeat_ngram_size: int = option(
+        0, "forbid repeating any n-gram of this size; 0: off", Range(0),
+        flag="never repeat an n-gram of this size; 0 is off (default)", extension=True)
+    logit_bias: dict[int, float] = option(description="token id -> value added to its logit", factory=dict)
+    bad_words: tuple[str | tuple[int, ...], ...] = option(
+        (), "words never generated: strings, or lists of token ids", extension=True)
+    allowed_token_ids: tuple[int, ...] | None = option(
+        None, "only these token ids may be generated; null: all", extension=True)
+    stop: tuple[str, ...] = option((), "strings that end the text (not included)")
+    stop_token_ids: tuple[int, ...] = option((), "token ids that end the text, besides EOS", extension=True)
+    ignore_eos: bool = option(False, "keep generating past EOS", extension=True)
+    seed: int | None = option(
+        None, "the random seed; null: random", Range(0, 2**63 - 1),
+        flag="the samples' random seed (default: unseeded)")
+    n: int = option(1, "samples per prompt", Range(1))
+    logprobs: int | None = option(
+        None, "log-probabilities of the chosen token and this many alternatives; null: none", Range(0, 20),
+        flag="with --json: the top K alternatives' log-probabilities per token, 0..20")
     # Each token's raw entropy (Completion.entropies) and the last step's raw log-probs
     # (Completion.final_logprobs): what a probe reward model whose policy is this model reads
     # instead of a second forward (meta/rewards.py).
-    entropies: bool = False
-    order: tuple[str, ...] = DEFAULT_ORDER
+    entropies: bool = option(
+        False, "also return each token's raw entropy and the last step's raw log-probabilities")
+    order: tuple[str, ...] = option(
+        DEFAULT_ORDER, "the adapter chain's order (adapter names, each at most once)", extension=True)
 
     def __post_init__(self):
         # Accept lists where tuples are expected (JSON and CLI give lists).
@@ -290,7 +289,19 @@ class SamplingParams:
         return [f.name for f in fields(cls)]
 
 
+_SPECS = {f.name: f.metadata for f in fields(SamplingParams)}
+# Every numeric field's range, checked by `SamplingParams._validate` and published by the
+# server's OpenAPI document (server/extensions.py); None is allowed where the type says so.
+RANGES: dict[str, Range] = {name: spec["range"] for name, spec in _SPECS.items() if spec["range"]}
+# What each field does, in one line (the server's OpenAPI descriptions).
+DESCRIPTIONS: dict[str, str] = {name: spec["description"] for name, spec in _SPECS.items()}
+# Fields with a plain `decodekit generate` flag: name -> the flag's help.
+FLAGS: dict[str, str] = {name: spec["flag"] for name, spec in _SPECS.items() if spec["flag"]}
+# Fields a server request sets by their own name besides OpenAI's (server/extensions.py).
+EXTENSION_FIELDS = tuple(name for name, spec in _SPECS.items() if spec["extension"])
 _TYPES = get_type_hints(SamplingParams)
+# Fields given as JSON or CLI lists, stored as tuples (allowed_token_ids, also None, apart).
+SEQUENCE_FIELDS = tuple(name for name, kind in _TYPES.items() if get_origin(kind) is tuple)
 INTEGER_FIELDS = frozenset(name for name, kind in _TYPES.items() if int in (kind, *get_args(kind)))
 NULLABLE_FIELDS = frozenset(name for name, kind in _TYPES.items() if type(None) in get_args(kind))
 

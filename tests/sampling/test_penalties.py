@@ -10,7 +10,8 @@ import torch
 
 from decodekit.params import SamplingParams
 from decodekit.sampling import processors as P
-from decodekit.sampling.chain import SamplerState, bad_word_sequences, build_chain, dry_breakers
+from decodekit.sampling.adapters import bad_word_sequences, dry_breakers
+from decodekit.sampling.chain import SamplerState, build_chain
 
 INF = math.inf
 WORDS = ["<eos>", "a", "b", "c", ":", "::", "hello", "world"]

@@ -22,35 +22,13 @@ from decodekit.cli.common import (
     unescape,
     warn,
 )
-from decodekit.params import PRESETS, SamplingParams, preset_values
+from decodekit.params import FLAGS, INTEGER_FIELDS, PRESETS, SamplingParams, preset_values
 
-# SamplingParams fields exposed as flags: name -> (type of one value, help). Each flag is the
-# field's name (and the server's, docs/server.md); None (not given) leaves the field's default.
+# SamplingParams fields exposed as flags: name -> (type of one value, help), as each field
+# declares (params.py `option`). Each flag is the field's name (and the server's,
+# docs/server.md); None (not given) leaves the field's default.
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
-    "max_new_tokens": (int, "most tokens generated per sample (default 64)"),
-    "min_new_tokens": (int, "EOS and stop tokens masked until this many (default 0)"),
-    "temperature": (float, "divide the logits by T; 0 is greedy (default 1)"),
-    "top_k": (int, "keep the K most likely tokens; 0 is off (default)"),
-    "top_p": (float, "nucleus: the smallest set with probability >= P, in (0, 1]; 1 is off (default)"),
-    "min_p": (float, "drop tokens below P times the top probability; 0 is off (default)"),
-    "typical_p": (float, "locally typical sampling's mass, in (0, 1]; 1 is off (default)"),
-    "epsilon": (float, "drop tokens with probability below E, in [0, 1); 0 is off (default)"),
-    "eta": (float, "eta sampling's entropy-scaled cut, in [0, 1); 0 is off (default)"),
-    "top_n_sigma": (float, "keep logits within N standard deviations of the top one (default off)"),
-    "min_tokens_to_keep": (int, "every truncation keeps at least this many tokens (default 1)"),
-    "mirostat_tau": (float, "mirostat v2's target surprise in bits (default off)"),
-    "mirostat_eta": (float, "mirostat's learning rate (default 0.1)"),
-    "xtc_threshold": (float, "XTC: tokens above this probability may be excluded (default 0.1)"),
-    "xtc_probability": (float, "XTC: chance per step of excluding them; 0 is off (default)"),
-    "dry_multiplier": (float, "DRY repetition penalty's strength; 0 is off (default)"),
-    "dry_base": (float, "DRY's base, >= 1 (default 1.75)"),
-    "dry_allowed_length": (int, "DRY: repeats up to this length are free (default 2)"),
-    "repetition_penalty": (float, "divide the logits of seen tokens by this (CTRL); 1 is off (default)"),
-    "frequency_penalty": (float, "subtract this times a token's count so far, in [-2, 2] (default 0)"),
-    "presence_penalty": (float, "subtract this from every token seen so far, in [-2, 2] (default 0)"),
-    "no_repeat_ngram_size": (int, "never repeat an n-gram of this size; 0 is off (default)"),
-    "seed": (int, "the samples' random seed (default: unseeded)"),
-    "logprobs": (int, "with --json: the top K alternatives' log-probabilities per token, 0..20"),
+    name: (int if name in INTEGER_FIELDS else float, text) for name, text in FLAGS.items()
 }
 STRATEGIES = ("greedy", "sample", "beam", "contrastive")
 CONSTRAINT_FLAGS = ("json_schema", "regex", "grammar", "choices")

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 TENSOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -188,6 +187,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     (module docstring)."""
     from decodekit.models.checkpoint import load_safetensors, read_config
     from decodekit.models.compressed import COMPRESSION_FILE
+    from decodekit.models.families import FAMILIES
     from decodekit.models.native import NativeConfig
     from decodekit.optional import require
 
@@ -197,7 +197,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
     parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
-    arch = ARCHS[parsed.model_type]
+    family = FAMILIES[parsed.model_type]
+    arch = family.gguf
     compressed = (model_dir / COMPRESSION_FILE).exists()
     state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)
     if compressed:
@@ -243,7 +244,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
             data, raw_dtype = code_blocks(*tensor, where=f"{model_dir}: {name}")
         else:
             data, raw_dtype = encode_tensor(tensor.float().numpy(), tensor_type)
-        if arch == "llama" and projection in heads:
+        if family.rope_permuted and projection in heads:
             data = rope_permute(data, heads[projection])  # whole rows, so blocks move intact
         writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()

@@ -66,6 +66,7 @@ from decodekit.request import (
     to_completion,
 )
 from decodekit.sampling import SamplerState, draw
+from decodekit.sampling.adapters import active_adapters
 
 # (p [γ+1, V], q [γ, V], draft [γ] long, generator) -> (τ accepted draft tokens, extra token y)
 VerifyRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
@@ -285,12 +286,9 @@ class SpeculativeResult:
 
 
 def history_free(params: SamplingParams) -> bool:
-    """True when no active adapter reads the history or other per-step state (see
-    sampling/chain.py): penalties, n-gram and bad-word bans, DRY, min_tokens, mirostat."""
-    p = params
-    penalties = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    bans = bool(p.bad_words) or p.no_repeat_ngram_size > 0 or p.min_new_tokens > 0
-    return not (penalties or bans or p.dry_multiplier > 0 or p.mirostat_tau is not None)
+    """True when no adapter of the chain reads the history or other per-step state (each
+    adapter declares it: sampling/adapters.py `reads_history`)."""
+    return not any(adapter.reads_history for adapter in active_adapters(params))
 
 
 def process_block(chain, state: SamplerState, raw: torch.Tensor, draft: list[int]) -> torch.Tensor:

@@ -37,7 +37,8 @@ from torch import nn
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, StepGenerator
 from decodekit.engine.shared import engine_for, run_requests
 from decodekit.models.base import LanguageModel
-from decodekit.models.native import ARCHITECTURES, NativeLM
+from decodekit.models.families import FAMILIES
+from decodekit.models.native import NativeLM
 
 MEMO_SIZE = 65536  # scored positions remembered (keys: their token prefixes)
 CHUNK_TOKENS = 16384  # tokens per run of programs: bounds one forward's activations
@@ -51,7 +52,8 @@ def native_reward_lm(state: dict[str, torch.Tensor], config: dict, head: nn.Modu
                      name: str) -> NativeLM | None:
     """The reward model as a NativeLM whose output head is `head`, or None when NativeLM
     cannot run its body (the caller falls back to transformers)."""
-    causal = {family: arch for arch, family in ARCHITECTURES.items()}.get(config.get("model_type"))
+    family = FAMILIES.get(config.get("model_type"))
+    causal = None if family is None else family.architecture
     body = {**config, "architectures": [causal], "tie_word_embeddings": True}  # no LM head to read
     if causal is None or not NativeLM.supports(body):
         return None

@@ -37,12 +37,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from decodekit.models.families import FAMILIES
 from decodekit.models.gguf_tensors import FLOAT_TYPES, INTEGER_TYPES, Quantized, decode, unpermute_rope_rows
 from decodekit.models.native import LlamaNet, NativeConfig, NativeLM, transpose_weight_layout
 from decodekit.models.qlinear import QuantizedLinear
 
 MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # GGUF tensor names (llama.cpp's gguf-py `TENSOR_NAMES`) -> NativeLM's, per layer.
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -89,8 +89,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
     """The config.json dict of a GGUF file's metadata (module docstring)."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        allowed = sorted(ARCHITECTURES)
+    # A GGUF architecture is read as the family of the same name (llama.cpp writes Mistral as llama).
+    allowed = sorted(name for name, family in FAMILIES.items() if family.gguf == name)
+    if arch not in allowed:
         raise ValueError(f"{where}: general.architecture must be one of {allowed}, got {arch!r}")
 
     def value(key: str, default: Any = KeyError) -> Any:
@@ -119,7 +120,7 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     rows = 0 if embedding is None else int(embedding.shape[1])
     vocab = len(meta.get("tokenizer.ggml.tokens") or []) or rows
     config = {
-        "model_type": arch, "architectures": [ARCHITECTURES[arch]], "hidden_act": "silu",
+        "model_type": arch, "architectures": [FAMILIES[arch].architecture], "hidden_act": "silu",
         "vocab_size": int(value("vocab_size", vocab)), "hidden_size": hidden,
         "intermediate_size": int(value("feed_forward_length")),
         "num_hidden_layers": int(value("block_count")),
@@ -283,7 +284,7 @@ class _Tensors:
         raw = tensor.data
         part = name.split(".")[2] if name.startswith("blk.") else ""
         heads = {"attn_q": self.config.num_heads, "attn_k": self.config.num_kv_heads}.get(part)
-        if self.arch == "llama" and heads is not None:
+        if FAMILIES[self.arch].rope_permuted and heads is not None:
             raw = unpermute_rope_rows(np.asarray(raw), heads)
         try:
             value = decode(raw, type_name, shape)

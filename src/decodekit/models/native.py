@@ -42,26 +42,21 @@ from torch import nn
 from decodekit.models import kernels
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
+from decodekit.models.families import FAMILIES
 from decodekit.models.kv import ContiguousKVCache, attention_mask
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 def unsupported_reason(config: dict[str, Any]) -> str | None:
     """Why NativeLM cannot run this config.json, or None if it can."""
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES.values():
-        return f"model_type must be one of {sorted(ARCHITECTURES.values())}, got {model_type!r}"
-    unknown = [a for a in config.get("architectures") or [] if a not in ARCHITECTURES]
+    if model_type not in FAMILIES:
+        return f"model_type must be one of {sorted(FAMILIES)}, got {model_type!r}"
+    classes = sorted({family.architecture for family in FAMILIES.values()})
+    unknown = [a for a in config.get("architectures") or [] if a not in classes]
     if unknown:
-        return f"architectures must be among {sorted(ARCHITECTURES)}, got {unknown}"
+        return f"architectures must be among {classes}, got {unknown}"
     if config.get("hidden_act", "silu") != "silu":
         return f"hidden_act must be 'silu', got {config.get('hidden_act')!r}"
     rope = read_rope_parameters(config)
@@ -129,12 +124,13 @@ class NativeConfig:
         if reason is not None:
             raise ValueError(f"NativeLM cannot load this model: {reason}")
         model_type = config["model_type"]
+        family = FAMILIES[model_type]
         heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         # Which projections carry a bias differs by family (transformers modeling_*.py).
         attention_bias = bool(config.get("attention_bias", False))
-        qkv_bias = True if model_type == "qwen2" else attention_bias
-        output_bias = attention_bias if model_type in ("llama", "qwen3") else False
+        qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
+        output_bias = attention_bias and family.output_bias
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
@@ -150,7 +146,7 @@ class NativeConfig:
             qkv_bias=qkv_bias,
             output_bias=output_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=family.qk_norm,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
             layer_windows=_layer_windows(config, int(config["num_hidden_layers"])),
         )
@@ -159,17 +155,18 @@ class NativeConfig:
 def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers' modeling_{mistral,qwen2,qwen3}.py."""
     window = config.get("sliding_window")
-    if window is None or config["model_type"] == "llama":
+    sliding = FAMILIES[config["model_type"]].sliding
+    if window is None or sliding == "never":
         return ()
     layer_types = config.get("layer_types")
-    if layer_types is None and config["model_type"] in ("qwen2", "qwen3"):
+    if layer_types is None and sliding == "use_sliding_window":
         if not config.get("use_sliding_window", False):
             return ()
         first = int(config.get("max_window_layers", 28))
         layer_types = ["sliding_attention" if i >= first else "full_attention"
                        for i in range(num_layers)]  # fmt: skip
     if layer_types is None:
-        return (int(window),) * num_layers  # mistral: every layer slides
+        return (int(window),) * num_layers  # sliding "every" (Mistral)
     if "sliding_attention" not in layer_types:
         return ()
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

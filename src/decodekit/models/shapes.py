@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from decodekit.models.checkpoint import TOKENIZER_FILES, load_tokenizer
+from decodekit.models.families import FAMILIES
 from decodekit.models.native import NativeLM
 from decodekit.models.registry import ASSETS, resolve_dtype
 
@@ -90,7 +91,7 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
              "model.norm.weight": torch.ones(hidden)}  # fmt: skip
     if not config["tie_word_embeddings"]:
         state["lm_head.weight"] = gaussian(config["vocab_size"], hidden, 3.0)
-    qkv_bias = config["model_type"] == "qwen2"
+    qkv_bias = FAMILIES[config["model_type"]].qkv_bias or config.get("attention_bias", False)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         state[p + "input_layernorm.weight"] = torch.ones(hidden)

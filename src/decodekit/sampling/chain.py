@@ -1,8 +1,8 @@
 """A request's sampling chain and its state.
 
 `build_chain(params, tokenizer)` is built once per request and returns one adapter,
-`(logits [R, V], state) -> logits [R, V]`, that applies the active adapters of
-`processors` in `params.order`; adapters at their off values are left out. A caller's
+`(logits [R, V], state) -> logits [R, V]`, that applies the active adapters (adapters.py, each
+a class declaring its properties) in `params.order`; adapters at their off values are left out. A caller's
 own adapter (`first`: controlled decoding's value tilt, align/controlled.py) runs before
 them, so it changes the policy that the params then sample from. The
 per-request state (histories, the mirostat target, the request's random generator)
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from decodekit.params import SamplingParams
-from decodekit.sampling import processors as P
+from decodekit.sampling.adapters import ADAPTERS, active_adapters
 
 Chain = Callable[[torch.Tensor, "SamplerState"], torch.Tensor]
 
@@ -130,8 +130,7 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
 
 # Adapters that read only the logits and the params, row by row (no history, state or random
 # draw): requests whose chains have only these, with equal settings, can run as one batch.
-ROWWISE = frozenset({"logit_bias", "allowed_tokens", "temperature", "top_k", "top_p", "min_p",
-                     "typical", "epsilon", "eta", "top_n_sigma"})  # fmt: skip
+ROWWISE = frozenset(name for name, adapter in ADAPTERS.items() if adapter.rowwise)
 
 
 def rowwise_key(params: SamplingParams, names: list[str]) -> tuple | None:
@@ -139,108 +138,20 @@ def rowwise_key(params: SamplingParams, names: list[str]) -> tuple | None:
     each row's logits, so request.py batches their rows); None when an adapter reads more."""
     if any(name not in ROWWISE for name in names):
         return None
-    p = params
-    allowed = None if p.allowed_token_ids is None else tuple(sorted(p.allowed_token_ids))
-    return (tuple(names), p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p, p.epsilon, p.eta,
-            p.top_n_sigma, p.min_tokens_to_keep, tuple(sorted(p.logit_bias.items())), allowed)  # fmt: skip
+    values = [_hashable(getattr(params, f)) for name in names for f in ADAPTERS[name].fields]
+    return (tuple(names), params.min_tokens_to_keep, *values)
 
 
 def chain_stages(params: SamplingParams, tokenizer: Any = None) -> list[tuple[str, Chain]]:
     """The active adapters of `build_chain`, in order, by name (the lab shows each stage)."""
-    p, keep = params, params.min_tokens_to_keep
-    bad = bad_word_sequences(p.bad_words, tokenizer)
-    breakers = dry_breakers(p.dry_sequence_breakers, tokenizer if p.dry_multiplier else None)
-    # name -> adapter, or None when the adapter is at its off value
-    adapters: dict[str, Chain | None] = {
-        "logit_bias": _on(p.logit_bias, lambda x, s: P.logit_bias(x, p.logit_bias)),
-        "allowed_tokens": _on(
-            p.allowed_token_ids is not None,
-            lambda x, s: P.allowed_tokens(x, p.allowed_token_ids),
-        ),
-        "bad_words": _on(bad, lambda x, s: P.bad_words(x, s.contexts(), bad)),
-        "min_tokens": _on(
-            p.min_new_tokens > 0,
-            lambda x, s: P.min_tokens(
-                x, [len(g) for g in s.generated], p.min_new_tokens, s.stop_token_ids
-            ),
-        ),
-        "no_repeat_ngram": _on(
-            p.no_repeat_ngram_size > 0,
-            lambda x, s: P.no_repeat_ngram(x, s.contexts(), p.no_repeat_ngram_size),
-        ),
-        "repetition_penalty": _on(
-            p.repetition_penalty != 1.0,
-            lambda x, s: P.repetition_penalty(x, s.contexts(), p.repetition_penalty),
-        ),
-        "frequency_presence": _on(
-            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0,
-            lambda x, s: P.frequency_presence(
-                x, s.generated, p.frequency_penalty, p.presence_penalty
-            ),
-        ),
-        "dry": _on(
-            p.dry_multiplier > 0,
-            lambda x, s: P.dry(
-                x, s.contexts(), p.dry_multiplier, p.dry_base, p.dry_allowed_length, breakers
-            ),
-        ),
-        "temperature": _on(p.temperature != 1.0, lambda x, s: P.temperature(x, p.temperature)),
-        "top_k": _on(p.top_k > 0, lambda x, s: P.top_k(x, p.top_k, keep)),
-        "top_p": _on(p.top_p < 1.0, lambda x, s: P.top_p(x, p.top_p, keep)),
-        "min_p": _on(p.min_p > 0.0, lambda x, s: P.min_p(x, p.min_p, keep)),
-        "typical": _on(p.typical_p < 1.0, lambda x, s: P.typical(x, p.typical_p, keep)),
-        "epsilon": _on(p.epsilon > 0.0, lambda x, s: P.epsilon(x, p.epsilon, keep)),
-        "eta": _on(p.eta > 0.0, lambda x, s: P.eta(x, p.eta, keep)),
-        "top_n_sigma": _on(
-            p.top_n_sigma is not None, lambda x, s: P.top_n_sigma(x, p.top_n_sigma, keep)
-        ),
-        "xtc": _on(
-            p.xtc_probability > 0.0,
-            lambda x, s: P.xtc(x, p.xtc_threshold, p.xtc_probability, s.generator, keep),
-        ),
-        "mirostat": _on(p.mirostat_tau is not None, lambda x, s: P.mirostat(x, s.mu, keep)),
-    }
-    return [(name, adapters[name]) for name in p.order if adapters[name] is not None]
+    return [(adapter.name, adapter(params, tokenizer)) for adapter in active_adapters(params)]
 
 
-def bad_word_sequences(
-    words: Sequence[str | tuple[int, ...]], tokenizer: Any = None
-) -> list[tuple[int, ...]]:
-    """Token sequences to ban. Text is tokenised without special tokens, alone and (as vLLM
-    does) after a space when that gives a different word token of the same length."""
-    sequences: list[tuple[int, ...]] = []
-    for word in words:
-        if not isinstance(word, str):
-            sequences.append(tuple(word))
-            continue
-        if tokenizer is None:
-            raise TypeError(
-                f"bad_words entry {word!r} is text, which needs a model with a tokenizer; "
-                "give token-id tuples instead"
-            )
-        plain = _encode(tokenizer, word)
-        spaced = _encode(tokenizer, " " + word.lstrip())
-        sequences += [plain] if plain else []
-        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
-            sequences.append(spaced)
-    return list(dict.fromkeys(sequences))
-
-
-def dry_breakers(breakers: Sequence[str], tokenizer: Any = None) -> P.DryBreakers:
-    """DRY sequence breakers with the text of every token, so that `P.dry` matches them on
-    the context's text across token boundaries. Without a tokenizer there are none."""
-    if tokenizer is None or not any(breakers):
-        return P.DryBreakers()
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return P.DryBreakers.from_texts(breakers, texts)
-
-
-def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _on(active: Any, adapter: Chain) -> Chain | None:
-    return adapter if active else None
+def _hashable(value: Any) -> Any:
+    # logit_bias is a dict; allowed token ids compare as a set
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))
+    return tuple(sorted(value)) if isinstance(value, tuple) else value
 
 
 def _fresh_seed() -> int:

@@ -1,10 +1,11 @@
 """The sampling extensions as typed request fields.
 
-A request may set these SamplingParams fields by their own name (and `min_tokens`, vLLM's name
-for `min_new_tokens`). Each field's JSON type comes from SamplingParams' annotation (a tuple is a
-list, a token id an integer >= 0), its bounds from `params.RANGES`, its nullability from
-its type and its description from `params.DESCRIPTIONS`, so the parser refuses a wrong type or
-value with a 400 naming the field and what it allows, and /openapi.json declares them.
+A request may set these SamplingParams fields by their own name (those declared `extension`,
+params.py `option`; and `min_tokens`, vLLM's name for `min_new_tokens`). Each field's JSON type
+comes from SamplingParams' annotation (a tuple is a list, a token id an integer >= 0), its
+bounds from `params.RANGES`, its nullability from its type and its description from
+`params.DESCRIPTIONS`, so the parser refuses a wrong type or value with a 400 naming the field
+and what it allows, and /openapi.json declares them.
 """
 
 from __future__ import annotations
@@ -19,19 +20,14 @@ from pydantic import BeforeValidator, ConfigDict, Field, create_model
 from decodekit.params import (
     DEFAULT_ORDER,
     DESCRIPTIONS,
+    EXTENSION_FIELDS,
     INTEGER_FIELDS,
     NULLABLE_FIELDS,
     RANGES,
     SamplingParams,
 )
 
-EXTENSIONS = (
-    "top_k", "min_p", "typical_p", "epsilon", "eta", "top_n_sigma", "min_tokens_to_keep",
-    "mirostat_tau", "mirostat_eta", "xtc_threshold", "xtc_probability", "dry_multiplier",
-    "dry_base", "dry_allowed_length", "dry_sequence_breakers", "repetition_penalty",
-    "no_repeat_ngram_size", "bad_words", "allowed_token_ids", "stop_token_ids", "ignore_eos",
-    "order", "min_new_tokens",
-)
+EXTENSIONS = EXTENSION_FIELDS  # as each field declares (params.py `option`)
 RENAMED = {"min_tokens": "min_new_tokens"}  # a request's name -> SamplingParams'
 
 def _integral(value: Any) -> Any:

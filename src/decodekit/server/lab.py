@@ -22,14 +22,15 @@ import json
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from decodekit.meta.tree import METHODS, TreeConfig
 from decodekit.models.base import LanguageModel
-from decodekit.params import DEFAULT_ORDER, PRESETS, SamplingParams
+from decodekit.params import DEFAULT_ORDER, NULLABLE_FIELDS, PRESETS, SamplingParams
+from decodekit.sampling.adapters import ADAPTERS
 from decodekit.server import lab_views as views
 from decodekit.server.plan import api_error
 from decodekit.server.protocol import APIError
@@ -39,17 +40,14 @@ FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
 BODIES = tuple(f"/lab/api/{name}" for name in ("sampler", "beam", "tree", "speculative", "votes"))
 LIBRARY_NAMES: dict[str, str] = {}  # a lab body names SamplingParams' fields as the library does
 MAX_NEW_TOKENS = 128  # the lab shows every step: longer runs are not readable anyway
-# The SamplingParams fields of each adapter (the page's editor; values are SamplingParams').
-ADAPTER_FIELDS = {
-    "logit_bias": ("logit_bias",), "allowed_tokens": ("allowed_token_ids",), "bad_words": ("bad_words",),
-    "min_tokens": ("min_new_tokens",), "no_repeat_ngram": ("no_repeat_ngram_size",),
-    "repetition_penalty": ("repetition_penalty",),
-    "frequency_presence": ("frequency_penalty", "presence_penalty"),
-    "dry": ("dry_multiplier", "dry_base", "dry_allowed_length"), "temperature": ("temperature",),
-    "top_k": ("top_k",), "top_p": ("top_p",), "min_p": ("min_p",), "typical": ("typical_p",),
-    "epsilon": ("epsilon",), "eta": ("eta",), "top_n_sigma": ("top_n_sigma",),
-    "xtc": ("xtc_threshold", "xtc_probability"), "mirostat": ("mirostat_tau", "mirostat_eta"),
-}
+# The SamplingParams fields of each adapter (the page's editor; values are SamplingParams'),
+# as each adapter declares them (sampling/adapters.py).
+ADAPTER_FIELDS = {name: adapter.fields for name, adapter in ADAPTERS.items()}
+_TYPES = get_type_hints(SamplingParams)
+# The editor's numeric inputs, and the fields whose empty input means null (off): by type.
+NULL_FIELDS = [f for fs in ADAPTER_FIELDS.values() for f in fs if f in NULLABLE_FIELDS]
+NUMBER_FIELDS = [f for fs in ADAPTER_FIELDS.values() for f in fs if _TYPES[f] in (int, float)
+                 or f in NULL_FIELDS and set(get_args(_TYPES[f])) <= {int, float, type(None)}]  # fmt: skip
 # The sampler view's first chain: two active stages, so a first look shows the chain at work
 # (SamplingParams' own defaults are all off: an empty chain; issue 26).
 START = SamplingParams(temperature=0.8, top_p=0.95)
@@ -199,7 +197,7 @@ def lab_router(backend) -> APIRouter:
     async def info():
         fields = {name: {f: getattr(START, f) for f in fs} for name, fs in ADAPTER_FIELDS.items()}
         return {"models": models.names(), "served": list(backend.models), "adapters": list(DEFAULT_ORDER),
-                "fields": fields,
+                "fields": fields, "numbers": NUMBER_FIELDS, "nullable": NULL_FIELDS,
                 "presets": {name: {"temperature": t, "top_p": p} for name, (t, p) in PRESETS.items()},
                 "tree_methods": list(METHODS), "max_n": max_n,
                 "max_new_tokens": MAX_NEW_TOKENS}

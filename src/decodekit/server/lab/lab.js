@@ -116,16 +116,17 @@ function pick(values, names) {
 
 // -- 1. sampler chain -------------------------------------------------------------------------
 
-const OPTIONAL = new Set(["top_n_sigma", "mirostat_tau", "allowed_token_ids"]);  // null = off
+// Numeric fields, and fields whose empty input means null (off), by type (/lab/api/info).
+const isNumber = (field) => state.info.numbers.includes(field);
+const isOptional = (field) => state.info.nullable.includes(field);
 
 function chainRow(name) {
   const fields = state.info.fields[name];
   const inputs = Object.entries(fields).map(([field, value]) => {
     const text = typeof value === "object" && value !== null ? JSON.stringify(value) : (value ?? "");
-    const numeric = typeof value === "number" || OPTIONAL.has(field) && field !== "allowed_token_ids";
     return el("label", {}, field + " ", el("input", {
-      "data-field": field, type: numeric ? "number" : "text", step: "any", value: text, size: 8,
-      placeholder: OPTIONAL.has(field) ? "off" : null,
+      "data-field": field, type: isNumber(field) ? "number" : "text", step: "any", value: text, size: 8,
+      placeholder: isOptional(field) ? "off" : null,
     }));
   });
   const move = (delta) => (event) => {
@@ -150,10 +151,9 @@ function chainParams() {
     for (const input of item.querySelectorAll("input")) {
       const field = input.dataset.field, raw = input.value.trim();
       const initial = state.info.fields[item.dataset.adapter][field];
-      if (raw === "" && OPTIONAL.has(field)) continue;
-      if (field === "logit_bias" || field === "bad_words") params[field] = raw ? JSON.parse(raw) : initial;
-      else if (field === "allowed_token_ids") params[field] = JSON.parse(raw);
-      else params[field] = input.type === "number" ? Number(raw) : raw;
+      if (raw === "" && isOptional(field)) continue;
+      if (isNumber(field)) params[field] = Number(raw);
+      else params[field] = raw ? JSON.parse(raw) : initial;  // a dict or list (logit_bias, bad_words)
     }
   }
   params.order = order;

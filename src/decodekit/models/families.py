@@ -1,0 +1,42 @@
+"""The Llama-like families NativeLM runs, in one table: what sets each apart.
+
+`FAMILIES` maps a config.json `model_type` to its `Family`; NativeLM's config parsing
+(native.py), the GGUF reader (gguf_model.py), the GGUF writer (compress/gguf.py), the reward
+models' body (meta/reward_engine.py) and the random checkpoints (shapes.py) read it, and
+nothing else names a family. A new Llama-like family (or an alias of one) is one entry here
+and a parity test against transformers' logits (docs/ARCHITECTURE.md, "A model family").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's differences (transformers' modeling_{model_type}.py; llama.cpp's
+    convert_hf_to_gguf.py for `gguf` and `rope_permuted`)."""
+
+    architecture: str  # config.json "architectures": transformers' class of the family
+    gguf: str  # GGUF general.architecture llama.cpp's converter writes (a family's model_type)
+    # q/k/v biases: True always (Qwen2), False never, None as config.json's attention_bias says
+    qkv_bias: bool | None = None
+    output_bias: bool = True  # o_proj's bias follows attention_bias (False: never)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
+    # Which layers slide when config.json has a sliding_window and no layer_types: "never"
+    # (Llama ignores it), "every" layer (Mistral), or as use_sliding_window and
+    # max_window_layers say (Qwen2/3, "use_sliding_window").
+    sliding: Literal["never", "every", "use_sliding_window"] = "never"
+    # q and k rows reordered for ggml's RoPE in GGUF files of this family (llama-arch)
+    rope_permuted: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", "llama", rope_permuted=True),
+    "mistral": Family("MistralForCausalLM", "llama", output_bias=False, sliding="every", rope_permuted=True),
+    "qwen2": Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, output_bias=False,
+                    sliding="use_sliding_window"),
+    "qwen3": Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding="use_sliding_window"),
+}
+
