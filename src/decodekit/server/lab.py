@@ -31,8 +31,8 @@ from decodekit.meta.tree import METHODS, TreeConfig
 from decodekit.models.base import LanguageModel
 from decodekit.params import DEFAULT_ORDER, PRESETS, SamplingParams
 from decodekit.server import lab_views as views
-from decodekit.server.plan import api_error
 from decodekit.server.protocol import APIError
+from decodekit.server.request_plan import api_error
 
 STATIC = Path(__file__).parent / "lab"
 FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
