@@ -18,7 +18,6 @@ are repository paths: a page under docs/ links `../BENCHMARKS.md`, a root file l
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import posixpath
 import re
@@ -148,10 +147,6 @@ def api_reference() -> str:
 def definition(module, name: str) -> str:
     """The dotted path where `module.name` is defined."""
     value = getattr(module, name)
-    if inspect.ismodule(value):
-        # decodekit.meta resolves `refine` and `mbr` lazily; once their submodules are
-        # imported, the package attribute is the submodule, which holds the function.
-        value = getattr(value, name)
     where = getattr(value, "__module__", None)
     qualname = getattr(value, "__qualname__", None)
     if not where or not qualname:

@@ -70,6 +70,19 @@ def test_beam_bad_input(tiny_lm):
         dk.beam_search(tiny_lm, "a", dk.SamplingParams(n=5), num_beams=2)
 
 
+def test_beam_refuses_stop_strings_naming_the_field(tiny_lm):
+    """The one check of stop strings (decode/beam.py): the strategy raises before anything
+    runs, naming the field, which the server answers as the 400's param."""
+    from decodekit.decode.beam import Beam
+    from decodekit.decode.route import UnsupportedField
+
+    with pytest.raises(UnsupportedField, match="stop strings are not supported") as refused:
+        Beam(num_beams=2).prepare(tiny_lm, ["a"], dk.SamplingParams(stop=("x",)))
+    assert refused.value.field == "stop"
+    with pytest.raises(ValueError, match="takes no adapter"):
+        Beam().prepare(tiny_lm, ["a"], adapter=lambda logits, state: logits)
+
+
 class BigramLM(LanguageModel):
     """Next-token log-probs that depend on the last token only: a table small enough to
     work beam search out by hand."""

@@ -242,9 +242,9 @@ BROKEN_RULES = {
 
 
 def test_the_schema_says_every_cross_field_rule_the_server_checks(server):
-    """Each rule of plan.py `CROSS_FIELD_RULES` is in its field's description in /openapi.json,
+    """Each rule of request_plan.py `CROSS_FIELD_RULES` is in its field's description in /openapi.json,
     and a body that breaks it is a 400 naming the field."""
-    from decodekit.server.plan import CROSS_FIELD_RULES
+    from decodekit.server.request_plan import CROSS_FIELD_RULES
 
     thread, _ = server
     schemas = httpx.get(thread.url + "/openapi.json").json()["components"]["schemas"]

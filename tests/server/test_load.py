@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import openai
+import pytest
 
 CLIENTS = 64
 PROMPTS = ["ROMEO:", "JULIET: O", "But soft", "The quick brown fox", "Deny thy father"]
@@ -139,6 +140,25 @@ def test_concurrent_contrastive_requests_run_on_the_experts_engine(server, serve
     for prompt, answer in zip(prompts, answers):
         [expected] = dk.generate(cd, prompt, params)
         assert answer.choices[0].text == expected.text
+
+
+def test_beam_search_over_a_contrastive_pair_runs_on_the_experts_engine(server, server_models, monkeypatch):
+    """Beam search with an amateur_model is a BeamProgram on the expert's engine (the library
+    routes it there, decode/route.py), never a worker-thread job, and equals the library's."""
+    import decodekit as dk
+
+    thread, backend = server
+    monkeypatch.setattr(backend, "submit_thread", lambda run: pytest.fail("it ran in the worker thread"))
+    engine = backend.engine("tiny")
+    before = engine.stats()["steps"]
+    extra = {"use_beam_search": True, "num_beams": 3, "amateur_model": "tiny-2", "contrastive_alpha": 0.2,
+             "ignore_eos": True}
+    [answer] = completions_at_once(thread.url, PROMPTS[:1], model="tiny", max_tokens=8, n=2, extra_body=extra)
+    assert engine.stats()["steps"] - before >= 8  # one step per token, on this engine
+    cd = dk.ContrastiveLM(server_models["tiny"], server_models["tiny-2"], alpha=0.2)
+    params = dk.SamplingParams(max_new_tokens=8, n=2, ignore_eos=True)
+    expected = dk.beam_search(cd, PROMPTS[0], params, num_beams=3)
+    assert [c.text for c in answer.choices] == [c.text for c in expected]
 
 
 def test_concurrent_speculative_requests_verify_in_one_forward(server, server_models):

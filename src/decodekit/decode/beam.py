@@ -19,24 +19,29 @@ early_stopping="never"; its False is a heuristic that may stop sooner).
 
 A token mask (`constraint=` or `heal=`, as in `generate`) is applied before the chain; a
 hypothesis whose constraint is complete leaves the beam like one that emits EOS.
+
+`Beam(num_beams, length_penalty, early_stopping)` is the strategy (route.py): its `prepare`
+builds one `BeamSearch` per prompt and routes them, as `BeamProgram`s on an engine or
+`_beam_plain` over the model's own cache; `beam_search` runs it to the end.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.decode.constrained import Constraint, token_mask
-from decodekit.decode.route import engine_route
+from decodekit.decode.route import Run, UnsupportedField, completion_deltas, engine_route
 from decodekit.engine.program import Feed, Forward, Program
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
 from decodekit.request import Delta, Prompt, encode_prompt
 from decodekit.sampling import SamplerState, build_chain
+from decodekit.sampling.chain import Chain
 
 
 @dataclass
@@ -52,6 +57,42 @@ class Hypothesis:
         return self.total / (max(len(self.tokens), 1) ** alpha)
 
 
+@dataclass(frozen=True)
+class Beam:
+    """Beam search as a strategy (route.py): `num_beams` kept per step, a finished
+    hypothesis scored Σ log p / |y|^length_penalty, `early_stopping` (module docstring)."""
+
+    num_beams: int = 4
+    length_penalty: float = 1.0
+    early_stopping: bool = True
+
+    def prepare(
+        self,
+        model: LanguageModel,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        constraint: Constraint | None = None,
+        heal: bool | int = False,
+        adapter: Chain | None = None,
+    ) -> Run:
+        """One search per prompt, every argument checked, routed: every prompt's search batched
+        on an engine, or None: the plain loop (route.py)."""
+        if adapter is not None:
+            raise ValueError("beam search takes no adapter: it ranks by the params' own chain")
+        params = params or SamplingParams()
+        searches = beam_searches(model, prompts, params, num_beams=self.num_beams,
+                                 length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                                 constraint=constraint, heal=heal)  # fmt: skip
+        route = engine_route(model, searches, lambda i, search: BeamProgram(model, search, i))
+
+        def plain() -> Iterator[Delta]:
+            for i, search in enumerate(searches):
+                yield from completion_deltas(i, _beam_plain(model, search))
+
+        return Run(searches, [params.n] * len(searches), route, plain)
+
+
 def beam_search(
     model: LanguageModel,
     prompts: Prompt | Sequence[Prompt],
@@ -64,22 +105,10 @@ def beam_search(
     heal: bool | int = False,
 ) -> list[Completion] | list[list[Completion]]:
     """The `params.n` best hypotheses (n <= num_beams) per prompt, best first, with `score` set."""
-    params = params or SamplingParams()
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
-    searches = beam_searches(model, prompt_list, params, num_beams=num_beams,
-                             length_penalty=length_penalty, early_stopping=early_stopping,
-                             constraint=constraint, heal=heal)  # fmt: skip
-    # Every prompt's search batched on an engine, or None: the plain loop (route.py).
-    on_engine = engine_route(model, searches, lambda i, search: BeamProgram(model, search, i))
-    if on_engine is not None:
-        from decodekit.engine.shared import run_requests
-
-        results: list[list] = [[None] * params.n for _ in searches]
-        for delta in run_requests(*on_engine):
-            results[delta.prompt_index][delta.sample_index] = delta.completion
-    else:
-        results = [_beam_plain(model, search) for search in searches]
+    strategy = Beam(num_beams, length_penalty, early_stopping)
+    results = strategy.prepare(model, prompt_list, params, constraint=constraint, heal=heal).completions()
     return results[0] if single else results
 
 
@@ -94,8 +123,7 @@ def beam_searches(
     constraint: Constraint | None = None,
     heal: bool | int = False,
 ) -> list[BeamSearch]:
-    """One search per prompt, every argument checked (the server wraps each in a `BeamProgram`
-    for its model's engine)."""
+    """One search per prompt, every argument checked (`Beam.prepare` routes them)."""
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
     if params.n > num_beams:
@@ -103,7 +131,8 @@ def beam_searches(
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if params.stop:
-        raise ValueError("beam search stops on EOS and stop_token_ids; stop strings are not supported")
+        raise UnsupportedField("stop", "beam search stops on EOS and stop_token_ids; stop strings are not "
+                               "supported")
     searches = []
     for prompt in prompts:
         mask, ids, decode = token_mask(model, encode_prompt(model, prompt), 1, constraint, heal,

@@ -1,11 +1,17 @@
-"""Where a request runs: the one decision between an engine and the plain loop.
+"""Where a request runs, and what a built request is: the one decision between an engine
+and the plain loop, and the `Run` every strategy builds.
 
-`engine_route(model, items, program)` is asked by every entry point that starts decoding:
-`generate`/`stream` (sample.py), `beam_search` (beam.py), `speculative_generate`
-(speculative.py) and the server (server/plan.py `engine_program`; server/backend.py keeps
-an engine for exactly the models this routes to their own engine); the CLI and the lab call
-those library functions, so they follow it too. The rule, by declared capability, never
-by class (models/base.py):
+A strategy (`sample.Sample`, `beam.Beam`, `speculative.Speculative`) builds a request from
+its parameters in one method, `prepare(model, prompts, params, constraint=, heal=,
+adapter=) -> Run`, which checks every argument and routes it here. `generate`/`stream`,
+`beam_search` and `speculative_generate` are that call and `Run.completions()`; the CLI
+builds the strategy from its flags, the server from the request's fields (and submits the
+run to its engine, server/backend.py `Backend.submit`), the lab calls the same; none builds
+a program itself.
+
+`engine_route(model, items, program)` decides by declared capability, never by class
+(models/base.py); server/backend.py keeps an engine for exactly the models this routes to
+their own engine (`runs_on_own_engine`):
 
 1. a model with paged KV (`supports_paged_kv`) runs the items on its own persistent
    engine: sampling requests as they are, other strategies' items as the programs
@@ -19,10 +25,58 @@ by class (models/base.py):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from decodekit.completion import Completion
 from decodekit.models.base import LanguageModel
+from decodekit.request import Delta
+
+
+class UnsupportedField(ValueError):
+    """A strategy cannot honour a SamplingParams field's value; `field` names it (the server
+    answers 400 with it as the param)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class Run:
+    """A request built by its strategy, every argument checked: `items` (its sampling
+    requests, beam searches, ...; one per prompt), `counts` (the completions each prompt
+    gets), `route` (`engine_route`'s answer: the model whose engine runs it and what to
+    submit there) or None, and `plain()`, its deltas on the plain loop."""
+
+    items: list
+    counts: list[int]
+    route: tuple[LanguageModel, list] | None
+    plain: Callable[[], Iterator[Delta]]
+
+    def deltas(self) -> Iterator[Delta]:
+        """The deltas wherever the run is routed: the model's persistent engine, or the plain loop."""
+        if self.route is None:
+            return self.plain()
+        from decodekit.engine.shared import run_requests
+
+        return run_requests(*self.route)
+
+    def completions(self) -> list[list[Completion]]:
+        """Run it to the end: the completions of each prompt."""
+        results: list[list] = [[None] * count for count in self.counts]
+        for delta in self.deltas():
+            if delta.completion is not None:
+                results[delta.prompt_index][delta.sample_index] = delta.completion
+        return results
+
+
+def completion_deltas(prompt_index: int, completions: Sequence[Completion]) -> Iterator[Delta]:
+    """One delta per completion of a search that produces its text at the end (beam,
+    speculative decoding on the plain loop)."""
+    for i, c in enumerate(completions):
+        yield Delta(prompt_index, i, c.text, c, list(c.token_ids), list(c.logprobs), c.top_logprobs)
 
 
 def engine_route(

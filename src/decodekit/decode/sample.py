@@ -2,6 +2,9 @@
 
     generate(model, prompts, params) -> list[list[Completion]]   (one list of n per prompt)
 
+Sampling is the default strategy, `Sample` (route.py: a strategy's `prepare` builds and
+routes a request; `generate` and `stream` are `Sample().prepare(...)` run to the end).
+
 The loop (`_steps`) runs models without paged KV (`LanguageModel.supports_paged_kv`);
 the others run on the paged engine (engine/), and so do models that run on another's
 engine as programs (`LanguageModel.engine_programs`: a ContrastiveLM of paged-KV models).
@@ -24,10 +27,11 @@ token-wise controlled decoding is `adapter=ValueTilt(value, lam)` (align/control
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from decodekit.completion import Completion
 from decodekit.decode.constrained import Constraint, mask_builder
-from decodekit.decode.route import engine_route
+from decodekit.decode.route import Run, engine_route
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
 from decodekit.request import (
@@ -38,7 +42,6 @@ from decodekit.request import (
     drop_finished_rows,
     emit,
     make_requests,
-    per_prompt_params,
     sample_rows,
 )
 from decodekit.sampling.chain import Chain
@@ -64,6 +67,30 @@ def _steps(model: LanguageModel, requests: list[Request]) -> Iterator[list[Row]]
         logits = model.forward(tokens[:, None], cache)[:, -1, :]  # [R, V]
 
 
+@dataclass(frozen=True)
+class Sample:
+    """The default strategy: each row's next token from the request's chain and selector."""
+
+    def prepare(
+        self,
+        model: LanguageModel,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        constraint: Constraint | None = None,
+        heal: bool | int = False,
+        adapter: Chain | None = None,
+    ) -> Run:
+        """The prompts' sampling requests, routed (route.py): on an engine, or the plain loop."""
+        requests = make_requests(model, prompts, params, mask_builder(constraint, heal), adapter)
+
+        def plain() -> Iterator[Delta]:
+            for rows in _steps(model, requests):
+                yield from emit(rows, model.max_context)
+
+        return Run(requests, [len(r.rows) for r in requests], engine_route(model, requests), plain)
+
+
 def stream_events(
     model: LanguageModel,
     prompts: Sequence[Prompt],
@@ -74,15 +101,8 @@ def stream_events(
     adapter: Chain | None = None,
 ) -> Iterator[Delta]:
     """Generate, yielding text deltas as tokens are accepted and a completion per sample at its end."""
-    requests = make_requests(model, prompts, params, mask_builder(constraint, heal), adapter)
-    on_engine = engine_route(model, requests)  # an engine, or None: the plain loop (route.py)
-    if on_engine is not None:
-        from decodekit.engine.shared import run_requests
-
-        yield from run_requests(*on_engine)
-        return
-    for rows in _steps(model, requests):
-        yield from emit(rows, model.max_context)
+    run = Sample().prepare(model, prompts, params, constraint=constraint, heal=heal, adapter=adapter)
+    yield from run.deltas()
 
 
 def generate(
@@ -106,12 +126,8 @@ def generate(
     prompt_list = [prompts] if single else list(prompts)
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
-    counts = [p.n for p in per_prompt_params(params, len(prompt_list))]
-    results: list[list] = [[None] * n for n in counts]
-    events = stream_events(model, prompt_list, params, constraint=constraint, heal=heal, adapter=adapter)
-    for delta in events:
-        if delta.completion is not None:
-            results[delta.prompt_index][delta.sample_index] = delta.completion
+    run = Sample().prepare(model, prompt_list, params, constraint=constraint, heal=heal, adapter=adapter)
+    results = run.completions()
     return results[0] if single else results  # type: ignore[return-value]
 
 

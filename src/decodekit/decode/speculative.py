@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +50,7 @@ from decodekit.decode.drafters import (
     sample_drafter,
     scratch_state,
 )
-from decodekit.decode.route import engine_route
+from decodekit.decode.route import Run, completion_deltas, engine_route
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
@@ -398,6 +398,72 @@ def speculate_row(
         gamma = config.next_gamma(gamma, len(draft.tokens), tau)
 
 
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding as a strategy (route.py), the arguments of `speculative_generate`.
+
+    draft: a LanguageModel over the target's vocabulary (e.g. `load_model("shakespeare-draft")`
+    or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
+    "auto" (the embedded `<target>-draft`), a model name, or any object with `propose`
+    (drafters.Drafter). verify: "block", "token", or a rule `(p, q, draft, generator) -> (τ,
+    y)`. trace: called with each verified block (`BlockTrace`).
+    """
+
+    draft: object = "auto"
+    num_draft_tokens: int = 4
+    verify: str | VerifyRule = "block"
+    adaptive: bool = False
+    max_draft_tokens: int = 16
+    trace: Callable[[BlockTrace], None] | None = None
+
+    def prepare(
+        self,
+        target: LanguageModel,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        constraint: object = None,
+        heal: bool | int = False,
+        adapter: object = None,
+    ) -> SpeculativeRun:
+        """One request per prompt, every argument checked, routed: a `SpeculativeProgram` each on
+        a paged-KV target's engine, else the plain loop (`speculate_row`, sample after sample)."""
+        if constraint is not None or heal or adapter is not None:
+            raise ValueError("speculative decoding takes no constraint, heal or adapter")
+        start = time.perf_counter()
+        config = speculative_config(self.num_draft_tokens, self.verify, self.adaptive, self.max_draft_tokens,
+                                    self.trace)  # fmt: skip
+        drafter = make_drafter(self.draft, target)
+        requests = make_requests(target, list(prompts), params)
+        route = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
+                             delegate=False)  # verification needs the target's own logits  # fmt: skip
+        stats = SpeculativeStats()
+
+        def plain() -> Iterator[Delta]:
+            runner = IncrementalModel(target)
+            for request in requests:
+                for row in request.rows:
+                    speculate_row(row, row_state(request, row.sample, target), runner, drafter, config, stats)
+                yield from completion_deltas(request.index, [to_completion(row) for row in request.rows])
+
+        return SpeculativeRun(requests, [len(r.rows) for r in requests], route, plain, stats, start)
+
+
+@dataclass
+class SpeculativeRun(Run):
+    """A speculative run (route.py `Run`) and its statistics."""
+
+    plain_stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    start: float = 0.0  # when `prepare` began: wall_seconds counts building the drafter
+
+    def stats(self) -> SpeculativeStats:
+        """The counters so far: the programs' merged on the engine, the plain loop's otherwise."""
+        programs = self.route[1] if self.route is not None else []
+        stats = merged_stats([program.stats for program in programs]) if programs else self.plain_stats
+        stats.wall_seconds = time.perf_counter() - self.start
+        return stats
+
+
 def speculative_generate(
     target: LanguageModel,
     draft: object,
@@ -409,47 +475,20 @@ def speculative_generate(
     max_draft_tokens: int = 16,
     trace: Callable[[BlockTrace], None] | None = None,
 ) -> SpeculativeResult:
-    """Sample from `target` exactly as `generate` would, drafting with `draft`.
-
-    draft: a LanguageModel over the target's vocabulary (e.g. `load_model("shakespeare-draft")`
-    or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
-    "auto" (the embedded `<target>-draft`), a model name,
-    or any object with `propose` (drafters.Drafter). verify: "block", "token", or a rule
-    `(p, q, draft, generator) -> (τ, y)`. trace: called with each verified block
-    (`BlockTrace`). Completions are shaped as `generate` returns them
-    (a single string prompt gives its list of n); `result.stats` holds the counters.
-    A paged-KV target runs every sample batched on its engine (`SpeculativeProgram`),
-    another one after another over its own cache; sample i draws as seed + i (`row_state`).
+    """Sample from `target` exactly as `generate` would, drafting with `draft` (the arguments:
+    `Speculative`). Completions are shaped as `generate` returns them (a single string prompt
+    gives its list of n); `result.stats` holds the counters. A paged-KV target runs every
+    sample batched on its engine (`SpeculativeProgram`), another one after another over its
+    own cache; sample i draws as seed + i (`row_state`).
     """
     single = isinstance(prompts, str)
     prompt_list = [prompts] if single else list(prompts)
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
-    start = time.perf_counter()
-    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace)
-    drafter = make_drafter(draft, target)
-    requests = make_requests(target, prompt_list, params)
-    on_engine = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
-                             delegate=False)  # the engine, or None: the plain loop (route.py)  # fmt: skip
-    if on_engine is not None:
-        from decodekit.engine.shared import run_requests
-
-        programs = on_engine[1]
-        results: list[list] = [[None] * p.num_samples for p in programs]
-        for delta in run_requests(*on_engine):
-            if delta.completion is not None:
-                results[delta.prompt_index][delta.sample_index] = delta.completion
-        stats = merged_stats([program.stats for program in programs])
-    else:
-        stats = SpeculativeStats()
-        runner = IncrementalModel(target)
-        results = []
-        for request in requests:
-            for row in request.rows:
-                speculate_row(row, row_state(request, row.sample, target), runner, drafter, config, stats)
-            results.append([to_completion(row) for row in request.rows])
-    stats.wall_seconds = time.perf_counter() - start
-    return SpeculativeResult(results[0] if single else results, stats)
+    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, trace)
+    run = strategy.prepare(target, prompt_list, params)
+    results = run.completions()
+    return SpeculativeResult(results[0] if single else results, run.stats())
 
 
 def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None) -> SpeculativeConfig:
@@ -486,10 +525,8 @@ def speculative_programs(
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
     if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
-    config = speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens)
-    drafter = make_drafter(draft, target)
-    requests = make_requests(target, list(prompts), params)
-    return [SpeculativeProgram(target, drafter, request, config) for request in requests]
+    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens)
+    return strategy.prepare(target, prompts, params).route[1]
 
 
 @dataclass(eq=False)

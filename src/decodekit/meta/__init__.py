@@ -5,8 +5,11 @@
     result = best_of_n(gen, prompt, 16, reward)      # result.text, .candidates, .budget
 
 Modules: generator (protocol, LocalGenerator), budget, parallel (best-of-N, rejection
-sampling, voting), mbr, tree (beam / DVTS / REBASE with a PRM), refine, chain, evaluate.
-Names resolve on first use, so importing a task module does not import torch.
+sampling, voting), bayes_risk (`mbr`), tree (beam / DVTS / REBASE with a PRM), refinement
+(`refine`), pipeline (`run_pipeline`, tool calls), evaluate. Names resolve on first use, so
+importing a task module does not import torch. No exported name is also a submodule's: once
+a submodule is imported it is an attribute of this package, which `__getattr__` (asked only
+for missing attributes) would no longer shadow.
 """
 
 _EXPORTS = {
@@ -20,15 +23,15 @@ _EXPORTS = {
     "rejection_sampling": "parallel",
     "majority_vote": "parallel",
     "weighted_vote": "parallel",
-    "mbr": "mbr",
+    "mbr": "bayes_risk",
     "TreeConfig": "tree",
     "tree_search": "tree",
     "tree_search_batch": "tree",
-    "Feedback": "refine",
-    "refine": "refine",
-    "run_chain": "chain",
-    "generate_with_tool": "chain",
-    "calculator": "chain",
+    "Feedback": "refinement",
+    "refine": "refinement",
+    "run_pipeline": "pipeline",
+    "generate_with_tool": "pipeline",
+    "calculator": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -227,7 +227,7 @@ def evaluate_tree(generator, problems, scorers, config: EvalConfig, seed: int,
 def evaluate_chain(generator, problems, scorers, config: EvalConfig, seed: int,
                    on_progress: Callable[[float], None] | None = None) -> list[dict]:
     """The calculator's row; `on_progress`: the share of the problems done, after each."""
-    from decodekit.meta.chain import generate_with_tool
+    from decodekit.meta.pipeline import generate_with_tool
     from decodekit.meta.tasks.arith import check_answer, format_prompt
 
     if "calculator" not in config.strategies:

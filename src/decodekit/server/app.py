@@ -7,7 +7,7 @@
     POST /v1/chat/completions    messages -> assistant message
     GET  /lab                    decodekit lab: the algorithms at work, step by step (lab.py)
 
-A request is parsed (protocol.py), planned (plan.py: every bad value is a 400 naming its
+A request is parsed (protocol.py), planned (request_plan.py: every bad value is a 400 naming its
 field), started on the backend (backend.py: the engine, or the worker thread), then
 either collected into one body or streamed as OpenAI chunks. A client that disconnects
 cancels its jobs (their KV blocks return to the pool at the engine's next step); a request
@@ -52,8 +52,8 @@ from decodekit.server.backend import Backend, Job, QueueFull
 from decodekit.server.guard import Guard, host_policy
 from decodekit.server.lab import BODIES as LAB_BODIES
 from decodekit.server.lab import lab_router
-from decodekit.server.plan import Plan, api_error, launch, plan_request
 from decodekit.server.protocol import APIError, ChatRequest, CompletionRequest, error_body
+from decodekit.server.request_plan import Plan, api_error, launch, plan_request
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ async def answer(request: Request, kind: type, backend: Backend):
     plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
-    # the body keys the server ignored (plan.py), named for the client (vLLM only logs them)
+    # the body keys the server ignored (request_plan.py), named for the client (vLLM only logs them)
     ignored = {"X-Ignored-Fields": ", ".join(plan.ignored)} if plan.ignored else {}
     if plan.stream:
         return StreamingResponse(stream(plan, jobs, rid, backend, clock), media_type="text/event-stream",

@@ -1,17 +1,20 @@
 """The server's one seam to the library: served models, their engines, and jobs.
 
-`Backend.submit(plan, i)` starts prompt i of a planned request and returns a `Job` (the
-engine's `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()` (or
+`Backend.submit(name, run)` starts a request the library built and routed (a strategy's
+`prepare`, decode/route.py `Run`; request_plan.py `launch`) and returns a `Job` (the engine's
+`RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()` (or
 `abatches()`: what arrived together, e.g. one engine step's deltas) and ends early with `cancel()`:
 
-- plain sampling, greedy and constrained sampling on a model that supports paged KV
-  (`supports_paged_kv`: NativeLM) go through the model's `Engine` (continuous batching
-  over paged KV, engine/engine.py), so concurrent requests share forwards, and a
-  cancelled request frees its KV blocks at the next step;
-- beam search, contrastive and speculative decoding, and models the engine does not run
-  (Hugging Face fallback, k-gram) run in one worker thread, one job at a time. Their
-  cancellation takes effect between deltas (beam and speculative search produce their
-  text at the end, so a cancelled one finishes its search first).
+- whatever the library routes to the served model's own engine runs there: sampling
+  (greedy, adapted, constrained), beam search, speculative decoding, and contrastive
+  decoding and beam search over a ContrastiveLM of two served paged-KV models (the
+  expert's engine, the amateur in a member pool). The engine batches every request and
+  program continuously over paged KV (engine/engine.py), and a cancelled one frees its
+  KV blocks at the next step;
+- the rest (models without paged KV: the Hugging Face fallback, k-gram; a contrastive
+  amateur with a window) runs the library's plain loop in one worker thread, one job at a
+  time. Its cancellation takes effect between deltas (beam and speculative search produce
+  their text at the end, so a cancelled one finishes its search first).
 
 Each model queues at most `max_queued` requests; beyond that `submit` raises `QueueFull`
 (the HTTP layer answers 503 with Retry-After).
@@ -27,10 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from decodekit.decode.constrained import mask_builder
-from decodekit.decode.sample import stream_events
+from decodekit.decode.route import Run
 from decodekit.models.base import LanguageModel
-from decodekit.request import Delta, make_requests
+from decodekit.request import Delta
 
 
 @dataclass(frozen=True)
@@ -233,24 +235,17 @@ class Backend:
             old.stop()
         return engine
 
-    def submit_engine(self, name: str, prompt: list[int], params, constraint=None) -> Job:
-        """Sampling on the model's engine (continuous batching)."""
+    def submit(self, name: str, run: Run) -> Job:
+        """A built request (its one prompt): on the served model's engine when the library
+        routes it there, batched with every other request (a sampling request or a program,
+        engine/program.py); otherwise its deltas, wherever they run, in the worker thread."""
         from decodekit.engine.engine import EngineFull
 
-        model = self.models[name]
-        [request] = make_requests(model, [prompt], params, mask_builder(constraint))
+        if run.route is None or run.route[0] is not self.models[name] or name not in self.engines:
+            return self.submit_thread(run.deltas)
+        [entry] = run.route[1]
         try:
-            return self.engine(name).add(request, f"req-{next(self._ids)}")
-        except EngineFull as error:
-            raise QueueFull(str(error)) from None
-
-    def submit_program(self, name: str, program) -> Job:
-        """A program (beam search, ...: engine/program.py) on the model's engine, batched with
-        every other request there."""
-        from decodekit.engine.engine import EngineFull
-
-        try:
-            return self.engine(name).add(program, f"req-{next(self._ids)}")
+            return self.engine(name).add(entry, f"req-{next(self._ids)}")
         except EngineFull as error:
             raise QueueFull(str(error)) from None
 
@@ -271,15 +266,6 @@ class Backend:
 
         self.worker.submit(work)
         return job
-
-    def sample(self, name: str, prompt: list[int], params, constraint=None) -> Job:
-        """Sampling: on the engine when the model has one, else in the worker thread."""
-        if name in self.engines:
-            return self.submit_engine(name, prompt, params, constraint)
-        model = self.models[name]
-        # Encoding and constraint errors surface here, before the job is queued.
-        make_requests(model, [prompt], params, mask_builder(constraint))
-        return self.submit_thread(lambda: stream_events(model, [prompt], params, constraint=constraint))
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` in a thread of the event loop's pool (scoring, prompt log-probs)."""

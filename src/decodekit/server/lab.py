@@ -32,8 +32,8 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import DEFAULT_ORDER, NULLABLE_FIELDS, PRESETS, SamplingParams
 from decodekit.sampling.adapters import ADAPTERS
 from decodekit.server import lab_views as views
-from decodekit.server.plan import api_error
 from decodekit.server.protocol import APIError
+from decodekit.server.request_plan import api_error
 
 STATIC = Path(__file__).parent / "lab"
 FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}

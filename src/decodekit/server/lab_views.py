@@ -3,7 +3,8 @@ pieces, recorded step by step as JSON.
 
 - `sampler_view`: the next-token distribution before and after every adapter of the
   request's chain (sampling/chain.py `chain_stages`: the chain's own adapters, one by one);
-- `beam_view`: every ranked candidate of `BeamSearch` per step (its `trace`), as a tree;
+- `beam_view`: every ranked candidate of `BeamSearch` per step (its `trace`), as a tree, from
+  the library's own `Beam` run;
 - `tree_view`: the nodes of a tree meta-generator (meta/tree.py `tree_search(trace=)`);
 - `speculative_view`: the library's own speculative run (its `BlockTrace`s), each block
   shown verified by token and by block verification on the same draft and the same
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from decodekit.decode.beam import _beam_plain, beam_searches
+from decodekit.decode.beam import Beam
 from decodekit.decode.speculative import (
     BlockTrace,
     block_acceptance,
@@ -147,11 +148,10 @@ def sampler_view(model: LanguageModel, prompt: str, params: SamplingParams, gene
 def beam_view(model: LanguageModel, prompt: str, params: SamplingParams, num_beams: int,
               length_penalty: float, early_stopping: bool) -> dict:
     """The search tree: every ranked candidate of every step with its fate."""
-    [search] = beam_searches(model, [prompt], params, num_beams=num_beams, length_penalty=length_penalty,
-                             early_stopping=early_stopping)
-    search.trace = []
-    with torch.inference_mode():
-        completions = _beam_plain(model, search)  # the search over the model's own dense cache
+    run = Beam(num_beams, length_penalty, early_stopping).prepare(model, [prompt], params)
+    [search] = run.items
+    search.trace = []  # recorded by the search itself, on the engine or the plain loop
+    [completions] = run.completions()
     nodes = [{"id": 0, "parent": None, "step": 0, "token": None, "text": prompt, "score": 0.0,
               "total": 0.0, "fate": "live"}]
     paths: dict[int, tuple[int, ...]] = {0: ()}

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from decodekit.server import protocol as p
 from decodekit.server.extensions import RENAMED
 from decodekit.server.guard import OPEN
-from decodekit.server.plan import CROSS_FIELD_RULES
+from decodekit.server.request_plan import CROSS_FIELD_RULES
 
 REF = "#/components/schemas/{model}"
 ERRORS = {
@@ -85,8 +85,8 @@ def add_schema(components: dict, model: type[BaseModel], mode: str = "validation
 
 def constrain_request(schema: dict, models: list[str], config) -> None:
     """A request's schema lists every key the parser accepts and no other, the served models and
-    the single-field bounds (plan.py, SamplingParams); the checks across fields stay 400s, said
-    in their fields' descriptions (plan.py `CROSS_FIELD_RULES`)."""
+    the single-field bounds (request_plan.py, SamplingParams); the checks across fields stay 400s, said
+    in their fields' descriptions (request_plan.py `CROSS_FIELD_RULES`)."""
     schema["additionalProperties"] = not config.strict_fields
     properties = schema["properties"]
     properties["model"]["enum"] = models
@@ -103,7 +103,7 @@ def constrain_request(schema: dict, models: list[str], config) -> None:
                 option.update(bound)
     if "messages" in properties:
         properties["messages"]["minItems"] = 1
-    for name, rule in CROSS_FIELD_RULES.items():  # checked by plan.py, said here
+    for name, rule in CROSS_FIELD_RULES.items():  # checked by request_plan.py, said here
         if name in properties:
             described = properties[name].get("description")
             properties[name]["description"] = f"{described} {rule}" if described else rule

@@ -21,7 +21,7 @@ from decodekit.completion import Completion
 from decodekit.models.base import LanguageModel, logprobs
 from decodekit.request import Delta
 from decodekit.server import protocol as p
-from decodekit.server.plan import Plan, Selection
+from decodekit.server.request_plan import Plan, Selection
 
 
 def now() -> int:

@@ -7,8 +7,7 @@ import random
 import pytest
 from meta_toys import ScriptedGenerator
 
-from decodekit.meta.budget import Budget
-from decodekit.meta.mbr import (
+from decodekit.meta.bayes_risk import (
     Utility,
     as_utility,
     bleu,
@@ -20,6 +19,7 @@ from decodekit.meta.mbr import (
     mbr_select,
     utility_matrix,
 )
+from decodekit.meta.budget import Budget
 from decodekit.meta.parallel import vote
 from decodekit.meta.result import Candidate
 

@@ -1,8 +1,9 @@
-"""Chains (seed 001, "Meta-generators | chain"): compose generators so one's output feeds
-the next, y1 ~ g1(x), y2 ~ g2(x, y1), ..., with tools between the steps (Self-Ask, DSP:
-"generate query, call API, then generate an answer").
+"""Pipelines of generators (seed 001's "Meta-generators | chain"; named pipeline here, since a
+chain in decodekit is a request's sampling adapters, sampling/chain.py): compose generators
+so one's output feeds the next, y1 ~ g1(x), y2 ~ g2(x, y1), ..., with tools between the
+steps (Self-Ask, DSP: "generate query, call API, then generate an answer").
 
-- `run_chain(steps, input)`: a fixed pipeline. A step reads the state (a dict holding
+- `run_pipeline(steps, input)`: a fixed pipeline. A step reads the state (a dict holding
   "input", "last" and every earlier step's output by name) and returns text;
   `generate_step` fills a template and calls a generator, `tool_step` calls a function.
 - `generate_with_tool(generator, prompt, tool)`: a tool call *inside* a generation: the
@@ -54,7 +55,7 @@ def calculator(expression: str) -> str:
 
 
 def generate_step(generator: Generator, template: str, params: SamplingParams | None = None) -> Step:
-    """A chain step that generates one completion of `template.format(**state)`."""
+    """A pipeline step that generates one completion of `template.format(**state)`."""
     params = params or SamplingParams()
 
     def step(state: dict[str, str], budget: Budget) -> str:
@@ -65,7 +66,7 @@ def generate_step(generator: Generator, template: str, params: SamplingParams | 
 
 
 def tool_step(tool: Callable[[str], str], template: str = "{last}") -> Step:
-    """A chain step that calls `tool` on `template.format(**state)` (default: the last output)."""
+    """A pipeline step that calls `tool` on `template.format(**state)` (default: the last output)."""
 
     def step(state: dict[str, str], budget: Budget) -> str:
         budget.tool_calls += 1
@@ -74,12 +75,12 @@ def tool_step(tool: Callable[[str], str], template: str = "{last}") -> Step:
     return step
 
 
-def run_chain(steps: Sequence[tuple[str, Step]], input: str, budget: Budget | None = None) -> MetaResult:
+def run_pipeline(steps: Sequence[tuple[str, Step]], input: str, budget: Budget | None = None) -> MetaResult:
     """Run named steps in order; each output is stored under its name and as "last". An
-    exhausted budget stops the chain before the next step (stopped_by_budget)."""
+    exhausted budget stops the pipeline before the next step (stopped_by_budget)."""
     names = [name for name, _ in steps]
     if len(set(names)) != len(names) or {"input", "last"} & set(names):
-        raise ValueError(f"chain step names must be unique and not 'input'/'last', got {names}")
+        raise ValueError(f"pipeline step names must be unique and not 'input'/'last', got {names}")
     budget = budget if budget is not None else Budget()
     state = {"input": input, "last": input}
     candidates, stopped = [], False
@@ -90,7 +91,7 @@ def run_chain(steps: Sequence[tuple[str, Step]], input: str, budget: Budget | No
         state[name] = state["last"] = step(state, budget)
         candidates.append(Candidate(state[name], note=name))
     chosen = candidates[-1] if candidates else Candidate(input)
-    return MetaResult("chain", chosen, candidates, budget.report(), tallies=dict(state),
+    return MetaResult("pipeline", chosen, candidates, budget.report(), tallies=dict(state),
                       stopped_by_budget=stopped)
 
 

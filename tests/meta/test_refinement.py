@@ -1,4 +1,4 @@
-"""Refinement rounds with feedback, chains of generators and tools, the calculator."""
+"""Refinement rounds with feedback, pipelines of generators and tools, the calculator."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from meta_toys import ScriptedGenerator
 
 from decodekit.meta.budget import Budget
-from decodekit.meta.chain import calculator, generate_step, generate_with_tool, run_chain, tool_step
-from decodekit.meta.refine import Feedback, refine, verifier_feedback
+from decodekit.meta.pipeline import calculator, generate_step, generate_with_tool, run_pipeline, tool_step
+from decodekit.meta.refinement import Feedback, refine, verifier_feedback
 
 
 def test_refine_stops_on_success_with_feedback_in_the_prompt():
@@ -68,7 +68,7 @@ def test_calculator():
             calculator(bad)
 
 
-def test_chain_feeds_outputs_forward_with_a_tool_between():
+def test_pipeline_feeds_outputs_forward_with_a_tool_between():
     replies = {"Write 2 times 7:": "2*7", "The result 14 means": " done"}
     gen = ScriptedGenerator(lambda prompt, i: replies[prompt])
     steps = [
@@ -76,14 +76,14 @@ def test_chain_feeds_outputs_forward_with_a_tool_between():
         ("value", tool_step(calculator)),
         ("answer", generate_step(gen, "The result {value} means")),
     ]
-    result = run_chain(steps, "2 times 7")
+    result = run_pipeline(steps, "2 times 7")
     assert result.text == " done"
     assert result.tallies["expression"] == "2*7" and result.tallies["value"] == "14"
     assert [c.note for c in result.candidates] == ["expression", "value", "answer"]
     assert result.budget["generator_calls"] == 2 and result.budget["tool_calls"] == 1
     with pytest.raises(ValueError, match="unique"):
-        run_chain([("input", tool_step(str))], "x")
-    stopped = run_chain(steps, "2 times 7", Budget(limits={"generator_calls": 1}))
+        run_pipeline([("input", tool_step(str))], "x")
+    stopped = run_pipeline(steps, "2 times 7", Budget(limits={"generator_calls": 1}))
     assert stopped.stopped_by_budget and [c.note for c in stopped.candidates] == ["expression"]
 
 

@@ -1,6 +1,8 @@
 """From a parsed request to what the backend runs: prompts as token ids, SamplingParams,
-the decoder (sampling on the engine, beam, contrastive, speculative), the constraint and
-the best-of-N / voting selection. Every bad value is an `APIError` naming its field.
+the library's strategy (decode/: `Sample`, `Beam`, `Speculative`; over a ContrastiveLM with
+amateur_model), the constraint and the best-of-N / voting selection. Every bad value is an
+`APIError` naming its field. What runs is the library's to build (`launch`: the strategy's
+`prepare`, route.py); this module only reads the request's fields.
 
 Chat prompts use the served model's chat template (`serve --chat-template`), else the
 tokenizer's when it has one; otherwise the plain template (docs/server.md): one line per
@@ -15,9 +17,13 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from decodekit.decode.beam import Beam
+from decodekit.decode.route import UnsupportedField
+from decodekit.decode.sample import Sample
+from decodekit.decode.speculative import Speculative
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams, preset_values
 from decodekit.server.backend import Backend, Job
@@ -59,9 +65,9 @@ class Plan:
     prompt_texts: list[str]
     params: SamplingParams  # params.n = samples drawn per prompt (best_of when selecting)
     n: int  # choices returned per prompt
-    decoder: str = "sample"  # sample | beam | speculative
-    options: dict[str, Any] = field(default_factory=dict)
+    strategy: Sample | Beam | Speculative = field(default_factory=Sample)
     amateur: str | None = None
+    contrastive: dict[str, float] = field(default_factory=dict)  # ContrastiveLM's knobs given
     constraint: Any = None
     selection: Selection | None = None
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and k alternatives
@@ -279,7 +285,9 @@ def selection_of(req: GenerationRequest, n: int, backend: Backend) -> Selection 
     return Selection(req.best_of, scorer, req.vote, pattern)
 
 
-def decoder_of(req: GenerationRequest, backend: Backend, n: int) -> tuple[str, dict]:
+def strategy_of(req: GenerationRequest, backend: Backend, n: int) -> Sample | Beam | Speculative:
+    """The library strategy the request's fields ask for (its draft model resolved later,
+    `draft_of`, after every other check)."""
     if req.use_beam_search:
         if req.draft_model is not None:
             raise APIError(400, "beam search cannot be combined with draft_model", "draft_model")
@@ -287,8 +295,7 @@ def decoder_of(req: GenerationRequest, backend: Backend, n: int) -> tuple[str, d
         check_count(beams, "num_beams", backend)
         if n > beams:
             raise APIError(400, f"n must be <= num_beams ({beams}), got {n}", "n", "invalid_value")
-        return "beam", {"num_beams": beams, "length_penalty": req.length_penalty,
-                        "early_stopping": req.early_stopping}
+        return Beam(beams, req.length_penalty, req.early_stopping)
     if req.num_beams is not None:
         raise APIError(400, "num_beams needs use_beam_search: true", "num_beams")
     if req.draft_model is not None:
@@ -300,10 +307,10 @@ def decoder_of(req: GenerationRequest, backend: Backend, n: int) -> tuple[str, d
         k = req.num_draft_tokens if req.num_draft_tokens is not None else 4
         if not 1 <= k <= 64:
             raise APIError(400, f"num_draft_tokens must be in [1, 64], got {k}", "num_draft_tokens")
-        return "speculative", {"draft": draft, "num_draft_tokens": k}
+        return Speculative(draft, k)
     if req.num_draft_tokens is not None:
         raise APIError(400, "num_draft_tokens needs draft_model", "num_draft_tokens")
-    return "sample", {}
+    return Sample()
 
 
 def served_name(name: str, backend: Backend, param: str = "model") -> str:
@@ -358,131 +365,54 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     max_tokens = check_max_tokens(wanted, default, longest, model.max_context, backend, max_field,
                                   allow_zero=echo)
     selection = selection_of(req, n, backend)
-    decoder, options = decoder_of(req, backend, n)
-    amateur = None
+    strategy = strategy_of(req, backend, n)
+    amateur, contrastive = None, {}
     if req.amateur_model is not None:
         amateur = served_name(req.amateur_model, backend, "amateur_model")
-        options.update({"alpha": req.contrastive_alpha, "amateur_temperature": req.amateur_temperature})
+        knobs = {"alpha": req.contrastive_alpha, "amateur_temperature": req.amateur_temperature}
+        contrastive = {k: v for k, v in knobs.items() if v is not None}
     elif req.contrastive_alpha is not None or req.amateur_temperature is not None:
         raise APIError(400, "contrastive_alpha and amateur_temperature need amateur_model", "amateur_model")
     constraint = constraint_of(req)
     if constraint is not None:
         check_tokenizer(model, constraint_param(req))
-    if constraint is not None and decoder == "speculative":
+    if constraint is not None and isinstance(strategy, Speculative):
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
     params = sampling_params(req, samples, max_tokens, logprobs, model.vocab_size, max_field)
-    if selection is not None and decoder == "beam":
+    if selection is not None and isinstance(strategy, Beam):
         raise APIError(400, "best_of selection cannot be combined with beam search", "best_of")
     if echo and max_tokens == 0 and req.stream:
         raise APIError(400, "max_tokens 0 (scoring the prompt) cannot be streamed", "stream")
     include_usage = req.stream_options.include_usage if req.stream_options else False
-    return Plan(name, prompts, texts, params, n, decoder, options, amateur, constraint,
+    return Plan(name, prompts, texts, params, n, strategy, amateur, contrastive, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
                 score_only=echo and max_tokens == 0, ignored=ignored)
 
 
 def launch(plan: Plan, index: int, backend: Backend) -> Job:
-    """Start prompt `index` of the plan (raises QueueFull, or APIError for a bad request)."""
-    prompt, params = plan.prompts[index], plan.params
+    """Start prompt `index` of the plan (raises QueueFull, or APIError for a bad request): the
+    library builds and routes it (the strategy's `prepare`), the backend runs it on the
+    served model's engine or in its worker thread."""
     model = backend.models[plan.model]
     try:
         if plan.amateur is not None:
             from decodekit.decode.contrastive import ContrastiveLM
 
-            knobs = {k: plan.options[k] for k in ("alpha", "amateur_temperature") if plan.options.get(k)
-                     is not None}
-            model = ContrastiveLM(model, backend.models[plan.amateur], **knobs)
-        elif plan.decoder == "sample":
-            return backend.sample(plan.model, prompt, params, plan.constraint)
-        program = engine_program(plan, model, prompt, backend)
-        if program is not None:
-            return backend.submit_program(plan.model, program)
-        run = decoder_run(plan, model, prompt, backend)
+            model = ContrastiveLM(model, backend.models[plan.amateur], **plan.contrastive)
+        strategy = plan.strategy
+        if isinstance(strategy, Speculative):
+            strategy = replace(strategy, draft=draft_of(strategy.draft, model, backend))
+        run = strategy.prepare(model, [plan.prompts[index]], plan.params, constraint=plan.constraint)
+    except UnsupportedField as error:
+        raise APIError(400, str(error), error.field) from None
     except (ValueError, TypeError) as error:
         raise api_error(error, "amateur_model" if plan.amateur is not None else None) from None
-    return backend.submit_thread(run)
+    return backend.submit(plan.model, run)
 
 
-def engine_program(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
-    """The program (engine/program.py) that runs this prompt on the served model's engine,
-    joining its running batch, or None: the worker thread. Where it runs is the library's
-    one decision (decode/route.py `engine_route`): a model without paged KV, or a
-    contrastive amateur with a window, runs in the worker; `model` may be the ContrastiveLM
-    of the served expert and its amateur, whose expert's engine runs it."""
-    from decodekit.decode.route import engine_route
-
-    if plan.model not in backend.engines:
-        return None
-    program, delegate = None, True
-    if plan.decoder == "speculative":
-        from decodekit.decode.drafters import make_drafter
-        from decodekit.decode.speculative import SpeculativeProgram, speculative_config
-        from decodekit.request import make_requests
-
-        drafter = make_drafter(_drafter(plan, model, backend), model)
-        config = speculative_config(plan.options["num_draft_tokens"], "block", False, 16)
-        items = make_requests(model, [prompt], plan.params)
-        program, delegate = (lambda _, r: SpeculativeProgram(model, drafter, r, config)), False
-    elif plan.decoder == "beam":
-        from decodekit.decode.beam import BeamProgram, beam_searches
-
-        o = plan.options
-        if plan.params.stop:
-            raise APIError(400, "beam search stops on EOS and stop_token_ids; stop strings are not "
-                           "supported", "stop")
-        items = beam_searches(model, [prompt], plan.params, num_beams=o["num_beams"],
-                              length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
-                              constraint=plan.constraint)  # fmt: skip
-        program = lambda _, search: BeamProgram(model, search)  # noqa: E731
-    else:  # sampling through a ContrastiveLM (plain sampling is `Backend.sample`)
-        from decodekit.decode.constrained import mask_builder
-        from decodekit.request import make_requests
-
-        items = make_requests(model, [prompt], plan.params, mask_builder(plan.constraint))
-    on_engine = engine_route(model, items, program, delegate)
-    if on_engine is None or on_engine[0] is not backend.models[plan.model]:
-        return None
-    return on_engine[1][0]
-
-
-def decoder_run(plan: Plan, model: LanguageModel, prompt: list[int], backend: Backend):
-    """A function producing the deltas of one prompt in the worker thread."""
-    from decodekit.decode.constrained import mask_builder
-    from decodekit.decode.sample import stream_events
-    from decodekit.request import Delta, make_requests
-
-    params, constraint = plan.params, plan.constraint
-    if plan.decoder == "sample":
-        # Raise bad input now, not in the worker.
-        make_requests(model, [prompt], params, mask_builder(constraint))
-        return lambda: stream_events(model, [prompt], params, constraint=constraint)
-
-    def finished(completions):
-        for i, completion in enumerate(completions):
-            yield Delta(0, i, completion.text, completion, list(completion.token_ids),
-                        list(completion.logprobs), completion.top_logprobs)
-
-    if plan.decoder == "beam":
-        from decodekit.decode.beam import beam_search
-
-        o = plan.options
-        if params.stop:
-            raise APIError(400, "beam search stops on EOS and stop_token_ids; stop strings are not "
-                           "supported", "stop")
-        return lambda: finished(beam_search(model, [prompt], params, num_beams=o["num_beams"],
-                                            length_penalty=o["length_penalty"],
-                                            early_stopping=o["early_stopping"], constraint=constraint)[0])
-    from decodekit.decode.speculative import speculative_generate
-
-    drafter = _drafter(plan, model, backend)
-    k = plan.options["num_draft_tokens"]
-    return lambda: finished(speculative_generate(model, drafter, [prompt], params, k).completions[0])
-
-
-def _drafter(plan: Plan, model: LanguageModel, backend: Backend):
+def draft_of(draft: str, model: LanguageModel, backend: Backend):
     """The request's drafter: "prompt-lookup" or a served model over the model's vocabulary."""
-    draft = plan.options["draft"]
     drafter = draft if draft == "prompt-lookup" else backend.models[draft]
     if drafter is not model and not isinstance(drafter, str) and drafter.vocab_size > model.vocab_size:
         raise APIError(400, f"draft_model {draft!r} does not share the model's vocabulary", "draft_model")
