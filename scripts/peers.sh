@@ -31,7 +31,9 @@ if [ ! -x "$peers/venv/bin/python" ]; then
 fi
 if ! "$peers/venv/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
   step "building llama-cpp-python[server] from source with $jobs jobs (about 25 minutes on 2 cores)"
-  CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+  # LLAVA_BUILD=OFF: no multimodal library (51 of 178 objects); the peer benches
+  # load text models only, and llama_cpp imports mtmd_cpp only for multimodal chat formats.
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
     "$peers/venv/bin/python" -m pip install --no-binary llama-cpp-python "$src[server]"
 fi
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +207,51 @@ def test_the_avx2_transposed_kernels_give_the_same_bits(tmp_path):
         "torch.save(out, sys.argv[1])",
     ])  # fmt: skip
     same_bits_per_isa(script, tmp_path)
+
+
+@needs_kernels
+def test_the_avx2_row_kernels_give_the_same_bits(tmp_path):
+    # linear_rows' AVX2 variant (dotr_avx2) keeps dot4_avx512's 16 lanes as two halves, the
+    # same FMAs per lane, the same group scaling and the same final reduction: f32, f16 and
+    # bf16 rows with f32 x, and int8 per channel and in groups, one to five x rows (the AVX2
+    # kernel's single rows and pairs), inputs with tails of every length class.
+    script = "\n".join([
+        "import sys, torch",
+        "from decodekit.models import kernels as k",
+        "from decodekit.models.qlinear import QuantizedLinear, QuantSpec",
+        "assert k.status().reason == sys.argv[2], k.status().reason",
+        "out = []",
+        "for i, (m, kk, n) in enumerate([(1, 896, 37), (2, 45, 9), (3, 130, 13), (5, 4864, 6), (4, 23, 5)]):",
+        "    torch.manual_seed(i)",
+        "    x, w = torch.randn(m, kk), torch.randn(n, kk) / kk**0.5",
+        "    for dtype in (torch.float32, torch.float16, torch.bfloat16):",
+        "        out.append(torch.ops.decodekit.linear(x, w.to(dtype), None))",
+        "    for group in (None, 32, 64):",
+        "        if group and kk % group:",
+        "            continue",
+        "        layer = QuantizedLinear.from_linear(torch.nn.Linear(kk, n), QuantSpec(8, group))",
+        "        assert layer.kernel == 'int8gemv', layer.kernel",
+        "        out.append(layer(x))",
+        "torch.save(out, sys.argv[1])",
+    ])  # fmt: skip
+    same_bits_per_isa(script, tmp_path)
+
+
+@needs_kernels
+def test_the_kernel_tests_pass_on_the_avx2_variant_too():
+    # The instruction set is chosen once per process, so on an AVX-512 CPU the tests of this
+    # file ran the AVX-512 variants: the kernel-against-reference tests run again in a child
+    # forced to AVX2 (~10 s of CPU), so CI on either ISA tests both (the tests that start
+    # children per ISA themselves, and the whole-model decodes, are left out).
+    if kernels.status().reason == "avx2":
+        pytest.skip("this process runs the AVX2 variants already")
+    env = {**os.environ, "DECODEKIT_GEMV_ISA": "avx2"}
+    root = Path(__file__).resolve().parents[2]
+    select = "(equal or exact or same_bits) and not avx2 and not shakespeare and not decode"
+    command = [sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", __file__, "-k", select]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout.splitlines()[-1], done.stdout[-500:]
 
 
 @needs_kernels

@@ -24,9 +24,11 @@
 //
 // Each has an AVX-512 (F/BW/VL/DQ; BF16 for the bf16 x bf16 kernel) and an AVX2 + FMA variant,
 // picked once by the CPU's instructions (gemv_common.h; DECODEKIT_GEMV_ISA=avx2 forces the
-// second, for tests), and runs in parallel over blocks of outputs (at::parallel_for; the
-// transposed f32 kernel over fixed halves of the inputs too), so each output is summed in one
-// fixed order whatever the thread count.
+// second, for tests; linear_t's and linear_rows' (f32 x) two variants return the same bits:
+// the AVX2 row kernel keeps the AVX-512 one's 16 lanes as two halves, dotr_avx2), and runs in
+// parallel over blocks of outputs (at::parallel_for; the transposed f32 kernel over fixed
+// halves of the inputs too), so each output is summed in one fixed order whatever the thread
+// count.
 #include "gemv_common.h"
 
 namespace {
@@ -250,52 +252,92 @@ AVX2 inline __m256 load8_part(const void* p, int64_t k, int64_t n) {
   return _mm256_load_ps(part);
 }
 
-// The AVX2 dot4_avx512 (issue 39): out[m * 4 + r] = sum_g scale[r, g] (w[r, group g] . x[m,
-// group g]) for a block of 4 weight rows and MB <= 2 rows of x, each weight step widened once
-// for both rows; one chain per (r, m) over steps of 8 inputs, a group's sum scaled into tot
-// (per lane; in memory, the chains and x fill the registers), the lanes summed at the end.
-// Each (r, m) runs the same operations whatever MB. Each row's stream prefetches `ahead` bytes
+// The AVX2 dot4_avx512, in its order, so both variants return the same bits (issue 39):
+// out[m * R + r] = sum_g scale[r, g] (w[r, group g] . x[m, group g]) for R weight rows and MB
+// x rows. Each (r, m) sum keeps dot4_avx512's 16 lanes as two 8-lane halves (lane j: inputs
+// k0 + j, k0 + 16 + j, ... of group k0), runs one FMA per input in the same order per lane (the
+// AVX-512 tail's masked lanes add 0 x 0, which leaves a sum unchanged), scales each group's
+// sums into tot the same way, and adds the 16 lanes in _mm512_reduce_add_ps's order (the two
+// halves, then hsum256's tree, which is GCC's reduction). Weights are widened exactly, so
+// f32, bf16, f16 and int8 rows all match. dot4_avx2 runs R = 4 rows for one x row and two
+// passes of R = 2 for two (16 chains would spill). Each row's stream prefetches `ahead` bytes
 // on at every cache line (the rows are short streams the hardware prefetcher does not ramp up
 // on). On the Zen 3, one x row, against the float32 kernel: int8 per channel 1.5 -> 1.7x at
-// 896 -> 9728 and 2.4x at 4864 -> 896, int8 in groups of 64 1.0 -> 1.5x and 1.9x.
-template <WT T, int MB>
-AVX2 void dot4_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
+// 896 -> 9728 and 2.4x at 4864 -> 896, int8 in groups of 64 1.0 -> 1.5x and 1.9x (8 lanes).
+template <WT T, int R, int MB>
+AVX2 void dotr_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
                     int64_t ahead, float* out) {
   constexpr int64_t line = 64 / elem_bytes(T);  // elements per cache line
-  float tot[4][MB][8] = {};
+  float tot[R][MB][16] = {};
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
-    const int64_t k1 = k0 + group;
-    __m256 acc[4][MB];
-    UNROLL for (int r = 0; r < 4; ++r)
-      UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + group);
+    __m256 lo[R][MB], hi[R][MB];
+    UNROLL for (int r = 0; r < R; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) lo[r][m] = hi[r][m] = _mm256_setzero_ps();
     int64_t k = k0;
-    for (; k + 8 <= k1; k += 8) {
-      if (ahead && k % line < 8)
-        UNROLL for (int r = 0; r < 4; ++r) _mm_prefetch(w[r] + k * elem_bytes(T) + ahead, _MM_HINT_T0);
-      __m256 xv[MB];
-      UNROLL for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-      UNROLL for (int r = 0; r < 4; ++r) {
-        const __m256 wv = load8<T>(w[r], k);
-        UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
-      }
-    }
-    if (k < k1) {
-      __m256 xv[MB];
-      UNROLL for (int m = 0; m < MB; ++m) xv[m] = load8_part<WT::F32>(x + m * K, k, k1 - k);
-      UNROLL for (int r = 0; r < 4; ++r) {
-        const __m256 wv = load8_part<T>(w[r], k, k1 - k);
-        UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
-      }
-    }
-    UNROLL for (int r = 0; r < 4; ++r)
+    for (; k + 16 <= k1; k += 16) {
+      if (ahead && k % line < 16)
+        UNROLL for (int r = 0; r < R; ++r) _mm_prefetch(w[r] + k * elem_bytes(T) + ahead, _MM_HINT_T0);
+      __m256 xl[MB], xh[MB];
       UNROLL for (int m = 0; m < MB; ++m) {
-        const __m256 t = _mm256_loadu_ps(tot[r][m]);
-        _mm256_storeu_ps(tot[r][m], scales ? _mm256_fmadd_ps(acc[r][m], _mm256_set1_ps(scales[r][g]), t)
-                                           : _mm256_add_ps(t, acc[r][m]));
+        xl[m] = _mm256_loadu_ps(x + m * K + k);
+        xh[m] = _mm256_loadu_ps(x + m * K + k + 8);
+      }
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 wl = load8<T>(w[r], k), wh = load8<T>(w[r], k + 8);
+        UNROLL for (int m = 0; m < MB; ++m) {
+          lo[r][m] = _mm256_fmadd_ps(wl, xl[m], lo[r][m]);
+          hi[r][m] = _mm256_fmadd_ps(wh, xh[m], hi[r][m]);
+        }
+      }
+    }
+    if (k < k1) {  // up to 15 inputs left: lanes past k1 read as zeros
+      const int64_t nl = std::min<int64_t>(8, k1 - k), nh = k1 - k - nl;
+      __m256 xl[MB], xh[MB];
+      UNROLL for (int m = 0; m < MB; ++m) {
+        xl[m] = load8_part<WT::F32>(x + m * K, k, nl);
+        xh[m] = load8_part<WT::F32>(x + m * K, k + 8, nh);
+      }
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 wl = load8_part<T>(w[r], k, nl), wh = load8_part<T>(w[r], k + 8, nh);
+        UNROLL for (int m = 0; m < MB; ++m) {
+          lo[r][m] = _mm256_fmadd_ps(wl, xl[m], lo[r][m]);
+          hi[r][m] = _mm256_fmadd_ps(wh, xh[m], hi[r][m]);
+        }
+      }
+    }
+    UNROLL for (int r = 0; r < R; ++r)
+      UNROLL for (int m = 0; m < MB; ++m) {
+        float* t = tot[r][m];
+        if (scales) {
+          const __m256 sg = _mm256_set1_ps(scales[r][g]);
+          _mm256_storeu_ps(t, _mm256_fmadd_ps(lo[r][m], sg, _mm256_loadu_ps(t)));
+          _mm256_storeu_ps(t + 8, _mm256_fmadd_ps(hi[r][m], sg, _mm256_loadu_ps(t + 8)));
+        } else {
+          _mm256_storeu_ps(t, _mm256_add_ps(_mm256_loadu_ps(t), lo[r][m]));
+          _mm256_storeu_ps(t + 8, _mm256_add_ps(_mm256_loadu_ps(t + 8), hi[r][m]));
+        }
       }
   }
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = hsum256(_mm256_loadu_ps(tot[r][m]));
+    UNROLL for (int r = 0; r < R; ++r)
+      out[m * R + r] = hsum256(_mm256_add_ps(_mm256_loadu_ps(tot[r][m] + 8), _mm256_loadu_ps(tot[r][m])));
+}
+
+// out[m * 4 + r] for the block's 4 weight rows and MB <= 2 x rows (dotr_avx2).
+template <WT T, int MB>
+AVX2 void dot4_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
+                    int64_t ahead, float* out) {
+  if constexpr (MB == 1) {
+    dotr_avx2<T, 4, 1>(w, x, K, scales, group, ahead, out);
+  } else {
+    float half[2 * MB];
+    for (int p = 0; p < 2; ++p) {
+      dotr_avx2<T, 2, MB>(w + 2 * p, x, K, scales ? scales + 2 * p : nullptr, group, ahead, half);
+      for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 2; ++r) out[m * 4 + 2 * p + r] = half[m * 2 + r];
+    }
+  }
 }
 
 template <WT T>
