@@ -192,3 +192,26 @@ def test_loading_a_state_dict_repacks_and_the_layer_pickles():
     restored = torch.load(buffer, weights_only=False)
     with torch.no_grad():
         assert torch.equal(restored(x), source(x)) and torch.equal(target(x), source(x))
+
+
+@pytest.mark.parametrize("flags, dtype", [({"avx2", "fma"}, torch.float32),
+                                          ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+                                          ({"avx2", "amx_bf16"}, torch.bfloat16), (None, torch.bfloat16)])
+def test_the_prefill_gemm_runs_in_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch, flags, dtype):
+    """Above PACKED_MAX_ROWS rows a packed layer runs one GEMM over its dequantised weight, in
+    bfloat16 only on CPUs with a native bfloat16 product (a Zen 3 emulates it at a fifth of
+    float32's speed, issue 39): its output is that GEMM's, bit for bit."""
+    from decodekit.models import qlinear as module
+
+    monkeypatch.setattr(module, "cpu_flags", lambda: flags)
+    module.prefill_dtype.cache_clear()
+    try:
+        assert module.prefill_dtype() == dtype
+        layer = QuantizedLinear.from_linear(_linear(128, 64, False, seed=4), QuantSpec(4, None))
+        assert layer.kernel == "int4pack"
+        x = torch.randn(module.PACKED_MAX_ROWS + 16, 128, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = torch.nn.functional.linear(x.to(dtype), module.dequantize(layer.codes(), layer.scales, dtype))
+            assert torch.equal(layer.packed_matmul(x), expected.to(torch.float32))
+    finally:
+        module.prefill_dtype.cache_clear()

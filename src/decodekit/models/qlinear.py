@@ -31,7 +31,7 @@ and 23):
   own layout (`kernels.pack_int4_blocks`, built at load like int4pack's and never saved),
   one scale per channel or groups of 32 or 64j, with x rounded to bfloat16 as int4pack does.
   Above PACKED_MAX_ROWS rows (a prefill) they take the packed kernels' prefill path: one
-  bfloat16 GEMM over the weight dequantised per call (grouped int8 too: its float32
+  GEMM over the weight dequantised per call (`prefill_dtype`) (grouped int8 too: its float32
   "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the
   kernels are not built, the layers choose among the paths below (`torch_kernel`).
 
@@ -42,7 +42,7 @@ and 23):
   dot product with the codes is an integer one (AVX-512 VNNI, or AVX2; csrc/gemv_a8.cpp),
   scaled by the block's and the weights' scales (per channel, or groups of 32j). The weights
   are repacked at load (`kernels.pack_a8_blocks`, never saved). Such a layer computes x̂ Ŵᵀ on
-  every path: "unpack" (no kernels) and a prefill above PACKED_MAX_ROWS rows (bfloat16 GEMM)
+  every path: "unpack" (no kernels) and a prefill above PACKED_MAX_ROWS rows (one GEMM)
   quantise x the same way, and PyTorch's weight-only kernels never run it.
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
   weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).
@@ -66,13 +66,17 @@ Both packed kernels are fast only with bfloat16 activations (with float32 ones t
 5-30x slower than a float32 matmul, PyTorch 2.13 CPU), so the packed paths cast the input
 to bfloat16 and the output back: a float32 model stays float32 around its linear layers.
 They are GEMV kernels: their cost grows with every row, so above `PACKED_MAX_ROWS` rows
-(a prefill) the layer dequantises its weight to bfloat16 once and runs one bfloat16 GEMM,
-which on the dev CPU beat both the kernels and a float32 GEMM at 400 rows
-(BENCHMARKS.md, "Real model shapes: packed low-precision kernels").
+(a prefill) the layer dequantises its weight once and runs one GEMM in `prefill_dtype()`:
+bfloat16 where the CPU multiplies it natively (AVX-512-BF16 or AMX; on the AVX-512 dev CPU it
+beat both the kernels and a float32 GEMM at 400 rows, BENCHMARKS.md, "Real model shapes:
+packed low-precision kernels"), float32 elsewhere: without those instructions PyTorch's
+bfloat16 GEMM emulates them, and a quantised 240M model prefilled at 15-16 tok/s against its
+float32 twin's 72 on a Zen 3 (BENCHMARKS.md, issue 39).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models import kernels
+from decodekit.models.kernel_build import cpu_flags
 
 ACTIVATION_BLOCK = kernels.A8_BLOCK  # inputs per activation scale (activation_bits 8)
 
@@ -246,6 +251,18 @@ KERNELS = ("int4gemv", "int8gemv", "int4a8", "int8a8", "int4pack", "int8pack", "
 NATIVE_KERNELS = ("int4gemv", "int8gemv", "int4a8", "int8a8")  # decodekit's own (models/kernels.py)
 ACTIVATION_KERNELS = ("int4a8", "int8a8")  # x quantised too (activation_bits 8)
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes `_weight_int4pack_mm_for_cpu` takes
+# The CPU flags of native bfloat16 matrix products (module docstring, `prefill_dtype`).
+BFLOAT16_GEMM_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def prefill_dtype() -> torch.dtype:
+    """The dtype of a packed layer's prefill GEMM: bfloat16 where the CPU has a native bfloat16
+    product (or its flags are unknown: not Linux), else float32 (module docstring)."""
+    flags = cpu_flags()
+    return torch.bfloat16 if flags is None or flags & BFLOAT16_GEMM_FLAGS else torch.float32
+
+
 # Above this many rows a packed layer dequantises to bfloat16 and runs one GEMM instead
 # (module docstring): measured crossovers on the dev CPU were ~65 rows for int8, ~110 for int4.
 PACKED_MAX_ROWS = 64
@@ -495,7 +512,7 @@ class QuantizedLinear(nn.Module):
             if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:
                 y = self.native_matmul(x)
                 return y if self.offsets is None else y + offset_term(x, self.offsets)
-            y = self.packed_matmul(x)  # a prefill: one bfloat16 GEMM (module docstring)
+            y = self.packed_matmul(x)  # a prefill: one GEMM (module docstring)
         else:
             y = self.unpacked_matmul(x)
         if self.offsets is not None:
@@ -505,14 +522,15 @@ class QuantizedLinear(nn.Module):
         return y
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] Ŵᵀ in bfloat16 through the packed kernel, or one bfloat16 GEMM over the
-        dequantised weight above PACKED_MAX_ROWS rows (module docstring; with activation_bits
+        """x [..., K] Ŵᵀ in bfloat16 through the packed kernel, or one GEMM (`prefill_dtype`) over
+        the dequantised weight above PACKED_MAX_ROWS rows (module docstring; with activation_bits
         over x̂, `quantize_activations`). Returns x's dtype."""
         if self.spec.activation_bits is not None:
             x = quantize_activations(x)
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
-            weight = dequantize(self.codes(), self.scales, torch.bfloat16)  # [N, K]
-            return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
+            dtype = prefill_dtype()
+            weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]
+            return F.linear(x.to(dtype), weight).to(x.dtype)
         if self.kernel == "int8pack":
             return int8_kernel_matmul(x, self.qweight, self.kernel_scales)
         return int4_kernel_matmul(x, self.kernel_weight, self.kernel_group, self.kernel_scales)
