@@ -170,11 +170,11 @@ async def answer(request: Request, kind: type, backend: Backend):
     return JSONResponse(body, headers=ignored) if ignored else body
 
 
-
 def header_list(names: tuple[str, ...]) -> str:
     """Names for a header value: escaped as JSON strings are (printable ASCII), since a
     header is latin-1 (Starlette raised on anything else: a 500) and CR LF would end it."""
     return ", ".join(json.dumps(name)[1:-1] for name in names)
+
 
 def start(plan: Plan, backend: Backend) -> list[Job]:
     """A job per prompt; if one cannot start, the others are cancelled."""
