@@ -43,6 +43,20 @@ def test_unknown_fields_are_ignored_and_named(server):
     assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"  # never silently dropped
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_ignored_fields_beyond_latin1_or_with_control_characters_are_named_escaped(server, stream):
+    """A header value is latin-1 without control characters: an unknown key beyond latin-1
+    got a 500 (UnicodeEncodeError, found by schemathesis, issue 37), and one with CR LF would
+    have ended the header; the names are escaped as JSON strings are."""
+    thread, _ = server
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 2, "stream": stream, "\u00d3\U00012d6c\u00e9": 1,
+            "a\r\nSet-Cookie: x": 2}
+    answer = httpx.post(thread.url + "/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["X-Ignored-Fields"] == "\\u00d3\\ud80b\\udd6c\\u00e9, a\\r\\nSet-Cookie: x"
+    assert "set-cookie" not in answer.headers
+
+
 def test_strict_fields_keep_openais_400(strict):
     document = httpx.get(strict + "/openapi.json").json()
     assert document["components"]["schemas"]["CompletionRequest"]["additionalProperties"] is False

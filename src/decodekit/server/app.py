@@ -144,10 +144,10 @@ async def answer(request: Request, kind: type, backend: Backend):
         raise APIError(499, "client closed the request", None, "client_closed") from None
     backend.counters["requests"] += 1
     plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
+    # the body keys the server ignored (request_plan.py), named for the client (vLLM only logs them)
+    ignored = {"X-Ignored-Fields": header_list(plan.ignored)} if plan.ignored else {}
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
-    # the body keys the server ignored (request_plan.py), named for the client (vLLM only logs them)
-    ignored = {"X-Ignored-Fields": ", ".join(plan.ignored)} if plan.ignored else {}
     if plan.stream:
         return StreamingResponse(stream(plan, jobs, rid, backend, clock), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **ignored})
@@ -168,6 +168,12 @@ async def answer(request: Request, kind: type, backend: Backend):
                       for ids in plan.prompts]
         body = responses.completion_body(plan, model, rid, chosen, drawn, echoes)
     return JSONResponse(body, headers=ignored) if ignored else body
+
+
+def header_list(names: tuple[str, ...]) -> str:
+    """Names for a header value: escaped as JSON strings are (printable ASCII), since a
+    header is latin-1 (Starlette raised on anything else: a 500) and CR LF would end it."""
+    return ", ".join(json.dumps(name)[1:-1] for name in names)
 
 
 def start(plan: Plan, backend: Backend) -> list[Job]:
