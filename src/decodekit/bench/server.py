@@ -319,8 +319,10 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
         executable = vllm_peer.find_vllm()
         if peer_url is not None:
             base = peer_url.rstrip("/").removesuffix("/v1")
-            peer_args = (base, vllm_peer.served_model(base), None)  # its CPU time is not ours to see
-            report["peer"] = {"vllm": {"available": True, "url": base}}
+            host, _, peer_port = base.partition("://")[2].rpartition(":")
+            pid = vllm_peer.listening_pid(int(peer_port)) if host in ("127.0.0.1", "localhost") else None
+            peer_args = (base, vllm_peer.served_model(base), pid)  # pid None: its CPU time is not measured
+            report["peer"] = {"vllm": {"available": True, "url": base, "pid": pid}}
         elif executable is None:
             report["peer"] = {"vllm": {"available": False, "reason": vllm_peer.ABSENT}}
         else:

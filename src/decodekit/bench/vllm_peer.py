@@ -112,6 +112,31 @@ def served_model(url: str) -> str:
     return str(models[0]["id"])
 
 
+def listening_pid(port: int) -> int | None:
+    """The process listening on TCP `port` on this machine (Linux /proc: the socket's inode in
+    /proc/net/tcp, then the process holding it), None when it cannot be seen: how a running
+    peer's (`--peer-url` on 127.0.0.1) CPU time is found."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not inodes:
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
 def tree_cpu(pid: int | None) -> float:
     """User + system CPU seconds of process `pid` and its live descendants (Linux /proc; 0
     elsewhere): a server's workers count, as vLLM's engine core runs in a child process."""
