@@ -69,7 +69,8 @@ def test_max_tokens_above_the_bound_is_shortened_where_the_context_limits_it(ser
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 12
     assert answer.json()["choices"][0]["finish_reason"] == "length"
-    short = httpx.post(thread.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 401})
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 401}
+    short = httpx.post(thread.url + "/v1/completions", json=body)
     assert short.status_code == 400  # 511 tokens fit: the bound, not the context, limits this one
     assert "max_tokens must be <= 400 (this server's bound), got 401" in short.json()["error"]["message"]
 
