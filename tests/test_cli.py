@@ -323,8 +323,10 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
     (["eval", "perplexity", "--text", "README.md", "--split", "val"], "give --text or --split, not both"),
     (["generate", "x", "--num-beams", "3"], "--num-beams applies to --strategy beam, not sample"),
     (["generate", "x", "--num-draft-tokens", "3"], "--num-draft-tokens applies to speculative decoding"),
-    (["bench", "latency", "--peer", "llamacpp"], "--peer applies to bench packed, not bench latency"),
-    (["bench", "engine", "--peer", "llamacpp"], "--peer applies to bench packed, not bench engine"),
+    (["bench", "latency", "--peer", "llamacpp"],
+     "--peer applies to bench packed and server, not bench latency"),
+    (["bench", "engine", "--peer", "llamacpp"],
+     "--peer applies to bench packed and server, not bench engine"),
 ])  # fmt: skip
 def test_a_bad_dtype_is_one_line_naming_what_is_allowed(capsys, args, message):
     assert main(args) == 2

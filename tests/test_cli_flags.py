@@ -225,6 +225,8 @@ ROWS = [
     ("bench --judge-model", ["bench", "presets", "--judge-model", "arith"], "bench_presets", "judge_name",
      "arith"),
     ("bench --peer", ["bench", "packed", "--peer", "llamacpp"], "bench_packed", "peer", "llamacpp"),
+    ("bench --peer-url", ["bench", "server", "--peer", "vllm", "--peer-url", "http://127.0.0.1:8000"],
+     "bench_server", "peer_url", "http://127.0.0.1:8000"),
     ("bench --quick", ["bench", "speculative", "--quick"], "bench_speculative", "quick", True),
     ("bench --compile", ["bench", "packed", "--compile"], "bench_packed", "compile", True),
     ("bench --gguf", ["bench", "packed", "--gguf", "m.gguf"], "bench_gguf", "files", ["m.gguf"]),

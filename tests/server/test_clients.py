@@ -76,6 +76,19 @@ def test_max_tokens_beyond_the_context_is_shortened_to_fit(server):
                                                              "total_tokens": 512}
 
 
+def test_max_tokens_above_the_bound_is_shortened_where_the_context_limits_it(server):
+    thread, _ = server  # bound 400, context 512: optillm's self_consistency asks for 4096
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 4096, "ignore_eos": True, "temperature": 0}
+    answer = httpx.post(thread.url + "/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 12
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 401}
+    short = httpx.post(thread.url + "/v1/completions", json=body)
+    assert short.status_code == 400  # 511 tokens fit: the bound, not the context, limits this one
+    assert "max_tokens must be <= 400 (this server's bound), got 401" in short.json()["error"]["message"]
+
+
 def test_strict_max_tokens_keeps_the_refusal(strict):
     answer = httpx.post(strict + "/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 390})
     assert answer.status_code == 400

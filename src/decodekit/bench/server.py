@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -180,14 +179,11 @@ async def run_level(send, concurrency: int, model: str, new_tokens: int, server_
 
 
 def process_cpu(pid: int | None) -> float:
-    """User + system CPU seconds of process `pid` (Linux /proc; 0 where unavailable)."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of process `pid` and its children (Linux /proc; 0 where
+    unavailable): vLLM's engine runs in a child of its API server."""
+    from decodekit.bench.vllm_peer import tree_cpu
+
+    return tree_cpu(pid)
 
 
 def summarize(records: list[Record], concurrency: int, wall: float) -> dict:
@@ -235,31 +231,36 @@ def start_server(model: str, port: int, timeout: float = 120.0, core: int | None
 
 
 async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: int, repeats: int,
-                       progress: bool = False) -> list[dict]:
+                       progress: bool = False, peer: tuple[str, str, int | None] | None = None) -> list[dict]:
     """Each level over HTTP, then straight away on the engine (paired, as the machine is shared),
-    `repeats` times; a row holds the median of each figure over the repeats. `progress`: a bar
-    over levels x repeats on stderr."""
-    async def http_level(c: int) -> dict:
-        connections = [Connection(url) for _ in range(c)]
-        free = list(connections)
+    then on `peer` ((url, served model, pid or None): vLLM) when given, `repeats` times; a row
+    holds the median of each figure over the repeats. `progress`: a bar over levels x repeats
+    on stderr."""
+    def http(url: str, model: str, pid: int | None):
+        async def level(c: int) -> dict:
+            connections = [Connection(url) for _ in range(c)]
+            free = list(connections)
 
-        async def send(body: dict) -> Record:  # each closed-loop client holds one connection
-            connection = free.pop()
+            async def send(body: dict) -> Record:  # each closed-loop client holds one connection
+                connection = free.pop()
+                try:
+                    return await http_request(connection, body)
+                finally:
+                    free.append(connection)
+
             try:
-                return await http_request(connection, body)
+                return await run_level(send, c, model, new_tokens, pid)
             finally:
-                free.append(connection)
-
-        try:
-            return await run_level(send, c, SERVED, new_tokens, server_pid)
-        finally:
-            for connection in connections:
-                await connection.close()
+                for connection in connections:
+                    await connection.close()
+        return level
 
     async def engine_level(c: int) -> dict:
         return await run_level(lambda body: engine_request(engine, body), c, SERVED, new_tokens)
 
-    modes = {"http": http_level, "engine": engine_level}
+    modes = {"http": http(url, SERVED, server_pid), "engine": engine_level}
+    if peer is not None:
+        modes["vllm"] = http(*peer)
     for level in modes.values():  # warm-up: every batch size up to 8, full length
         await level(8)
     rows = []
@@ -271,11 +272,13 @@ async def bench_levels(url: str, server_pid: int, engine, levels, new_tokens: in
                 for mode, level in modes.items():
                     runs[mode].append(await level(c))
                 bar.update()
-            rows += [{"mode": mode, **median_row(runs[mode])} for mode in modes]
-            # HTTP over engine tokens/s of each repeat's pair (same background load), and their median
-            ratios = [h["tokens_per_s"] / e["tokens_per_s"] for h, e in zip(runs["http"], runs["engine"])]
-            rows[-2]["vs_engine_runs"] = [round(r, 3) for r in ratios]
-            rows[-2]["vs_engine"] = round(float(np.median(ratios)), 3)
+            level_rows = {mode: {"mode": mode, **median_row(runs[mode])} for mode in modes}
+            # HTTP over engine (and over the peer) tokens/s of each repeat's pair, same background load
+            for other in [m for m in modes if m != "http"]:
+                ratios = [h["tokens_per_s"] / e["tokens_per_s"] for h, e in zip(runs["http"], runs[other])]
+                level_rows["http"][f"vs_{other}_runs"] = [round(r, 3) for r in ratios]
+                level_rows["http"][f"vs_{other}"] = round(float(np.median(ratios)), 3)
+            rows += level_rows.values()
     return rows
 
 
@@ -287,33 +290,66 @@ def median_row(runs: list[dict]) -> dict:
 
 
 def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS, repeats: int = 3,
-                 progress: bool = False) -> dict:
-    """The closed-loop load at each level (module docstring); `progress`: a bar on stderr."""
+                 progress: bool = False, peer: str | None = None, peer_url: str | None = None) -> dict:
+    """The closed-loop load at each level (module docstring); `progress`: a bar on stderr.
+    `peer="vllm"`: the same load on a vLLM server too (bench/vllm_peer.py: `peer_url`'s, or
+    one started here), interleaved; reported absent when there is none."""
+    from decodekit.bench import vllm_peer
     from decodekit.bench.decode import machine
-    from decodekit.models.registry import load_model
+    from decodekit.models.registry import load_model, resolve
     from decodekit.server.backend import Backend, ServerConfig
 
+    if peer not in (None, "vllm"):
+        raise ValueError(f"bench server's peer must be 'vllm' or None, got {peer!r}")
+    if peer_url is not None and peer is None:
+        raise ValueError("peer_url is the vLLM server of peer='vllm'; pass peer='vllm' with it")
     levels = tuple(levels)
-    backend = Backend({SERVED: load_model(model)}, ServerConfig())  # the server's engine config
+    loaded = load_model(model)
+    backend = Backend({SERVED: loaded}, ServerConfig())  # the server's engine config
     if SERVED not in backend.engines:
         raise ValueError(f"model {model!r} does not run on the engine (not a NativeLM)")
     engine = backend.engines[SERVED]
     port = free_port()
     import torch
 
-    process = start_server(model, port, extra=("--threads", str(torch.get_num_threads())))  # as this one
-    engine.start()
+    threads = torch.get_num_threads()
+    report: dict = {}
+    peer_process, peer_args = None, None
+    if peer == "vllm":
+        executable = vllm_peer.find_vllm()
+        if peer_url is not None:
+            base = peer_url.rstrip("/").removesuffix("/v1")
+            host, _, peer_port = base.partition("://")[2].rpartition(":")
+            pid = vllm_peer.listening_pid(int(peer_port)) if host in ("127.0.0.1", "localhost") else None
+            peer_args = (base, vllm_peer.served_model(base), pid)  # pid None: its CPU time is not measured
+            report["peer"] = {"vllm": {"available": True, "url": base, "pid": pid}}
+        elif executable is None:
+            report["peer"] = {"vllm": {"available": False, "reason": vllm_peer.ABSENT}}
+        else:
+            peer_port = free_port()
+            context = getattr(getattr(loaded, "config", None), "max_position_embeddings", None) or 2048
+            peer_process = vllm_peer.start_vllm(executable, resolve(model)[1], SERVED, peer_port, threads,
+                                                context)
+            peer_args = (f"http://127.0.0.1:{peer_port}", SERVED, peer_process.pid)
+            report["peer"] = {"vllm": {"available": True, "executable": str(executable), "threads": threads}}
+    process = None
     try:
+        process = start_server(model, port, extra=("--threads", str(threads)))  # as this one
+        engine.start()
         load_before = os.getloadavg()
         url = f"http://127.0.0.1:{port}"
-        rows = asyncio.run(bench_levels(url, process.pid, engine, levels, new_tokens, repeats, progress))
+        rows = asyncio.run(bench_levels(url, process.pid, engine, levels, new_tokens, repeats, progress,
+                                        peer_args))
         load = [round(x, 2) for x in load_before + os.getloadavg()]
     finally:
         engine.stop()
-        process.terminate()
-        process.wait(30)
+        if process is not None:
+            process.terminate()
+            process.wait(30)
+        if peer_process is not None:
+            vllm_peer.stop(peer_process)
     return {"model": model, "new_tokens": new_tokens, "repeats": repeats, "machine": machine(),
-            "load_average_before_after": load, "rows": rows}
+            "load_average_before_after": load, "rows": rows, **report}
 
 
 def table(result: dict) -> str:
@@ -322,10 +358,11 @@ def table(result: dict) -> str:
     lines = ["| clients | mode | req/s | tok/s | http / engine | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) "
              "| CPU ms/token |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in result["rows"]}):
-        for mode in ("http", "engine"):
+        for mode in ("http", "engine", "vllm"):
             r = by.get((mode, c))
             if r is not None:
                 ratio = f"{r['vs_engine']:.2f}" if "vs_engine" in r else ""
+                ratio += f" (vs vLLM {r['vs_vllm']:.2f})" if "vs_vllm" in r else ""
                 lines.append(f"| {c} | {mode} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
                              f"{ratio} | {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
                              f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {cpu_text(r)} |")

@@ -36,7 +36,8 @@ TAKES: dict[str, tuple[str, ...]] = {
     "amateur_model": ("contrastive",),
     "draft_model": ("speculative", "soak"),
     "judge_model": ("presets",),
-    "peer": ("packed",),
+    "peer": ("packed", "server"),
+    "peer_url": ("server",),
     "gguf": ("packed",),
     "compile": ("engine", "packed"),
     "quick": ("speculative",),
@@ -99,10 +100,14 @@ def add_bench(sub) -> None:
                    "--draft: deprecated)")
     p.add_argument("--judge-model", default=None, metavar="JUDGE",
                    help="bench presets: the second model that scores the samples (default shakespeare-draft)")
-    p.add_argument("--peer", choices=("llamacpp",), default=None,
-                   help="bench packed: also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same model in "
-                   "the same rounds and with the same --threads (built by scripts/peers.sh into .peers/ or "
-                   "$DECODEKIT_PEERS; reported absent without it)")
+    p.add_argument("--peer", choices=("llamacpp", "vllm"), default=None,
+                   help="bench packed (llamacpp): also time llama.cpp's f32/f16/q8_0/q4_0 GGUFs of the same "
+                   "model in the same rounds and with the same --threads (built by scripts/peers.sh into "
+                   ".peers/ or $DECODEKIT_PEERS; reported absent without it); bench server (vllm): the same "
+                   "load on vLLM's server, interleaved (--peer-url, or $DECODEKIT_VLLM's or PATH's `vllm` "
+                   "started on the same model and threads; reported absent without one)")
+    p.add_argument("--peer-url", default=None, metavar="URL",
+                   help="bench server --peer vllm: a running vLLM server to load instead of starting one")
     p.add_argument("--gguf", action="append", default=None, metavar="FILE",
                    help="bench packed: time these GGUF files (repeatable) as decodekit loads them instead of "
                    "--model's rows; with --peer llamacpp, llama.cpp on the same files (bench/gguf_files.py)")
@@ -150,8 +155,9 @@ def settle(args) -> None:
     if args.quick and args.clients is not None:
         raise UsageError("--quick shortens the sweep of bench speculative; --clients runs the concurrent "
                          "comparison instead")
-    if args.hardening and (args.clients is not None or args.repeats is not None):
-        raise UsageError("bench server --hardening runs its own fixed load: no --clients or --repeats")
+    if args.hardening and (args.clients is not None or args.repeats is not None or args.peer is not None):
+        raise UsageError("bench server --hardening runs its own fixed load: no --clients, --repeats or "
+                         "--peer")
     which = "hardening" if args.hardening else args.which
     for name in dict.fromkeys(name for name, _ in DEFAULTS):
         if getattr(args, name) is None:
@@ -161,6 +167,11 @@ def settle(args) -> None:
                     break
     if args.clients is not None and args.which != "server":
         [args.clients] = int_list("--clients", args.clients, one=True)
+    wanted = {"packed": "llamacpp", "server": "vllm"}.get(args.which)
+    if args.peer is not None and args.peer != wanted:
+        raise UsageError(f"bench {args.which} takes --peer {wanted}, not {args.peer}")
+    if args.peer_url is not None and args.peer != "vllm":
+        raise UsageError("--peer-url is the server of --peer vllm: give --peer vllm with it")
 
 
 def run_bench(args) -> None:
@@ -219,7 +230,8 @@ def run_bench(args) -> None:
             require(module, "server", "bench server")
 
         levels = int_list("--clients", args.clients)
-        result = bench_server(args.model, args.new_tokens, levels, args.repeats, progress=progress)
+        result = bench_server(args.model, args.new_tokens, levels, args.repeats, progress=progress,
+                              peer=args.peer, peer_url=args.peer_url)
         if not args.json:
             print(table(result))
             return
