@@ -14,7 +14,7 @@ from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
 from decodekit.engine.kv import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.prefix_cache import PrefixCache
-from decodekit.engine.shared import engine_for, forget_engine
+from decodekit.engine.registry import engine_for, forget_engine
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
 
@@ -58,7 +58,7 @@ def fresh_run(model, prompt, params=GREEDY) -> list[int]:
 def idle(engine: Engine) -> None:
     """Every pool idle and the books right."""
     engine.check()
-    for member in engine.members.values():
+    for member in engine.members:
         assert member.pool.num_used == 0 and member.pool.held == 0
     assert len(engine.running_kv) == 0 and not engine.scheduler.running and not engine.scheduler.running
 

@@ -73,7 +73,7 @@ def beam_search(
     # Every prompt's search batched on an engine, or None: the plain loop (route.py).
     on_engine = engine_route(model, searches, lambda i, search: BeamProgram(model, search, i))
     if on_engine is not None:
-        from decodekit.engine.shared import run_requests
+        from decodekit.engine.registry import run_requests
 
         results: list[list] = [[None] * params.n for _ in searches]
         for delta in run_requests(*on_engine):

@@ -77,7 +77,7 @@ def stream_events(
     requests = make_requests(model, prompts, params, mask_builder(constraint, heal), adapter)
     on_engine = engine_route(model, requests)  # an engine, or None: the plain loop (route.py)
     if on_engine is not None:
-        from decodekit.engine.shared import run_requests
+        from decodekit.engine.registry import run_requests
 
         yield from run_requests(*on_engine)
         return

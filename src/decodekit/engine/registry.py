@@ -32,8 +32,8 @@ from collections.abc import Iterator
 
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine, EngineFull, RequestHandle
+from decodekit.engine.entry import entry_for
 from decodekit.engine.program import Program
-from decodekit.engine.scheduler import entry_for
 from decodekit.models.base import LanguageModel, weights_stamp
 from decodekit.request import Delta, Request
 
