@@ -13,8 +13,8 @@ generator: at every engine step it yields the forwards it needs and receives the
         ...                                               # step's one forward
         return deltas                                     # and the step ends
 
-The engine (engine.py) drives every running program in lockstep: the member forwards of
-all programs run batched, one forward per model per round, until each program waits on
+The engine (engine.py, rounds.py) drives every running program in lockstep: the member
+forwards of all programs run batched, one forward per model per round, until each waits on
 the engine's model (or ended its step); then their feeds join the step's single forward,
 beside the sampling rows. Sixteen concurrent beam searches cost one forward per step,
 not sixteen, and speculative requests draft together and verify together.
