@@ -30,7 +30,7 @@ from pathlib import Path
 SCRIPT = """
 import sys
 import decodekit as dk
-from decodekit.engine import compiled
+from decodekit.engine.lanes import lanes_for
 
 rounds = int(sys.argv[1])
 model = dk.load_model("shakespeare")
@@ -46,7 +46,7 @@ for i in range(rounds):
     else:
         dk.beam_search(model, "KING:", dk.SamplingParams(max_new_tokens=6), num_beams=3)
         calls += 1
-lanes = compiled.lanes_for(model)
+lanes = lanes_for(model)
 compiling = getattr(lanes, "compiling", None) or sorted(map(str, lanes._pending))
 print(calls, "calls;", "compiling", compiling, "ready", sorted(map(str, lanes.ready)))
 """
@@ -55,7 +55,8 @@ print(calls, "calls;", "compiling", compiling, "ready", sorted(map(str, lanes.re
 def cache_with_times(folder: Path) -> None:
     """compile-times.json recording 0.01 s for every bucket of shakespeare's shape."""
     import decodekit as dk
-    from decodekit.engine.compiled import BUCKETS, bucket_name, shape_key
+    from decodekit.engine.compile_policy import shape_key
+    from decodekit.engine.compiled import BUCKETS, bucket_name
 
     key = shape_key(dk.load_model("shakespeare"))
     times = {f"{key}/{bucket_name(size, prefixed)}": 0.01 for size in BUCKETS for prefixed in (False, True)}

@@ -100,13 +100,14 @@ def test_every_strategy_names_its_tensors_devices(models, name):
 
 
 def test_the_compiled_step_names_its_inputs_devices(models):
-    """The eager code around the compiled decode step (engine.py `_compiled_forward`: the
+    """The eager code around the compiled decode step (compile_policy.py `CompiledDecode`: the
     rows' tokens, positions and slots) under the guard; the graph itself runs without it
     (dynamo cannot trace a Python mode), compiled before."""
     from torch.overrides import _pop_mode_temporarily
 
     from decodekit.engine import compiled
     from decodekit.engine.engine import Engine, EngineConfig
+    from decodekit.engine.lanes import lanes_for
     from decodekit.models.native import NativeLM
 
     shakespeare = models["shakespeare"]
@@ -118,12 +119,12 @@ def test_the_compiled_step_names_its_inputs_devices(models):
         handles = [engine.submit(model.encode("ROMEO:"), GREEDY)]  # one bucket: a short compile
         while engine.has_work():
             engine.step()
-        return [[c.token_ids for c in h.result(0)] for h in handles], engine.compiled_steps
+        return [[c.token_ids for c in h.result(0)] for h in handles], engine.compiled.steps
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compiled, "BACKEND", "aot_eager")  # compiles in seconds
         want, _ = run()
-    lanes = compiled.lanes_for(model)
+    lanes = lanes_for(model)
     assert lanes.ready and not lanes.failed
 
     def outside_the_guard(step):

@@ -17,7 +17,7 @@ from decodekit.decode.beam import _beam_plain, beam_searches
 from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
 from decodekit.decode.sample import _steps, stream_events
 from decodekit.engine import Engine, EngineConfig
-from decodekit.engine.shared import engine_for
+from decodekit.engine.registry import engine_for
 from decodekit.models.native import NativeLM
 from decodekit.request import emit, make_requests, to_completion
 
@@ -84,7 +84,7 @@ def test_engine_equals_the_plain_loop(expert, amateur, params):
     assert texts == want_texts  # the same deltas, as they came
     engine = engine_for(expert)  # the expert's persistent engine ran them
     assert engine.steps > 0
-    assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
+    assert engine.pool.num_used == 0 and engine.members.of(amateur).pool.num_used == 0
 
 
 def test_programs_batch_with_other_requests_on_one_engine(expert, amateur):
@@ -106,7 +106,7 @@ def test_programs_batch_with_other_requests_on_one_engine(expert, amateur):
     for g, w in zip(got, want, strict=True):
         assert outputs(g) == outputs(w)
     assert outputs(sampling.result()) == outputs(dk.generate(expert, "JULIET:", other))
-    assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
+    assert engine.pool.num_used == 0 and engine.members.of(amateur).pool.num_used == 0
     assert len(engine.running_kv) == 0 and not engine.scheduler.running
 
 
@@ -133,7 +133,7 @@ def test_cancelled_program_frees_blocks_in_both_pools(expert, amateur):
     handle = engine.add(ContrastiveProgram(cd, request))
     for _ in range(5):
         engine.step()
-    member = engine.member(amateur)
+    member = engine.members.of(amateur)
     assert engine.pool.num_used > 0 and member.pool.num_used > 0 and len(engine.running_kv) == 3
     handle.cancel()
     engine.step()
@@ -177,7 +177,7 @@ def test_beam_on_the_engine_equals_the_plain_loop(expert, amateur, options):
     got = dk.beam_search(cd, PROMPTS, params, **options)  # the expert's persistent engine
     assert engine.steps > steps
     assert_same_beams(got, want)
-    assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
+    assert engine.pool.num_used == 0 and engine.members.of(amateur).pool.num_used == 0
     assert len(engine.running_kv) == 0 and not engine.scheduler.running
 
 
@@ -196,13 +196,13 @@ def test_concurrent_beam_searches_batch_on_one_engine(expert, amateur):
     amateur_peak = 0
     while engine.has_work():
         engine.step()
-        amateur_peak = max(amateur_peak, engine.member(amateur).pool.num_used)
+        amateur_peak = max(amateur_peak, engine.members.of(amateur).pool.num_used)
     assert engine.steps == 8  # every search advanced in the same steps
     assert amateur_peak > 0  # the amateur's beams lived in its member pool
     want = [_beam_plain(cd, search) for search in beam_searches(cd, PROMPTS, params, num_beams=3)]
     assert_same_beams([h.result() for h in handles], want)
     assert outputs(sampled.result()) == outputs(plain(cd, ["JULIET:"], sampling)[0][0])
-    assert engine.pool.num_used == 0 and engine.member(amateur).pool.num_used == 0
+    assert engine.pool.num_used == 0 and engine.members.of(amateur).pool.num_used == 0
 
 
 def test_windowed_amateur_beam_runs_the_plain_loop(expert, amateur):

@@ -588,7 +588,7 @@ def outcome(completion):
 def test_batched_rows_equal_single_row_runs(paged_pair, draft, verify, adaptive):
     # 4 prompts x n = 2 samples: 8 rows in one batch; sample i of a request seeded s draws
     # what a one-sample request seeded s + i draws alone.
-    from decodekit.engine.shared import engine_for
+    from decodekit.engine.registry import engine_for
 
     target, drafter = paged_pair
     drafter = drafter if draft == "model" else draft
@@ -617,7 +617,7 @@ def test_batched_rows_equal_single_row_runs(paged_pair, draft, verify, adaptive)
 
 
 def test_batched_greedy_equals_plain_greedy_and_streams(paged_pair):
-    from decodekit.engine.shared import run_requests
+    from decodekit.engine.registry import run_requests
 
     target, drafter = paged_pair
     params = dk.SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, stop=["zz"])
@@ -653,10 +653,10 @@ def test_cancelled_program_ends_its_samples_and_frees_their_blocks(paged_pair):
     handle = engine.add(program)
     for _ in range(3):
         engine.step()
-    assert engine.pool.num_used > 0 and engine.member(drafter).pool.num_used > 0
+    assert engine.pool.num_used > 0 and engine.members.of(drafter).pool.num_used > 0
     handle.cancel()
     engine.step()
     completions = handle.result(timeout=5)
     assert [c.finish_reason for c in completions] == ["cancelled"] * 2
     assert 0 < len(completions[0].token_ids) < 40
-    assert engine.pool.num_used == 0 and engine.member(drafter).pool.num_used == 0
+    assert engine.pool.num_used == 0 and engine.members.of(drafter).pool.num_used == 0

@@ -23,9 +23,11 @@ from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
 from decodekit.decode.speculative import speculative_programs
 from decodekit.engine import compiled
-from decodekit.engine.compiled import CompilePolicy, bucket
+from decodekit.engine.compile_policy import CompilePolicy
+from decodekit.engine.compiled import bucket
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
+from decodekit.engine.lanes import lanes_for
 from decodekit.models.native import NativeLM
 from decodekit.request import make_requests
 
@@ -71,7 +73,7 @@ def test_greedy_tokens_equal_the_eager_engine(sharp_lm, rows):
     got, engine = run(sharp_lm, PROMPTS[:rows], True)
     assert got == want
     assert (bucket(rows), False) in engine.lanes.ready  # 3 rows: the bucket of 4, one padded
-    assert engine.compiled_steps >= GREEDY.max_new_tokens - 2  # all but the prompt's steps
+    assert engine.compiled.steps >= GREEDY.max_new_tokens - 2  # all but the prompt's steps
 
 
 def test_seeded_samples_equal_the_eager_engine(sharp_lm):
@@ -79,7 +81,7 @@ def test_seeded_samples_equal_the_eager_engine(sharp_lm):
     items = [(PROMPTS[0], one), (PROMPTS[1], one.replace(seed=6)), (PROMPTS[2], GREEDY)]
     want, _ = run(sharp_lm, items, False)
     got, engine = run(sharp_lm, items, True)
-    assert got == want and engine.compiled_steps > 0
+    assert got == want and engine.compiled.steps > 0
 
 
 def test_samples_of_one_prompt_read_their_shared_prefix_in_the_graph(sharp_lm):
@@ -89,7 +91,7 @@ def test_samples_of_one_prompt_read_their_shared_prefix_in_the_graph(sharp_lm):
     model = fresh(sharp_lm)
     want, _ = run(model, items, False)
     got, engine = run(model, items, True)
-    assert got == want and engine.compiled_steps >= SEEDED.max_new_tokens - 2
+    assert got == want and engine.compiled.steps >= SEEDED.max_new_tokens - 2
     assert (4, True) in engine.lanes.ready and (4, False) not in engine.lanes.ready
 
 
@@ -99,11 +101,11 @@ def test_rows_of_two_shared_prefixes_read_each_its_own(sharp_lm):
     items = [(PROMPTS[0], SEEDED), (PROMPTS[1], SEEDED.replace(n=1)), (PROMPTS[2], SEEDED.replace(seed=8))]
     want, _ = run(sharp_lm, items, False)
     got, engine = run(sharp_lm, items, True)
-    assert got == want and engine.compiled_steps >= SEEDED.max_new_tokens - 2
+    assert got == want and engine.compiled.steps >= SEEDED.max_new_tokens - 2
 
 
 def test_prefix_kv_joins_prefixes_once_and_gives_each_row_its_span():
-    from decodekit.engine.compiled import PrefixKV
+    from decodekit.engine.lanes import PrefixKV
     from decodekit.engine.rows import SharedPrefix
 
     a = SharedPrefix(torch.randn(2, 1, 1, 3, 4), torch.randn(2, 1, 1, 3, 4))
@@ -125,7 +127,7 @@ def test_beam_search_equals_the_eager_engine(sharp_lm):
 
     want, _ = run(sharp_lm, programs(), False)
     got, engine = run(sharp_lm, programs(), True)
-    assert got == want and engine.compiled_steps > 0
+    assert got == want and engine.compiled.steps > 0
 
 
 def test_speculative_programs_equal_the_eager_engine(sharp_lm):
@@ -148,7 +150,7 @@ def test_contrastive_programs_equal_the_eager_engine(sharp_lm, tiny_llama_dir):
 
     want, _ = run(sharp_lm, programs(), False)
     got, engine = run(sharp_lm, programs(), True)
-    assert got == want and engine.compiled_steps > 0
+    assert got == want and engine.compiled.steps > 0
 
 
 def test_a_failed_compilation_leaves_the_engine_eager_with_one_warning(sharp_lm, monkeypatch):
@@ -160,7 +162,7 @@ def test_a_failed_compilation_leaves_the_engine_eager_with_one_warning(sharp_lm,
     want, _ = run(model, PROMPTS[:1], False)
     with pytest.warns(RuntimeWarning, match="stays eager") as caught:
         got, engine = run(model, PROMPTS[:1], True)
-    assert got == want and engine.compiled_steps == 0 and "no compiler here" in engine.lanes.failed
+    assert got == want and engine.compiled.steps == 0 and "no compiler here" in engine.lanes.failed
     assert len([w for w in caught if "stays eager" in str(w.message)]) == 1
 
 
@@ -174,7 +176,7 @@ def test_the_automatic_policy_compiles_only_when_the_steps_so_far_repay_it(sharp
     policy.record(1, 3.5)
     assert policy.pays(1, 6_000, 0.002) and not policy.pays(2, 6_000, 0.002)  # bucket 2: unmeasured
     _, engine = run(fresh(sharp_lm), PROMPTS, None)  # a short run: eager, nothing compiled or compiling
-    assert engine.compiled_steps == 0 and not engine.lanes.ready and not engine.lanes.compiling
+    assert engine.compiled.steps == 0 and not engine.lanes.ready and not engine.lanes.compiling
 
 
 def test_a_warm_up_is_recorded_and_read_back(sharp_lm, tmp_path, monkeypatch):
@@ -201,7 +203,7 @@ def test_inductor_compiles_the_step_and_its_tokens_equal_eager(sharp_lm, monkeyp
     items = [(PROMPTS[0], SEEDED), PROMPTS[1]] if prefixed else PROMPTS[:1]
     want, _ = run(model, items, False)
     got, engine = run(model, items, True)
-    assert got == want and engine.compiled_steps > 0
+    assert got == want and engine.compiled.steps > 0
     assert list(engine.lanes.ready) == [(bucket(len(items) + 2 * prefixed), prefixed)]
     with torch.inference_mode():
         engine.check()
@@ -219,12 +221,12 @@ def test_the_automatic_policy_compiles_in_the_background_and_switches_over(sharp
     handle = engine.submit(PROMPTS[1], long)
     engine.step()
     engine.step()  # the first decode step: eager, and the bucket of 1 starts compiling
-    assert engine.lanes.compiling == ["rows=1"] and engine.compiled_steps == 0
+    assert engine.lanes.compiling == ["rows=1"] and engine.compiled.steps == 0
     assert engine.stats()["compiling"] == ["rows=1"]
     engine.lanes.wait()
     while engine.has_work():
         engine.step()
-    assert [c.token_ids for c in handle.result(0)] == want[0] and engine.compiled_steps > 0
+    assert [c.token_ids for c in handle.result(0)] == want[0] and engine.compiled.steps > 0
 
 
 def test_a_models_engines_share_its_compiled_steps(sharp_lm):
@@ -234,11 +236,11 @@ def test_a_models_engines_share_its_compiled_steps(sharp_lm):
     run(model, PROMPTS[:1], True)
     want, _ = run(model, PROMPTS[:1], False)
     got, engine = run(model, PROMPTS[:1], None)
-    assert got == want and engine.compiled_steps > 0
-    assert compiled.lanes_for(model) is engine.lanes
+    assert got == want and engine.compiled.steps > 0
+    assert lanes_for(model) is engine.lanes
     with torch.no_grad():
         model.net.norm.weight.mul_(1.0)  # an in-place change: a new weights stamp
-    assert compiled.lanes_for(model) is not engine.lanes
+    assert lanes_for(model) is not engine.lanes
 
 
 @pytest.mark.parametrize(("bits", "group"), [(8, None), (4, 32)])
@@ -249,7 +251,7 @@ def test_quantised_models_compile_with_their_kernels_and_equal_eager(sharp_lm, b
     model = quantized_copy(sharp_lm, CompressConfig("rtn", bits=bits, group_size=group))
     want, _ = run(model, PROMPTS[:2], False)
     got, engine = run(model, PROMPTS[:2], True)
-    assert got == want and engine.compiled_steps > 0 and engine.lanes.failed is None
+    assert got == want and engine.compiled.steps > 0 and engine.lanes.failed is None
 
 
 HOOKS = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)  # what a tracer patches process-wide
@@ -292,13 +294,15 @@ def test_eager_steps_beside_a_compilation_never_see_a_tracers_hooks(sharp_lm, tm
     handles.append(engine.submit(PROMPTS[0], long))
     while engine.has_work():
         engine.step()
-    assert all(h.result(0)[0].token_ids == want[0] for h in handles) and engine.compiled_steps > 0
+    assert all(h.result(0)[0].token_ids == want[0] for h in handles) and engine.compiled.steps > 0
 
 
 EXIT_SCRIPT = """
 import json, sys
 import decodekit as dk
-from decodekit.engine.compiled import BUCKETS, bucket_name, lanes_for, shape_key
+from decodekit.engine.compile_policy import shape_key
+from decodekit.engine.compiled import BUCKETS, bucket_name
+from decodekit.engine.lanes import lanes_for
 
 model = dk.load_model("shakespeare")
 times = {f"{shape_key(model)}/{bucket_name(b, p)}": 0.01 for b in BUCKETS for p in (False, True)}

@@ -14,7 +14,8 @@ from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
 from decodekit.engine.kv import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.prefix_cache import PrefixCache
-from decodekit.engine.shared import engine_for, forget_engine
+from decodekit.engine.program import Program
+from decodekit.engine.registry import engine_for, forget_engine
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
 
@@ -58,7 +59,7 @@ def fresh_run(model, prompt, params=GREEDY) -> list[int]:
 def idle(engine: Engine) -> None:
     """Every pool idle and the books right."""
     engine.check()
-    for member in engine.members.values():
+    for member in engine.members:
         assert member.pool.num_used == 0 and member.pool.held == 0
     assert len(engine.running_kv) == 0 and not engine.scheduler.running and not engine.scheduler.running
 
@@ -201,3 +202,53 @@ def test_fail_all_waits_for_a_running_step(sharp_lm):
         handle.result(0)
     idle(engine)
     assert torch.is_inference_mode_enabled() is False
+
+
+class _FailsAdmission(Program):
+    """A program whose admission raises once `armed` (its `needs`, read by the scheduler)."""
+
+    def __init__(self, model):
+        self.model, self.armed = model, False
+
+    def needs(self, block_size):
+        if self.armed:
+            raise Boom("injected: the program's admission failed")
+        return [(self.model, 1)]
+
+    def step(self, kv):
+        raise AssertionError("never admitted")
+
+
+def test_a_failed_admission_fails_that_request_and_the_waiting_ones_run(sharp_lm):
+    """The queued-requests rule (engine/failure.py): an error that comes with one entry's
+    admission fails that entry; the requests queued behind it go on, even with nothing
+    running (they used to fail with it)."""
+    engine = Engine(sharp_lm)
+    program = _FailsAdmission(sharp_lm)
+    failing = engine.add(program)
+    program.armed = True
+    waiting = engine.submit(PROMPT, GREEDY)
+    with pytest.raises(Boom):
+        engine.step()
+    with pytest.raises(Boom, match="admission failed"):
+        failing.result(0)
+    while not waiting.done:
+        engine.step()
+    assert waiting.result(0)[0].token_ids == fresh_run(sharp_lm, PROMPT)
+    idle(engine)
+
+
+def test_a_failure_of_the_engines_own_state_fails_the_queued_requests(sharp_lm, monkeypatch):
+    """An error no entry can be blamed for (here the scheduler's bookkeeping) fails what is
+    queued, so a step that would fail again is not retried for ever; the engine stays usable."""
+    engine = Engine(sharp_lm)
+    queued = engine.submit(PROMPT, GREEDY)
+    hold = engine.scheduler.hold
+    monkeypatch.setattr(engine.scheduler, "hold", lambda: (_ for _ in ()).throw(Boom("books")))
+    with pytest.raises(Boom):
+        engine.step()
+    with pytest.raises(Boom, match="books"):
+        queued.result(0)
+    monkeypatch.setattr(engine.scheduler, "hold", hold)
+    assert _drain(engine)[0].token_ids == fresh_run(sharp_lm, PROMPT)
+    idle(engine)

@@ -1,4 +1,4 @@
-"""Member pools (drafts, amateurs: engine/program.py) belong to the programs that use them:
+"""Member pools (drafts, amateurs: engine/members.py) belong to the programs that use them:
 freed when none does beyond `EngineConfig.idle_member_bytes`, the self-int4 draft built once
 per target; and programs and member pools show in `Engine.stats` (/health, /metrics)."""
 
@@ -12,7 +12,7 @@ from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.decode.speculative import speculative_generate
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
-from decodekit.engine.shared import engine_for, forget_engine
+from decodekit.engine.registry import engine_for, forget_engine
 from decodekit.models.native import NativeLM
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
@@ -61,7 +61,7 @@ def test_idle_members_are_kept_within_the_bound_least_recent_first(sharp_lm):
     drafts = [copy_of(sharp_lm, f"draft-{i}") for i in range(3)]
     probe = Engine(sharp_lm)
     _run_all(probe, _spec_programs(sharp_lm, drafts[0]))
-    one = probe.members[id(drafts[0])].pool.nbytes
+    one = probe.members.of(drafts[0]).pool.nbytes
     engine = Engine(sharp_lm, EngineConfig(idle_member_bytes=2 * one))
     for draft in drafts:
         _run_all(engine, _spec_programs(sharp_lm, draft))

@@ -182,7 +182,7 @@ def run_soak(
     finally:
         faults.remove()
     engine.check()
-    pools = [m.pool for m in engine.members.values()]
+    pools = [m.pool for m in engine.members]
     rss_end = rss_bytes()
     return {
         "requests": requests,

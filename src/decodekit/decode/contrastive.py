@@ -54,8 +54,8 @@ from collections.abc import Sequence
 import torch
 
 from decodekit.decode.beam import BeamProgram, BeamSearch
+from decodekit.engine.entry import blocks_alone
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
-from decodekit.engine.scheduler import blocks_alone
 from decodekit.models.base import Cache, LanguageModel, left_pad
 from decodekit.request import (
     Delta,

@@ -232,7 +232,7 @@ _DRAFTS_LOCK = threading.Lock()
 def draft_for(target: LanguageModel, key: object, build: Callable[[], LanguageModel]) -> LanguageModel:
     """The draft model `key` of `target`, built once and kept on the target (so it lives as
     long as the target does): every call with "self-int4", "auto" or a draft's name gets
-    the same model, so the target's engine keeps one member pool for it (engine.py), not one
+    the same model, so the target's engine keeps one member pool for it (members.py), not one
     per call. A target whose weights changed gets a new one."""
     stamp = weights_stamp(target)
     with _DRAFTS_LOCK:

@@ -521,7 +521,7 @@ def speculative_programs(
     max_draft_tokens: int = 16,
 ) -> list[SpeculativeProgram]:
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
-    the target's engine (`Engine.add`, `engine.shared.run_requests`); each streams
+    the target's engine (`Engine.add`, `engine.registry.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
     if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
@@ -629,7 +629,7 @@ class SpeculativeProgram(Program):
         bases = [kv.open(model, head) for model in models]
         pending = [seq for seq in bases if seq.pending]
         if pending:
-            yield [Forward(seq.member.model, [Feed(seq)]) for seq in pending]
+            yield [Forward(seq.model, [Feed(seq)]) for seq in pending]
         forks = [[base] + [kv.fork(base) for _ in self.rows[1:]] for base in bases]
         for r, seqs in zip(self.rows, zip(*forks, strict=True), strict=True):
             r.target, r.draft = seqs[0], seqs[1] if len(seqs) > 1 else None

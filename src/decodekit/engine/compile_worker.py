@@ -194,7 +194,7 @@ def _read_json(path: Path) -> dict:
 
 def main(folder: str) -> int:
     """The child: compile the job in `folder` and write result.json."""
-    from decodekit.engine.compiled import compile_step
+    from decodekit.engine.lanes import compile_step
     from decodekit.models.native import NativeLM
 
     os.nice(10)  # serving first: the parent's steps run at the normal priority

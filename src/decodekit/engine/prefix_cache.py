@@ -64,7 +64,12 @@ class PrefixCache:
 
     def park(self, block: int) -> None:
         """The block's last user let it go: keep it, most recently used."""
-        assert block in self._entry
+        if block not in self._entry:
+            # A check, not an assert: an idle block the cache cannot name would be handed out
+            # again by `evict` with no key to forget, its KV read under another prefix.
+            from decodekit.engine.kv import PoolCorrupted  # kv.py imports this module
+
+            raise PoolCorrupted(f"block {block} was released to the prefix cache, which has no entry for it")
         self._idle[block] = None
 
     def unpark(self, block: int) -> None:

@@ -13,8 +13,8 @@ generator: at every engine step it yields the forwards it needs and receives the
         ...                                               # step's one forward
         return deltas                                     # and the step ends
 
-The engine (engine.py) drives every running program in lockstep: the member forwards of
-all programs run batched, one forward per model per round, until each program waits on
+The engine (engine.py, rounds.py) drives every running program in lockstep: the member
+forwards of all programs run batched, one forward per model per round, until each waits on
 the engine's model (or ended its step); then their feeds join the step's single forward,
 beside the sampling rows. Sixteen concurrent beam searches cost one forward per step,
 not sixteen, and speculative requests draft together and verify together.
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodekit.engine.kv import BlockManager, BlockPool, BlockTable
-from decodekit.engine.rows import RunningKV
+from decodekit.engine.kv import BlockTable
+from decodekit.engine.members import ModelKV
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta, Row
 
@@ -54,9 +54,13 @@ class Seq:
 
     tokens: list[int]
     table: BlockTable
-    member: Member
+    model_kv: ModelKV  # its model's KV on the engine (members.py)
     lane: int | None = None  # its RunningKV row (the engine's model only)
     row: Row | None = None  # a sampling request's: the row its tokens are sampled for
+
+    @property
+    def model(self) -> LanguageModel:
+        return self.model_kv.model
 
     @property
     def pending(self) -> int:
@@ -80,27 +84,6 @@ class Forward:
 # What a program's step yields (the forwards it needs now) and is sent back (per forward,
 # per feed, logits [k, V] float32 with k = the feed's count if `every`, else 1).
 StepGenerator = Generator[list[Forward], list[list[torch.Tensor]], list[Delta]]
-
-
-class Member:
-    """One model's KV on an engine: its pool and table operations (and, for the engine's
-    own model, its RunningKV)."""
-
-    def __init__(self, model: LanguageModel, pool: BlockPool, running_kv: RunningKV | None = None):
-        self.model = model
-        self.pool = pool
-        self.manager = BlockManager(pool)
-        self.running_kv = running_kv
-
-    def close(self, seq: Seq) -> None:
-        """Free a sequence's blocks and lane; its computed KV stays findable in the prefix
-        cache (and its tokens stay, for a preempted sequence to recompute)."""
-        computed = seq.tokens[: seq.table.length]
-        self.manager.register(seq.table, computed, seq.table.length)
-        self.manager.register_last(seq.table, computed)
-        self.manager.free(seq.table)
-        if seq.lane is not None:
-            self.running_kv.leave(seq)
 
 
 class Program(ABC):
@@ -129,40 +112,40 @@ class ProgramKV:
     """A program's handle on the engine's KV (module docstring); tracks its sequences."""
 
     model: LanguageModel  # the engine's model
-    members: object  # callable: model -> Member (the engine's `member`)
+    members: object  # callable: model -> ModelKV (the engine's `Members.of`)
     seqs: list[Seq] = field(default_factory=list)
 
     def open(self, model: LanguageModel, tokens: list[int]) -> Seq:
         """A sequence of `tokens`, its table starting with their cached prefix."""
-        member = self.members(model)
-        seq = Seq(list(tokens), member.manager.new_table(tokens), member)
+        model_kv = self.members(model)
+        seq = Seq(list(tokens), model_kv.manager.new_table(tokens), model_kv)
         self.seqs.append(seq)
         return seq
 
     def fork(self, seq: Seq) -> Seq:
         """A copy of `seq` (tokens, KV and lane) that can grow apart from it."""
-        member = seq.member
+        model_kv = seq.model_kv
         assert seq.pending == 0, "fork a sequence once its tokens are computed"
-        child = Seq(list(seq.tokens), member.manager.fork(seq.table), member)
+        child = Seq(list(seq.tokens), model_kv.manager.fork(seq.table), model_kv)
         if seq.lane is not None:
-            child.lane = member.running_kv.copy(child, seq.lane)
+            child.lane = model_kv.running_kv.copy(child, seq.lane)
         self.seqs.append(child)
         return child
 
     def crop(self, seq: Seq, length: int) -> None:
         """Keep the first `length` tokens (and their KV)."""
         assert seq.lane is None, "a sequence with a lane cannot crop"
-        seq.member.manager.crop(seq.table, min(length, seq.table.length))
+        seq.model_kv.manager.crop(seq.table, min(length, seq.table.length))
         del seq.tokens[length:]
 
     def close(self, seq: Seq) -> None:
         """Free the sequence; its computed KV stays findable in the prefix cache."""
-        seq.member.close(seq)
+        seq.model_kv.close(seq)
         self.seqs.remove(seq)
 
     def close_all(self) -> None:
         for seq in list(self.seqs):
             self.close(seq)
 
-    def blocks_used(self, member: Member) -> int:
-        return len({b for seq in self.seqs if seq.member is member for b in seq.table.blocks})
+    def blocks_used(self, model_kv: ModelKV) -> int:
+        return len({b for seq in self.seqs if seq.model_kv is model_kv for b in seq.table.blocks})

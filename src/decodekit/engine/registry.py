@@ -20,7 +20,7 @@ its requests and then drives `Engine.step` (serialised by the engine's step lock
 own requests finish; every step advances every caller's requests, so concurrent calls
 batch together. A step that raises fails the requests it was running (each of their callers
 gets the error), rolls back the KV slots it reserved and leaves the engine usable, its
-prefix cache intact (engine.py `Engine.step`); a KeyboardInterrupt in `generate` is such a
+prefix cache intact (engine.py `Engine.step`, failure.py); a KeyboardInterrupt in `generate` is such a
 failure too.
 """
 
@@ -32,8 +32,8 @@ from collections.abc import Iterator
 
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine, EngineFull, RequestHandle
+from decodekit.engine.entry import entry_for
 from decodekit.engine.program import Program
-from decodekit.engine.scheduler import entry_for
 from decodekit.models.base import LanguageModel, weights_stamp
 from decodekit.request import Delta, Request
 

@@ -1,0 +1,152 @@
+"""When the engine's decode-only steps run compiled: the compile policy.
+
+`eligible` says whether an engine can use the compiled step at all. `CompilePolicy` says when
+a bucket is worth compiling (compiled.py's docstring: a bucket compiles once the decode-only
+steps already run would have repaid its warm-up, measured and remembered on disk).
+`CompiledDecode` is the engine's side: it runs a decode-only step through its bucket when
+that is ready, and times the eager ones, the policy's evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decodekit.cache_dir import cache_dir
+from decodekit.engine.compiled import ASSUMED_SAVING, AUTO_MAX_ROWS, COLD_WARMUP_S, bucket, bucket_name
+from decodekit.engine.lanes import PrefixKV, lanes_for
+from decodekit.models.native import NativeLM
+
+_log = logging.getLogger(__name__)
+
+
+def eligible(model, pool, batch_invariant: bool) -> str | None:
+    """Why this engine cannot use the compiled step, or None if it can."""
+    if not isinstance(model, NativeLM):
+        return f"{type(model).__name__} is not a NativeLM"
+    if batch_invariant:
+        return "the batch-invariant mode attends per query"
+    if any(window is not None for window in model.config.layer_windows):
+        return "sliding-window layers"
+    if model.config.rope.kind == "dynamic":
+        return "dynamic RoPE (its tables change with the length)"
+    if pool.keys.dtype != model.dtype:
+        return f"the KV pool stores {pool.keys.dtype}, not the model's {model.dtype}"
+    return None
+
+
+@dataclass
+class CompilePolicy:
+    """When the engine compiles a bucket (module docstring). mode: True, False or None
+    (automatic). warmups: the recorded warm-up of each bucket of this model's shape."""
+
+    mode: bool | None
+    cache_file: Path
+    key: str = ""
+    warmups: dict[str, float] = field(default_factory=dict)  # bucket_name -> seconds
+
+    @classmethod
+    def for_model(cls, model: NativeLM, mode: bool | None) -> CompilePolicy:
+        policy = cls(mode, cache_dir() / "compile-times.json", shape_key(model))
+        for name, seconds in _read_json(policy.cache_file).items():
+            shape, _, bucket_of = name.rpartition("/")
+            if shape == policy.key and bucket_of.startswith("rows="):
+                policy.warmups[bucket_of] = float(seconds)
+        return policy
+
+    def pays(self, size: int, decode_steps: int, eager_step_s: float, prefixed: bool = False) -> bool:
+        """Whether the decode-only steps run so far would have repaid the bucket's warm-up
+        (automatic mode: buckets up to AUTO_MAX_ROWS rows, where the step is overhead-bound)."""
+        if self.mode is not None:
+            return self.mode
+        if size > AUTO_MAX_ROWS:
+            return False
+        warmup = self.warmups.get(bucket_name(size, prefixed), COLD_WARMUP_S)
+        return decode_steps * eager_step_s * ASSUMED_SAVING >= warmup
+
+    def record(self, size: int, seconds: float, prefixed: bool = False) -> None:
+        """Remember a measured warm-up of this shape's bucket of `size` rows."""
+        name = bucket_name(size, prefixed)
+        self.warmups[name] = seconds
+        times = _read_json(self.cache_file)
+        times[f"{self.key}/{name}"] = round(seconds, 2)
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            self.cache_file.write_text(json.dumps(times, indent=1, sort_keys=True))
+        except OSError as error:  # a read-only cache costs the next process a guess, no more
+            _log.info("could not record the compile time in %s: %s", self.cache_file, error)
+
+
+def shape_key(model: NativeLM) -> str:
+    """The model's shape and dtype, what a compiled step's cost depends on."""
+    c = model.config
+    dtype = str(model.dtype).removeprefix("torch.")
+    return (f"{c.num_layers}x{c.hidden_size}/{c.num_heads}h{c.num_kv_heads}kv/{c.intermediate_size}"
+            f"/{c.vocab_size}/{dtype}/torch{torch.__version__}")  # fmt: skip
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class CompiledDecode:
+    """An engine's compiled decode steps (lanes.py) and the evidence of its eager ones."""
+
+    def __init__(self, model: NativeLM, mode: bool | None):
+        self.lanes = lanes_for(model)
+        self.policy = CompilePolicy.for_model(model, mode)
+        self.decode_steps = 0  # eager decode-only steps (the policy's evidence) and their mean time
+        self.eager_step_s = 0.0
+        self.steps = 0
+        self.prefix_kv: PrefixKV | None = None  # the shared prefixes the last compiled step read
+
+    def forward(self, works: list, running_kv, pool, eager: Callable[[], tuple]) -> tuple:
+        """Logits [B, V] of a decode-only step's rows (scheduler.py `Work`, in lane order)
+        and None for the hidden states: through the compiled step when its bucket is ready
+        (their new keys and values written into the rows and the pool), else `eager()`,
+        timed for the policy."""
+        logits = self._compiled(works, running_kv, pool)
+        if logits is not None:
+            return logits, None
+        start = time.perf_counter()
+        out = eager()
+        seconds = time.perf_counter() - start
+        self.decode_steps += 1
+        self.eager_step_s += (seconds - self.eager_step_s) / self.decode_steps
+        prefixed = any(prefix is not None for prefix in running_kv.prefixes)
+        self.lanes.want(len(works), self.policy, self.decode_steps, self.eager_step_s, running_kv,
+                        prefixed=prefixed)  # fmt: skip
+        return out
+
+    def _compiled(self, works: list, running_kv, pool) -> torch.Tensor | None:
+        self.prefix_kv = prefix = PrefixKV.for_rows(running_kv.prefixes, self.prefix_kv)
+        seqs = [work.seq for work in works]
+        if (bucket(len(seqs)), prefix is not None) not in self.lanes.ready:
+            return None  # not compiled (yet): no inputs to build
+        device = running_kv.keys.device  # the step's indices live beside the rows they index
+        # each row's token, its position, and the positions its row holds before it: [3, B]
+        per_row = torch.tensor([[seq.tokens[seq.table.length - 1] for seq in seqs],
+                                [seq.table.length - 1 for seq in seqs],
+                                [length - 1 for length in running_kv.lengths]], device=device)  # fmt: skip
+        tokens, positions, stored = per_row.unbind()
+        bounds = None if prefix is None else torch.tensor(prefix.bounds(running_kv.prefixes), device=device)
+        out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, bounds)
+        if out is None:
+            return None
+        logits, keys, values = out  # [B, V], [N, B, H_kv, D]
+        rows = torch.arange(len(seqs), device=device)
+        running_kv.keys[:, rows, :, stored] = keys.transpose(0, 1)  # [B, N, H_kv, D]
+        running_kv.values[:, rows, :, stored] = values.transpose(0, 1)
+        slots = torch.tensor([work.slots[0] for work in works], device=device)
+        pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
+        self.steps += 1
+        return logits
