@@ -211,7 +211,8 @@ def test_the_prefill_gemm_runs_in_bfloat16_only_where_the_cpu_multiplies_it(monk
         assert layer.kernel == "int4pack"
         x = torch.randn(module.PACKED_MAX_ROWS + 16, 128, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            expected = torch.nn.functional.linear(x.to(dtype), module.dequantize(layer.codes(), layer.scales, dtype))
+            weight = module.dequantize(layer.codes(), layer.scales, dtype)
+            expected = torch.nn.functional.linear(x.to(dtype), weight)
             assert torch.equal(layer.packed_matmul(x), expected.to(torch.float32))
     finally:
         module.prefill_dtype.cache_clear()
