@@ -7,22 +7,24 @@ NativeLM's layers receive as their cache: its `attend` writes the new keys and v
 the block pool and computes each sequence's attention:
 
 - the decoding sequences, first in the row and in the order of their `RunningKV` rows,
-  attend together in one SDPA call over the dense rows `[:B, :, :S]` (rows.py; S is the
-  longest, a mask hides the rest of shorter rows); the samples of one prompt also attend
-  to its shared prefix, once for all of them, merged by log-sum-exp (cascade attention);
+  attend together in one `decode_attention` call over the dense rows `[:B, :, :S]` (rows.py;
+  S is the longest, a mask hides the rest of shorter rows); the samples of one prompt also
+  attend to its shared prefix, once for all of them (cascade attention, `SharedKV`);
 - each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
-  its blocks gathered from the pool, its cached prefix included; the short ones among them
-  (a program's verification or draft feeds: a few new tokens after a long cached prefix)
-  attend together, padded, in one call (`SpanGroup`), since sixteen calls of five queries
-  cost more in overhead than in arithmetic.
+  its blocks gathered from the pool, its cached prefix included (`prefill_attention`); the
+  short ones among them (a program's verification or draft feeds: a few new tokens after a
+  long cached prefix) attend together, padded, in one call (`SpanGroup`), since sixteen
+  calls of five queries cost more in overhead than in arithmetic.
 
 A sliding-window layer (`windows`) masks the positions that fell out of each query's
 window. In the batch-invariant mode (`paged_forward(..., batch_invariant=True)`) every
 query, decoding or prefilling, attends alone over exactly its visible keys
-(`kv.attend_alone`) and the rows hold their whole sequence (no shared prefix), so a
+(`attend_alone`) and the rows hold their whole sequence (no shared prefix), so a
 token's arithmetic is the same whatever else shares the step.
 
-The layers themselves are NativeLM's (models/native.py): one implementation of the maths.
+The layers themselves are NativeLM's (models/native.py) and the attention is
+models/attention.py's, as in the compiled and static steps: one implementation of the maths.
+This module only says where each query's keys are.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ greedy tokens equal `generate`'s on the wrapped model (tests/models/test_static.
 
 The wrapper is a `LanguageModel` without paged KV, so `generate` runs it on the plain loop
 (decode/sample.py): the prompt is prefilled by the wrapped model's own forward into the
-static buffers (`StaticKVCache.attend`), then every one-token step of an unpadded single
+static buffers (`ContiguousKVCache.attend` over `StaticKVCache.layer`), then every one-token step of an unpadded single
 row is the compiled step. Anything else (several rows, n > 1 after the fork, padding)
 falls back to the wrapped model and an ordinary `ContiguousKVCache`. The KV buffers are
 one tensor per layer, not one stacked tensor: `index_copy_` into a view of a compiled
