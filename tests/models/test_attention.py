@@ -56,20 +56,21 @@ def test_decode_attention_over_rows_and_new_keys_equals_the_softmax_by_hand(writ
 @pytest.mark.parametrize("written_out", [False, True])
 def test_a_shared_prefix_is_merged_as_one_softmax(written_out):
     """Rows that continue a prefix (the eager step names them, `rows`; the compiled step gives
-    each row its span, `sees`) attend over it and their own keys as one softmax."""
+    each row its span, `sees`, which only the written-out form takes) attend over it and
+    their own keys as one softmax; the eager form merges the two parts by log-sum-exp."""
     q, keys, values, visible, new, prefix_keys, prefix_values = tensors(1)
     prefix = (prefix_keys, prefix_values)
-    sees = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None]
-    shared = SharedKV(prefix_keys, prefix_values, sees=sees)
-    got = decode_attention(q, keys, values, visible, new, [shared], written_out=written_out)
+    rows = SharedKV(prefix_keys, prefix_values, rows=torch.tensor([0, 2]))  # row 1 continues none
+    for row_new in (None, new):
+        got = decode_attention(q, keys, values, visible, row_new, [rows], written_out=written_out)
+        want = by_hand(q, keys, values, visible, row_new, prefix)
+        torch.testing.assert_close(got[[0, 2]], want[[0, 2]], atol=1e-5, rtol=1e-5)
+        alone = by_hand(q, keys, values, visible, row_new)[1]
+        torch.testing.assert_close(got[1], alone, atol=1e-5, rtol=1e-5)
+    sees = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)[:, None, None]
+    got = decode_attention(q, keys, values, visible, new, [SharedKV(prefix_keys, prefix_values, sees=sees)])
     want = by_hand(q, keys, values, visible, new, prefix, sees)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    if not written_out:  # the eager step's rows: row 1 continues no prefix
-        rows = SharedKV(prefix_keys, prefix_values, rows=torch.tensor([0, 2]))
-        got = decode_attention(q, keys, values, visible, prefixes=[rows])
-        want = by_hand(q, keys, values, visible, prefix=prefix)
-        torch.testing.assert_close(got[[0, 2]], want[[0, 2]], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got[1], by_hand(q, keys, values, visible)[1], atol=1e-5, rtol=1e-5)
 
 
 def test_torch_compile_traces_the_written_out_form():

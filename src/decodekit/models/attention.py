@@ -60,18 +60,21 @@ def decode_attention(
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     folded = q.reshape(batch, kv_heads, group, dim)  # [B, H_kv, G, D]; a mask broadcasts over G
-    if written_out is None:
-        written_out = torch.compiler.is_compiling() or (
-            bool(prefixes) and (LSE_KERNEL is None or not q.is_cpu))
+    if written_out is None:  # the LSE kernel: the CPU's, and a row it sees nothing of gets lse 0
+        written_out = torch.compiler.is_compiling() or (bool(prefixes) and (
+            LSE_KERNEL is None or not q.is_cpu or any(p.sees is not None for p in prefixes)))
     if written_out:
         scale = dim**-0.5
         parts = []  # scores [B, H_kv, G, n] over each key set in turn, masked
         for prefix in prefixes:  # the prefix's keys read once for all B * G queries of a key head
-            assert prefix.rows is None, "the written-out form takes a prefix's rows as `sees`"
             stacked = folded.transpose(0, 1).reshape(kv_heads, batch * group, dim)  # [H_kv, BG, D]
             shared = (stacked @ prefix.keys[0].transpose(-1, -2)).float() * scale  # [H_kv, BG, P]
             shared = shared.reshape(kv_heads, batch, group, -1).transpose(0, 1)  # [B, H_kv, G, P]
-            parts.append(shared if prefix.sees is None else shared.masked_fill(~prefix.sees, -torch.inf))
+            sees = prefix.sees
+            if prefix.rows is not None:  # the rows that continue it see all of it, the others none
+                sees = torch.zeros(batch, dtype=torch.bool, device=q.device).index_fill_(0, prefix.rows, True)
+                sees = sees[:, None, None, None]  # [B, 1, 1, 1]
+            parts.append(shared if sees is None else shared.masked_fill(~sees, -torch.inf))
         stored = (folded @ keys.transpose(-1, -2)).float() * scale  # [B, H_kv, G, S]
         if visible is not None:
             stored = (stored.masked_fill(~visible, -torch.inf) if visible.dtype == torch.bool
@@ -104,16 +107,11 @@ def decode_attention(
     if visible is not None and visible.dtype == torch.bool:  # the LSE kernel takes an additive mask
         visible = keys.new_zeros(visible.shape).masked_fill(~visible, -torch.inf)
     out, lse = LSE_KERNEL(folded, keys, values, 0.0, False, attn_mask=visible)  # [B, H_kv, G, D], [.., G]
-    for prefix in prefixes:
+    for prefix in prefixes:  # its rows' queries in one call: the prefix's keys are read once
         rows = prefix.rows if prefix.rows is not None else torch.arange(batch, device=q.device)
         n = len(rows)
-        stacked = folded[rows].transpose(0, 1).reshape(1, kv_heads, n * group, dim)
-        mask = None
-        if prefix.sees is not None:  # [B, 1, 1, P] -> [1, 1, nG, P], additive
-            sees = prefix.sees[rows].expand(n, 1, group, -1).reshape(1, 1, n * group, -1)
-            mask = prefix.keys.new_zeros(sees.shape).masked_fill(~sees, -torch.inf)
-        shared, shared_lse = LSE_KERNEL(stacked, prefix.keys, prefix.values, 0.0, False,
-                                        attn_mask=mask)  # [1, H_kv, nG, D], [1, H_kv, nG]  # fmt: skip
+        stacked = folded[rows].transpose(0, 1).reshape(1, kv_heads, n * group, dim)  # [1, H_kv, nG, D]
+        shared, shared_lse = LSE_KERNEL(stacked, prefix.keys, prefix.values, 0.0, False)  # and [.., nG]
         shared = shared.view(kv_heads, n, group, dim).transpose(0, 1)  # [n, H_kv, G, D]
         shared_lse = shared_lse.view(kv_heads, n, group).transpose(0, 1)  # [n, H_kv, G]
         # softmax over the union = each part's softmax weighted by its share of the total mass

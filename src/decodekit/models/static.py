@@ -15,13 +15,13 @@ greedy tokens equal `generate`'s on the wrapped model (tests/models/test_static.
 
 The wrapper is a `LanguageModel` without paged KV, so `generate` runs it on the plain loop
 (decode/sample.py): the prompt is prefilled by the wrapped model's own forward into the
-static buffers (`ContiguousKVCache.attend` over `StaticKVCache.layer`), then every one-token step of an unpadded single
-row is the compiled step. Anything else (several rows, n > 1 after the fork, padding)
-falls back to the wrapped model and an ordinary `ContiguousKVCache`. The KV buffers are
-one tensor per layer, not one stacked tensor: `index_copy_` into a view of a compiled
-graph's input makes inductor copy the whole stacked buffer back every step (measured:
-0.5-1.1 ms of a 1.8 ms step on `shakespeare`, which made the compiled step slower than the
-eager one).
+static buffers (`ContiguousKVCache.attend` over `StaticKVCache.layer`), then every one-token
+step of an unpadded single row is the compiled step. Anything else (several rows, n > 1
+after the fork, padding) falls back to the wrapped model and an ordinary
+`ContiguousKVCache`. The KV buffers are one tensor per layer, not one stacked tensor:
+`index_copy_` into a view of a compiled graph's input makes inductor copy the whole
+stacked buffer back every step (measured: 0.5-1.1 ms of a 1.8 ms step on `shakespeare`,
+which made the compiled step slower than the eager one).
 
 What it costs: the compilation (10-90 s on the first step, inductor caches it on disk), and
 attention over `capacity` positions at every step whatever the length (keep `capacity` near
