@@ -59,18 +59,9 @@ class PoolCorrupted(RuntimeError):
 
 
 class BlockPool:
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        prefix_cache: PrefixCache | None = None,
-        device: str | torch.device = "cpu",
-        kv_dtype: torch.dtype | None = None,
-    ):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, prefix_cache: PrefixCache | None = None,
+                 device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None):  # fmt: skip
         """dtype: the model's, which `read` and `write` return; kv_dtype: the stored one
         (None: the model's; torch.int8 adds a scale per layer, head and position)."""
         # Heads outermost: a gather of blocks (index_select on dim 2) yields, per head, each
