@@ -10,8 +10,9 @@ import torch
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
-from decodekit.engine.kv import BlockManager, BlockPool, BlockTable, OutOfBlocks
+from decodekit.engine.kv import BlockManager, BlockPool, BlockTable, OutOfBlocks, PoolCorrupted
 from decodekit.engine.prefix_cache import PrefixCache
+from decodekit.engine.rows import RunningKV
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
 
@@ -187,3 +188,27 @@ def test_engine_config_is_validated():
     with pytest.raises(ValueError, match="num_blocks"):
         EngineConfig(num_blocks=0)
     assert EngineConfig(num_blocks=7).num_blocks_for(10**9) == 7
+
+
+def test_reference_count_guards_raise_even_under_python_O(sharp_lm):
+    """Guards of the KV's owners are raises (python -O strips asserts): a block released
+    twice, handed out while referenced, or shared unreferenced without a prefix cache; a
+    RunningKV row whose length disagrees with its table's."""
+    manager = manager_for(sharp_lm, cache=False)
+    pool = manager.pool
+    block = pool.allocate()
+    pool.release(block)
+    with pytest.raises(PoolCorrupted, match=f"block {block} is released with 0 references"):
+        pool.release(block)
+    with pytest.raises(PoolCorrupted, match=f"block {block} is shared with no reference and no prefix cache"):
+        pool.share(block)
+    pool.refs[block] = 1  # books gone wrong: a free block that someone references
+    with pytest.raises(PoolCorrupted, match=f"block {block} is handed out with 1 references"):
+        pool.allocate()
+    table = BlockTable()
+    extend(sharp_lm, manager, table, TOKENS[:5], 5)
+    running = RunningKV(pool)
+    running.add(table, table.blocks, table.length)  # 5 positions, not grown for the new token
+    slots = manager.reserve(table, 1)
+    with pytest.raises(PoolCorrupted, match="RunningKV row 0 holds 5 positions and feeds 1 tokens"):
+        build_batch(pool, [(table, TOKENS[:6], slots)], running)

@@ -7,22 +7,24 @@ NativeLM's layers receive as their cache: its `attend` writes the new keys and v
 the block pool and computes each sequence's attention:
 
 - the decoding sequences, first in the row and in the order of their `RunningKV` rows,
-  attend together in one SDPA call over the dense rows `[:B, :, :S]` (rows.py; S is the
-  longest, a mask hides the rest of shorter rows); the samples of one prompt also attend
-  to its shared prefix, once for all of them, merged by log-sum-exp (cascade attention);
+  attend together in one `decode_attention` call over the dense rows `[:B, :, :S]` (rows.py;
+  S is the longest, a mask hides the rest of shorter rows); the samples of one prompt also
+  attend to its shared prefix, once for all of them (cascade attention, `SharedKV`);
 - each other sequence (a prompt, or a sequence not in `RunningKV`) attends causally over
-  its blocks gathered from the pool, its cached prefix included; the short ones among them
-  (a program's verification or draft feeds: a few new tokens after a long cached prefix)
-  attend together, padded, in one call (`SpanGroup`), since sixteen calls of five queries
-  cost more in overhead than in arithmetic.
+  its blocks gathered from the pool, its cached prefix included (`prefill_attention`); the
+  short ones among them (a program's verification or draft feeds: a few new tokens after a
+  long cached prefix) attend together, padded, in one call (`SpanGroup`), since sixteen
+  calls of five queries cost more in overhead than in arithmetic.
 
 A sliding-window layer (`windows`) masks the positions that fell out of each query's
 window. In the batch-invariant mode (`paged_forward(..., batch_invariant=True)`) every
 query, decoding or prefilling, attends alone over exactly its visible keys
-(`kv.attend_alone`) and the rows hold their whole sequence (no shared prefix), so a
+(`attend_alone`) and the rows hold their whole sequence (no shared prefix), so a
 token's arithmetic is the same whatever else shares the step.
 
-The layers themselves are NativeLM's (models/native.py): one implementation of the maths.
+The layers themselves are NativeLM's (models/native.py) and the attention is
+models/attention.py's, as in the compiled and static steps: one implementation of the maths.
+This module only says where each query's keys are.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from decodekit.engine.kv import BlockPool, BlockTable
-from decodekit.engine.rows import FLASH_WITH_LSE, RunningKV, SharedPrefix
-from decodekit.models.kv import attend as dense_attend
-from decodekit.models.kv import attend_alone, causal_mask
+from decodekit.engine.kv import BlockPool, BlockTable, PoolCorrupted
+from decodekit.engine.rows import RunningKV, SharedPrefix
+from decodekit.models.attention import SharedKV, attend_alone, decode_attention, prefill_attention
+from decodekit.models.kv import causal_mask
 from decodekit.models.native import NativeLM
 
 
@@ -128,8 +129,7 @@ class PagedBatch:
     def _decode(self, layer: int, q, k, v, window: int | None, per_query: bool) -> torch.Tensor:
         """q [B, H, D], k/v [B, H_kv, D] of the running rows -> [B, H, D]."""
         running = self.running
-        batch, heads, dim = q.shape
-        kv_heads = k.shape[1]
+        batch = q.shape[0]
         row_keys = running.kv.keys[layer]  # [R, H_kv, C, D]
         row_values = running.kv.values[layer]
         rows = torch.arange(batch, device=q.device)
@@ -143,39 +143,11 @@ class PagedBatch:
                 keys, values = row_keys[row, :, first:length], row_values[row, :, first:length]
                 out[row] = attend_alone(q[row], keys, values)  # [H, D]
             return out
-        # Fold the query heads that share a key head into the query axis (as models/kv.py).
-        folded = q.view(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
-        own_keys = row_keys[:batch, :, : running.width]  # [B, H_kv, S, D]
-        own_values = row_values[:batch, :, : running.width]
-        mask = running.masks[window]
-        if not running.groups:
-            out = F.scaled_dot_product_attention(folded, own_keys, own_values, mask)
-            return out.reshape(batch, heads, dim)
-        assert window is None  # RunningKV shares no prefix in a sliding-window model
-        out, lse = FLASH_WITH_LSE(folded, own_keys, own_values, 0.0, False, attn_mask=mask)
-        for prefix, rows in running.groups:
-            out[rows] = _with_prefix(folded[rows], out[rows], lse[rows], prefix, layer)
-        return out.reshape(batch, heads, dim)
-
-
-def _with_prefix(q, out, lse, prefix: SharedPrefix, layer: int) -> torch.Tensor:
-    """Attention over [prefix, own positions] from the own part's output and log-sum-exp.
-
-    q [n, H_kv, G, D] of n rows sharing `prefix`: their n * G queries per key head attend
-    to the prefix in one call, so its keys are read once, not n times.
-    """
-    n, kv_heads, group, dim = q.shape
-    stacked = q.transpose(0, 1).reshape(1, kv_heads, n * group, dim)
-    shared, shared_lse = FLASH_WITH_LSE(
-        stacked, prefix.keys[layer], prefix.values[layer], 0.0, False
-    )  # [1, H_kv, nG, D], [1, H_kv, nG]
-    shared = shared.view(kv_heads, n, group, dim).transpose(0, 1)  # [n, H_kv, G, D]
-    shared_lse = shared_lse.view(kv_heads, n, group).transpose(0, 1)  # [n, H_kv, G]
-    # softmax over the union = each part's softmax weighted by its share of the total mass
-    top = torch.maximum(lse, shared_lse)
-    own_weight = (lse - top).exp()[..., None]
-    shared_weight = (shared_lse - top).exp()[..., None]
-    return (out * own_weight + shared * shared_weight) / (own_weight + shared_weight)
+        assert window is None or not running.groups  # no shared prefix in a sliding-window model
+        width = running.width  # the longest row
+        prefixes = [SharedKV(p.keys[layer], p.values[layer], rows) for p, rows in running.groups]
+        return decode_attention(q, row_keys[:batch, :, :width], row_values[:batch, :, :width],
+                                running.masks[window], prefixes=prefixes)  # fmt: skip
 
 
 def group_short_spans(
@@ -214,7 +186,7 @@ def _attend_together(q: torch.Tensor, pool: BlockPool, layer: int, group: SpanGr
     k = keys.view(kv_heads, batch, -1, dim)[:, :, :width]
     v = values.view(kv_heads, batch, -1, dim)[:, :, :width]
     padded = q[group.queries].view(batch, count, heads, dim).transpose(1, 2)  # [B, H, T, D]
-    out = dense_attend(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False)
+    out = prefill_attention(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False)
     return out.transpose(1, 2).reshape(batch * count, heads, dim)[group.real]
 
 
@@ -239,7 +211,7 @@ def _prefill(
     if (start and num_new > 1) or slides:  # one query after its prefix sees every key: no mask
         mask = causal_mask(start, num_new, window if slides else None, q.device)[None, None]  # [1, 1, T, S]
     causal = mask is None and start == 0
-    out = dense_attend(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal)
+    out = prefill_attention(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal)
     return out[0].transpose(0, 1)  # [T, H, D]
 
 
@@ -307,9 +279,11 @@ def build_batch(
             keep += range(start, start + count)
         else:
             keep.append(start + count - 1)
-        if index < decoding:
-            assert count == 1 and running.total_length(index) == length
-        else:
+        if index < decoding and (count != 1 or running.total_length(index) != length):
+            # a row's KV and its table disagree: the step would attend over the wrong keys
+            raise PoolCorrupted(f"RunningKV row {index} holds {running.total_length(index)} positions "
+                                f"and feeds {count} tokens; its table holds {length}, and a row feeds one")
+        if index >= decoding:
             blocks = torch.tensor(table.blocks, dtype=torch.long, device=device)
             prefills.append(PrefillSpan(start, start + count, blocks, length))
     rows = None

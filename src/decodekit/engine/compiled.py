@@ -10,10 +10,10 @@ step (models/static.py). Here:
 - `lanes_step(model)` is the decode step over B rows with NativeLM's own modules
   (`LlamaNet.forward` with `LaneAttention` as its cache): tokens [B, 1], positions [B], the
   RunningKV keys and values read-only, and `visible` [B, 1, 1, C] (each row's stored
-  positions). Attention is written out: each query's scores over its row and over its own new
-  key, one softmax over both, so the graph mutates nothing; it returns the logits and the new
-  keys and values [N, B, H_kv, D], which the engine then writes into the rows and the pool
-  (two index writes for all layers, not two per layer).
+  positions). Attention is `decode_attention` (models/attention.py), traced in its written-out
+  form, over each row and its own new key passed beside it (`new`), so the graph mutates
+  nothing; it returns the logits and the new keys and values [N, B, H_kv, D], which the engine
+  then writes into the rows and the pool (two index writes for all layers, not two per layer).
 - One `torch.compile` per bucket of rows (1, 2, 4, ..., 64; padded rows see nothing and
   their output is dropped), static in B, dynamic in the RunningKV capacity (rows and
   positions), so a bucket compiles once whatever the lengths. The kernels of
@@ -28,9 +28,10 @@ step (models/static.py). Here:
 - Prompts, verification spans, forks, sliding windows, a quantised KV pool and the
   batch-invariant mode stay on the eager path (`eligible`).
 
-When to compile (`CompilePolicy`): compilation costs seconds to a minute (inductor caches
-its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so a later process pays only the tracing);
-a step saves a fraction of a millisecond. So the engine runs eager and compiles a bucket, in
+When to compile (`CompilePolicy`, compile_policy.py; the buckets, lanes.py): compilation
+costs seconds to a minute (inductor caches its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so
+a later process pays only the tracing); a step saves a fraction of a millisecond. So the
+engine runs eager and compiles a bucket, in
 a child process and then between two steps (compile_worker.py: a compilation never runs
 beside a step), once the decode-only steps it has already run would have repaid that
 bucket's warm-up (a JIT's tiering: past work predicts future work), and automatically only
@@ -50,6 +51,7 @@ import types
 
 import torch
 
+from decodekit.models.attention import SharedKV, decode_attention
 from decodekit.models.native import NativeLM
 
 _log = logging.getLogger(__name__)
@@ -83,41 +85,24 @@ class LaneAttention:
     token each over their RunningKV rows, and over a shared prefix for the rows that continue
     it (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, scale: float, prefix=None):  # visible [B, 1, 1, C] bool
-        self.keys, self.values, self.visible, self.scale = keys, values, visible, scale
+    def __init__(self, keys, values, visible, prefix=None):  # visible [B, 1, 1, C] bool
+        self.keys, self.values, self.visible = keys, values, visible
         self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and sees [B, 1, 1, P] bool
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
         """q [B, 1, H, D], k/v [B, 1, H_kv, D] -> [B, 1, H, D]."""
-        batch, _, heads, dim = q.shape
-        kv_heads = k.shape[2]
-        folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
-        own_k, own_v = k.reshape(batch, kv_heads, 1, dim), v.reshape(batch, kv_heads, 1, dim)
-        keys, values = self.keys[layer, :batch], self.values[layer, :batch]  # [B, H_kv, C, D]
-        stored = (folded @ keys.transpose(-1, -2)).float() * self.scale  # [B, H_kv, G, C]
-        own = (folded * own_k).sum(-1, keepdim=True).float() * self.scale  # [B, H_kv, G, 1]
-        stored = stored.masked_fill(~self.visible, -torch.inf)
-        if self.prefix is None:
-            weights = torch.cat([stored, own], dim=-1).softmax(dim=-1).to(q.dtype)
-            out = weights[..., :-1] @ values + weights[..., -1:] * own_v  # [B, H_kv, G, D]
-        else:  # the prefix's keys read once for all B * G queries of a key head
-            prefix_keys, prefix_values, sees = self.prefix
-            group = heads // kv_heads
-            queries = folded.transpose(0, 1).reshape(kv_heads, batch * group, dim)  # [H_kv, B*G, D]
-            shared = (queries @ prefix_keys[layer, 0].transpose(-1, -2)).float() * self.scale  # [H_kv, BG, P]
-            shared = shared.reshape(kv_heads, batch, group, -1).transpose(0, 1)  # [B, H_kv, G, P]
-            shared = shared.masked_fill(~sees, -torch.inf)
-            length = shared.shape[-1]
-            weights = torch.cat([shared, stored, own], dim=-1).softmax(dim=-1).to(q.dtype)  # [.., P+C+1]
-            from_prefix = weights[..., :length].transpose(0, 1).reshape(kv_heads, batch * group, length)
-            from_prefix = (from_prefix @ prefix_values[layer, 0]).reshape(kv_heads, batch, group, dim)
-            out = (from_prefix.transpose(0, 1) + weights[..., length:-1] @ values
-                   + weights[..., -1:] * own_v)  # fmt: skip
+        batch = q.shape[0]
+        prefixes = ()
+        if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
+            keys, values, sees = self.prefix
+            prefixes = (SharedKV(keys[layer], values[layer], sees=sees),)
+        out = decode_attention(q[:, 0], self.keys[layer, :batch], self.values[layer, :batch],
+                               self.visible, new=(k[:, 0], v[:, 0]), prefixes=prefixes)  # fmt: skip
         self.new_keys.append(k[:, 0])
         self.new_values.append(v[:, 0])
-        return out.reshape(batch, 1, heads, dim)
+        return out[:, None]
 
 
 def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False):
@@ -133,7 +118,6 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     must not share one."""
     net, config = model.net, model.config
     cos_table, sin_table = model.rope.tables(model.max_context)
-    scale = config.head_dim**-0.5
     masks = [(None, False)] * config.num_layers
 
     def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
@@ -146,7 +130,7 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
             spans = torch.arange(prefix_keys.shape[3], device=keys.device)[None, :]  # [1, P]
             sees = (spans >= bounds[0][:, None]) & (spans < bounds[1][:, None])  # [B, P]
             prefix = (prefix_keys, prefix_values, sees[:, None, None])
-        cache = LaneAttention(keys, values, visible, scale, prefix)
+        cache = LaneAttention(keys, values, visible, prefix)
         logits = net(tokens, cos, sin, cache, masks)  # [B, 1, V]
         return logits[:, 0], torch.stack(cache.new_keys), torch.stack(cache.new_values)
 

@@ -59,18 +59,9 @@ class PoolCorrupted(RuntimeError):
 
 
 class BlockPool:
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        prefix_cache: PrefixCache | None = None,
-        device: str | torch.device = "cpu",
-        kv_dtype: torch.dtype | None = None,
-    ):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, prefix_cache: PrefixCache | None = None,
+                 device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None):  # fmt: skip
         """dtype: the model's, which `read` and `write` return; kv_dtype: the stored one
         (None: the model's; torch.int8 adds a scale per layer, head and position)."""
         # Heads outermost: a gather of blocks (index_select on dim 2) yields, per head, each
@@ -185,7 +176,8 @@ class BlockPool:
             block = self.cache.evict()  # idle only: never a block in use
         else:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        assert self.refs[block] == 0
+        if self.refs[block]:  # a block in use handed out again: two sequences would share KV
+            raise PoolCorrupted(f"block {block} is handed out with {self.refs[block]} references")
         self.refs[block] = 1
         self.num_used += 1
         return block
@@ -202,13 +194,15 @@ class BlockPool:
 
     def share(self, block: int) -> None:
         if self.refs[block] == 0:
-            assert self.cache is not None
+            if self.cache is None:  # only the prefix cache hands out a block nobody holds
+                raise PoolCorrupted(f"block {block} is shared with no reference and no prefix cache")
             self.cache.unpark(block)
             self.num_used += 1
         self.refs[block] += 1
 
     def release(self, block: int) -> None:
-        assert self.refs[block] > 0, block
+        if self.refs[block] <= 0:  # released twice: its KV could be handed out while in use
+            raise PoolCorrupted(f"block {block} is released with {self.refs[block]} references")
         self.refs[block] -= 1
         if self.refs[block] == 0:
             self.num_used -= 1

@@ -27,10 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from decodekit.engine.kv import BlockPool
-
-# SDPA that also returns the log-sum-exp, needed to merge a shared prefix's attention
-# with a row's own (a private ATen op; without it, samples copy the prompt into each row).
-FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+from decodekit.models.attention import LSE_KERNEL  # SDPA with the log-sum-exp (or None)
 
 
 @dataclass(eq=False)
@@ -64,7 +61,7 @@ class RunningKV:
         self.lengths: list[int] = []  # positions stored in each used row (after its prefix)
         self.prefixes: list[SharedPrefix | None] = []  # the shared prefix each row continues
         # The log-sum-exp kernel that merges a shared prefix's attention is the CPU's own.
-        self.share_prefixes = share_prefixes and FLASH_WITH_LSE is not None and pool.keys.is_cpu
+        self.share_prefixes = share_prefixes and LSE_KERNEL is not None and pool.keys.is_cpu
 
     def __len__(self) -> int:
         return len(self.owners)

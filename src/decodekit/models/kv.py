@@ -13,8 +13,8 @@ the engine's block pool stores them) and, with a token budget, a query sees only
 the heavy hitters and the most recent ones (H2O, `heavy_hitter_attention`).
 
 This is the simple engine-less cache; the paged engine (issue 4, item 2) replaces it
-behind the same `Cache` operations, and `attend` is the one function it swaps.
-`attend_alone` is the batch-invariant mode's attention, shared with the engine.
+behind the same `Cache` operations. Each cache's `attend` stores a layer's new keys and
+values and calls the attention of models/attention.py, as every other cache does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from decodekit.models.attention import attend_alone, prefill_attention
 from decodekit.models.base import Cache
 
 _MIN_CAPACITY = 16
@@ -115,19 +115,18 @@ class ContiguousKVCache(Cache):
         """
         end = self._length
         start = end - q.shape[1]
-        self.keys[layer, :, :, start:end] = k.transpose(1, 2)
-        self.values[layer, :, :, start:end] = v.transpose(1, 2)
+        keys, values = self.layer(layer)  # [B, H_kv, C, D]
+        keys[:, :, start:end] = k.transpose(1, 2)
+        values[:, :, start:end] = v.transpose(1, 2)
+        keys, values = keys[:, :, :end], values[:, :, :end]
         if per_query:
             assert mask is not None
-            return _attend_per_query(q, self.keys[layer, :, :, :end], self.values[layer, :, :, :end], mask)
-        out = attend(
-            q.transpose(1, 2),  # [B, H, T, D]
-            self.keys[layer, :, :, :end],  # [B, H_kv, S, D]
-            self.values[layer, :, :, :end],
-            mask,
-            causal,
-        )
-        return out.transpose(1, 2)
+            return _attend_per_query(q, keys, values, mask)
+        return prefill_attention(q.transpose(1, 2), keys, values, mask, causal).transpose(1, 2)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values, views [B, H_kv, capacity, D]."""
+        return self.keys[layer], self.values[layer]
 
     def fork(self, rows: Sequence[int]) -> ContiguousKVCache:
         index = self._row_index(rows)
@@ -213,29 +212,38 @@ def heavy_hitter_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, budget: int, recent: int
 ) -> torch.Tensor:
     """Causal attention of a whole sequence through H2O's cache (Zhang et al. 2023, "H2O:
-    Heavy-Hitter Oracle"): q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D].
+    Heavy-Hitter Oracle"): q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], each query
+    over the keys `heavy_hitters` keeps for it."""
+    kept = heavy_hitters(q, k, budget, recent)  # [B, H_kv, T, T]
+    group = q.shape[1] // k.shape[1]
+    return prefill_attention(q, k, v, kept.repeat_interleave(group, dim=1), causal=False)
+
+
+def heavy_hitters(q: torch.Tensor, k: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
+    """H2O's eviction: [B, H_kv, T, T] bool, the keys query t still sees (q [B, H, T, D],
+    k [B, H_kv, T, D]).
 
     Each key head keeps at most `budget` keys, the query's own included: once over it, each
     new key evicts for good the key with the least attention accumulated so far (summed
-    over the query heads that share it) among those older than the `recent` newest. The queries run one at
-    a time, since each eviction depends on the attention the earlier ones paid.
+    over the query heads that share it) among those older than the `recent` newest. The
+    queries run one at a time, since each eviction depends on the attention the earlier
+    ones paid (these weights score keys; the output is `prefill_attention`'s).
     """
     batch, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     folded = q.reshape(batch, kv_heads, heads // kv_heads, length, dim)  # [B, H_kv, G, T, D]
     logits = torch.einsum("bhgtd,bhsd->bhgts", folded.float(), k.float()) / dim**0.5
     kept = torch.ones((batch, kv_heads, length), dtype=torch.bool, device=q.device)
+    seen = torch.zeros((batch, kv_heads, length, length), dtype=torch.bool, device=q.device)
     score = torch.zeros((batch, kv_heads, length), device=q.device)
-    out = torch.empty_like(folded, dtype=torch.float32)
     for t in range(length):
         if t + 1 > budget:  # key t came in, one goes: the lightest older than the recent ones
             older = score[:, :, : t + 1 - recent].masked_fill(~kept[:, :, : t + 1 - recent], torch.inf)
             kept.scatter_(2, older.argmin(dim=-1, keepdim=True), False)
+        seen[:, :, t, : t + 1] = kept[:, :, : t + 1]  # `budget` keys at most
         row = logits[:, :, :, t, : t + 1].masked_fill(~kept[:, :, None, : t + 1], -torch.inf)
-        weights = row.softmax(dim=-1)  # [B, H_kv, G, t + 1]: query t sees `budget` keys at most
-        out[:, :, :, t] = torch.einsum("bhgs,bhsd->bhgd", weights, v[:, :, : t + 1].float())
-        score[:, :, : t + 1] += weights.sum(dim=2)
-    return out.to(q.dtype).reshape(batch, heads, length, dim)
+        score[:, :, : t + 1] += row.softmax(dim=-1).sum(dim=2)
+    return seen
 
 
 POLICIES = ("streaming", "h2o")
@@ -349,20 +357,6 @@ def causal_mask(
     return visible
 
 
-def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query over exactly the keys it sees, no mask: q [H, D], k/v [H_kv, S, D] -> [H, D].
-
-    The batch-invariant mode's attention (models/native.py): every query of every row,
-    in a prefill or a decode step, alone or beside others, is this one call, so its
-    reduction over keys never depends on other rows' lengths or on how its sequence was
-    split into steps.
-    """
-    heads, dim = q.shape
-    kv_heads = k.shape[0]
-    folded = q.reshape(1, kv_heads, heads // kv_heads, dim)  # [1, H_kv, G, D]
-    return F.scaled_dot_product_attention(folded, k[None], v[None]).reshape(heads, dim)
-
-
 def _attend_per_query(q, k, v, mask: torch.Tensor) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, H_kv, S, D], mask [B or 1, 1, T, S] -> [B, T, H, D]."""
     out = torch.empty_like(q)
@@ -372,23 +366,3 @@ def _attend_per_query(q, k, v, mask: torch.Tensor) -> torch.Tensor:
             out[row, t] = attend_alone(q[row, t], k[row][:, seen], v[row][:, seen])
     return out
 
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
-) -> torch.Tensor:
-    """Grouped-query attention. q [B, H, T, D], k/v [B, H_kv, S, D] -> [B, H, T, D].
-
-    `causal` is only used with mask None and T == S (a prefill from an empty cache).
-    """
-    batch, heads, num_new, dim = q.shape
-    kv_heads = k.shape[1]
-    if num_new == 1 and heads != kv_heads:
-        # Decode step: fold the query heads that share a key head into the query axis,
-        # so one SDPA call reads each cached key once instead of an expanded copy per head.
-        folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, H_kv, G, D]
-        # A mask [B, 1, 1, S] broadcasts over the folded axis unchanged.
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)  # [B, H_kv, G, D]
-        return out.reshape(batch, heads, 1, dim)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=heads != kv_heads
-    )

@@ -10,7 +10,8 @@ Design (STYLE.md; gpt-fast and nano-vllm do the same): q/k/v and gate/up are eac
 fused `nn.Linear` (fewer, larger matmuls; compress/ swaps any `nn.Linear` in `model.net`);
 cos/sin tables are precomputed; one attention mask per forward (per sliding window) is
 shared by the layers; a single unpadded row decodes with no mask at all. Attention
-itself is `kv.attend`.
+itself is the cache's `attend`, which stores the keys and values and calls
+models/attention.py (one decode, one prefill, one batch-invariant function for every cache).
 
 Sliding-window attention (Mistral; Qwen2/3 layers marked "sliding_attention"): a query at
 position p sees the keys at positions p - window + 1 .. p, as transformers'
@@ -21,7 +22,7 @@ new length); a forward past it raises ValueError.
 
 `batch_invariant` (off by default): every linear layer runs one token at a time and
 every query attends alone over exactly the keys it sees (`rowwise_linear`,
-`kv.attend_alone`), so a token's arithmetic -- and its logits, bit for bit -- never
+`attention.attend_alone`), so a token's arithmetic -- and its logits, bit for bit -- never
 depend on which other tokens share the forward, how a prompt was split into steps, or
 whether its prefix came from the cache. BLAS picks another kernel for one row than for
 several, and the two round differently (~1e-5 in the logits); vLLM's batch-invariant

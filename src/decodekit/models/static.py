@@ -8,19 +8,20 @@ token, a KV buffer of fixed `capacity` per layer written at the position (`index
 attention over the whole buffer under a position mask, no data-dependent Python -- is
 compiled once by `torch.compile(fullgraph=True, dynamic=False)` (inductor: fused C++
 kernels around the matmuls), so a token costs a few fused kernels instead of ~100 ATen
-calls dispatched from Python. The maths is `models/native.py`'s (its modules, RMSNorm,
-RoPE, `kv.attend`'s grouped-query folding); greedy tokens equal `generate`'s on the wrapped
-model (tests/models/test_static.py).
+calls dispatched from Python. The step is the wrapped model's own `LlamaNet.forward` with
+`StaticStep` as its cache, whose `attend` writes the new key and value into the buffers and
+calls `decode_attention` (models/attention.py) over the whole buffer under a position mask;
+greedy tokens equal `generate`'s on the wrapped model (tests/models/test_static.py).
 
 The wrapper is a `LanguageModel` without paged KV, so `generate` runs it on the plain loop
 (decode/sample.py): the prompt is prefilled by the wrapped model's own forward into the
-static buffers (`StaticKVCache.attend`), then every one-token step of an unpadded single
-row is the compiled step. Anything else (several rows, n > 1 after the fork, padding)
-falls back to the wrapped model and an ordinary `ContiguousKVCache`. The KV buffers are
-one tensor per layer, not one stacked tensor: `index_copy_` into a view of a compiled
-graph's input makes inductor copy the whole stacked buffer back every step (measured:
-0.5-1.1 ms of a 1.8 ms step on `shakespeare`, which made the compiled step slower than the
-eager one).
+static buffers (`ContiguousKVCache.attend` over `StaticKVCache.layer`), then every one-token
+step of an unpadded single row is the compiled step. Anything else (several rows, n > 1
+after the fork, padding) falls back to the wrapped model and an ordinary
+`ContiguousKVCache`. The KV buffers are one tensor per layer, not one stacked tensor:
+`index_copy_` into a view of a compiled graph's input makes inductor copy the whole
+stacked buffer back every step (measured: 0.5-1.1 ms of a 1.8 ms step on `shakespeare`,
+which made the compiled step slower than the eager one).
 
 What it costs: the compilation (10-90 s on the first step, inductor caches it on disk), and
 attention over `capacity` positions at every step whatever the length (keep `capacity` near
@@ -36,10 +37,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from decodekit.models.attention import decode_attention
 from decodekit.models.base import Cache, LanguageModel
-from decodekit.models.kv import ContiguousKVCache, attend
+from decodekit.models.kv import ContiguousKVCache
 from decodekit.models.native import NativeLM
-from decodekit.models.rope import apply_rope
 
 Step = Callable[[torch.Tensor, torch.Tensor, list, list], torch.Tensor]
 
@@ -69,17 +70,9 @@ class StaticKVCache(ContiguousKVCache):
         if length > self.capacity:
             raise ValueError(f"{length} positions do not fit the static decode capacity of {self.capacity}")
 
-    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
-        """ContiguousKVCache.attend over this cache's per-layer buffers (the prefill path)."""
-        if per_query:
-            raise ValueError("StaticKVCache does not run the batch-invariant mode")
-        end = self._length
-        start = end - q.shape[1]
-        keys, values = self.key_layers[layer], self.value_layers[layer]
-        keys[:, :, start:end] = k.transpose(1, 2)
-        values[:, :, start:end] = v.transpose(1, 2)
-        out = attend(q.transpose(1, 2), keys[:, :, :end], values[:, :, :end], mask, causal)
-        return out.transpose(1, 2)
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ContiguousKVCache.attend's storage (the prefill path): this layer's own buffers."""
+        return self.key_layers[layer], self.value_layers[layer]
 
     def fork(self, rows: Sequence[int]) -> ContiguousKVCache:
         """Another StaticKVCache for one row; an ordinary ContiguousKVCache for several."""
@@ -104,40 +97,36 @@ class StaticKVCache(ContiguousKVCache):
             raise ValueError(f"a StaticKVCache holds one row; cannot select rows {list(rows)}")
 
 
+class StaticStep:
+    """The cache `LlamaNet.forward` attends through in the static step: one row, one token at
+    `position` (a tensor: the step's shapes and Python never depend on it)."""
+
+    def __init__(self, keys: list, values: list, position: torch.Tensor, visible: torch.Tensor):
+        self.keys, self.values = keys, values  # per layer [1, H_kv, C, D], written in place
+        self.position, self.visible = position, visible  # [1], [1, 1, 1, C] bool
+
+    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+        """q [1, 1, H, D], k/v [1, 1, H_kv, D] -> [1, 1, H, D]."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, self.position, k.transpose(1, 2))
+        values.index_copy_(2, self.position, v.transpose(1, 2))
+        return decode_attention(q[:, 0], keys, values, self.visible)[:, None]
+
+
 def decode_step(model: NativeLM, capacity: int) -> Step:
-    """step(token [1, 1], position [1], keys, values) -> logits [1, 1, V] float32, with
-    NativeLM's maths (Attention/MLP/Block.forward) in static shapes; keys/values: the
+    """step(token [1, 1], position [1], keys, values) -> logits [1, 1, V] float32: the
+    model's own forward (`LlamaNet.forward`) over `StaticStep`; keys/values: the
     StaticKVCache's per-layer buffers, written at `position` in place."""
-    net, config = model.net, model.config
-    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    net = model.net
     cos_table, sin_table = model.rope.tables(capacity)
     columns = torch.arange(capacity, device=model.device)
-    scale = dim**-0.5
+    masks = [(None, False)] * model.config.num_layers  # StaticStep masks by itself
 
     def step(token, position, keys, values):
-        x = net.embed_tokens(token)  # [1, 1, hidden]
         cos = cos_table.index_select(0, position)[None, :, None]  # [1, 1, 1, D]
         sin = sin_table.index_select(0, position)[None, :, None]
         visible = (columns <= position)[None, None, None, :]  # [1, 1, 1, C]
-        for layer, block in enumerate(net.layers):
-            attention = block.self_attn
-            qkv = attention.qkv_proj(block.input_layernorm(x)).view(1, 1, heads + 2 * kv_heads, dim)
-            q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
-            if attention.q_norm is not None:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys[layer].index_copy_(2, position, k.transpose(1, 2))
-            values[layer].index_copy_(2, position, qkv[:, :, heads + kv_heads :].transpose(1, 2))
-            folded = q.reshape(1, kv_heads, heads // kv_heads, dim)  # kv.attend's decode folding
-            # Attention written out, not SDPA: inductor fuses the scale, mask and softmax
-            # between two small matmuls, where CPU flash attention over the whole buffer
-            # costs ~100 us a layer whatever the length.
-            scores = (folded @ keys[layer].transpose(-1, -2)) * scale  # [1, H_kv, G, C]
-            weights = scores.float().masked_fill(~visible, -torch.inf).softmax(dim=-1)
-            out = weights.to(values[layer].dtype) @ values[layer]  # [1, H_kv, G, D]
-            x = x + attention.o_proj(out.reshape(1, 1, heads * dim))
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return net.lm_head(net.norm(x)).float()
+        return net(token, cos, sin, StaticStep(keys, values, position, visible), masks)
 
     return step
 

@@ -1,0 +1,154 @@
+"""Attention: every query decodekit's own forward computes attends in one of three functions.
+
+- `decode_attention`: one new query per row over its row's keys, and over a shared prefix for
+  the rows that continue one (cascade attention). The eager engine step (engine/batch.py), the
+  compiled engine step (engine/compiled.py `LaneAttention`), the static step
+  (models/static.py) and a contiguous cache's one-token step all call it.
+- `prefill_attention`: T queries per row, causal or under a mask (prompts, verification
+  spans, the contiguous caches); one query per row is `decode_attention`.
+- `attend_alone`: one query over exactly the keys it sees (the batch-invariant mode).
+
+Grouped-query attention folds the G query heads that share a key head into the query axis,
+[B, H, D] -> [B, H_kv, G, D], so each key is read once, not once per query head.
+
+`decode_attention` has two formulations of the same maths. Eager, one fused kernel: SDPA,
+and where rows continue a shared prefix, the log-sum-exp-returning flash kernel over the
+prefix (its keys read once for every row that continues it) merged with each row's own part
+by the two log-sum-exps (Hydragen, Juravsky et al. 2024; FlashInfer's cascade inference).
+Traced by torch.compile (or where that kernel is missing: off the CPU), written out: scores,
+one softmax over [prefix, row, new key], two matmuls, which inductor fuses into a few kernels
+where CPU flash attention over a whole static buffer costs ~100 us a layer whatever the
+length (models/static.py). The two agree to rounding (tests/models/test_attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# SDPA that also returns the log-sum-exp, which merging a shared prefix's attention with a
+# row's own needs (a private ATen op of the CPU build; without it the written-out form runs).
+LSE_KERNEL = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class SharedKV(NamedTuple):
+    """One layer of a prefix some rows continue: its keys are read once for all of them."""
+
+    keys: torch.Tensor  # [1, H_kv, P, D]
+    values: torch.Tensor  # [1, H_kv, P, D]
+    rows: torch.Tensor | None = None  # [n] the rows that continue it; None: every row, as `sees` says
+    sees: torch.Tensor | None = None  # [B, 1, 1, P] bool, the prefix positions each row sees; None: all
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D], each row's one new query, rotated
+    keys: torch.Tensor,  # [B, H_kv, S, D], each row's keys
+    values: torch.Tensor,  # [B, H_kv, S, D]
+    visible: torch.Tensor | None,  # [B or 1, 1, 1, S]: bool, or SDPA's additive float; None: all S
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,  # k, v [B, H_kv, D] not in `keys`
+    prefixes: tuple[SharedKV, ...] | list[SharedKV] = (),
+    written_out: bool | None = None,  # the formulation (module docstring); None: chosen here
+) -> torch.Tensor:
+    """Each row's query over [its prefix's keys, `keys`, its `new` key]: [B, H, D].
+
+    `new`: a key each row sees beside `keys`, its own (the compiled step's graph writes
+    nothing; the others store the new key first).
+    """
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, group, dim)  # [B, H_kv, G, D]; a mask broadcasts over G
+    if written_out is None:  # the LSE kernel: the CPU's, and a row it sees nothing of gets lse 0
+        written_out = torch.compiler.is_compiling() or (bool(prefixes) and (
+            LSE_KERNEL is None or not q.is_cpu or any(p.sees is not None for p in prefixes)))
+    if written_out:
+        scale = dim**-0.5
+        parts = []  # scores [B, H_kv, G, n] over each key set in turn, masked
+        for prefix in prefixes:  # the prefix's keys read once for all B * G queries of a key head
+            stacked = folded.transpose(0, 1).reshape(kv_heads, batch * group, dim)  # [H_kv, BG, D]
+            shared = (stacked @ prefix.keys[0].transpose(-1, -2)).float() * scale  # [H_kv, BG, P]
+            shared = shared.reshape(kv_heads, batch, group, -1).transpose(0, 1)  # [B, H_kv, G, P]
+            sees = prefix.sees
+            if prefix.rows is not None:  # the rows that continue it see all of it, the others none
+                sees = torch.zeros(batch, dtype=torch.bool, device=q.device).index_fill_(0, prefix.rows, True)
+                sees = sees[:, None, None, None]  # [B, 1, 1, 1]
+            parts.append(shared if sees is None else shared.masked_fill(~sees, -torch.inf))
+        stored = (folded @ keys.transpose(-1, -2)).float() * scale  # [B, H_kv, G, S]
+        if visible is not None:
+            stored = (stored.masked_fill(~visible, -torch.inf) if visible.dtype == torch.bool
+                      else stored + visible)  # fmt: skip
+        parts.append(stored)
+        if new is not None:
+            own_k = new[0].reshape(batch, kv_heads, 1, dim)
+            parts.append((folded * own_k).sum(-1, keepdim=True).float() * scale)  # [B, H_kv, G, 1]
+        weights = torch.cat(parts, dim=-1).softmax(dim=-1).to(q.dtype)  # one softmax over them all
+        start = sum(part.shape[-1] for part in parts[: len(prefixes)])
+        out = weights[..., start : start + keys.shape[2]] @ values  # [B, H_kv, G, D]
+        start = 0
+        for prefix in prefixes:
+            length = prefix.keys.shape[2]
+            share = weights[..., start : start + length].transpose(0, 1)  # [H_kv, B, G, P]
+            share = share.reshape(kv_heads, batch * group, length) @ prefix.values[0]  # [H_kv, BG, D]
+            out = out + share.reshape(kv_heads, batch, group, dim).transpose(0, 1)
+            start += length
+        if new is not None:
+            out = out + weights[..., -1:] * new[1].reshape(batch, kv_heads, 1, dim)
+        return out.reshape(batch, heads, dim)
+    if new is not None:  # the eager kernels read one key tensor: append the new key to it
+        keys = torch.cat([keys, new[0][:, :, None]], dim=2)
+        values = torch.cat([values, new[1][:, :, None]], dim=2)
+        if visible is not None:
+            seen = visible.new_ones(1) if visible.dtype == torch.bool else visible.new_zeros(1)
+            visible = torch.cat([visible, seen.expand(*visible.shape[:3], 1)], dim=-1)
+    if not prefixes:
+        return F.scaled_dot_product_attention(folded, keys, values, visible).reshape(batch, heads, dim)
+    if visible is not None and visible.dtype == torch.bool:  # the LSE kernel takes an additive mask
+        visible = keys.new_zeros(visible.shape).masked_fill(~visible, -torch.inf)
+    out, lse = LSE_KERNEL(folded, keys, values, 0.0, False, attn_mask=visible)  # [B, H_kv, G, D], [.., G]
+    for prefix in prefixes:  # its rows' queries in one call: the prefix's keys are read once
+        rows = prefix.rows if prefix.rows is not None else torch.arange(batch, device=q.device)
+        n = len(rows)
+        stacked = folded[rows].transpose(0, 1).reshape(1, kv_heads, n * group, dim)  # [1, H_kv, nG, D]
+        shared, shared_lse = LSE_KERNEL(stacked, prefix.keys, prefix.values, 0.0, False)  # and [.., nG]
+        shared = shared.view(kv_heads, n, group, dim).transpose(0, 1)  # [n, H_kv, G, D]
+        shared_lse = shared_lse.view(kv_heads, n, group).transpose(0, 1)  # [n, H_kv, G]
+        # softmax over the union = each part's softmax weighted by its share of the total mass
+        own_lse = lse[rows]
+        top = torch.maximum(own_lse, shared_lse)
+        own_weight = (own_lse - top).exp()[..., None]
+        shared_weight = (shared_lse - top).exp()[..., None]
+        out[rows] = (out[rows] * own_weight + shared * shared_weight) / (own_weight + shared_weight)
+    return out.reshape(batch, heads, dim)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Grouped-query attention. q [B, H, T, D], k/v [B, H_kv, S, D] -> [B, H, T, D].
+
+    mask: [B or 1, 1 or H, T, S] bool, the keys each query sees; `causal` is only used with
+    mask None and T == S (a prefill from an empty cache). One query per row is
+    `decode_attention`'s (its folding reads each key once).
+    """
+    heads, num_new = q.shape[1], q.shape[2]
+    if num_new == 1:
+        return decode_attention(q[:, :, 0], k, v, mask)[:, :, None]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=heads != k.shape[1]
+    )
+
+
+def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query over exactly the keys it sees, no mask: q [H, D], k/v [H_kv, S, D] -> [H, D].
+
+    The batch-invariant mode's attention (models/native.py): every query of every row,
+    in a prefill or a decode step, alone or beside others, is this one call, so its
+    reduction over keys never depends on other rows' lengths or on how its sequence was
+    split into steps.
+    """
+    heads, dim = q.shape
+    kv_heads = k.shape[0]
+    folded = q.reshape(1, kv_heads, heads // kv_heads, dim)  # [1, H_kv, G, D]
+    return F.scaled_dot_product_attention(folded, k[None], v[None]).reshape(heads, dim)

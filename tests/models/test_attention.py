@@ -1,0 +1,96 @@
+"""models/attention.py: decode attention's two formulations (eager kernels, written out for
+tracing) equal a softmax computed by hand over [prefix, row, new key], with masks, grouped
+query heads and shared prefixes, and torch.compile traces it; one query per row of
+`prefill_attention` is `decode_attention`'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.models.attention import LSE_KERNEL, SharedKV, attend_alone, decode_attention, prefill_attention
+
+B, H, H_KV, D, S, P = 3, 4, 2, 8, 7, 5
+
+
+def tensors(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=generator)
+    keys, values = torch.randn(2, B, H_KV, S, D, generator=generator)
+    new = tuple(torch.randn(2, B, H_KV, D, generator=generator))
+    prefix_keys, prefix_values = torch.randn(2, 1, H_KV, P, D, generator=generator)
+    stored = torch.tensor([7, 3, 1])  # positions each row holds
+    visible = (torch.arange(S)[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, S]
+    return q, keys, values, visible, new, prefix_keys, prefix_values
+
+
+def by_hand(q, keys, values, visible, new=None, prefix=None, sees=None) -> torch.Tensor:
+    """Each row and query head alone, float64: softmax over the keys it sees, then the values."""
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            kv = h // (H // H_KV)
+            k, v = keys[b, kv][visible[b, 0, 0]], values[b, kv][visible[b, 0, 0]]
+            if prefix is not None:
+                seen = sees[b, 0, 0] if sees is not None else torch.ones(P, dtype=torch.bool)
+                k, v = torch.cat([prefix[0][0, kv][seen], k]), torch.cat([prefix[1][0, kv][seen], v])
+            if new is not None:
+                k, v = torch.cat([k, new[0][b, kv][None]]), torch.cat([v, new[1][b, kv][None]])
+            weights = (k.double() @ q[b, h].double() / D**0.5).softmax(0)
+            out[b, h] = weights @ v.double()
+    return out.float()
+
+
+@pytest.mark.parametrize("written_out", [False, True])
+def test_decode_attention_over_rows_and_new_keys_equals_the_softmax_by_hand(written_out):
+    q, keys, values, visible, new, *_ = tensors(0)
+    for row_new in (None, new):
+        got = decode_attention(q, keys, values, visible, new=row_new, written_out=written_out)
+        torch.testing.assert_close(got, by_hand(q, keys, values, visible, row_new), atol=1e-5, rtol=1e-5)
+    additive = torch.zeros(visible.shape).masked_fill(~visible, -torch.inf)  # the eager engine's form
+    got = decode_attention(q, keys, values, additive, written_out=written_out)
+    torch.testing.assert_close(got, by_hand(q, keys, values, visible), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(LSE_KERNEL is None, reason="this torch build has no CPU flash kernel with LSE")
+@pytest.mark.parametrize("written_out", [False, True])
+def test_a_shared_prefix_is_merged_as_one_softmax(written_out):
+    """Rows that continue a prefix (the eager step names them, `rows`; the compiled step gives
+    each row its span, `sees`, which only the written-out form takes) attend over it and
+    their own keys as one softmax; the eager form merges the two parts by log-sum-exp."""
+    q, keys, values, visible, new, prefix_keys, prefix_values = tensors(1)
+    prefix = (prefix_keys, prefix_values)
+    rows = SharedKV(prefix_keys, prefix_values, rows=torch.tensor([0, 2]))  # row 1 continues none
+    for row_new in (None, new):
+        got = decode_attention(q, keys, values, visible, row_new, [rows], written_out=written_out)
+        want = by_hand(q, keys, values, visible, row_new, prefix)
+        torch.testing.assert_close(got[[0, 2]], want[[0, 2]], atol=1e-5, rtol=1e-5)
+        alone = by_hand(q, keys, values, visible, row_new)[1]
+        torch.testing.assert_close(got[1], alone, atol=1e-5, rtol=1e-5)
+    sees = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)[:, None, None]
+    got = decode_attention(q, keys, values, visible, new, [SharedKV(prefix_keys, prefix_values, sees=sees)])
+    want = by_hand(q, keys, values, visible, new, prefix, sees)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_traces_the_written_out_form():
+    q, keys, values, visible, new, prefix_keys, prefix_values = tensors(2)
+    sees = torch.ones(B, 1, 1, P, dtype=torch.bool)
+
+    def step(q, keys, values, visible, new_keys, new_values, prefix_keys, prefix_values, sees):
+        prefix = SharedKV(prefix_keys, prefix_values, sees=sees)
+        return decode_attention(q, keys, values, visible, (new_keys, new_values), [prefix])
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(q, keys, values, visible, *new, prefix_keys, prefix_values, sees)
+    want = by_hand(q, keys, values, visible, new, (prefix_keys, prefix_values), sees)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_one_query_per_row_of_prefill_is_decode_and_attend_alone_is_the_unmasked_query():
+    q, keys, values, visible, *_ = tensors(3)
+    got = prefill_attention(q[:, :, None], keys, values, visible, causal=False)[:, :, 0]
+    assert torch.equal(got, decode_attention(q, keys, values, visible))
+    seen = int(visible[1].sum())
+    alone = attend_alone(q[1], keys[1, :, :seen], values[1, :, :seen])
+    torch.testing.assert_close(alone, by_hand(q, keys, values, visible)[1], atol=1e-5, rtol=1e-5)
