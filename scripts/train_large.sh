@@ -55,4 +55,7 @@ setsid nohup nice -n 19 env PYTHONPATH="$REPO/src" OMP_NUM_THREADS=1 "$PYTHON" "
     --tokenizer "$REPO/src/decodekit/models/assets/shakespeare" --threads 1 --fp32 \
     --eval-every 50 --keep-best >> "$RUN/train.log" 2>&1 &
 echo $! > "$RUN/pid"
+# Its own session is its own scheduler autogroup (Linux, sched_autogroup_enabled), where nice
+# acts only inside the group: give the group itself the lowest weight, or it takes a core.
+echo 19 > "/proc/$!/autogroup" 2>/dev/null || true
 echo "started pid $! (log $RUN/train.log, checkpoints $RUN)"
