@@ -335,7 +335,8 @@ async def load(url: str, pid: int, streams: int, per_stream: int, tokens: int) -
 def fast_compile_times(folder: Path) -> None:
     """compile-times.json recording 0.01 s for every bucket of shakespeare's shape."""
     import decodekit as dk
-    from decodekit.engine.compiled import BUCKETS, bucket_name, shape_key
+    from decodekit.engine.compile_policy import shape_key
+    from decodekit.engine.compiled import BUCKETS, bucket_name
 
     key = shape_key(dk.load_model(MODEL))
     times = {f"{key}/{bucket_name(size, prefixed)}": 0.01 for size in BUCKETS for prefixed in (False, True)}

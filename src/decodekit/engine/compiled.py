@@ -46,15 +46,12 @@ for it.
 
 from __future__ import annotations
 
-import logging
 import types
 
 import torch
 
 from decodekit.models.attention import SharedKV, decode_attention
 from decodekit.models.native import NativeLM
-
-_log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 BACKEND = "inductor"  # torch.compile's backend (the tests also run "aot_eager", which compiles in seconds)
