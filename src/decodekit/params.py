@@ -56,6 +56,10 @@ PRESETS: dict[str, tuple[float, float]] = {
 }
 
 
+# What truncate_prompt_tokens allows (vLLM's rule), in every message that refuses a value.
+TRUNCATE_RULE = "truncate_prompt_tokens must be an integer >= 1, or -1 (the model's context)"
+
+
 class Range(NamedTuple):
     """The values a numeric field allows: low to high, open ends excluded (integers: closed)."""
 
@@ -170,6 +174,12 @@ class SamplingParams:
     stop: tuple[str, ...] = option((), "strings that end the text (not included)")
     stop_token_ids: tuple[int, ...] = option((), "token ids that end the text, besides EOS", extension=True)
     ignore_eos: bool = option(False, "keep generating past EOS", extension=True)
+    # vLLM's field of the same name and meaning (its `_validate_truncation_size`): the prompt is
+    # tokenised whole, then cut on the left; a prompt cut to the whole context leaves no room
+    # to generate, so -1 helps only a prompt that then fits (request.py `kept_tokens`).
+    truncate_prompt_tokens: int | None = option(
+        None, "keep only the prompt's last k tokens, k >= 1 (left truncation, as vLLM); -1: the model's "
+        "context; null: the whole prompt", Range(-1), extension=True)
     seed: int | None = option(
         None, "the random seed; null: random", Range(0, 2**63 - 1),
         flag="the samples' random seed (default: unseeded)")
@@ -211,6 +221,8 @@ class SamplingParams:
                 check_int(name, value, int(allowed.low), allowed.high)
             else:
                 check_range(name, value, *allowed)
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError(TRUNCATE_RULE + ", got 0")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "

@@ -24,7 +24,7 @@ import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.models.base import LanguageModel
-from decodekit.params import SamplingParams
+from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
 from decodekit.sampling.select import draw_rows
@@ -136,9 +136,29 @@ def encode_text(encode: Callable[[str], list[int]], text: str, max_context: int)
     return encode(text)
 
 
-def encode_prompt(model: LanguageModel, prompt: Prompt) -> list[int]:
+def kept_tokens(truncate: int | None, max_context: int) -> int | None:
+    """How many of a prompt's last tokens SamplingParams.truncate_prompt_tokens (`truncate`) keeps:
+    None (all), k, or the context for -1, as vLLM reads it; ValueError naming a value it refuses."""
+    if truncate is None:
+        return None
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
+        raise ValueError(f"{TRUNCATE_RULE}, got {truncate!r:.80}")
+    if truncate > max_context:
+        raise ValueError(f"truncate_prompt_tokens must be <= the model's context of {max_context} tokens "
+                         f"(or -1), got {truncate}")
+    return max_context if truncate == -1 else truncate
+
+
+def truncated_prompt(model: LanguageModel, prompt: Prompt, truncate: int | None = None
+                     ) -> tuple[list[int], int]:
+    """`encode_prompt`'s ids, and how many tokens the truncation dropped from the prompt's start."""
+    keep = kept_tokens(truncate, model.max_context)
     if isinstance(prompt, str):
-        ids = encode_text(model.encode, prompt, model.max_context)
+        # Truncation keeps the last tokens of the whole prompt's encoding, so the whole text is
+        # tokenised (the server bounds it by its body size); without it, a text far past the
+        # context is refused from a prefix.
+        ids = list(model.encode(prompt)) if keep is not None else encode_text(model.encode, prompt,
+                                                                               model.max_context)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < model.vocab_size]
@@ -148,12 +168,21 @@ def encode_prompt(model: LanguageModel, prompt: Prompt) -> list[int]:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {prompt!r:.80}")
     if not ids:
         raise ValueError("prompt is empty: it must contain at least one token")
+    dropped = max(len(ids) - keep, 0) if keep is not None else 0
+    ids = ids[dropped:]
     if len(ids) >= model.max_context:
         raise ValueError(
             f"prompt has {len(ids)} tokens; the model's context is {model.max_context}, "
             "so a prompt must have fewer tokens than that"
+            + (" (truncate_prompt_tokens keeps at most the context)" if keep is not None else "")
         )
-    return ids
+    return ids, dropped
+
+
+def encode_prompt(model: LanguageModel, prompt: Prompt, truncate: int | None = None) -> list[int]:
+    """The prompt's token ids, checked against the vocabulary and the context; `truncate`
+    (SamplingParams.truncate_prompt_tokens) keeps only its last k tokens first."""
+    return truncated_prompt(model, prompt, truncate)[0]
 
 
 def make_requests(
@@ -173,7 +202,7 @@ def make_requests(
     requests = []
     for index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
         p.check_vocab(model.vocab_size)
-        ids = encode_prompt(model, prompt)
+        ids = encode_prompt(model, prompt, p.truncate_prompt_tokens)
         mask, decode = None, model.decode
         if masks is not None:
             mask, ids, decode = masks(model, ids, p)

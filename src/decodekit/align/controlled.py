@@ -176,7 +176,7 @@ def sample_base(model: LanguageModel, prompt: Prompt, params: SamplingParams,
         raise ValueError(f"base samples must have one length to train a value on, got lengths {lengths}; "
                          "sample with ignore_eos=True and no stop strings")
     tokens = torch.tensor([c.token_ids for c in completions], dtype=torch.long)  # [N, L]
-    prompt_ids = encode_prompt(model, prompt)
+    prompt_ids = encode_prompt(model, prompt, params.truncate_prompt_tokens)  # what was sampled from
     child_logp, child_ids = [], []
     for chunk in tokens.split(64):  # bounds the [rows, T, V] log-probabilities held at once
         paths = next_token_logprobs(model, torch.cat([torch.tensor(prompt_ids).expand(len(chunk), -1),

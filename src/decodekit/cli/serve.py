@@ -58,6 +58,10 @@ def add_serve(sub) -> None:
     p.add_argument("--strict-max-tokens", action="store_true",
                    help="answer 400 to a max_tokens beyond the context left after the prompt "
                    "(default: shorten it to fit, finish_reason \"length\", as vLLM does)")
+    p.add_argument("--truncate-prompts", action="store_true",
+                   help="cut a prompt that does not fit the context to its last tokens, leaving one to "
+                   "generate, and name what was cut in the X-Prompt-Tokens-Dropped header (default: 400, "
+                   "as vLLM; a request's truncate_prompt_tokens applies either way)")
     add_threads(p)
     p.set_defaults(run=run_serve)
 
@@ -101,7 +105,7 @@ def run_serve(args) -> None:
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,
                           cors_origins=tuple(args.cors_origin), strict_fields=args.strict_fields,
-                          strict_max_tokens=args.strict_max_tokens)
+                          strict_max_tokens=args.strict_max_tokens, truncate_prompts=args.truncate_prompts)
     models, sources = load_served(args.model or ["shakespeare"], **model_options(args))
     templates = chat_templates(args.chat_template, list(models))
     aliases = directory_aliases(sources)

@@ -135,8 +135,8 @@ def beam_searches(
                                "supported")
     searches = []
     for prompt in prompts:
-        mask, ids, decode = token_mask(model, encode_prompt(model, prompt), 1, constraint, heal,
-                                       params.ignore_eos)
+        ids = encode_prompt(model, prompt, params.truncate_prompt_tokens)
+        mask, ids, decode = token_mask(model, ids, 1, constraint, heal, params.ignore_eos)
         searches.append(BeamSearch(model, ids, params, num_beams, length_penalty, early_stopping,
                                    mask, decode))
     return searches

@@ -144,13 +144,16 @@ async def answer(request: Request, kind: type, backend: Backend):
         raise APIError(499, "client closed the request", None, "client_closed") from None
     backend.counters["requests"] += 1
     plan = await backend.run_blocking(parse_and_plan, kind, body, backend)  # tokenising: off the loop
-    # the body keys the server ignored (request_plan.py), named for the client (vLLM only logs them)
-    ignored = {"X-Ignored-Fields": header_list(plan.ignored)} if plan.ignored else {}
+    # the body keys the server ignored (request_plan.py), named for the client (vLLM only logs them),
+    # and the tokens truncation cut from each prompt (usage counts the tokens kept)
+    headers = {"X-Ignored-Fields": header_list(plan.ignored)} if plan.ignored else {}
+    if plan.dropped:
+        headers["X-Prompt-Tokens-Dropped"] = ", ".join(map(str, plan.dropped))
     jobs = [] if plan.score_only else start(plan, backend)
     rid = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
     if plan.stream:
         return StreamingResponse(stream(plan, jobs, rid, backend, clock), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **ignored})
+                                 headers={"Cache-Control": "no-cache", **headers})
     drawn = await guarded(collect_all(plan, jobs, backend, clock), request, jobs, backend)
     model = backend.models[plan.model]
     chosen = drawn
@@ -167,7 +170,7 @@ async def answer(request: Request, kind: type, backend: Backend):
             echoes = [await backend.run_blocking(responses.prompt_logprobs, model, ids, plan.logprobs)
                       for ids in plan.prompts]
         body = responses.completion_body(plan, model, rid, chosen, drawn, echoes)
-    return JSONResponse(body, headers=ignored) if ignored else body
+    return JSONResponse(body, headers=headers) if headers else body
 
 
 def header_list(names: tuple[str, ...]) -> str:

@@ -51,6 +51,9 @@ class ServerConfig:
     logged and named in the answer's `X-Ignored-Fields` header (strict_fields: a 400, as
     OpenAI answers); a max_tokens beyond the context left after the prompt is shortened to
     fit, the answer then ending with finish_reason "length" (strict_max_tokens: a 400).
+    truncate_prompts: a prompt that does not fit the context keeps its last context - 1 tokens
+    (one left to generate), named in the answer's `X-Prompt-Tokens-Dropped` header; without it,
+    a 400 (a request's own `truncate_prompt_tokens` applies either way).
     """
 
     max_tokens: int = 2048
@@ -67,6 +70,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     strict_fields: bool = False
     strict_max_tokens: bool = False
+    truncate_prompts: bool = False
 
     def __post_init__(self):
         for name in ("max_tokens", "max_n", "max_queued", "max_running", "kv_bytes", "retry_after",

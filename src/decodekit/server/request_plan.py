@@ -10,7 +10,9 @@ message, "ROLE: content\\n" (role upper-cased), then "ASSISTANT:" for the model 
 
 What clients that target vLLM send is taken as vLLM takes it (backend.py ServerConfig):
 unknown body keys are ignored and named (`Plan.ignored`), and a max_tokens beyond the
-context left is shortened to fit.
+context left is shortened to fit. A prompt is cut on the left by the request's
+`truncate_prompt_tokens` (vLLM's field) or, with `truncate_prompts`, to what fits with one token
+to generate (`Plan.dropped`: the tokens cut).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Plan:
     chat: bool = False
     score_only: bool = False  # echo with max_tokens 0: the prompt's log-probs, nothing generated
     ignored: tuple[str, ...] = ()  # body keys the server does not know, ignored (not strict_fields)
+    dropped: tuple[int, ...] = ()  # per prompt, the tokens truncation cut from its start
 
 
 def api_error(error: Exception, default_param: str | None = None,
@@ -112,28 +115,43 @@ def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str |
     return "".join(f"{t['role'].upper()}: {t['content']}\n" for t in turns) + "ASSISTANT:", False
 
 
-def encode(model: LanguageModel, prompt, param: str) -> list[int]:
-    from decodekit.request import encode_prompt
+def encode(model: LanguageModel, prompt, param: str, truncate: int | None = None) -> tuple[list[int], int]:
+    """The prompt's ids and the tokens `truncate` cut from its start (request.py `truncated_prompt`)."""
+    from decodekit.request import truncated_prompt
 
     try:
-        return encode_prompt(model, prompt)
+        return truncated_prompt(model, prompt, truncate)
     except (ValueError, TypeError) as error:
+        if str(error).startswith("truncate_prompt_tokens"):
+            raise APIError(400, str(error), "truncate_prompt_tokens", "invalid_value") from None
         code = "context_length_exceeded" if "context" in str(error) else "invalid_value"
         raise APIError(400, str(error), param, code) from None
 
 
-def template_ids(model: LanguageModel, text: str) -> list[int]:
+def template_ids(model: LanguageModel, text: str, whole: bool = False) -> list[int]:
     """The ids of a chat template's text (which wrote its own special tokens), refused without
-    encoding it whole when it is far past the context (request.py `encode_text`)."""
+    encoding it whole when it is far past the context (request.py `encode_text`), unless it is
+    to be truncated (`whole`), which keeps the last tokens of the whole text's encoding."""
     from decodekit.request import encode_text
 
     def plain(part: str) -> list[int]:
         return list(model.tokenizer.encode(part, add_special_tokens=False))
 
+    if whole:
+        return plain(text)
     try:
         return encode_text(plain, text, model.max_context)
     except ValueError as error:
         raise APIError(400, str(error), "messages", "context_length_exceeded") from None
+
+
+def truncation_of(req: GenerationRequest, model: LanguageModel, backend: Backend) -> int | None:
+    """The prompt truncation asked for: the request's truncate_prompt_tokens, else with the
+    server's truncate_prompts the context less one token (room for one to generate; the
+    max_tokens shortening then fits the answer to what is left), else none."""
+    if req.truncate_prompt_tokens is not None:
+        return req.truncate_prompt_tokens
+    return model.max_context - 1 if backend.config.truncate_prompts else None
 
 
 def check_max_tokens(value: int | None, default: int | None, longest: int, context: int, backend: Backend,
@@ -336,10 +354,11 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
                     ", ".join(ignored))
     n = req.n
     check_count(n, "n", backend)
+    truncate = truncation_of(req, model, backend)
     if chat:
         text, templated = chat_text(model, req.messages, backend.chat_templates.get(name))
-        ids = template_ids(model, text) if templated else None
-        prompts = [encode(model, ids if ids is not None else text, "messages")]
+        ids = template_ids(model, text, whole=truncate is not None) if templated else None
+        encoded = [encode(model, ids if ids is not None else text, "messages", truncate)]
         texts = [text]
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -357,10 +376,15 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
             raise APIError(400, f"the request has {len(items)} prompts; this server queues at most "
                            f"{backend.config.max_queued} per model (--max-queued), so it can never run: "
                            "send fewer prompts per request", "prompt", "too_many_prompts")
-        prompts = [encode(model, item, "prompt") for item in items]
-        texts = [item if isinstance(item, str) else model.decode(ids) for item, ids in zip(items, prompts)]
+        encoded = [encode(model, item, "prompt", truncate) for item in items]
+        texts = [item if isinstance(item, str) else model.decode(ids)
+                 for item, (ids, _) in zip(items, encoded)]
         max_field, wanted, logprobs = "max_tokens", req.max_tokens, req.logprobs
         default, echo = COMPLETIONS_DEFAULT_MAX_TOKENS, req.echo
+    prompts = [ids for ids, _ in encoded]
+    dropped = tuple(cut for _, cut in encoded)
+    # A truncated prompt reads as what the model saw (echo, voting's answer text).
+    texts = [model.decode(ids) if cut else text for text, (ids, cut) in zip(texts, encoded)]
     if logprobs is not None and not 0 <= logprobs <= 20:
         name = "top_logprobs" if chat else "logprobs"
         raise APIError(400, f"{name} must be in [0, 20], got {logprobs}", name, "invalid_value")
@@ -390,7 +414,8 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     include_usage = req.stream_options.include_usage if req.stream_options else False
     return Plan(name, prompts, texts, params, n, strategy, amateur, contrastive, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
-                score_only=echo and max_tokens == 0, ignored=ignored)
+                score_only=echo and max_tokens == 0, ignored=ignored,
+                dropped=dropped if any(dropped) else ())
 
 
 def launch(plan: Plan, index: int, backend: Backend) -> Job:
