@@ -9,7 +9,11 @@
 # and more, so it gets its own venv (CPU torch, installed first so that pip does not pull
 # CUDA wheels). The server runs from decodekit's venv.
 #
+# `bon` and `moa` feed earlier answers back as prompts, longer than the shipped models' context
+# (512 and 256 tokens): against them the server needs `--truncate-prompts` (SERVE_ARGS below).
+#
 # Usage: bash scripts/check_optillm.sh [MODEL]   (default shakespeare)
+#   SERVE_ARGS="..."  more `decodekit serve` options, e.g. SERVE_ARGS=--truncate-prompts
 #   VENV=/path   optillm's venv (default /tmp/decodekit-optillm; made when missing)
 #   TORCH="..."  pip's arguments for the CPU torch installed first (default: torch from
 #                PyTorch's CPU index; give "torch==2.13.0+cpu" where a local wheel provides it)
@@ -37,8 +41,9 @@ fi
 server=
 base=${URL:-http://127.0.0.1:$port}
 if [ -z "${URL:-}" ]; then
+  # shellcheck disable=SC2086 # SERVE_ARGS is a list of options
   PYTHONPATH=src "$python" -m decodekit.cli serve --model "$model" --port "$port" --threads 1 \
-    > "$work/server.log" 2>&1 &
+    ${SERVE_ARGS:-} > "$work/server.log" 2>&1 &
   server=$!
 else
   echo "(the server at $URL is not ours: no log)" > "$work/server.log"
