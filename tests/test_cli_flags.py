@@ -344,6 +344,8 @@ ROWS = [
     ("serve --strict-fields", ["serve", "--strict-fields"], "Backend", "config.strict_fields", True),
     ("serve --strict-max-tokens", ["serve", "--strict-max-tokens"], "Backend", "config.strict_max_tokens",
      True),
+    ("serve --truncate-prompts", ["serve", "--truncate-prompts"], "Backend", "config.truncate_prompts",
+     True),
     ("serve --chat-template", ["serve", "--chat-template", "t.jinja"], "Backend", "chat_templates",
      lambda templates: list(templates.values()) == ["{{ messages[0].content }}"]),
     # plan, models, align bon

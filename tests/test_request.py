@@ -101,3 +101,41 @@ def test_requests_sampled_in_one_batch_get_the_tokens_they_get_alone():
     for mine, theirs in zip(rows, alone_rows, strict=True):
         assert mine.token_ids == theirs.token_ids and mine.logprobs == theirs.logprobs
         assert mine.processed_logprobs == theirs.processed_logprobs
+
+
+@pytest.mark.parametrize("name", ["arith", "shakespeare-5gram"])  # the engine; the plain loop
+def test_truncate_prompt_tokens_generates_from_the_prompts_last_k_tokens(name):
+    """SamplingParams.truncate_prompt_tokens (vLLM's): generate and beam search run the last k
+    tokens of the prompt's encoding, as if given those tokens; the context bounds k."""
+    import decodekit as dk
+
+    model = dk.load_model(name)
+    prompt = "Compute: 12+34*2=\n80\n" * 20 if name == "arith" else "ROMEO: What light? " * 200
+    ids = model.encode(prompt)
+    assert len(ids) >= min(model.max_context, 1000)  # the 5-gram's context is unbounded
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    [[cut]] = dk.generate(model, [prompt], greedy.replace(truncate_prompt_tokens=40))
+    [[explicit]] = dk.generate(model, [ids[-40:]], greedy)
+    assert cut.token_ids == explicit.token_ids  # (the second reuses the first's KV: a prefix cache hit)
+    assert cut.usage.prompt_tokens == explicit.usage.prompt_tokens == 40
+    if name == "arith":
+        [beams] = dk.beam_search(model, [prompt], greedy.replace(truncate_prompt_tokens=40), num_beams=2)
+        [plain] = dk.beam_search(model, [ids[-40:]], greedy, num_beams=2)
+        assert beams[0].token_ids == plain[0].token_ids and beams[0].usage.prompt_tokens == 40
+        with pytest.raises(ValueError, match=r"prompt has \d+ tokens; the model's context is 256"):
+            dk.generate(model, [prompt], greedy)
+        with pytest.raises(ValueError, match="must be <= the model's context of 256 tokens .or -1., got 257"):
+            dk.generate(model, [prompt], greedy.replace(truncate_prompt_tokens=257))
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True])
+def test_truncate_prompt_tokens_refuses_what_vllm_refuses(value):
+    from decodekit.params import SamplingParams
+    from decodekit.request import kept_tokens
+
+    with pytest.raises((ValueError, TypeError), match="truncate_prompt_tokens must be"):
+        SamplingParams(truncate_prompt_tokens=value)
+    rule = r"truncate_prompt_tokens must be an integer >= 1, or -1 \(the model's context\), got "
+    with pytest.raises(ValueError, match=rule + str(value)):
+        kept_tokens(value, 512)
+    assert kept_tokens(-1, 512) == 512 and kept_tokens(7, 512) == 7 and kept_tokens(None, 512) is None

@@ -36,6 +36,7 @@ WRONG = {
     "allowed_token_ids": [5, True, [], [-1], [10**9]],
     "stop_token_ids": [5, True, None, [-1], [1.5]],
     "ignore_eos": [5, None, 0, 1, "true"],
+    "truncate_prompt_tokens": [1.5, True, 0, -2, 10**6],
     "order": [5, True, None, ["nope"], ["top_k", "top_k"]],
     "min_new_tokens": [1.5, True, None, -1, 10**6],
     "min_tokens": [1.5, True, None, -1, 10**6],
