@@ -122,7 +122,7 @@ def sampler_view(model: LanguageModel, prompt: str, params: SamplingParams, gene
                  top: int, choose: str | int | None) -> dict:
     """The chain at the next position; with `choose` ("sample" or a token id) first take one
     step: the token is drawn from (or must be kept by) the chain's final distribution."""
-    prompt_ids = encode_prompt(model, prompt)
+    prompt_ids = encode_prompt(model, prompt, params.truncate_prompt_tokens)
     generated = check_tokens(model, "generated", generated)
     chosen = None
     if choose is not None:
