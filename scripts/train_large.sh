@@ -11,7 +11,7 @@
 #   kill -STOP "$(cat /work/runs/shakespeare-large/pid)"   ...   kill -CONT "$(cat ...)"
 #
 # Bounded by steps (seeded, repeatable: the cosine schedule is fixed by STEPS), so a resume
-# must keep STEPS; checkpoints every 50 steps, OUT/best at the lowest validation loss.
+# must keep STEPS; checkpoints every 25 steps (a session's end kills it), OUT/best at the lowest validation loss.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -53,7 +53,7 @@ fi
 setsid nohup nice -n 19 env PYTHONPATH="$REPO/src" OMP_NUM_THREADS=1 "$PYTHON" "$REPO/scripts/train_lm.py" \
     --config shakespeare-large --steps "$STEPS" --out "$RUN" --data "$DATA" \
     --tokenizer "$REPO/src/decodekit/models/assets/shakespeare" --threads 1 --fp32 \
-    --eval-every 50 --keep-best >> "$RUN/train.log" 2>&1 &
+    --eval-every 25 --keep-best >> "$RUN/train.log" 2>&1 &
 echo $! > "$RUN/pid"
 # Its own session is its own scheduler autogroup (Linux, sched_autogroup_enabled), where nice
 # acts only inside the group: give the group itself the lowest weight, or it takes a core.

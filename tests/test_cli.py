@@ -353,9 +353,11 @@ def test_models_shows_what_dtype_auto_does_on_this_cpu(capsys, tmp_path, monkeyp
 
 def test_ctrl_c_while_streaming_is_a_newline_and_one_line(capsys, monkeypatch):
     """In process: the stream raises KeyboardInterrupt after two chunks."""
-    import decodekit.decode.sample as sample
+    from types import SimpleNamespace
 
-    def interrupted_stream(*args, **kwargs):
+    from decodekit.decode.sample import Sample
+
+    def interrupted_stream():
         class Delta:
             text, completion = "But", None
 
@@ -363,7 +365,7 @@ def test_ctrl_c_while_streaming_is_a_newline_and_one_line(capsys, monkeypatch):
         yield Delta()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sample, "stream_events", interrupted_stream)
+    monkeypatch.setattr(Sample, "prepare", lambda *a, **k: SimpleNamespace(deltas=interrupted_stream))
     assert main(["generate", "ROMEO:", "--stream", "--max-new-tokens", "8"]) == 130
     out = capsys.readouterr()
     assert out.out == "ROMEO:ButBut\n"  # the streamed line ended

@@ -15,6 +15,7 @@ import pytest
 
 import decodekit as dk
 from decodekit.cli import main
+from decodekit.decode.sample import Sample
 
 COMPLETION = SimpleNamespace(text=" hi", token_ids=[1], logprobs=[-0.1], processed_logprobs=[-0.1],
                              top_logprobs=None, finish_reason="stop", stop_reason=None, score=None,
@@ -33,11 +34,11 @@ def stdin(monkeypatch, data: bytes) -> None:
 
 @pytest.fixture
 def prompts(monkeypatch, tiny_lm):
-    """The prompts decodekit.generate is called with (on the tiny model, whatever --model)."""
+    """The prompts the CLI's sampling run is prepared with (on the tiny model, whatever --model)."""
     seen = []
     monkeypatch.setattr(dk, "load_model", lambda *a, **k: tiny_lm)
-    monkeypatch.setattr(dk, "generate",
-                        lambda model, prompt, params, **k: seen.append(prompt) or [COMPLETION])
+    run = SimpleNamespace(completions=lambda: [[COMPLETION]])
+    monkeypatch.setattr(Sample, "prepare", lambda self, model, prompts, *a, **k: seen.extend(prompts) or run)
     return seen
 
 

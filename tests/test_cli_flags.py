@@ -35,8 +35,12 @@ COMPRESSED = dict(model="m", out="o", label="rtn-8b", layers=1, memory_bytes_bef
                   memory_bytes_after=1, disk_bytes=1)
 
 
-def stream(*args, **kwargs):
+def stream():
     yield SimpleNamespace(text=" hi", completion=COMPLETION)
+
+
+RUN = SimpleNamespace(completions=lambda: [[COMPLETION]], deltas=stream,
+                      stats=lambda: SimpleNamespace(as_dict=dict))  # a prepared run (route.py `Run`)
 
 
 @contextlib.contextmanager
@@ -48,11 +52,10 @@ def shape_dir(model_name, shape=None):
 # call's arguments, or CALL). "model" stands for the tiny checkpoint (the tiny_lm fixture).
 SINKS = {
     "load_model": ("decodekit:load_model", "model"),
-    "generate": ("decodekit:generate", lambda *a, **k: [COMPLETION]),
-    "beam_search": ("decodekit:beam_search", lambda *a, **k: [COMPLETION]),
-    "speculative_generate": ("decodekit:speculative_generate", lambda *a, **k: SimpleNamespace(
-        stats=SimpleNamespace(as_dict=dict), completions=[COMPLETION])),
-    "stream_events": ("decodekit.decode.sample:stream_events", stream),
+    # `decodekit generate` prepares one strategy's run (decode/route.py) and reads it
+    "sample": ("decodekit.decode.sample:Sample.prepare", lambda *a, **k: RUN),
+    "beam": ("decodekit.decode.beam:Beam.prepare", lambda *a, **k: RUN),
+    "speculative": ("decodekit.decode.speculative:Speculative.prepare", lambda *a, **k: RUN),
     "ContrastiveLM": ("decodekit:ContrastiveLM", lambda expert, *a, **k: expert),
     "StaticDecodeLM": ("decodekit.models.static:StaticDecodeLM", lambda model: model),
     "JsonSchema": ("decodekit:JsonSchema", lambda text: ("json_schema", text)),
@@ -129,50 +132,50 @@ P = "params."
 # amateur) are read at their last call.
 ROWS = [
     # generate: every SamplingParams flag lands in the params of decodekit.generate
-    ("generate prompt", [*G], "generate", "prompts", "x"),
-    ("generate --prompt-file", ["generate", "--prompt-file", "prompt.txt"], "generate", "prompts",
-     "ROMEO:\n"),
+    ("generate prompt", [*G], "sample", "prompts", ["x"]),
+    ("generate --prompt-file", ["generate", "--prompt-file", "prompt.txt"], "sample", "prompts",
+     ["ROMEO:\n"]),
     ("generate --model", [*G, "--model", "arith"], "load_model", "name_or_path", "arith"),
-    ("generate --strategy", [*G, "--strategy", "beam"], "beam_search", "", called),
-    ("generate --n", [*G, "--n", "3"], "generate", P + "n", 3),
-    ("generate --preset", [*G, "--preset", "code-comments"], "generate", P + "top_p", 0.2),
-    ("generate --max-new-tokens", [*G, "--max-new-tokens", "9"], "generate", P + "max_new_tokens", 9),
-    ("generate --min-new-tokens", [*G, "--min-new-tokens", "2"], "generate", P + "min_new_tokens", 2),
-    ("generate --temperature", [*G, "--temperature", "0.7"], "generate", P + "temperature", 0.7),
-    ("generate --top-k", [*G, "--top-k", "7"], "generate", P + "top_k", 7),
-    ("generate --top-p", [*G, "--top-p", "0.9"], "generate", P + "top_p", 0.9),
-    ("generate --min-p", [*G, "--min-p", "0.05"], "generate", P + "min_p", 0.05),
-    ("generate --typical-p", [*G, "--typical-p", "0.8"], "generate", P + "typical_p", 0.8),
-    ("generate --epsilon", [*G, "--epsilon", "0.01"], "generate", P + "epsilon", 0.01),
-    ("generate --eta", [*G, "--eta", "0.02"], "generate", P + "eta", 0.02),
-    ("generate --top-n-sigma", [*G, "--top-n-sigma", "1.5"], "generate", P + "top_n_sigma", 1.5),
-    ("generate --min-tokens-to-keep", [*G, "--min-tokens-to-keep", "3"], "generate",
+    ("generate --strategy", [*G, "--strategy", "beam"], "beam", "", called),
+    ("generate --n", [*G, "--n", "3"], "sample", P + "n", 3),
+    ("generate --preset", [*G, "--preset", "code-comments"], "sample", P + "top_p", 0.2),
+    ("generate --max-new-tokens", [*G, "--max-new-tokens", "9"], "sample", P + "max_new_tokens", 9),
+    ("generate --min-new-tokens", [*G, "--min-new-tokens", "2"], "sample", P + "min_new_tokens", 2),
+    ("generate --temperature", [*G, "--temperature", "0.7"], "sample", P + "temperature", 0.7),
+    ("generate --top-k", [*G, "--top-k", "7"], "sample", P + "top_k", 7),
+    ("generate --top-p", [*G, "--top-p", "0.9"], "sample", P + "top_p", 0.9),
+    ("generate --min-p", [*G, "--min-p", "0.05"], "sample", P + "min_p", 0.05),
+    ("generate --typical-p", [*G, "--typical-p", "0.8"], "sample", P + "typical_p", 0.8),
+    ("generate --epsilon", [*G, "--epsilon", "0.01"], "sample", P + "epsilon", 0.01),
+    ("generate --eta", [*G, "--eta", "0.02"], "sample", P + "eta", 0.02),
+    ("generate --top-n-sigma", [*G, "--top-n-sigma", "1.5"], "sample", P + "top_n_sigma", 1.5),
+    ("generate --min-tokens-to-keep", [*G, "--min-tokens-to-keep", "3"], "sample",
      P + "min_tokens_to_keep", 3),
-    ("generate --mirostat-tau", [*G, "--mirostat-tau", "5"], "generate", P + "mirostat_tau", 5.0),
-    ("generate --mirostat-eta", [*G, "--mirostat-eta", "0.2"], "generate", P + "mirostat_eta", 0.2),
-    ("generate --xtc-threshold", [*G, "--xtc-threshold", "0.3"], "generate", P + "xtc_threshold", 0.3),
-    ("generate --xtc-probability", [*G, "--xtc-probability", "0.5"], "generate", P + "xtc_probability", 0.5),
-    ("generate --dry-multiplier", [*G, "--dry-multiplier", "0.8"], "generate", P + "dry_multiplier", 0.8),
-    ("generate --dry-base", [*G, "--dry-base", "2"], "generate", P + "dry_base", 2.0),
-    ("generate --dry-allowed-length", [*G, "--dry-allowed-length", "4"], "generate",
+    ("generate --mirostat-tau", [*G, "--mirostat-tau", "5"], "sample", P + "mirostat_tau", 5.0),
+    ("generate --mirostat-eta", [*G, "--mirostat-eta", "0.2"], "sample", P + "mirostat_eta", 0.2),
+    ("generate --xtc-threshold", [*G, "--xtc-threshold", "0.3"], "sample", P + "xtc_threshold", 0.3),
+    ("generate --xtc-probability", [*G, "--xtc-probability", "0.5"], "sample", P + "xtc_probability", 0.5),
+    ("generate --dry-multiplier", [*G, "--dry-multiplier", "0.8"], "sample", P + "dry_multiplier", 0.8),
+    ("generate --dry-base", [*G, "--dry-base", "2"], "sample", P + "dry_base", 2.0),
+    ("generate --dry-allowed-length", [*G, "--dry-allowed-length", "4"], "sample",
      P + "dry_allowed_length", 4),
-    ("generate --repetition-penalty", [*G, "--repetition-penalty", "1.3"], "generate",
+    ("generate --repetition-penalty", [*G, "--repetition-penalty", "1.3"], "sample",
      P + "repetition_penalty", 1.3),
-    ("generate --frequency-penalty", [*G, "--frequency-penalty", "0.4"], "generate",
+    ("generate --frequency-penalty", [*G, "--frequency-penalty", "0.4"], "sample",
      P + "frequency_penalty", 0.4),
-    ("generate --presence-penalty", [*G, "--presence-penalty", "-0.5"], "generate",
+    ("generate --presence-penalty", [*G, "--presence-penalty", "-0.5"], "sample",
      P + "presence_penalty", -0.5),
-    ("generate --no-repeat-ngram-size", [*G, "--no-repeat-ngram-size", "3"], "generate",
+    ("generate --no-repeat-ngram-size", [*G, "--no-repeat-ngram-size", "3"], "sample",
      P + "no_repeat_ngram_size", 3),
-    ("generate --seed", [*G, "--seed", "11"], "generate", P + "seed", 11),
-    ("generate --logprobs", [*G, "--logprobs", "5"], "generate", P + "logprobs", 5),
-    ("generate --stop", [*G, "--stop", r"\n", "--stop", "END"], "generate", P + "stop", ("\n", "END")),
-    ("generate --order", [*G, "--order", "temperature,top_k"], "generate", P + "order", ("temperature",
+    ("generate --seed", [*G, "--seed", "11"], "sample", P + "seed", 11),
+    ("generate --logprobs", [*G, "--logprobs", "5"], "sample", P + "logprobs", 5),
+    ("generate --stop", [*G, "--stop", r"\n", "--stop", "END"], "sample", P + "stop", ("\n", "END")),
+    ("generate --order", [*G, "--order", "temperature,top_k"], "sample", P + "order", ("temperature",
      "top_k")),
-    ("generate --num-beams", [*G, "--strategy", "beam", "--num-beams", "6"], "beam_search", "num_beams", 6),
-    ("generate --length-penalty", [*G, "--strategy", "beam", "--length-penalty", "0.5"], "beam_search",
-     "length_penalty", 0.5),
-    ("generate --stream", [*G, "--stream"], "stream_events", "prompts", ["x"]),
+    ("generate --num-beams", [*G, "--strategy", "beam", "--num-beams", "6"], "beam", "self.num_beams", 6),
+    ("generate --length-penalty", [*G, "--strategy", "beam", "--length-penalty", "0.5"], "beam",
+     "self.length_penalty", 0.5),
+    ("generate --stream", [*G, "--stream"], "sample", "prompts", ["x"]),
     ("generate --json", [*G, "--json"], "stdout", "", json_out),
     ("generate --compile", [*G, "--compile"], "engine_for", "config.compile", True),
     ("generate --no-compile", [*G, "--no-compile"], "engine_for", "config.compile", False),
@@ -190,23 +193,23 @@ ROWS = [
     ("generate --amateur-window", [*G, *CD, "--amateur-window", "5"], "ContrastiveLM", "amateur_window", 5),
     ("generate --amateur-weight", [*G, *CD, "--amateur-weight", "0.7"], "ContrastiveLM", "amateur_weight",
      0.7),
-    ("generate --json-schema", [*G, "--json-schema", "examples/schema.json"], "generate", "constraint",
+    ("generate --json-schema", [*G, "--json-schema", "examples/schema.json"], "sample", "constraint",
      lambda c: c[0] == "json_schema" and json.loads(c[1])),
-    ("generate --regex", [*G, "--regex", "a+"], "generate", "constraint", ("regex", "a+")),
-    ("generate --grammar", [*G, "--grammar", "pyproject.toml"], "generate", "constraint",
+    ("generate --regex", [*G, "--regex", "a+"], "sample", "constraint", ("regex", "a+")),
+    ("generate --grammar", [*G, "--grammar", "pyproject.toml"], "sample", "constraint",
      lambda c: c[0] == "grammar" and "[project]" in c[1]),
-    ("generate --choices", [*G, "--choices", "yes,no"], "generate", "constraint", ("choices", ["yes", "no"])),
-    ("generate --heal", [*G, "--heal"], "generate", "heal", True),
-    ("generate --draft-model", [*G, "--draft-model", "self-int4"], "speculative_generate", "draft",
+    ("generate --choices", [*G, "--choices", "yes,no"], "sample", "constraint", ("choices", ["yes", "no"])),
+    ("generate --heal", [*G, "--heal"], "sample", "heal", True),
+    ("generate --draft-model", [*G, "--draft-model", "self-int4"], "speculative", "self.draft",
      "self-int4"),
-    ("generate --speculative", [*G, "--speculative", "prompt-lookup"], "speculative_generate", "draft",
+    ("generate --speculative", [*G, "--speculative", "prompt-lookup"], "speculative", "self.draft",
      "prompt-lookup"),
-    ("generate --num-draft-tokens", [*G, *SPEC, "--num-draft-tokens", "6"], "speculative_generate",
-     "num_draft_tokens", 6),
-    ("generate --gamma", [*G, *SPEC, "--gamma", "2"], "speculative_generate", "num_draft_tokens", 2),
-    ("generate --verify", [*G, *SPEC, "--verify", "token"], "speculative_generate", "verify", "token"),
-    ("generate --adaptive", [*G, *SPEC, "--adaptive"], "speculative_generate", "adaptive", True),
-    ("generate --adaptive-gamma", [*G, *SPEC, "--adaptive-gamma"], "speculative_generate", "adaptive", True),
+    ("generate --num-draft-tokens", [*G, *SPEC, "--num-draft-tokens", "6"], "speculative",
+     "self.num_draft_tokens", 6),
+    ("generate --gamma", [*G, *SPEC, "--gamma", "2"], "speculative", "self.num_draft_tokens", 2),
+    ("generate --verify", [*G, *SPEC, "--verify", "token"], "speculative", "self.verify", "token"),
+    ("generate --adaptive", [*G, *SPEC, "--adaptive"], "speculative", "self.adaptive", True),
+    ("generate --adaptive-gamma", [*G, *SPEC, "--adaptive-gamma"], "speculative", "self.adaptive", True),
     # bench: each flag lands in the named argument of the benchmark's function
     ("bench which", ["bench", "constrained"], "bench_constrained", "", called),
     ("bench --model", ["bench", "kv", "--model", "arith"], "bench_kv", "model_name", "arith"),
@@ -393,8 +396,11 @@ def sinks(monkeypatch, tiny_lm, tmp_path):
 
     for name, (target, result) in SINKS.items():
         module_name, attribute = target.split(":")
-        module = importlib.import_module(module_name)
-        monkeypatch.setattr(module, attribute, recorder(name, getattr(module, attribute), result))
+        owner = importlib.import_module(module_name)
+        *path, attribute = attribute.split(".")  # "Class.method": the class's attribute
+        for part in path:
+            owner = getattr(owner, part)
+        monkeypatch.setattr(owner, attribute, recorder(name, getattr(owner, attribute), result))
     for target in TABLES:
         module_name, attribute = target.split(":")
         monkeypatch.setattr(importlib.import_module(module_name), attribute, lambda *a, **k: "a table")

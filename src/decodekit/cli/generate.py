@@ -201,8 +201,6 @@ def sampling_params(args) -> SamplingParams:
 
 
 def run_generate(args) -> None:
-    import decodekit as dk
-
     args.prompt = read_prompt(args)
     params = sampling_params(args)
     mask = {"constraint": constraint_from(args), "heal": args.heal}
@@ -215,19 +213,13 @@ def run_generate(args) -> None:
     set_threads(args, model)
     apply_compile(args, model)
     warn_beyond_context(args, model, params)
+    # The one library call every front end makes (decode/route.py): the strategy's `prepare`
+    # checks and routes the request, and the run's deltas stream or its completions return.
+    run = strategy_of(args).prepare(model, [args.prompt], params, **mask)
+    streamed = args.stream and not args.json
+    completions = [stream_one(args.prompt, run)] if streamed else run.completions()[0]
     if args.draft_model is not None:
-        options = {name: getattr(args, name) for name in ("num_draft_tokens", "verify", "adaptive")
-                   if given(args, name)}
-        result = dk.speculative_generate(model, args.draft_model, args.prompt, params, **options)
-        print(json.dumps({"speculative": result.stats.as_dict()}), file=sys.stderr)
-        completions = result.completions
-    elif args.strategy == "beam":
-        options = {name: getattr(args, name) for name in ("num_beams", "length_penalty") if given(args, name)}
-        completions = dk.beam_search(model, args.prompt, params, **options, **mask)
-    elif args.stream and not args.json:
-        completions = [stream_one(model, args.prompt, params, mask)]
-    else:
-        completions = dk.generate(model, args.prompt, params, **mask)
+        print(json.dumps({"speculative": run.stats().as_dict()}), file=sys.stderr)
     if args.json:
         for c in completions:
             print(json.dumps(completion_json(c)))
@@ -265,13 +257,28 @@ def check_combination(args, params: SamplingParams, mask: dict) -> None:
         raise UsageError(f"--stream prints one sample, so --n must be 1, got {params.n}")
 
 
-def stream_one(model, prompt: str, params: SamplingParams, mask: dict):
-    """Print the prompt and then the text as it is accepted; returns the completion."""
-    from decodekit.decode.sample import stream_events
+def strategy_of(args):
+    """The library strategy the flags ask for (decode/route.py): speculative decoding with
+    --draft-model, beam search with --strategy beam, else sampling (greedy is temperature 0)."""
+    from decodekit.decode.beam import Beam
+    from decodekit.decode.sample import Sample
+    from decodekit.decode.speculative import Speculative
 
+    if args.draft_model is not None:
+        options = {name: getattr(args, name) for name in ("num_draft_tokens", "verify", "adaptive")
+                   if given(args, name)}
+        return Speculative(args.draft_model, **options)
+    if args.strategy == "beam":
+        options = {name: getattr(args, name) for name in ("num_beams", "length_penalty") if given(args, name)}
+        return Beam(**options)
+    return Sample()
+
+
+def stream_one(prompt: str, run):
+    """Print the prompt and then the run's text as it is accepted; returns the completion."""
     sys.stdout.write(prompt)
     completion = None
-    for delta in stream_events(model, [prompt], params, **mask):
+    for delta in run.deltas():
         sys.stdout.write(delta.text)
         sys.stdout.flush()
         completion = delta.completion or completion

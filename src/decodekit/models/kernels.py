@@ -1,4 +1,4 @@
-"""decodekit's native CPU GEMV kernels (csrc/gemv.cpp): y = x Wᵀ for a few rows (issue 23).
+"""decodekit's native CPU kernels (csrc/): GEMVs, y = x Wᵀ for a few rows (issue 23), and RMSNorm.
 
 Batch-1 decode is a matrix-vector product bound by memory bandwidth; PyTorch's CPU ops read
 float32 weights at ~2/3 of what one core can stream and have no kernel for grouped int8 at
@@ -24,7 +24,9 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   activation-quantised, for layers that opted in (`activation_bits=8`): x quantised per block
   of 32 inputs to int8 with one scale each (llama.cpp's q8_0), int8 / int4 codes repacked by
   `pack_a8_blocks`, integer dot products per block (AVX-512 VNNI, or AVX2), float32 sums over
-  blocks; scales [N, 1] or one per block of 32 inputs.
+  blocks; scales [N, 1] or one per block of 32 inputs;
+- `rms_norm(x, weight, eps)` (csrc/norm.cpp): float32 RMSNorm over the last dimension, one op
+  where ATen runs six (models/native.py's eager CPU path; `eager_op` says when it may run).
 
 Each kernel decodes a block of 4 weight rows once for up to 4 input rows at a time, so a few
 rows (batched decoding, a speculative verification span) cost far less than that many
@@ -130,6 +132,15 @@ def register_fakes() -> None:
     for op in ("decodekit::linear_w8a8", "decodekit::linear_w4a8"):
         torch.library.register_fake(op)(lambda x, w, scales, bias: out(x, scales.shape[0]))
     _TRACEABLE = True
+
+
+def eager_op(*tensors: torch.Tensor) -> bool:
+    """Whether an eager forward may call one of the ops that have no autograd formula and no
+    fake kernel (`rms_norm`) on these CPU tensors: the kernels run, nothing is being traced,
+    and no gradient would flow through them."""
+    if torch.compiler.is_compiling() or not available():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def traceable() -> bool:
