@@ -214,15 +214,18 @@ def one_row_gemv(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if rowwise:
         return rowwise_linear(layer, x)
-    if layer._forward_pre_hooks or layer._forward_hooks:  # e.g. compress's calibration: call it
+    # Anything but a plain Linear (QuantizedLinear, ConcatLinear: their own forward), or a layer
+    # with hooks (compress's calibration), is called; a decode step makes ~100 such calls, so
+    # this test comes first and costs two lookups.
+    if type(layer) is not nn.Linear or layer._forward_pre_hooks or layer._forward_hooks:
         return layer(x)
-    weight = getattr(layer, "weight", None)
-    if (type(layer) is nn.Linear and weight.is_cpu and x.dtype == weight.dtype
+    weight = layer.weight
+    if (weight.is_cpu and x.dtype == weight.dtype
             and weight.dtype in kernels.FLOAT_DTYPES
             and x.numel() <= kernels.max_rows(weight.dtype) * x.shape[-1]
             and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
         return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV / GEMM (models/kernels.py)
-    if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and weight.dtype in _GEMV_DTYPES
+    if (x.numel() == x.shape[-1] and weight.dtype in _GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
         return one_row_gemv(layer, x)
     return layer(x)
