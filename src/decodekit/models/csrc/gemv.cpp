@@ -260,14 +260,17 @@ AVX2 inline __m256 load8_part(const void* p, int64_t k, int64_t n) {
 // sums into tot the same way, and adds the 16 lanes in _mm512_reduce_add_ps's order (the two
 // halves, then hsum256's tree, which is GCC's reduction). Weights are widened exactly, so
 // f32, bf16, f16 and int8 rows all match. dot4_avx2 runs R = 4 rows for one x row and two
-// passes of R = 2 for two (16 chains would spill). Each row's stream prefetches `ahead` bytes
-// on at every cache line (the rows are short streams the hardware prefetcher does not ramp up
-// on). On the Zen 3, one x row, against the float32 kernel: int8 per channel 1.5 -> 1.7x at
-// 896 -> 9728 and 2.4x at 4864 -> 896, int8 in groups of 64 1.0 -> 1.5x and 1.9x (8 lanes).
+// passes of R = 2 for two (16 chains would spill). The R rows lie one after another in memory,
+// and each step of 16 inputs prefetches the next R * 16 elements' worth of lines of that span,
+// `ahead` bytes on: one ascending stream (the rows are short streams the hardware prefetcher
+// does not ramp up on; one prefetch stream per row, 4 interleaved, ran int8 896 -> 4864 at
+// 1.45-1.6x the time on the Zen 3, BENCHMARKS.md 2026-11-28). On the Zen 3, one x row, against
+// the float32 kernel: int8 per channel 1.5 -> 1.7x at 896 -> 9728 and 2.4x at 4864 -> 896,
+// int8 in groups of 64 1.0 -> 1.5x and 1.9x (8 lanes), before that change.
 template <WT T, int R, int MB>
 AVX2 void dotr_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
                     int64_t ahead, float* out) {
-  constexpr int64_t line = 64 / elem_bytes(T);  // elements per cache line
+  constexpr int step_bytes = R * 16 * elem_bytes(T);  // weight bytes per step of 16 inputs
   float tot[R][MB][16] = {};
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
@@ -276,8 +279,10 @@ AVX2 void dotr_avx2(const char* const* w, const float* x, int64_t K, const float
       UNROLL for (int m = 0; m < MB; ++m) lo[r][m] = hi[r][m] = _mm256_setzero_ps();
     int64_t k = k0;
     for (; k + 16 <= k1; k += 16) {
-      if (ahead && k % line < 16)
-        UNROLL for (int r = 0; r < R; ++r) _mm_prefetch(w[r] + k * elem_bytes(T) + ahead, _MM_HINT_T0);
+      if (ahead) {  // the lines R * 16 elements cover, `ahead` bytes on from the block's start
+        const char* pf = w[0] + ahead + k * R * elem_bytes(T);
+        UNROLL for (int o = 0; o < step_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+      }
       __m256 xl[MB], xh[MB];
       UNROLL for (int m = 0; m < MB; ++m) {
         xl[m] = _mm256_loadu_ps(x + m * K + k);

@@ -234,21 +234,27 @@ AVX2 void a8_dot4_avx2(const uint8_t* wb, int64_t nb, const QuantRows& x, int64_
             i = _mm256_add_epi32(i, _mm256_madd_epi16(pairs, ones));
           }
         } else {
+          // The 8 steps' pair sums add up in int16 before one madd widens them: each is at
+          // most 2 * 15 * 127 = 3,810 in magnitude, so 8 stay within 30,480 (exact).
+          __m256i pairs = _mm256_setzero_si256();
           for (int t = 0; t < 4; ++t) {
             const __m256i v = load_lanes(wh + t * step, mask[h], whole);
             const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xh + 64 * (2 * t)));
             const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xh + 64 * (2 * t + 1)));
-            i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, q0), ones));
-            i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, q1), ones));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo, q0));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi, q1));
           }
-          i = _mm256_sub_epi32(i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.c + at + 8 * h)));
+          i = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.c + at + 8 * h)));
         }
         const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(x.d + at + 8 * h));
-        if constexpr (GROUPED)
-          acc[r][h] = _mm256_fmadd_ps(f, _mm256_maskload_ps(scales[r] + c * kLanes + 8 * h, mask[h]), acc[r][h]);
-        else
+        if constexpr (GROUPED) {
+          const float* sc = scales[r] + c * kLanes + 8 * h;  // a row's scales end with its last block
+          acc[r][h] = _mm256_fmadd_ps(f, whole ? _mm256_loadu_ps(sc) : _mm256_maskload_ps(sc, mask[h]), acc[r][h]);
+        } else {
           acc[r][h] = _mm256_add_ps(acc[r][h], f);
+        }
       }
     }
     p += 4 * rb;
