@@ -382,6 +382,28 @@ def test_activation_quantised_kernels_equal_the_torch_reference(bits, group, k, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("group", [None, 32])
+def test_w4a8_block_sums_stay_exact_at_the_extreme_codes(group):
+    # The AVX2 kernel adds a block's 8 steps of maddubs pairs in int16 before widening
+    # (csrc/gemv_a8.cpp): code 7 (stored 15) against |q| = 127 makes every pair 3,810 and the 8
+    # steps 30,480, just inside int16. Rows of extreme codes against inputs all at +-max (q = +-127
+    # everywhere) must still give the exact integer sums: a wrapped lane would be 65,536 off.
+    k, n = 1184, 6  # 37 blocks: two chunks of 16 and a tail
+    codes = torch.tensor([7, -8, -7, 0, 7, 3], dtype=torch.int8)[:, None].repeat(1, k)
+    codes[4, 1::2] = -8  # alternating extremes within a pair
+    groups = 1 if group is None else k // 32
+    scales = torch.linspace(0.5, 1.5, n * groups).view(n, groups)
+    layer = QuantizedLinear.from_linear(nn.Linear(k, n, bias=False), QuantSpec(4, group, activation_bits=8), codes, scales)  # fmt: skip
+    assert layer.kernel == "int4a8"
+    x = torch.ones(2, k)
+    x[1] = -3.0
+    with torch.no_grad():
+        native = layer(x)
+        expected = F.linear(quantize_activations(x), layer.dequantized_weight())
+    torch.testing.assert_close(native, expected, atol=0.1, rtol=1e-4)  # a wrap: >= 65,536 d s
+
+
+@needs_kernels
 def test_activation_quantised_avx2_variant_gives_the_same_bits(tmp_path):
     # The AVX2 code (maddubs, no VNNI) in a child process; every case's output bit for bit.
     script = "\n".join([
