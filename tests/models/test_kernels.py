@@ -393,7 +393,8 @@ def test_w4a8_block_sums_stay_exact_at_the_extreme_codes(group):
     codes[4, 1::2] = -8  # alternating extremes within a pair
     groups = 1 if group is None else k // 32
     scales = torch.linspace(0.5, 1.5, n * groups).view(n, groups)
-    layer = QuantizedLinear.from_linear(nn.Linear(k, n, bias=False), QuantSpec(4, group, activation_bits=8), codes, scales)  # fmt: skip
+    spec = QuantSpec(4, group, activation_bits=8)
+    layer = QuantizedLinear.from_linear(nn.Linear(k, n, bias=False), spec, codes, scales)
     assert layer.kernel == "int4a8"
     x = torch.ones(2, k)
     x[1] = -3.0
