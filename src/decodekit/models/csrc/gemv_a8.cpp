@@ -24,9 +24,13 @@
 // is subtracted. (vpdpbssd, signed by signed, is AVX-VNNI-INT8: absent on Zen 4 and Zen 5.)
 // The AVX2 variant multiplies with maddubs and sums pairs with madd: |q| by sign(w, q) for
 // int8 (llama.cpp's trick: pair sums stay below 2^15), the nibbles w + 8 by q for int4 (then
-// the same correction). Both compute the same integers. The AVX2 variant loads a whole chunk's
-// steps plainly (vpmaskmovd only in the last, partial chunk: with it everywhere, W4A8 ran at
-// 1.9x the float32 kernel on the Zen 3, without 4.5x; W8A8 1.5x -> 2.8x) and prefetches ahead.
+// the same correction), whose 8 steps' pair sums add up in int16 before one madd (each pair is
+// at most 2 * 15 * 127 = 3,810 in magnitude, so 8 stay within 30,480). Both compute the same
+// integers. The AVX2 variant loads a whole chunk's steps and block scales plainly (vpmaskmovd
+// only in the last, partial chunk: with it everywhere, W4A8 ran at 1.9x the float32 kernel on
+// the Zen 3, without 4.5x; W8A8 1.5x -> 2.8x. Plain scale loads and the int16 sums together:
+// W4A8 in blocks of 32 at 0.81-0.85x the time at 1-2 x rows, per channel 0.96-0.99x,
+// BENCHMARKS.md 2026-11-28) and prefetches ahead.
 //
 // The float part, per output (r, m) and lane j (block 16c + j), in chunk order: per row scale
 // acc_j += float(i) * d_j, per block scales acc_j = fma(float(i) * d_j, s_j, acc_j); then the

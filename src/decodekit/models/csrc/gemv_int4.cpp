@@ -23,7 +23,10 @@
 // float32 rounding (the two are not bit-equal; no test says they are). x 2^-p (p <= 24) is exact
 // for |x| >= 2^-118; smaller inputs round on the subnormal grid (an error below 2^-126 each, as
 // vdpbf16ps flushes subnormals to zero on the AVX-512 side). Each plane is decoded once for up to
-// 2 x rows (sums per weight row and x row: 4 x 2 chains fit AVX2's 16 registers).
+// 2 x rows (sums per weight row and x row: 4 x 2 chains fit AVX2's 16 registers). The AND,
+// convert and FMA per 8 weights bound it on the Zen 3 (~6.6 ns a plane of 4 rows from L1, ~225 us
+// for 896 -> 4864); two chains per sum at one x row (low and high words apart, 8 in all) measured
+// no faster, and at two x rows (two passes of 2 weight rows) 1.2-1.35x slower (2026-11-28).
 
 #include "gemv_common.h"
 
