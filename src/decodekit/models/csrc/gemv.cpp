@@ -264,9 +264,9 @@ AVX2 inline __m256 load8_part(const void* p, int64_t k, int64_t n) {
 // and each step of 16 inputs prefetches the next R * 16 elements' worth of lines of that span,
 // `ahead` bytes on: one ascending stream (the rows are short streams the hardware prefetcher
 // does not ramp up on; one prefetch stream per row, 4 interleaved, ran int8 896 -> 4864 at
-// 1.45-1.6x the time on the Zen 3, BENCHMARKS.md 2026-11-28). On the Zen 3, one x row, against
-// the float32 kernel: int8 per channel 1.5 -> 1.7x at 896 -> 9728 and 2.4x at 4864 -> 896,
-// int8 in groups of 64 1.0 -> 1.5x and 1.9x (8 lanes), before that change.
+// 1.3-1.5x the time on the Zen 3 and bf16 rows at 1.25-1.5x, BENCHMARKS.md 2026-11-28). On the
+// Zen 3, one x row, against the float32 kernel: int8 per channel 1.5 -> 1.7x at 896 -> 9728 and
+// 2.4x at 4864 -> 896, int8 in groups of 64 1.0 -> 1.5x and 1.9x (8 lanes), before that change.
 template <WT T, int R, int MB>
 AVX2 void dotr_avx2(const char* const* w, const float* x, int64_t K, const float* const* scales, int64_t group,
                     int64_t ahead, float* out) {
