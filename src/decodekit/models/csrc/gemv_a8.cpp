@@ -101,6 +101,41 @@ AVX512_VNNI void quantize_block_avx512(const float* x, int64_t n, int8_t* codes,
   *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
+// AVX2: the same numbers as `quantize_block` for a whole block (abs by clearing the sign bit, the
+// maximum exact in any order, cvtps rounding to even as nearbyint does); a last, partial block
+// takes the scalar loop. (The scalar loop's nearbyint call per input cost ~50 us at K = 4,864
+// on the Zen 3, a third of a W4A8 4,864 -> 896 layer's weights.)
+AVX2 void quantize_block_avx2(const float* x, int64_t n, int8_t* codes, float* d_out, int32_t* sum_out) {
+  if (n < kBlock) return quantize_block(x, n, codes, d_out, sum_out);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  const __m256 scale = _mm256_set1_ps(id);
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  __m256i q[4], total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    q[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale)), hi), lo);
+    total = _mm256_add_epi32(total, q[j]);
+  }
+  // int32 -> int8 in input order: packs interleave the 128-bit lanes, the permute restores them.
+  const __m256i w16 = _mm256_packs_epi32(q[0], q[1]), w16b = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), b8);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  *d_out = d;
+  *sum_out = _mm_cvtsi128_si32(s);
+}
+
 // x [M, K] f32 -> the QuantRows buffers (zeroed by the caller); `offset` is 128 (int8
 // weights) or 8 (int4).
 void quantize_rows(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* q, float* d, int32_t* c,
@@ -116,7 +151,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int32_t offset, int8_t*
       if (wide)
         quantize_block_avx512(xb, n, codes, d + m * nbp + b, &sum);
       else
-        quantize_block(xb, n, codes, d + m * nbp + b, &sum);
+        quantize_block_avx2(xb, n, codes, d + m * nbp + b, &sum);
       c[m * nbp + b] = offset * sum;
       int8_t* chunk = q + m * nbp * kBlock + (b / kLanes) * kLanes * kBlock;
       for (int s = 0; s < 8; ++s) std::memcpy(chunk + 64 * s + 4 * (b % kLanes), codes + 4 * s, 4);
