@@ -81,7 +81,7 @@ SINKS = {
     "bench_latency": ("decodekit.bench.latency:bench_latency", {}),
     "latency_plot": ("decodekit.bench.latency:plot", None),
     "bench_presets": ("decodekit.bench.presets:bench_presets", {}),
-    "bench_kv": ("decodekit.bench.kv:bench_kv", {}),
+    "bench_kv": ("decodekit.bench.kv_compression:bench_kv", {}),
     "evaluate_arith": ("decodekit.meta.evaluate:evaluate_arith", {}),
     "arith_plot": ("decodekit.meta.evaluate:plot", None),
     "evaluate_sizes": ("decodekit.meta.compute_optimal:evaluate_sizes", {}),
@@ -104,7 +104,7 @@ SINKS = {
 # The tables the commands print without --json: stand-ins, so any dict prints.
 TABLES = ["decodekit.bench.compress:table", "decodekit.bench.speculative:markdown_table",
           "decodekit.bench.server:table", "decodekit.bench.latency:table", "decodekit.bench.presets:table",
-          "decodekit.bench.kv:table", "decodekit.meta.evaluate:table",
+          "decodekit.bench.kv_compression:table", "decodekit.meta.evaluate:table",
           "decodekit.meta.compute_optimal:table_sizes",
           "decodekit.align.frontier:table"]
 MODEL: list = []

@@ -3,7 +3,7 @@ the cache it measures through is tested in tests/models/test_kv_compression.py).
 
 from __future__ import annotations
 
-from decodekit.bench.kv import table
+from decodekit.bench.kv_compression import table
 
 
 def test_table_rows():

@@ -10,7 +10,7 @@ import torch
 
 from decodekit.bench.soak import KINDS, Soak, run_soak
 from decodekit.cli import main
-from decodekit.engine.kv import BlockManager
+from decodekit.engine.block_pool import BlockManager
 from decodekit.models.registry import load_model
 
 pytest.importorskip("llguidance")  # the constrained request
@@ -37,7 +37,7 @@ def test_mixed_requests_under_faults_equal_their_fresh_runs(soak):
 
 
 def test_the_soak_catches_a_step_that_registers_what_it_never_wrote(soak, monkeypatch):
-    """Without the rollback (kv.py) the failed programs' reserved blocks reach the prefix cache,
+    """Without the rollback (block_pool.py) the failed programs' reserved blocks reach the prefix cache,
     and later requests with the same prompt read them: the soak must see it."""
     monkeypatch.setattr(BlockManager, "rollback", lambda self: setattr(self.pool, "journal", {}))
     result = run_soak(soak, requests=120, concurrency=24, fail_p=0.1, seed=3)

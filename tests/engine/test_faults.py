@@ -10,9 +10,9 @@ import torch
 
 import decodekit as dk
 from decodekit.decode.beam import BeamProgram, beam_searches
+from decodekit.engine.block_pool import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
-from decodekit.engine.kv import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Program
 from decodekit.engine.registry import engine_for, forget_engine

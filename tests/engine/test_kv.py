@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from decodekit.engine.batch import build_batch, paged_forward
+from decodekit.engine.block_pool import BlockManager, BlockPool, BlockTable, OutOfBlocks, PoolCorrupted
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
-from decodekit.engine.kv import BlockManager, BlockPool, BlockTable, OutOfBlocks, PoolCorrupted
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.rows import RunningKV
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import decodekit as dk
+from decodekit.engine.block_pool import BlockPool, block_bytes
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
-from decodekit.engine.kv import BlockPool, block_bytes
 from decodekit.models.base import logprobs
-from decodekit.models.kv import dequantize_int8, quantize_int8, round_trip
+from decodekit.models.contiguous_kv import dequantize_int8, quantize_int8, round_trip
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from decodekit.engine.kv import PoolCorrupted
+from decodekit.engine.block_pool import PoolCorrupted
 from decodekit.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
 
 

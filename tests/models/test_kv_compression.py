@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodekit.bench.kv import CompressedCacheLM
+from decodekit.bench.kv_compression import CompressedCacheLM
 from decodekit.models.attention import prefill_attention as attend
-from decodekit.models.kv import CompressedKVCache, causal_mask, heavy_hitter_attention, streaming_mask
+from decodekit.models.contiguous_kv import (
+    CompressedKVCache,
+    causal_mask,
+    heavy_hitter_attention,
+    streaming_mask,
+)
 from decodekit.models.native import NativeLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

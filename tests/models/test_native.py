@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from decodekit.models.base import left_pad, prefill
-from decodekit.models.kv import ContiguousKVCache
+from decodekit.models.contiguous_kv import ContiguousKVCache
 from decodekit.models.native import NativeLM
 
 TINY = dict(

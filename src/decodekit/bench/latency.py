@@ -3,7 +3,7 @@
 Seed 000's latency table: scoring gamma tokens in parallel costs about one decoding step while
 decoding is memory-bound (reading the weights dominates), which is what makes speculative
 decoding pay. For each batch size B and each number of new tokens T, a NativeLM forward of
-[B, T] random token ids runs on its dense cache (models/kv.py) holding `context` positions,
+[B, T] random token ids runs on its dense cache (models/contiguous_kv.py) holding `context` positions,
 and the cache is cropped back to `context` after each call. The cached keys and values are
 random numbers rather than a prefill's (a forward's time does not depend on their values, and
 a 64-row prefill of a large model would cost more than the whole grid). Each cell is the
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from decodekit.bench.decode import machine
-from decodekit.models.kv import ContiguousKVCache
+from decodekit.models.contiguous_kv import ContiguousKVCache
 from decodekit.runtime import progress as progress_bar
 from decodekit.validate import check_int
 

@@ -142,7 +142,7 @@ def run_soak(
     plan = [(rng.choice(KINDS), rng.randrange(len(soak.prompts)), rng.randrange(4)) for _ in range(requests)]
     references = {key: reference(soak, *key) for key in sorted(set(plan))}
     # A KV bound the prefix cache fills within the first requests, so that resident memory
-    # measures leaks, not a cache growing towards a generous bound (engine/kv.py grows the
+    # measures leaks, not a cache growing towards a generous bound (engine/block_pool.py grows the
     # pool's storage by doubling as blocks are first used).
     engine = Engine(soak.target, EngineConfig(max_kv_bytes=kv_bytes))
     faults, fault_rng = Faults(soak.models(), random.Random(seed + 1)), random.Random(seed + 2)

@@ -299,7 +299,7 @@ def run_seed_bench(args) -> None:
         set_threads(args)
         result = bench_presets(args.model, args.judge_model, progress=show_progress(args))
     elif args.which == "kv":
-        from decodekit.bench.kv import bench_kv, table
+        from decodekit.bench.kv_compression import bench_kv, table
 
         set_threads(args)
         result = bench_kv(args.model, repeats=args.repeats, progress=show_progress(args))

@@ -296,7 +296,7 @@ class ContrastiveProgram(Program):
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
         # as a sampling request, plus one block per sample for a copy-on-write of a cached
-        # last block (kv.py `reserve`)
+        # last block (block_pool.py `reserve`)
         blocks = blocks_alone(self.request, block_size) + len(self.request.rows)
         return [(self.model.expert, blocks), (self.model.amateur, blocks)]
 

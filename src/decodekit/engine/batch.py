@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decodekit.engine.kv import BlockPool, BlockTable, PoolCorrupted
+from decodekit.engine.block_pool import BlockPool, BlockTable, PoolCorrupted
 from decodekit.engine.rows import RunningKV, SharedPrefix
 from decodekit.models.attention import SharedKV, attend_alone, decode_attention, prefill_attention
-from decodekit.models.kv import causal_mask
+from decodekit.models.contiguous_kv import causal_mask
 from decodekit.models.native import NativeLM
 
 

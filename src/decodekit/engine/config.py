@@ -30,7 +30,7 @@ class EngineConfig:
     would have repaid its measured warm-up, True every bucket on its first decode step,
     False never.
     kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a
-    float32 scale per layer, head and position (engine/kv.py). The running rows stay in the
+    float32 scale per layer, head and position (engine/block_pool.py). The running rows stay in the
     model's dtype (rows.py), so it shrinks the pool, not the rows.
     idle_member_bytes: the KV storage kept for member pools (drafts, amateurs: program.py)
     that no queued or running program uses, so a later request with the same draft reuses

@@ -31,12 +31,12 @@ import torch
 
 from decodekit.engine import failure, rounds
 from decodekit.engine.batch import build_batch, paged_forward
+from decodekit.engine.block_pool import BlockPool, PoolCorrupted
 from decodekit.engine.compile_policy import CompiledDecode, eligible
 from decodekit.engine.compile_worker import STEPS
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.entry import Entry, entry_for, finish_rows
 from decodekit.engine.handle import EngineFull, Inbox, RequestHandle, wake
-from decodekit.engine.kv import BlockPool, PoolCorrupted
 from decodekit.engine.members import Members
 from decodekit.engine.program import Program
 from decodekit.engine.scheduler import Scheduler, Step, Work

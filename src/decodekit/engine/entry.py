@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import singledispatch
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from decodekit.engine.kv import BlockTable
+from decodekit.engine.block_pool import BlockTable
 from decodekit.engine.members import ModelKV
 from decodekit.engine.program import Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel

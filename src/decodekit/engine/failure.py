@@ -3,7 +3,7 @@
 `Engine.step` runs inside `failing_step`. When the step raises (a forward, an adapter, a
 program, an interrupt):
 
-1. every slot it reserved is given back (kv.py `rollback`: a position reserved but not
+1. every slot it reserved is given back (block_pool.py `rollback`: a position reserved but not
    written must never be registered in the prefix cache nor read by anyone), before anything
    it touched can become shared;
 2. the entries it was running fail with the error, and so does the one it was admitting,
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from decodekit.engine.kv import PoolCorrupted
+from decodekit.engine.block_pool import PoolCorrupted
 from decodekit.engine.members import Members
 from decodekit.engine.scheduler import Scheduler
 

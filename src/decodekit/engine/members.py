@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from decodekit.engine.block_pool import BlockManager, BlockPool, block_bytes
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.kv import BlockManager, BlockPool, block_bytes
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.rows import RunningKV
 from decodekit.models.base import LanguageModel
@@ -52,7 +52,7 @@ class Members:
         self.config = config
         self._models: dict[int, ModelKV] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # unused, least recent first
-        self.journaling = False  # a step runs: new pools journal their tables too (kv.py)
+        self.journaling = False  # a step runs: new pools journal their tables too (block_pool.py)
         self.reset(model, share_prefixes)
 
     def reset(self, model: LanguageModel, share_prefixes: bool) -> None:
@@ -93,7 +93,7 @@ class Members:
         return id(kv.model) in self._idle
 
     def journal(self, on: bool) -> None:
-        """Start (or stop) recording the tables a step grows, for `rollback` (kv.py)."""
+        """Start (or stop) recording the tables a step grows, for `rollback` (block_pool.py)."""
         self.journaling = on
         for kv in self._models.values():
             kv.pool.journal = {} if on else None

@@ -5,10 +5,10 @@ nano-vllm's scheme (also vLLM's automatic prefix caching): a full block's key is
 prompt reuses the blocks of the longest run of its leading full blocks whose keys are
 cached. The tokens are kept beside the key and compared on a hit, so a hash collision
 costs a miss, never a wrong answer. A finished sequence's partially filled last block is
-cached the same way, keyed by its fewer tokens (kv.py `register_last`; SGLang's radix
+cached the same way, keyed by its fewer tokens (block_pool.py `register_last`; SGLang's radix
 cache keeps such tails too), so a prompt that extends a finished text reuses all its KV.
 
-Cached blocks are immutable (a writer copies them first: kv.py). A cached block that no
+Cached blocks are immutable (a writer copies them first: block_pool.py). A cached block that no
 sequence uses is *idle*: it keeps its KV and stays findable, and is the first thing the
 pool reclaims when it runs out of free blocks, least recently used first. Blocks in use
 are never idle, so eviction never takes a block a sequence still reads.
@@ -67,7 +67,7 @@ class PrefixCache:
         if block not in self._entry:
             # A check, not an assert: an idle block the cache cannot name would be handed out
             # again by `evict` with no key to forget, its KV read under another prefix.
-            from decodekit.engine.kv import PoolCorrupted  # kv.py imports this module
+            from decodekit.engine.block_pool import PoolCorrupted  # block_pool.py imports this module
 
             raise PoolCorrupted(f"block {block} was released to the prefix cache, which has no entry for it")
         self._idle[block] = None

@@ -21,7 +21,7 @@ not sixteen, and speculative requests draft together and verify together.
 
 KV: a program's sequences (`Seq`) live in the engine's block pool (its model's) or in a
 member pool (one per other model, same block size, built on first use), with the table
-operations of kv.py through `ProgramKV`: `open` (a table that starts from the prefix
+operations of block_pool.py through `ProgramKV`: `open` (a table that starts from the prefix
 cache), `fork` (full blocks shared, copy-on-write), `crop`, `close` (the KV stays in the
 prefix cache). A `Feed` computes every token of its sequence not yet in its table and
 returns the logits of the last one, or of every one (`every`: verification). A sequence
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodekit.engine.kv import BlockTable
+from decodekit.engine.block_pool import BlockTable
 from decodekit.engine.members import ModelKV
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta, Row

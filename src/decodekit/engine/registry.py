@@ -4,7 +4,7 @@
 model's requests on the engine `engine_for` returns: built on the model's first request
 with `EngineConfig`'s memory bound, and kept for the model's life, so its prefix cache
 serves later calls. A finished sequence leaves the full blocks of its prompt and generated
-tokens in that cache (idle, evicted least recently used first when the pool runs out: kv.py,
+tokens in that cache (idle, evicted least recently used first when the pool runs out: block_pool.py,
 prefix_cache.py), so a tree-search child, a refinement round or a retry that extends an
 earlier text reuses its KV instead of prefilling it again.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decodekit.engine.kv import BlockPool
+from decodekit.engine.block_pool import BlockPool
 from decodekit.models.attention import LSE_KERNEL  # SDPA with the log-sum-exp (or None)
 
 
@@ -52,7 +52,7 @@ class RunningKV:
     ):
         num_layers, kv_heads, _, _, head_dim = pool.keys.shape
         shape = (num_layers, rows, kv_heads, capacity, head_dim)
-        # In the model's dtype whatever the pool stores (kv.py): a working copy of the running
+        # In the model's dtype whatever the pool stores (block_pool.py): a working copy of the running
         # sequences, read whole at every step.
         self.keys = pool.keys.new_zeros(shape, dtype=pool.dtype)  # [N, R, H_kv, C, D]
         self.values = pool.keys.new_zeros(shape, dtype=pool.dtype)

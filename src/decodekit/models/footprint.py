@@ -4,7 +4,7 @@ Seed 001 ("KV cache" memory): batch · n_ctx · 2 · n_layer · n_heads · head_
 With grouped-query attention only the key/value heads are cached, so n_heads there is
 `num_key_value_heads` (Llama 2 70B, Mistral, Qwen: several query heads share one); the seed's
 formula with the query heads overstates such a cache by num_heads / num_kv_heads. The cache
-keeps every position, sliding-window layers included (models/kv.py): the formula is the
+keeps every position, sliding-window layers included (models/contiguous_kv.py): the formula is the
 dense cache's bytes at a capacity of n_ctx (it doubles its capacity when full, so a cache
 grown token by token holds up to 2x), and the paged engine rounds each sequence up to whole
 blocks. An int8

@@ -43,8 +43,8 @@ from torch import nn
 from decodekit.models import kernels
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
+from decodekit.models.contiguous_kv import ContiguousKVCache, attention_mask
 from decodekit.models.families import FAMILIES
-from decodekit.models.kv import ContiguousKVCache, attention_mask
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 

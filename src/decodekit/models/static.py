@@ -39,7 +39,7 @@ import torch
 
 from decodekit.models.attention import decode_attention
 from decodekit.models.base import Cache, LanguageModel
-from decodekit.models.kv import ContiguousKVCache
+from decodekit.models.contiguous_kv import ContiguousKVCache
 from decodekit.models.native import NativeLM
 
 Step = Callable[[torch.Tensor, torch.Tensor, list, list], torch.Tensor]

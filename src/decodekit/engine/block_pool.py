@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodekit.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
-from decodekit.models.kv import dequantize_int8, quantize_int8
+from decodekit.models.contiguous_kv import dequantize_int8, quantize_int8
 
 
 def block_bytes(

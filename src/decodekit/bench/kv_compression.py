@@ -6,7 +6,7 @@ item 4; seed 001: token dropping, a quantised cache and the memory formula).
   per layer, head and position), every position kept; and with StreamingLLM's token dropping
   (4 attention sinks + the most recent positions, and recent positions only) and H2O's
   heavy hitters (half the budget, the other half recent) at 1/16, 25 %, 50 % and 100 % of the
-  window kept. Both through `CompressedKVCache` (models/kv.py), which stores
+  window kept. Both through `CompressedKVCache` (models/contiguous_kv.py), which stores
   the values exactly as the engine's block pool does.
 - Memory: KV bytes per token from seed 001's formula (`kv_cache_bytes`) and as the engine's
   pool measures one block (`stats()["block_bytes"]`, int8's scales included); in the engine
@@ -43,7 +43,7 @@ class CompressedCacheLM:
         return self.model.encode(text)
 
     def new_cache(self, batch_size: int):
-        from decodekit.models.kv import CompressedKVCache
+        from decodekit.models.contiguous_kv import CompressedKVCache
 
         c = self.model.config
         return CompressedKVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.model.dtype,
