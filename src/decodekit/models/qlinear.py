@@ -505,17 +505,11 @@ class QuantizedLinear(nn.Module):
         return weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The decode path first, in as few lookups as it takes (a step makes ~100 such calls);
-        # the rest below decides every other case.
-        if (self.kernel in NATIVE_KERNELS and x.is_cpu and x.numel() <= PACKED_MAX_ROWS * self.in_features
-                and not torch.compiler.is_compiling() and self.kernel_scales.numel()):  # fmt: skip
-            y = self.native_matmul(x)
-            return y if self.offsets is None else y + offset_term(x, self.offsets)
-        if self.kernel in NATIVE_KERNELS and torch.compiler.is_compiling() and not kernels.traceable():
+        native = self.kernel in NATIVE_KERNELS
+        if native and torch.compiler.is_compiling() and not kernels.traceable():
             y = self.unpacked_matmul(x)  # no fake kernels registered: trace the plain maths
-        elif self.kernel != "unpack" and x.device.type == "cpu" and self.kernel_scales.numel():
-            rows = x.numel() // self.in_features
-            if self.kernel in NATIVE_KERNELS and rows <= PACKED_MAX_ROWS:
+        elif self.kernel != "unpack" and x.is_cpu and self.kernel_scales.numel():
+            if native and x.numel() <= PACKED_MAX_ROWS * self.in_features:  # a decode step's rows
                 y = self.native_matmul(x)
                 return y if self.offsets is None else y + offset_term(x, self.offsets)
             y = self.packed_matmul(x)  # a prefill: one GEMM (module docstring)
