@@ -57,5 +57,11 @@ setsid nohup nice -n 19 env PYTHONPATH="$REPO/src" OMP_NUM_THREADS=1 "$PYTHON" "
 echo $! > "$RUN/pid"
 # Its own session is its own scheduler autogroup (Linux, sched_autogroup_enabled), where nice
 # acts only inside the group: give the group itself the lowest weight, or it takes a core.
+# The child calls setsid() after this shell goes on: wait until it leads its own session, or the
+# write lands on this shell's group and the training's new group keeps nice 0 (seen: a full core).
+for _ in $(seq 50); do
+    [[ "$(ps -o sid= -p $! 2>/dev/null | tr -d ' ')" == "$!" ]] && break
+    sleep 0.1
+done
 echo 19 > "/proc/$!/autogroup" 2>/dev/null || true
 echo "started pid $! (log $RUN/train.log, checkpoints $RUN)"
