@@ -51,15 +51,30 @@ def test_gemm_equals_the_float64_product(m, k, n, with_bias):
 
 
 @needs_kernels
-def test_float_linear_takes_the_gemm_from_two_rows_with_the_same_bits():
+def test_float_linear_gives_a_row_the_same_bits_whatever_the_rows():
     # A row's outputs must not depend on how many rows share the call (engine: the compiled
-    # step's buckets against the eager step; a verification span against one-row steps).
+    # step's buckets against the eager step; a verification span against one-row steps),
+    # whichever kernel the row count takes (linear_t below the ISA's GEMM_MIN_ROWS, the GEMM from it).
+    assert kernels._gemm_from == kernels.GEMM_MIN_ROWS[kernels.status().reason]
     x, w, b = _operands(70, 200, 75, seed=1)
     together = kernels.float_linear(x, w, b)
-    for count in (1, 2, 3, 5, 8, 9, 16, 64):
+    for count in (1, 2, 3, 5, 8, 9, 16, 31, 32, 33, 64):
         parts = torch.cat([kernels.float_linear(x[i : i + count], w, b) for i in range(0, 70, count)])
         assert torch.equal(parts, together), count
     assert torch.equal(kernels.float_linear(x[:, None], w, b)[:, 0], together)  # [..., K] in
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_t_gives_each_row_one_row_bits(dtype):
+    # linear_t runs its rows over chunks of 256 columns of wt (csrc/gemv.cpp, kAxpyColumns):
+    # N over two chunks and not a multiple of 8, K with a remainder past the steps of 4.
+    g = torch.Generator().manual_seed(3)
+    x, wt = torch.randn(11, 203, generator=g), torch.randn(203, 517, generator=g).to(dtype)
+    together = torch.ops.decodekit.linear_t(x, wt, None)
+    alone = torch.cat([torch.ops.decodekit.linear_t(x[i : i + 1], wt, None) for i in range(11)])
+    assert torch.equal(together, alone)
+    torch.testing.assert_close(together, x.double() @ wt.double(), atol=1e-3, rtol=1e-4, check_dtype=False)
 
 
 @needs_kernels

@@ -57,12 +57,16 @@ ISA_NAMES = {1: "avx2", 2: "avx512"}
 # Rows up to which the float kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24, round 2:
 # at 8 rows f32 1,231 against 1,685 us, bf16 394 against 635; at 12 bf16 is even).
 GEMV_MAX_ROWS = 8
-# Float32 weights in the transposed layout run the GEMM of csrc/gemm.cpp from 2 rows, where it
-# catches up with linear_t's axpy kernel (the same sums, so the same bits), up to 8,192 rows, the
-# most measured: 2-2.5x PyTorch's sgemm from 8 to 8,192 rows, so prefills take it too
-# (BENCHMARKS.md, "Small-M float32 GEMM", 2026-11-25).
-GEMM_MIN_ROWS = 2
+# Float32 weights in the transposed layout run the GEMM of csrc/gemm.cpp from GEMM_MIN_ROWS rows
+# of the instruction set in use, where it catches up with linear_t's axpy kernel (the same sums,
+# so the switch changes no bit), up to 8,192 rows, the most measured. AVX-512 (Zen 5): from 2
+# rows, 2-2.5x PyTorch's sgemm from 8 to 8,192 rows (BENCHMARKS.md, "Small-M float32 GEMM",
+# 2026-11-25). AVX2 (Zen 3): its 4 x 3 tile reads each row of wt in 96-byte pieces, which stream
+# from memory at half linear_t's speed: linear_t wins up to ~32 rows (1.4-2.2x at 2-16 rows,
+# BENCHMARKS.md, "A speculative verification's rows on AVX2", 2026-11-28).
+GEMM_MIN_ROWS = {"avx512": 2, "avx2": 32}
 GEMM_MAX_ROWS = 8192
+_gemm_from = GEMM_MIN_ROWS["avx512"]  # the loaded ISA's (`status`); a global a traced graph reads as a constant
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -99,6 +103,8 @@ def status(build: bool = True) -> Status:
         return Status(False, f"failed to load {path.name}: {error}", path)
     if level not in ISA_NAMES:
         return Status(False, "this CPU lacks AVX2 + FMA", path)
+    global _gemm_from
+    _gemm_from = GEMM_MIN_ROWS[ISA_NAMES[level]]
     return Status(True, ISA_NAMES[level], path)
 
 
@@ -157,10 +163,10 @@ def max_rows(dtype: torch.dtype) -> int:
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
     float16 row-major) on the kernels: one op call (`decodekit::linear` picks the layout and
-    reshapes in C++, no Python-side view per call). From `GEMM_MIN_ROWS` rows, float32 in the
-    transposed layout (weight.stride(0) == 1) runs `decodekit::linear_gemm`, whose sums equal
-    linear_t's: a row's outputs have the same bits whatever the rows in the call."""
-    if x.numel() >= GEMM_MIN_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
+    reshapes in C++, no Python-side view per call). From `GEMM_MIN_ROWS` rows (per instruction
+    set), float32 in the transposed layout (weight.stride(0) == 1) runs `decodekit::linear_gemm`,
+    whose sums equal linear_t's: a row's outputs have the same bits whatever the rows in the call."""
+    if x.numel() >= _gemm_from * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
         return torch.ops.decodekit.linear_gemm(x, weight, bias)
     return torch.ops.decodekit.linear(x, weight, bias)
 
