@@ -8,8 +8,9 @@ Per shape K x N and row count, each round calls every op once (the first round w
 median round's microseconds per call and the speed against PyTorch's float32 `F.linear` (MKL /
 oneDNN sgemm) are printed as one JSON document. Ops:
 
-- "F.linear": float32 x Wᵀ with W row-major, what the quantised layers' prefill ran before
-  over their dequantised weight (qlinear.py `dequantized_matmul`);
+- "F.linear": float32 x Wᵀ with W row-major, the GEMM a quantised layer's prefill runs over its
+  dequantised weight (qlinear.py `QuantizedLinear.packed_matmul`; the W8A8 / W4A8 layers' path
+  before issue 39's kernels);
 - "gemm": decodekit's float32 GEMM over the transposed layout (`kernels.float_linear`), what a
   float32 model's prefill runs;
 - per format, the layer itself (`QuantizedLinear`, so exactly the path a model's prefill takes:
@@ -30,7 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models import kernels
-from decodekit.models.qlinear import QuantizedLinear, QuantSpec, dequantize, prefill_dtype, quantize_activations
+from decodekit.models.qlinear import (
+    QuantizedLinear,
+    QuantSpec,
+    dequantize,
+    prefill_dtype,
+    quantize_activations,
+)
 
 FORMATS = {  # name -> QuantSpec
     "w4a8": QuantSpec(4, None, activation_bits=8),
@@ -48,12 +55,12 @@ def ops(k: int, n: int, formats: list[str]) -> dict:
     w = linear.weight.detach()
     wt = w.t().contiguous().t()  # the transposed float32 layout
     out = {"F.linear": lambda x: F.linear(x, w)}
+    dtype = prefill_dtype()
     if kernels.available():
         out["gemm"] = lambda x: kernels.float_linear(x, wt, None)
     for name in formats:
         spec = FORMATS[name]
         layer = QuantizedLinear.from_linear(linear, spec)
-        dtype = prefill_dtype()
 
         def dequant(x, layer=layer, a8=spec.activation_bits is not None):
             x = quantize_activations(x) if a8 else x
