@@ -45,9 +45,10 @@ and 23):
   count, prefills too (W8A8 on AVX2 from 16 rows on csrc/gemm_a8.cpp's register-blocked
   tiles), and compute an x row's outputs with the same operations whatever the rows beside it:
   a prompt's prefill gives each position the bits a one-token decode step would. On the Zen 3
-  (AVX2) they prefill a 240M model's layers at about 1.5-1.9x (W4A8) and 0.8-1.0x (W8A8) the
-  speed of a float32 GEMM, where dequantising the weight per call and one float GEMM, the path
-  before, ran at 0.3-0.6x (BENCHMARKS.md, 2026-11-28). Such a layer computes x̂ Ŵᵀ on every
+  (AVX2) they prefill a 240M model's layers at 1.0-2.8x (W4A8) and 0.6-1.6x (W8A8) the speed
+  of PyTorch's float32 GEMM, where dequantising the weight per call and one float GEMM, the
+  path before, ran at 0.4-0.95x; the model's W4A8 prefill doubled, W8A8's rose by a fifth
+  (BENCHMARKS.md, "Prefill on the W8A8 / W4A8 kernels"). Such a layer computes x̂ Ŵᵀ on every
   path: "unpack" (no kernels) quantises x the same way, and PyTorch's weight-only kernels
   never run it.
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
