@@ -92,3 +92,22 @@ def test_prefill_rows_have_the_same_bits_on_avx512_and_avx2(tmp_path):
         "torch.save(out, sys.argv[1])",
     ])  # fmt: skip
     same_bits_per_isa(script, tmp_path, missing=("AssertionError: avx2", "no VNNI"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_prefill_has_the_same_bits_on_one_and_two_threads(bits):
+    # Threads split the weight blocks of each panel of x rows; every output is still one
+    # thread's fixed sequence of operations. 896 -> 1152 at 100 rows splits between two threads.
+    layer = _layer(bits, None, 896, 1152)
+    x = torch.randn(100, 896, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = layer(x)
+            torch.set_num_threads(2)
+            two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
