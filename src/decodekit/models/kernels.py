@@ -24,7 +24,9 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   activation-quantised, for layers that opted in (`activation_bits=8`): x quantised per block
   of 32 inputs to int8 with one scale each (llama.cpp's q8_0), int8 / int4 codes repacked by
   `pack_a8_blocks`, integer dot products per block (AVX-512 VNNI, or AVX2), float32 sums over
-  blocks; scales [N, 1] or one per block of 32 inputs;
+  blocks; scales [N, 1] or one per block of 32 inputs. They serve any number of rows (the
+  layers' prefills too: W8A8 on AVX2 from 16 rows on csrc/gemm_a8.cpp's register-blocked
+  tiles), and a row's outputs have the same bits whatever the rows beside it;
 - `rms_norm(x, weight, eps)` (csrc/norm.cpp): float32 RMSNorm over the last dimension, one op
   where ATen runs six (models/native.py's eager CPU path; `eager_op` says when it may run).
 

@@ -41,9 +41,16 @@ and 23):
   32 inputs to int8 with one float scale per block (`quantize_activations`), and each block's
   dot product with the codes is an integer one (AVX-512 VNNI, or AVX2; csrc/gemv_a8.cpp),
   scaled by the block's and the weights' scales (per channel, or groups of 32j). The weights
-  are repacked at load (`kernels.pack_a8_blocks`, never saved). Such a layer computes x̂ Ŵᵀ on
-  every path: "unpack" (no kernels) and a prefill above PACKED_MAX_ROWS rows (one GEMM)
-  quantise x the same way, and PyTorch's weight-only kernels never run it.
+  are repacked at load (`kernels.pack_a8_blocks`, never saved). These kernels run every row
+  count, prefills too (W8A8 on AVX2 from 16 rows on csrc/gemm_a8.cpp's register-blocked
+  tiles), and compute an x row's outputs with the same operations whatever the rows beside it:
+  a prompt's prefill gives each position the bits a one-token decode step would. On the Zen 3
+  (AVX2) they prefill a 240M model's layers at 1.0-2.8x (W4A8) and 0.6-1.6x (W8A8) the speed
+  of PyTorch's float32 GEMM, where dequantising the weight per call and one float GEMM, the
+  path before, ran at 0.4-0.95x; the model's W4A8 prefill doubled, W8A8's rose by a fifth
+  (BENCHMARKS.md, "Prefill on the W8A8 / W4A8 kernels"). Such a layer computes x̂ Ŵᵀ on every
+  path: "unpack" (no kernels) quantises x the same way, and PyTorch's weight-only kernels
+  never run it.
 - "int4pack" (2..4 bits): PyTorch's CPU int4 kernel `_weight_int4pack_mm_for_cpu` over the
   weight repacked at load time by `_convert_weight_to_int4pack_for_cpu` (`int4_kernel_pack`).
   Its grid is w = (q - 8) · s + z with q in 0..15 and one (s, z) per group of 32, 64, 128
@@ -66,7 +73,7 @@ Both packed kernels are fast only with bfloat16 activations (with float32 ones t
 5-30x slower than a float32 matmul, PyTorch 2.13 CPU), so the packed paths cast the input
 to bfloat16 and the output back: a float32 model stays float32 around its linear layers.
 They are GEMV kernels: their cost grows with every row, so above `PACKED_MAX_ROWS` rows
-(a prefill) the layer dequantises its weight once and runs one GEMM in `prefill_dtype()`:
+(a prefill) a weight-only layer dequantises its weight once and runs one GEMM in `prefill_dtype()`:
 bfloat16 where the CPU multiplies it natively (AVX-512-BF16 or AMX; on the AVX-512 dev CPU it
 beat both the kernels and a float32 GEMM at 400 rows, BENCHMARKS.md, "Real model shapes:
 packed low-precision kernels"), float32 elsewhere: without those instructions PyTorch's
@@ -509,7 +516,8 @@ class QuantizedLinear(nn.Module):
         if native and torch.compiler.is_compiling() and not kernels.traceable():
             y = self.unpacked_matmul(x)  # no fake kernels registered: trace the plain maths
         elif self.kernel != "unpack" and x.is_cpu and self.kernel_scales.numel():
-            if native and x.numel() <= PACKED_MAX_ROWS * self.in_features:  # a decode step's rows
+            few = x.numel() <= PACKED_MAX_ROWS * self.in_features  # a decode step's rows
+            if native and (few or self.kernel in ACTIVATION_KERNELS):  # a8: any rows (module docstring)
                 y = self.native_matmul(x)
                 return y if self.offsets is None else y + offset_term(x, self.offsets)
             y = self.packed_matmul(x)  # a prefill: one GEMM (module docstring)
@@ -523,10 +531,7 @@ class QuantizedLinear(nn.Module):
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] Ŵᵀ in bfloat16 through the packed kernel, or one GEMM (`prefill_dtype`) over
-        the dequantised weight above PACKED_MAX_ROWS rows (module docstring; with activation_bits
-        over x̂, `quantize_activations`). Returns x's dtype."""
-        if self.spec.activation_bits is not None:
-            x = quantize_activations(x)
+        the dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
             dtype = prefill_dtype()
             weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]

@@ -39,7 +39,7 @@
 // 16 lanes are summed in one fixed tree (`sum16`) and a row scale applied. Both instruction
 // sets run exactly these operations, so they give the same bits, and each x row's result
 // does not depend on how many rows share the call.
-#include "gemv_common.h"
+#include "a8_layout.h"
 
 #include <cmath>
 
@@ -47,8 +47,11 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // inputs per activation scale (q8_0's block)
-constexpr int64_t kLanes = 16;  // blocks per chunk: one int32 lane each
+using decodekit_a8::kBlock;
+using decodekit_a8::kLanes;
+using decodekit_a8::load_lanes;
+using decodekit_a8::QuantRows;
+using decodekit_a8::sum16_avx2;
 
 bool wide_a8() {
   static const bool wide = [] {
@@ -60,14 +63,6 @@ bool wide_a8() {
 
 // Bytes of one weight row in the kernel's layout, for nb blocks of inputs.
 int64_t a8_row_bytes(int bits, int64_t nb) { return bits == 8 ? nb * kBlock : nb * kBlock / 2; }
-
-// x quantised: M rows of nbp blocks (whole chunks), the codes in the weights' step order.
-struct QuantRows {
-  const int8_t* q;   // [M, nbp * 32]
-  const float* d;    // [M, nbp]: the blocks' scales (0 for an all-zero or padding block)
-  const int32_t* c;  // [M, nbp]: the weight offset times the block's code sum
-  int64_t nbp;
-};
 
 // One block of n <= 32 inputs -> 32 codes, its scale and code sum (the two variants below
 // compute the same numbers: abs and max are exact, x * id rounds once, cvtps rounds to even
@@ -227,20 +222,6 @@ void a8_rows_avx512(int64_t mb, const uint8_t* wb, int64_t nb, const QuantRows& 
 
 // ---------------------------------------------------------------- AVX2 ----------------
 
-AVX2 inline float sum16_avx2(__m256 lo, __m256 hi) {  // sum16's tree over lanes 0-7 and 8-15
-  const __m256 h = _mm256_add_ps(lo, hi);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
-
-// 8 int32 lanes of a chunk's step: a plain load in a whole chunk, masked in the last one.
-AVX2 inline __m256i load_lanes(const uint8_t* p, __m256i mask, bool whole) {
-  return whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-               : _mm256_maskload_epi32(reinterpret_cast<const int*>(p), mask);
-}
-
 // MB x rows (from m) against a block of 4 weight rows: the AVX-512 kernel's operations, each
 // 16-lane vector as two halves; the int4 nibbles are decoded once for the MB rows.
 template <int BITS, bool GROUPED, int MB>
@@ -337,6 +318,12 @@ void a8_rows_avx2(int64_t mb, const uint8_t* wb, int64_t nb, const QuantRows& x,
 
 // ---------------------------------------------------------------- ops -----------------
 
+// x rows per panel: their quantised codes, scales and sums (40 bytes a block) fit this.
+constexpr int64_t kPanelBytes = 256 << 10;
+// Rows from which W8A8 on AVX2 runs gemm_a8.cpp's tiles: at 8 rows a8_dot4_avx2 was 1.1x faster
+// (896 -> 4,864), at 16 and 32 rows the tiles 1.0-1.1x (BENCHMARKS.md, 2026-11-28).
+constexpr int64_t kW8A8TileRows = 16;
+
 // w: uint8 [ceil(N / 4) * 4, a8_row_bytes] as kernels.pack_a8_blocks lays it out; scales: f32
 // [N, 1] or [N, ceil(K / 32)].
 template <int BITS>
@@ -369,29 +356,40 @@ at::Tensor linear_a8_2d(const at::Tensor& x_in, const at::Tensor& w, const at::T
   const float* sp = s.data_ptr<float>();
   const int64_t G = s.size(1), blocks = (N + 3) / 4, block_bytes = 4 * row_bytes;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (4 * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
-      const uint8_t* wb = wp + b * block_bytes;
-      const float* sr[4];
-      block_scale_rows(sp, n0, rows, G, sr);
-      for_row_blocks(M, [&](int64_t m0, int64_t mb) {
-        float out[16];
-        const QuantRows xm{q + m0 * nbp * kBlock, d + m0 * nbp, c + m0 * nbp, nbp};
-        const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
-        if (!wide) {
-          if (grouped) a8_rows_avx2<BITS, true>(mb, wb, nb, xm, sr, ahead, out);
-          else a8_rows_avx2<BITS, false>(mb, wb, nb, xm, sr, ahead, out);
-        } else if (grouped) {
-          a8_rows_avx512<BITS, true>(mb, wb, nb, xm, sr, ahead, out);
-        } else {
-          a8_rows_avx512<BITS, false>(mb, wb, nb, xm, sr, ahead, out);
+  // From kW8A8TileRows rows, int8 weights on AVX2 take gemm_a8.cpp's register-blocked kernel.
+  const bool tiled = BITS == 8 && !wide && M >= kW8A8TileRows;
+  // Panels of x rows whose quantised codes stay in L2 while every weight block runs over them
+  // (a prefill's x at K = 4,864 is ~1 MB: read from L3 per weight block without them).
+  const int64_t panel = std::max<int64_t>(4, kPanelBytes / (nbp * (kBlock + 8)) / 4 * 4);
+  for (int64_t p0 = 0; p0 < M; p0 += panel) {
+    const int64_t p1 = std::min(M, p0 + panel);
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
+        const uint8_t* wb = wp + b * block_bytes;
+        const float* sr[4];
+        block_scale_rows(sp, n0, rows, G, sr);
+        for (int64_t m0 = p0; m0 < p1; m0 += 4) {
+          const int64_t mb = std::min<int64_t>(4, p1 - m0);
+          float out[16];
+          const QuantRows xm{q + m0 * nbp * kBlock, d + m0 * nbp, c + m0 * nbp, nbp};
+          const int64_t ahead = m0 == p0 ? kAheadBytes : 0;  // later x blocks hit the cache
+          if (tiled) {
+            decodekit_a8::w8a8_rows_avx2(wb, nb, xm, mb, sr, grouped, b == blocks - 1, out);
+          } else if (!wide) {
+            if (grouped) a8_rows_avx2<BITS, true>(mb, wb, nb, xm, sr, ahead, out);
+            else a8_rows_avx2<BITS, false>(mb, wb, nb, xm, sr, ahead, out);
+          } else if (grouped) {
+            a8_rows_avx512<BITS, true>(mb, wb, nb, xm, sr, ahead, out);
+          } else {
+            a8_rows_avx512<BITS, false>(mb, wb, nb, xm, sr, ahead, out);
+          }
+          for (int64_t m = 0; m < mb; ++m)
+            for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
         }
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
-      });
-    }
-  });
+      }
+    });
+  }
   return finish(y, bias, x_in.scalar_type());
 }
 
