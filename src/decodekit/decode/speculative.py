@@ -51,6 +51,7 @@ from decodekit.decode.drafters import (
     scratch_state,
 )
 from decodekit.decode.route import Run, completion_deltas, engine_route
+from decodekit.decode.speculation_gate import SpeculationGate, StepCosts
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
@@ -186,13 +187,16 @@ def expected_accepted(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """γ (`num_draft_tokens`), the rule, and the adaptive schedule: after a block whose draft
-    was all accepted γ += 2, else γ -= 1, kept in [1, max_draft_tokens] (HF's heuristic)."""
+    was all accepted γ += 2, else γ -= 1, kept in [1, max_draft_tokens] (HF's heuristic).
+    fallback: each row decodes plainly while its measured acceptance does not pay for a
+    block's measured cost, and re-probes now and then (speculation_gate.py)."""
 
     num_draft_tokens: int = 4
     verify: str | VerifyRule = "block"
     adaptive: bool = False
     max_draft_tokens: int = 16
     trace: Callable[[BlockTrace], None] | None = None  # called with every verified block
+    fallback: bool = True  # a row decodes plainly while speculation does not pay (speculation_gate.py)
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -206,6 +210,8 @@ class SpeculativeConfig:
             )
         if not callable(self.verify) and self.verify not in VERIFY_RULES:
             raise ValueError(f"verify must be 'block', 'token' or a rule, got {self.verify!r}")
+        if not isinstance(self.fallback, bool):
+            raise TypeError(f"fallback must be True or False, got {self.fallback!r}")
 
     def rule(self) -> VerifyRule:
         return self.verify if callable(self.verify) else VERIFY_RULES[self.verify]
@@ -244,6 +250,7 @@ class SpeculativeStats:
     emitted_tokens: int = 0
     target_calls: int = 0
     draft_calls: int = 0
+    plain_steps: int = 0  # steps a row decoded without a draft: speculation did not pay (fallback)
     alpha_sum: float = 0.0  # Σ over examined positions of Σ_x min(p_i(x), q_i(x))
     alpha_count: int = 0
     draft_seconds: float = 0.0
@@ -265,7 +272,8 @@ class SpeculativeStats:
         return self.emitted_tokens / self.target_calls if self.target_calls else 0.0
 
     def as_dict(self) -> dict:
-        keys = ("drafted_tokens", "accepted_tokens", "emitted_tokens", "target_calls", "draft_calls")
+        keys = ("drafted_tokens", "accepted_tokens", "emitted_tokens", "target_calls", "draft_calls",
+                "plain_steps")
         out: dict = {key: getattr(self, key) for key in keys}
         for key in ("acceptance_rate", "alpha", "block_efficiency"):
             out[key] = round(getattr(self, key), 4)
@@ -382,20 +390,30 @@ def speculate_row(
     stats: SpeculativeStats,
 ) -> None:
     """Generate one sample over a model's own cache: draft, verify in one target call, emit
-    x_1..x_τ, y (`settle_block`); repeat."""
+    x_1..x_τ, y (`settle_block`); repeat. With `config.fallback` a gate chooses each round's
+    draft length, 0 (a plain step) while speculation does not pay (speculation_gate.py)."""
     request, model = row.request, target.model
     gamma = config.num_draft_tokens
+    gate, costs = (SpeculationGate(), StepCosts()) if config.fallback else (None, None)
     while row.finish_reason is None:
         context = request.prompt_ids + row.token_ids
         start = time.perf_counter()
-        sampler = DraftSampler(request.chain, state, model.vocab_size)
-        draft = drafter.propose(context, draft_budget(row, gamma, model.max_context), sampler)
+        budget = draft_budget(row, gamma if gate is None else gate.draft_tokens(gamma, costs), model.max_context)
+        if budget:
+            draft = drafter.propose(context, budget, DraftSampler(request.chain, state, model.vocab_size))
+        else:
+            draft = empty_draft(model.vocab_size, model.device)
         middle = time.perf_counter()
         raw = target.next_logits(context + draft.tokens, len(draft.tokens) + 1)  # [γ+1, V]
         stats.draft_seconds += middle - start
         stats.target_seconds += time.perf_counter() - middle
         tau = settle_block(row, state, raw, draft, config, stats, model.max_context)
         gamma = config.next_gamma(gamma, len(draft.tokens), tau)
+        if gate is not None:
+            if len(context) > len(request.prompt_ids):  # the first round's seconds include the prompt's
+                costs.record(time.perf_counter() - start, len(draft.tokens))
+            gate.settle(len(draft.tokens), tau, gamma, costs)
+            stats.plain_steps += not draft.tokens
 
 
 @dataclass(frozen=True)
@@ -406,7 +424,8 @@ class Speculative:
     or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
     "auto" (the embedded `<target>-draft`), a model name, or any object with `propose`
     (drafters.Drafter). verify: "block", "token", or a rule `(p, q, draft, generator) -> (τ,
-    y)`. trace: called with each verified block (`BlockTrace`).
+    y)`. trace: called with each verified block (`BlockTrace`). fallback: a row whose
+    speculation does not pay decodes plainly until a probe says it does (speculation_gate.py).
     """
 
     draft: object = "auto"
@@ -415,6 +434,7 @@ class Speculative:
     adaptive: bool = False
     max_draft_tokens: int = 16
     trace: Callable[[BlockTrace], None] | None = None
+    fallback: bool = True
 
     def prepare(
         self,
@@ -432,7 +452,7 @@ class Speculative:
             raise ValueError("speculative decoding takes no constraint, heal or adapter")
         start = time.perf_counter()
         config = speculative_config(self.num_draft_tokens, self.verify, self.adaptive, self.max_draft_tokens,
-                                    self.trace)  # fmt: skip
+                                    self.trace, self.fallback)  # fmt: skip
         drafter = make_drafter(self.draft, target)
         requests = make_requests(target, list(prompts), params)
         route = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
@@ -474,6 +494,7 @@ def speculative_generate(
     adaptive: bool = False,
     max_draft_tokens: int = 16,
     trace: Callable[[BlockTrace], None] | None = None,
+    fallback: bool = True,
 ) -> SpeculativeResult:
     """Sample from `target` exactly as `generate` would, drafting with `draft` (the arguments:
     `Speculative`). Completions are shaped as `generate` returns them (a single string prompt
@@ -485,15 +506,16 @@ def speculative_generate(
     prompt_list = [prompts] if single else list(prompts)
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
-    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, trace)
+    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, trace, fallback)
     run = strategy.prepare(target, prompt_list, params)
     results = run.completions()
     return SpeculativeResult(results[0] if single else results, run.stats())
 
 
-def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None) -> SpeculativeConfig:
+def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None,
+                       fallback=True) -> SpeculativeConfig:  # fmt: skip
     longest = max(max_draft_tokens, num_draft_tokens)
-    return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace)
+    return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace, fallback)
 
 
 def merged_stats(parts: list[SpeculativeStats]) -> SpeculativeStats:
@@ -519,13 +541,14 @@ def speculative_programs(
     verify: str | VerifyRule = "block",
     adaptive: bool = False,
     max_draft_tokens: int = 16,
+    fallback: bool = True,
 ) -> list[SpeculativeProgram]:
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
     the target's engine (`Engine.add`, `engine.registry.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
     if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
-    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens)
+    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, None, fallback)
     return strategy.prepare(target, prompts, params).route[1]
 
 
@@ -544,6 +567,7 @@ class SpecRow:
     tokens: list[int] = field(default_factory=list)  # this block's draft
     probs: list[torch.Tensor] = field(default_factory=list)  # their q [V] each
     model_calls: int = 0  # the Python drafter's, for this block
+    gate: SpeculationGate | None = None  # with `fallback`: how many tokens it drafts this step
 
     @property
     def context(self) -> list[int]:
@@ -574,7 +598,9 @@ class SpeculativeProgram(Program):
             len(request.prompt_ids) <= model.max_context)
         self.draft_model = model if paged else None
         self.rows = [SpecRow(row, row_state(request, row.sample, target), config.num_draft_tokens,
-                             None if paged else sample_drafter(drafter)) for row in request.rows]  # fmt: skip
+                             None if paged else sample_drafter(drafter),
+                             gate=SpeculationGate() if config.fallback else None) for row in request.rows]  # fmt: skip
+        self.costs = StepCosts()  # this program's step seconds, plain and speculative (fallback)
         self.started = False
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
@@ -588,35 +614,53 @@ class SpeculativeProgram(Program):
 
     def step(self, kv: ProgramKV):
         start = time.perf_counter()
-        if not self.started:
+        first = not self.started  # its seconds include the prompt's: not a cost sample
+        if first:
             self.started = True
             if (yield from self._prefill(kv)):
                 self.stats.target_seconds += time.perf_counter() - start
                 return []  # the step's target forward prefilled the prompt
         live = [r for r in self.rows if r.row.finish_reason is None]
         for r in live:
-            r.budget = draft_budget(r.row, r.gamma, self.target.max_context)
-            r.sampler = DraftSampler(self.request.chain, r.state, self.target.vocab_size)
-            r.tokens, r.probs = [], []
-        yield from self._draft(live)
+            gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs)
+            r.budget = draft_budget(r.row, gamma, self.target.max_context)
+            r.sampler = DraftSampler(self.request.chain, r.state, self.target.vocab_size) if r.budget else None
+            r.tokens, r.probs, r.model_calls = [], [], 0
+        yield from self._draft(live, kv)
         middle = time.perf_counter()
         self.stats.draft_seconds += middle - start
         for r in live:
+            if r.tokens:
+                kv.leave_lane(r.target)  # a block is verified over its KV blocks
             r.target.tokens += r.tokens
-        feeds = [Feed(r.target, every=True) for r in live]
+        # A row without a draft decodes one token a step, as a sampling row does: on a lane.
+        lane = self.config.fallback
+        feeds = [Feed(r.target, every=bool(r.tokens), lane=lane and not r.tokens) for r in live]
         [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
         self.stats.target_seconds += time.perf_counter() - middle
+        taus = []
         for r, raw in zip(live, logits, strict=True):
             probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size, raw.device).probs
             draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
             raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
             tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)
+            taus.append(tau)
             r.gamma = self.config.next_gamma(r.gamma, len(r.tokens), tau)
-            for seq in (r.target, r.draft):
-                if seq is not None:
-                    follow(kv, seq, r.context)  # rejected draft tokens out, y in
-                    if r.row.finish_reason is not None:
+            if r.target.lane is not None:
+                r.target.tokens.append(r.row.token_ids[-1])  # a plain step: nothing to crop
+            else:
+                follow(kv, r.target, r.context)  # rejected draft tokens out, y in
+            if r.row.finish_reason is not None:
+                for seq in (r.target, r.draft):
+                    if seq is not None:
                         kv.close(seq)
+        if self.config.fallback:
+            longest = max((len(r.tokens) for r in live), default=0)
+            if not first:
+                self.costs.record(time.perf_counter() - start, longest)
+            for r, tau in zip(live, taus, strict=True):
+                r.gate.settle(len(r.tokens), tau, r.gamma, self.costs)
+                self.stats.plain_steps += not r.tokens
         self.finished = all(r.row.finish_reason is not None for r in self.rows)
         return list(emit([r.row for r in live], self.target.max_context))
 
@@ -637,16 +681,18 @@ class SpeculativeProgram(Program):
                 seq.tokens.append(self.request.prompt_ids[-1])
         return bool(pending) and pending[0] is bases[0]
 
-    def _draft(self, live: list[SpecRow]):
-        """This round's draft of every live sample: in Python, or one draft-model forward per
-        position over the samples still drafting."""
+    def _draft(self, live: list[SpecRow], kv: ProgramKV):
+        """This round's draft of every live sample that drafts: in Python, or one draft-model
+        forward per position over the samples still drafting (each first follows its context:
+        the last block's rejected tokens out, the tokens of its plain steps in)."""
         for r in live:
-            if r.drafter is not None:
+            if r.drafter is not None and r.budget:
                 draft = r.drafter.propose(r.context, r.budget, r.sampler)
                 r.tokens, r.probs, r.model_calls = draft.tokens, list(draft.probs), draft.model_calls
-        # The draft model's context window, as `ModelDrafter.propose` limits it.
         for r in live:
-            if r.draft is not None:
+            if r.draft is not None and r.budget:
+                follow(kv, r.draft, r.context)
+                # The draft model's context window, as `ModelDrafter.propose` limits it.
                 r.budget = min(r.budget, self.draft_model.max_context - len(r.context) + 1)
         while drafting := [r for r in live if r.draft is not None and len(r.tokens) < r.budget]:
             [logits] = yield [Forward(self.draft_model, [Feed(r.draft) for r in drafting])]

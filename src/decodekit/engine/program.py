@@ -138,6 +138,12 @@ class ProgramKV:
         seq.model_kv.manager.crop(seq.table, min(length, seq.table.length))
         del seq.tokens[length:]
 
+    def leave_lane(self, seq: Seq) -> None:
+        """Give up the sequence's RunningKV lane, if it has one: its KV stays in its blocks,
+        and it may feed several tokens or crop again."""
+        if seq.lane is not None:
+            seq.model_kv.running_kv.leave(seq)
+
     def close(self, seq: Seq) -> None:
         """Free the sequence; its computed KV stays findable in the prefix cache."""
         seq.model_kv.close(seq)
