@@ -9,15 +9,18 @@ that did not; their ratio is the speedup formula of the same paper, (1 - α^(γ+
 
 A row that does not pay decodes plainly (an empty draft: one target token a step, its
 distribution the target's, so the output stays exact whatever the row does) and re-probes
-after `PROBE_INTERVAL` plain steps, the interval doubling after each probe that does not
-pay (up to `MAX_PROBE_INTERVAL`), so a row whose acceptance rises (a continuation that
-repeats its prompt, for prompt lookup) goes back to speculating. A probe is one block of
-`PROBE_DRAFT_TOKENS` draft token: the cheapest block that measures α.
+at the next step that is a multiple of its interval (`PROBE_INTERVAL` steps, doubling after
+each probe that does not pay, up to `MAX_PROBE_INTERVAL`), so a row whose acceptance rises (a
+continuation that repeats its prompt, for prompt lookup) goes back to speculating. A probe
+is one block of `PROBE_DRAFT_TOKENS` draft token: the cheapest block that measures α. On
+multiples, rows that started together probe together: in a batch a step with any draft
+costs every row the draft forwards, so scattered probes would slow all the plain steps.
 
 α is measured as accepted / examined draft positions (examined: τ + 1, or γ when all were
 accepted), both sums decaying by `DECAY` per block so a change of regime shows within a few
-blocks. Costs are step seconds as the program sees them (the whole engine step it waited
-on), kept per γ. A γ not yet measured is tried when the row would pay even the largest
+blocks, from a prior of one rejected position (a single accepted probe is α = 1/2, not 1).
+Costs are step seconds as the program sees them (the whole engine step it waited on), kept
+per γ. A γ not yet measured is tried when the row would pay even the largest
 measured γ' below it, c(γ') (a lower bound: a block costs more with more draft tokens); the
 block that tries it measures c(γ).
 
@@ -77,30 +80,27 @@ class SpeculationGate:
     """One row's choice at every step: how many tokens to draft (0: a plain step)."""
 
     speculating: bool = False
-    wait: int = 0  # plain steps left before the next probe
     interval: int = PROBE_INTERVAL
+    next_probe: int = 0  # the step (the caller's count) of the next probe
     accepted: float = 0.0  # decayed sums (module docstring)
-    examined: float = 0.0
+    examined: float = 1.0
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.examined if self.examined else 0.0
 
-    def draft_tokens(self, gamma: int, costs: StepCosts) -> int:
-        """This step's draft length: γ while speculating, a probe's when the wait is over,
-        else 0. The first step of a row is plain, so its plain cost is measured first."""
+    def draft_tokens(self, gamma: int, costs: StepCosts, step: int) -> int:
+        """Step `step`'s draft length: γ while speculating, a probe's from `next_probe` on,
+        else 0. A row's first steps are plain, until a plain step's cost is measured."""
         if self.speculating:
             return gamma
-        if costs.plain is None:
-            return 0
-        if self.wait > 0:
-            self.wait -= 1
+        if costs.plain is None or step < self.next_probe:
             return 0
         return min(PROBE_DRAFT_TOKENS, gamma)
 
-    def settle(self, drafted: int, accepted: int, gamma: int, costs: StepCosts) -> None:
-        """After a block that drafted `drafted` tokens and kept `accepted`: update α and decide
-        whether the next steps speculate with γ (`gamma`: the row's γ for its next block)."""
+    def settle(self, drafted: int, accepted: int, gamma: int, costs: StepCosts, step: int) -> None:
+        """After step `step`'s block drafted `drafted` tokens and kept `accepted`: update α and
+        decide whether the next steps speculate with γ (`gamma`: the row's next γ)."""
         if drafted == 0:
             return
         examined = min(accepted + 1, drafted)
@@ -114,6 +114,6 @@ class SpeculationGate:
         if pays:
             self.speculating, self.interval = True, PROBE_INTERVAL
         else:
-            self.wait = self.interval
+            self.next_probe = (step // self.interval + 1) * self.interval
             self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
             self.speculating = False

@@ -395,10 +395,12 @@ def speculate_row(
     request, model = row.request, target.model
     gamma = config.num_draft_tokens
     gate, costs = (SpeculationGate(), StepCosts()) if config.fallback else (None, None)
+    step = 0
     while row.finish_reason is None:
+        step += 1
         context = request.prompt_ids + row.token_ids
         start = time.perf_counter()
-        budget = draft_budget(row, gamma if gate is None else gate.draft_tokens(gamma, costs), model.max_context)
+        budget = draft_budget(row, gamma if gate is None else gate.draft_tokens(gamma, costs, step), model.max_context)
         if budget:
             draft = drafter.propose(context, budget, DraftSampler(request.chain, state, model.vocab_size))
         else:
@@ -412,7 +414,7 @@ def speculate_row(
         if gate is not None:
             if len(context) > len(request.prompt_ids):  # the first round's seconds include the prompt's
                 costs.record(time.perf_counter() - start, len(draft.tokens))
-            gate.settle(len(draft.tokens), tau, gamma, costs)
+            gate.settle(len(draft.tokens), tau, gamma, costs, step)
             stats.plain_steps += not draft.tokens
 
 
@@ -597,10 +599,15 @@ class SpeculativeProgram(Program):
         paged = isinstance(drafter, ModelDrafter) and model is not target and model.supports_paged_kv and (
             len(request.prompt_ids) <= model.max_context)
         self.draft_model = model if paged else None
-        self.rows = [SpecRow(row, row_state(request, row.sample, target), config.num_draft_tokens,
+        # One sample: its request's own state (the same seed as `row_state`'s), so the engine
+        # can sample its plain steps with the step's other rows (program.py `Feed.row`).
+        self.single = len(request.rows) == 1
+        self.rows = [SpecRow(row, request.state if self.single else row_state(request, row.sample, target),
+                             config.num_draft_tokens,
                              None if paged else sample_drafter(drafter),
                              gate=SpeculationGate() if config.fallback else None) for row in request.rows]  # fmt: skip
         self.costs = StepCosts()  # this program's step seconds, plain and speculative (fallback)
+        self.steps = 0  # its decode steps so far: the gates' clock
         self.started = False
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
@@ -621,8 +628,9 @@ class SpeculativeProgram(Program):
                 self.stats.target_seconds += time.perf_counter() - start
                 return []  # the step's target forward prefilled the prompt
         live = [r for r in self.rows if r.row.finish_reason is None]
+        self.steps += 1
         for r in live:
-            gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs)
+            gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs, self.steps)
             r.budget = draft_budget(r.row, gamma, self.target.max_context)
             r.sampler = DraftSampler(self.request.chain, r.state, self.target.vocab_size) if r.budget else None
             r.tokens, r.probs, r.model_calls = [], [], 0
@@ -633,17 +641,24 @@ class SpeculativeProgram(Program):
             if r.tokens:
                 kv.leave_lane(r.target)  # a block is verified over its KV blocks
             r.target.tokens += r.tokens
-        # A row without a draft decodes one token a step, as a sampling row does: on a lane.
-        lane = self.config.fallback
-        feeds = [Feed(r.target, every=bool(r.tokens), lane=lane and not r.tokens) for r in live]
+        # With the fallback a row without a draft decodes as a sampling row does: on a lane, and
+        # sampled by the engine with the step's other rows when it is its request's only one.
+        plain = [self.config.fallback and not r.tokens for r in live]
+        feeds = [Feed(r.target, every=not alone, lane=alone, row=r.row if alone and self.single else None)
+                 for r, alone in zip(live, plain, strict=True)]  # fmt: skip
         [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
         self.stats.target_seconds += time.perf_counter() - middle
         taus = []
-        for r, raw in zip(live, logits, strict=True):
-            probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size, raw.device).probs
-            draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
-            raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
-            tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)
+        for r, raw, feed in zip(live, logits, feeds, strict=True):
+            if feed.row is not None:  # the engine sampled its token
+                tau = 0
+                self.stats.emitted_tokens += 1
+                self.stats.target_calls += 1
+            else:
+                probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size, raw.device).probs
+                draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
+                raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
+                tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)
             taus.append(tau)
             r.gamma = self.config.next_gamma(r.gamma, len(r.tokens), tau)
             if r.target.lane is not None:
@@ -659,7 +674,7 @@ class SpeculativeProgram(Program):
             if not first:
                 self.costs.record(time.perf_counter() - start, longest)
             for r, tau in zip(live, taus, strict=True):
-                r.gate.settle(len(r.tokens), tau, r.gamma, self.costs)
+                r.gate.settle(len(r.tokens), tau, r.gamma, self.costs, self.steps)
                 self.stats.plain_steps += not r.tokens
         self.finished = all(r.row.finish_reason is not None for r in self.rows)
         return list(emit([r.row for r in live], self.target.max_context))
