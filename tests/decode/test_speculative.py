@@ -358,14 +358,15 @@ def test_prompt_lookup_sampling_is_lossless():
 def test_greedy_equals_target_greedy_on_tiny_llamas(tiny_lm, tiny_draft_lm, verify, gamma, adaptive):
     params = dk.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     [plain] = dk.generate(tiny_lm, "ROMEO: But soft", params)
-    result = speculative_generate(tiny_lm, tiny_draft_lm, "ROMEO: But soft", params,
-                                  num_draft_tokens=gamma, verify=verify, adaptive=adaptive)
-    [spec] = result.completions
-    assert spec.token_ids == plain.token_ids
-    assert spec.text == plain.text
-    assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
-    assert result.stats.accepted_tokens > 0  # the perturbed draft agrees often
-    assert result.stats.emitted_tokens == 24
+    for fallback in (False, True):  # rows that switch to plain steps (speculation_gate.py) too
+        result = speculative_generate(tiny_lm, tiny_draft_lm, "ROMEO: But soft", params, num_draft_tokens=gamma,
+                                      verify=verify, adaptive=adaptive, fallback=fallback)  # fmt: skip
+        [spec] = result.completions
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+        assert result.stats.emitted_tokens == 24
+        assert result.stats.accepted_tokens > 0 or fallback  # the perturbed draft agrees often
 
 
 def test_greedy_with_repetition_penalty_and_prompt_lookup(tiny_lm):
@@ -664,3 +665,22 @@ def test_cancelled_program_ends_its_samples_and_frees_their_blocks(paged_pair):
     assert [c.finish_reason for c in completions] == ["cancelled"] * 2
     assert 0 < len(completions[0].token_ids) < 40
     assert engine.pool.num_used == 0 and engine.members.of(drafter).pool.num_used == 0
+
+
+# -- speculation that switches itself off (speculation_gate.py) --------------------------------
+
+
+@pytest.mark.parametrize("verify", ["block", wrong_residual])
+def test_a_row_that_switches_keeps_the_target_distribution(verify):
+    # With the fallback a row's first two rounds are plain, its third a probe block of one
+    # draft token, its fourth plain again (the budget leaves no draft for the last token):
+    # every sequence of 4 switches mode twice, and must still follow the target's distribution.
+    target, drafter = table_lm(2, vocab=3), table_lm(3, vocab=3, name="draft")
+    params = dk.SamplingParams(max_new_tokens=4, seed=11)
+    counts, stats = sample_sequences(target, drafter, params, verify, SAMPLES, fallback=True)
+    assert stats.drafted_tokens == SAMPLES and stats.plain_steps >= 2 * SAMPLES  # one probe each
+    pvalue = chi_square_pvalue(counts, sequence_distribution(target, [1, 2], 4), SAMPLES)
+    if verify is wrong_residual:
+        assert pvalue < 1e-6  # the probe's block alone has the power to catch a wrong rule
+    else:
+        assert pvalue > 1e-3
