@@ -109,7 +109,7 @@ class SpeculationGate:
             if self.probing:
                 self.next_probe, self.probing = (step // self.interval + 1) * self.interval, False
             return
-        self.probing = False
+        probe, self.probing = self.probing, False
         examined = min(accepted + 1, drafted)
         self.accepted = DECAY * self.accepted + accepted
         self.examined = DECAY * self.examined + examined
@@ -118,7 +118,9 @@ class SpeculationGate:
             self.speculating = False
             return
         if speedup(self.alpha, gamma, cost) > 1.0:
-            self.speculating, self.interval = True, PROBE_INTERVAL
+            self.speculating = True
+            if not probe:  # a block of γ paid, not only a probe's token: probe soon if it stops
+                self.interval = PROBE_INTERVAL
         else:
             self.next_probe = (step // self.interval + 1) * self.interval
             self.interval = min(4 * self.interval, MAX_PROBE_INTERVAL)
