@@ -359,8 +359,8 @@ def test_greedy_equals_target_greedy_on_tiny_llamas(tiny_lm, tiny_draft_lm, veri
     params = dk.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     [plain] = dk.generate(tiny_lm, "ROMEO: But soft", params)
     for fallback in (False, True):  # rows that switch to plain steps (speculation_gate.py) too
-        result = speculative_generate(tiny_lm, tiny_draft_lm, "ROMEO: But soft", params, num_draft_tokens=gamma,
-                                      verify=verify, adaptive=adaptive, fallback=fallback)  # fmt: skip
+        result = speculative_generate(tiny_lm, tiny_draft_lm, "ROMEO: But soft", params, gamma, verify,
+                                      adaptive, fallback=fallback)  # fmt: skip
         [spec] = result.completions
         assert spec.token_ids == plain.token_ids
         assert spec.text == plain.text

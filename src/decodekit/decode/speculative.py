@@ -400,7 +400,8 @@ def speculate_row(
         step += 1
         context = request.prompt_ids + row.token_ids
         start = time.perf_counter()
-        budget = draft_budget(row, gamma if gate is None else gate.draft_tokens(gamma, costs, step), model.max_context)
+        length = gamma if gate is None else gate.draft_tokens(gamma, costs, step)
+        budget = draft_budget(row, length, model.max_context)
         if budget:
             draft = drafter.propose(context, budget, DraftSampler(request.chain, state, model.vocab_size))
         else:
@@ -603,9 +604,9 @@ class SpeculativeProgram(Program):
         # can sample its plain steps with the step's other rows (program.py `Feed.row`).
         self.single = len(request.rows) == 1
         self.rows = [SpecRow(row, request.state if self.single else row_state(request, row.sample, target),
-                             config.num_draft_tokens,
-                             None if paged else sample_drafter(drafter),
-                             gate=SpeculationGate() if config.fallback else None) for row in request.rows]  # fmt: skip
+                             config.num_draft_tokens, None if paged else sample_drafter(drafter),
+                             gate=SpeculationGate() if config.fallback else None)
+                     for row in request.rows]  # fmt: skip
         self.costs = StepCosts()  # this program's step seconds, plain and speculative (fallback)
         self.steps = 0  # its decode steps so far: the gates' clock
         self.started = False
@@ -628,11 +629,12 @@ class SpeculativeProgram(Program):
                 self.stats.target_seconds += time.perf_counter() - start
                 return []  # the step's target forward prefilled the prompt
         live = [r for r in self.rows if r.row.finish_reason is None]
+        vocab, context = self.target.vocab_size, self.target.max_context
         self.steps += 1
         for r in live:
             gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs, self.steps)
             r.budget = draft_budget(r.row, gamma, self.target.max_context)
-            r.sampler = DraftSampler(self.request.chain, r.state, self.target.vocab_size) if r.budget else None
+            r.sampler = DraftSampler(self.request.chain, r.state, vocab) if r.budget else None
             r.tokens, r.probs, r.model_calls = [], [], 0
         yield from self._draft(live, kv)
         middle = time.perf_counter()
@@ -655,10 +657,10 @@ class SpeculativeProgram(Program):
                 self.stats.emitted_tokens += 1
                 self.stats.target_calls += 1
             else:
-                probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size, raw.device).probs
+                probs = torch.stack(r.probs) if r.probs else empty_draft(vocab, raw.device).probs
                 draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
                 raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
-                tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)
+                tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, context)
             taus.append(tau)
             r.gamma = self.config.next_gamma(r.gamma, len(r.tokens), tau)
             if r.target.lane is not None:
