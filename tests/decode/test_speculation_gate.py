@@ -9,7 +9,7 @@ import pytest
 import decodekit as dk
 from decodekit.decode.drafters import Draft
 from decodekit.decode.speculation_gate import SpeculationGate, StepCosts, expected_tokens, speedup
-from decodekit.decode.speculative import speculative_generate
+from decodekit.decode.speculative import SpeculativeConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -116,3 +116,19 @@ def test_on_the_engine_a_row_that_never_accepts_stops_verifying(tiny_lm):
     # and one at step 16; the interval is then 64, past the 40 tokens
     assert gated.stats.drafted_tokens == 2
     assert gated.stats.plain_steps == 38 and gated.stats.target_calls == 40
+
+
+def test_by_default_a_seeded_request_that_samples_speculates_at_every_step(tiny_lm):
+    # its draws must repeat, and the gate's switches follow the clock
+    config = SpeculativeConfig()
+    assert config.falls_back(dk.SamplingParams(temperature=0, seed=3))
+    assert config.falls_back(dk.SamplingParams(temperature=1.0))  # unseeded
+    assert not config.falls_back(dk.SamplingParams(temperature=1.0, seed=3))
+    assert SpeculativeConfig(fallback=True).falls_back(dk.SamplingParams(temperature=1.0, seed=3))
+    drafter = NeverAccepted(0, tiny_lm.vocab_size)
+    seeded = dk.SamplingParams(temperature=1.0, seed=3, max_new_tokens=20, ignore_eos=True)
+    runs = [speculative_generate(tiny_lm, drafter, "ROMEO:", seeded, 4) for _ in range(2)]
+    assert runs[0].stats.plain_steps == 0 and runs[0].stats.drafted_tokens > 20
+    assert runs[0].completions[0].token_ids == runs[1].completions[0].token_ids
+    with pytest.raises(TypeError, match="fallback must be True, False or None"):
+        SpeculativeConfig(fallback="yes")

@@ -28,8 +28,9 @@ lanes taken again; other processes only ever add time); a probe's are a running 
 
 Since the choice reads the clock, a seeded request at temperature > 0 draws different
 uniforms when its rows switch at different steps: its tokens are distributed exactly as the
-target's, but the same seed may not give the same tokens twice (`fallback=False` does).
-Greedy output equals plain greedy decoding whatever the rows do.
+target's, but the same seed may not give the same tokens twice; so by default such a request
+does not fall back (speculative.py `SpeculativeConfig.falls_back`). Greedy output equals
+plain greedy decoding whatever the rows do.
 """
 
 from __future__ import annotations

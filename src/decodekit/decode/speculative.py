@@ -189,14 +189,15 @@ class SpeculativeConfig:
     """γ (`num_draft_tokens`), the rule, and the adaptive schedule: after a block whose draft
     was all accepted γ += 2, else γ -= 1, kept in [1, max_draft_tokens] (HF's heuristic).
     fallback: each row decodes plainly while its measured acceptance does not pay for a
-    block's measured cost, and re-probes now and then (speculation_gate.py)."""
+    block's measured cost, and re-probes now and then (speculation_gate.py); None (the
+    default): unless the request is seeded and samples (`falls_back`)."""
 
     num_draft_tokens: int = 4
     verify: str | VerifyRule = "block"
     adaptive: bool = False
     max_draft_tokens: int = 16
     trace: Callable[[BlockTrace], None] | None = None  # called with every verified block
-    fallback: bool = True  # a row decodes plainly while speculation does not pay (speculation_gate.py)
+    fallback: bool | None = None  # a row decodes plainly while speculation does not pay
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -210,8 +211,17 @@ class SpeculativeConfig:
             )
         if not callable(self.verify) and self.verify not in VERIFY_RULES:
             raise ValueError(f"verify must be 'block', 'token' or a rule, got {self.verify!r}")
-        if not isinstance(self.fallback, bool):
-            raise TypeError(f"fallback must be True or False, got {self.fallback!r}")
+        if self.fallback is not None and not isinstance(self.fallback, bool):
+            raise TypeError(f"fallback must be True, False or None (automatic), got {self.fallback!r}")
+
+    def falls_back(self, params: SamplingParams) -> bool:
+        """Whether a request's rows may switch to plain decoding: `fallback`, or by default
+        unless the request is seeded and samples. The switches follow measured time
+        (speculation_gate.py), so such a request's draws would not repeat; its distribution
+        would be the target's all the same."""
+        if self.fallback is not None:
+            return self.fallback
+        return params.greedy or params.seed is None
 
     def rule(self) -> VerifyRule:
         return self.verify if callable(self.verify) else VERIFY_RULES[self.verify]
@@ -390,11 +400,11 @@ def speculate_row(
     stats: SpeculativeStats,
 ) -> None:
     """Generate one sample over a model's own cache: draft, verify in one target call, emit
-    x_1..x_τ, y (`settle_block`); repeat. With `config.fallback` a gate chooses each round's
+    x_1..x_τ, y (`settle_block`); repeat. With the fallback a gate chooses each round's
     draft length, 0 (a plain step) while speculation does not pay (speculation_gate.py)."""
     request, model = row.request, target.model
     gamma = config.num_draft_tokens
-    gate, costs = (SpeculationGate(), StepCosts()) if config.fallback else (None, None)
+    gate, costs = (SpeculationGate(), StepCosts()) if config.falls_back(request.params) else (None, None)
     step = 0
     while row.finish_reason is None:
         step += 1
@@ -428,7 +438,8 @@ class Speculative:
     "auto" (the embedded `<target>-draft`), a model name, or any object with `propose`
     (drafters.Drafter). verify: "block", "token", or a rule `(p, q, draft, generator) -> (τ,
     y)`. trace: called with each verified block (`BlockTrace`). fallback: a row whose
-    speculation does not pay decodes plainly until a probe says it does (speculation_gate.py).
+    speculation does not pay decodes plainly until a probe says it does (speculation_gate.py);
+    None: unless the request is seeded and samples (`SpeculativeConfig.falls_back`).
     """
 
     draft: object = "auto"
@@ -437,7 +448,7 @@ class Speculative:
     adaptive: bool = False
     max_draft_tokens: int = 16
     trace: Callable[[BlockTrace], None] | None = None
-    fallback: bool = True
+    fallback: bool | None = None
 
     def prepare(
         self,
@@ -497,7 +508,7 @@ def speculative_generate(
     adaptive: bool = False,
     max_draft_tokens: int = 16,
     trace: Callable[[BlockTrace], None] | None = None,
-    fallback: bool = True,
+    fallback: bool | None = None,
 ) -> SpeculativeResult:
     """Sample from `target` exactly as `generate` would, drafting with `draft` (the arguments:
     `Speculative`). Completions are shaped as `generate` returns them (a single string prompt
@@ -516,7 +527,7 @@ def speculative_generate(
 
 
 def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None,
-                       fallback=True) -> SpeculativeConfig:  # fmt: skip
+                       fallback=None) -> SpeculativeConfig:  # fmt: skip
     longest = max(max_draft_tokens, num_draft_tokens)
     return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace, fallback)
 
@@ -544,7 +555,7 @@ def speculative_programs(
     verify: str | VerifyRule = "block",
     adaptive: bool = False,
     max_draft_tokens: int = 16,
-    fallback: bool = True,
+    fallback: bool | None = None,
 ) -> list[SpeculativeProgram]:
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
     the target's engine (`Engine.add`, `engine.registry.run_requests`); each streams
@@ -603,9 +614,10 @@ class SpeculativeProgram(Program):
         # One sample: its request's own state (the same seed as `row_state`'s), so the engine
         # can sample its plain steps with the step's other rows (program.py `Feed.row`).
         self.single = len(request.rows) == 1
+        self.fallback = config.falls_back(request.params)
         self.rows = [SpecRow(row, request.state if self.single else row_state(request, row.sample, target),
                              config.num_draft_tokens, None if paged else sample_drafter(drafter),
-                             gate=SpeculationGate() if config.fallback else None)
+                             gate=SpeculationGate() if self.fallback else None)
                      for row in request.rows]  # fmt: skip
         self.costs = StepCosts()  # this program's step seconds, plain and speculative (fallback)
         self.steps = 0  # its decode steps so far: the gates' clock
@@ -645,7 +657,7 @@ class SpeculativeProgram(Program):
             r.target.tokens += r.tokens
         # With the fallback a row without a draft decodes as a sampling row does: on a lane, and
         # sampled by the engine with the step's other rows when it is its request's only one.
-        plain = [self.config.fallback and not r.tokens for r in live]
+        plain = [self.fallback and not r.tokens for r in live]
         feeds = [Feed(r.target, every=not alone, lane=alone, row=r.row if alone and self.single else None)
                  for r, alone in zip(live, plain, strict=True)]  # fmt: skip
         [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
@@ -671,7 +683,7 @@ class SpeculativeProgram(Program):
                 for seq in (r.target, r.draft):
                     if seq is not None:
                         kv.close(seq)
-        if self.config.fallback:
+        if self.fallback:
             longest = max((len(r.tokens) for r in live), default=0)
             if not first:
                 self.costs.record(time.perf_counter() - start, longest)
