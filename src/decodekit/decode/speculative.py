@@ -641,11 +641,11 @@ class SpeculativeProgram(Program):
                 self.stats.target_seconds += time.perf_counter() - start
                 return []  # the step's target forward prefilled the prompt
         live = [r for r in self.rows if r.row.finish_reason is None]
-        vocab, context = self.target.vocab_size, self.target.max_context
+        vocab, window = self.target.vocab_size, self.target.max_context
         self.steps += 1
         for r in live:
             gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs, self.steps)
-            r.budget = draft_budget(r.row, gamma, self.target.max_context)
+            r.budget = draft_budget(r.row, gamma, window)
             r.sampler = DraftSampler(self.request.chain, r.state, vocab) if r.budget else None
             r.tokens, r.probs, r.model_calls = [], [], 0
         yield from self._draft(live, kv)
@@ -672,7 +672,7 @@ class SpeculativeProgram(Program):
                 probs = torch.stack(r.probs) if r.probs else empty_draft(vocab, raw.device).probs
                 draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
                 raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
-                tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, context)
+                tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, window)
             taus.append(tau)
             r.gamma = self.config.next_gamma(r.gamma, len(r.tokens), tau)
             if r.target.lane is not None:
