@@ -24,7 +24,8 @@ speculative request, the γ draft positions as γ batched forwards of the draft 
 own block pool on the engine), the verification as the samples' feeds in the step's one
 target forward; rejected tokens are cropped from both block tables. Other targets run the
 samples one after another, target and drafter each keeping one cache row cropped back to
-the prefix it shares with the next sequence. Both run the same round (`settle_block`), and
+the prefix it shares with the next sequence. Either way a row may decode plainly while its
+speculation does not pay (`fallback`, speculation_gate.py). Both run the same round (`settle_block`), and
 sample i draws from its own generator seeded `seed + i` (`row_state`), batched or alone.
 """
 
@@ -598,7 +599,10 @@ class SpeculativeProgram(Program):
     then `settle_block` per sample, as the plain loop does. Rejected tokens are cropped from
     both sequences. A drafter without paged KV (prompt lookup, a k-gram, the target itself)
     proposes in Python, one per sample. The prompt is prefilled once (all but its last
-    token, on both models) and forked into the n samples.
+    token, on both models) and forked into the n samples. With the fallback each sample's
+    gate (speculation_gate.py) sets its draft length per step; a sample without a draft
+    feeds one token on a RunningKV lane, sampled by the engine with the step's other rows
+    when it is its request's only one, and its draft model catches up when it drafts again.
     """
 
     def __init__(self, target: LanguageModel, drafter: Drafter, request: Request, config: SpeculativeConfig):
