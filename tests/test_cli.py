@@ -323,6 +323,7 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
     (["eval", "perplexity", "--text", "README.md", "--split", "val"], "give --text or --split, not both"),
     (["generate", "x", "--num-beams", "3"], "--num-beams applies to --strategy beam, not sample"),
     (["generate", "x", "--num-draft-tokens", "3"], "--num-draft-tokens applies to speculative decoding"),
+    (["generate", "x", "--no-fallback"], "--no-fallback applies to speculative decoding"),
     (["bench", "latency", "--peer", "llamacpp"],
      "--peer applies to bench packed and server, not bench latency"),
     (["bench", "engine", "--peer", "llamacpp"],

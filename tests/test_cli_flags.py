@@ -210,6 +210,7 @@ ROWS = [
     ("generate --verify", [*G, *SPEC, "--verify", "token"], "speculative", "self.verify", "token"),
     ("generate --adaptive", [*G, *SPEC, "--adaptive"], "speculative", "self.adaptive", True),
     ("generate --adaptive-gamma", [*G, *SPEC, "--adaptive-gamma"], "speculative", "self.adaptive", True),
+    ("generate --no-fallback", [*G, *SPEC, "--no-fallback"], "speculative", "self.fallback", False),
     # bench: each flag lands in the named argument of the benchmark's function
     ("bench which", ["bench", "constrained"], "bench_constrained", "", called),
     ("bench --model", ["bench", "kv", "--model", "arith"], "bench_kv", "model_name", "arith"),

@@ -298,9 +298,9 @@ def test_verify_draws_tau_and_y_as_the_formulas_say(rule):
 # -- the real pipeline against the target's exact sequence distribution -----------------------
 
 
-def sample_sequences(target, draft, params, verify, samples: int, gamma: int = 2):
+def sample_sequences(target, draft, params, verify, samples: int, gamma: int = 2, fallback: bool = False):
     result = speculative_generate(target, draft, [[1, 2]], params.replace(n=samples),
-                                  num_draft_tokens=gamma, verify=verify)
+                                  num_draft_tokens=gamma, verify=verify, fallback=fallback)
     return Counter(tuple(c.token_ids) for c in result.completions[0]), result.stats
 
 
@@ -342,7 +342,8 @@ def test_prompt_lookup_sampling_is_lossless():
     target = table_lm(3, vocab=3, sharpness=2.5)
     params = dk.SamplingParams(max_new_tokens=3, seed=9)
     result = speculative_generate(target, "prompt-lookup", [[0, 1, 2, 0, 1]],
-                                  params.replace(n=SAMPLES), num_draft_tokens=2, verify="token")
+                                  params.replace(n=SAMPLES), num_draft_tokens=2, verify="token",
+                                  fallback=False)
     counts = Counter(tuple(c.token_ids) for c in result.completions[0])
     expected = sequence_distribution(target, [0, 1, 2, 0, 1], 3)
     assert chi_square_pvalue(counts, expected, SAMPLES) > 1e-3
@@ -357,14 +358,15 @@ def test_prompt_lookup_sampling_is_lossless():
 def test_greedy_equals_target_greedy_on_tiny_llamas(tiny_lm, tiny_draft_lm, verify, gamma, adaptive):
     params = dk.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     [plain] = dk.generate(tiny_lm, "ROMEO: But soft", params)
-    result = speculative_generate(tiny_lm, tiny_draft_lm, "ROMEO: But soft", params,
-                                  num_draft_tokens=gamma, verify=verify, adaptive=adaptive)
-    [spec] = result.completions
-    assert spec.token_ids == plain.token_ids
-    assert spec.text == plain.text
-    assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
-    assert result.stats.accepted_tokens > 0  # the perturbed draft agrees often
-    assert result.stats.emitted_tokens == 24
+    for fallback in (False, True):  # rows that switch to plain steps (speculation_gate.py) too
+        result = speculative_generate(tiny_lm, tiny_draft_lm, "ROMEO: But soft", params, gamma, verify,
+                                      adaptive, fallback=fallback)  # fmt: skip
+        [spec] = result.completions
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+        assert result.stats.emitted_tokens == 24
+        assert result.stats.accepted_tokens > 0 or fallback  # the perturbed draft agrees often
 
 
 def test_greedy_with_repetition_penalty_and_prompt_lookup(tiny_lm):
@@ -413,17 +415,18 @@ def test_self_int4_draft_keeps_greedy_output(tiny_lm):
 
     params = dk.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     [plain] = dk.generate(tiny_lm, "ROMEO:", params)
-    result = speculative_generate(tiny_lm, "self-int4", "ROMEO:", params, 4)
+    result = speculative_generate(tiny_lm, "self-int4", "ROMEO:", params, 4, fallback=False)
     assert result.completions[0].token_ids == plain.token_ids
     assert result.stats.accepted_tokens > 0
     assert kernel_counts(tiny_lm.net) == {}  # the target was not touched
     drafter = self_draft(tiny_lm)
     assert kernel_counts(drafter.model.net) == {"int4pack": 8}
     assert drafter.model.net.embed_tokens.weight is tiny_lm.net.embed_tokens.weight  # shared
-    # Sampling through the self-draft (exact for any draft: the tests above): seeded runs repeat.
+    # Sampling through the self-draft (exact for any draft: the tests above): seeded runs repeat
+    # (without the fallback, whose switches follow the clock: speculation_gate.py).
     sampled = dk.SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=3)
-    a = speculative_generate(tiny_lm, drafter, "ROMEO:", sampled, 3).completions[0]
-    b = speculative_generate(tiny_lm, "self-int4", "ROMEO:", sampled, 3).completions[0]
+    a = speculative_generate(tiny_lm, drafter, "ROMEO:", sampled, 3, fallback=False).completions[0]
+    b = speculative_generate(tiny_lm, "self-int4", "ROMEO:", sampled, 3, fallback=False).completions[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
 
 
@@ -477,7 +480,7 @@ def test_incremental_model_shares_prefixes_between_samples():
 def test_identical_draft_accepts_everything():
     target = table_lm(4)
     params = dk.SamplingParams(max_new_tokens=10, seed=0)
-    result = speculative_generate(target, target, [[1, 2]], params, num_draft_tokens=4)
+    result = speculative_generate(target, target, [[1, 2]], params, num_draft_tokens=4, fallback=False)
     stats = result.stats
     # blocks of γ + 1 = 5 tokens: 10 tokens in 2 target calls
     assert (stats.target_calls, stats.accepted_tokens, stats.drafted_tokens) == (2, 8, 8)
@@ -595,14 +598,16 @@ def test_batched_rows_equal_single_row_runs(paged_pair, draft, verify, adaptive)
     params = dk.SamplingParams(n=2, max_new_tokens=14, temperature=1.0, seed=7)
     engine = engine_for(target)
     steps = engine.steps
-    batched = speculative_generate(target, drafter, PROMPTS, params, 3, verify, adaptive)
+    # fallback=False: rows that switch to plain decoding at steps the clock chooses draw
+    # other uniforms (speculation_gate.py); the batching is what this test compares
+    batched = speculative_generate(target, drafter, PROMPTS, params, 3, verify, adaptive, fallback=False)
     batched_steps = engine.steps - steps
     singles, single_steps = [], 0
     for prompt in PROMPTS:
         for sample in range(2):
             steps = engine.steps
             one = speculative_generate(target, drafter, prompt, params.replace(n=1, seed=7 + sample),
-                                       3, verify, adaptive)  # fmt: skip
+                                       3, verify, adaptive, fallback=False)  # fmt: skip
             single_steps += engine.steps - steps
             singles.append((one.completions[0], one.stats))
     rows = [c for completions in batched.completions for c in completions]
@@ -660,3 +665,22 @@ def test_cancelled_program_ends_its_samples_and_frees_their_blocks(paged_pair):
     assert [c.finish_reason for c in completions] == ["cancelled"] * 2
     assert 0 < len(completions[0].token_ids) < 40
     assert engine.pool.num_used == 0 and engine.members.of(drafter).pool.num_used == 0
+
+
+# -- speculation that switches itself off (speculation_gate.py) --------------------------------
+
+
+@pytest.mark.parametrize("verify", ["block", wrong_residual])
+def test_a_row_that_switches_keeps_the_target_distribution(verify):
+    # With the fallback a row's first two rounds are plain, its third a probe block of one
+    # draft token, its fourth plain again (the budget leaves no draft for the last token):
+    # every sequence of 4 switches mode twice, and must still follow the target's distribution.
+    target, drafter = table_lm(2, vocab=3), table_lm(3, vocab=3, name="draft")
+    params = dk.SamplingParams(max_new_tokens=4, seed=11)
+    counts, stats = sample_sequences(target, drafter, params, verify, SAMPLES, fallback=True)
+    assert stats.drafted_tokens == SAMPLES and stats.plain_steps >= 2 * SAMPLES  # one probe each
+    pvalue = chi_square_pvalue(counts, sequence_distribution(target, [1, 2], 4), SAMPLES)
+    if verify is wrong_residual:
+        assert pvalue < 1e-6  # the probe's block alone has the power to catch a wrong rule
+    else:
+        assert pvalue > 1e-3

@@ -265,9 +265,11 @@ def bench_packed(
         timers = {"plain": local(lambda: dk.generate(base, PROMPT, params))}
         speculative: dict[str, Any] = {"gamma": 4}
         for name, drafter in drafters.items():
-            result = dk.speculative_generate(base, drafter, PROMPT, params, 4)
+            # fallback=False: speculation itself, every step (speculation_gate.py switches it off)
+            result = dk.speculative_generate(base, drafter, PROMPT, params, 4, fallback=False)
             assert result.completions[0].token_ids == plain.token_ids, name  # exact at T = 0
-            timers[name] = local(lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4))
+            timers[name] = local(lambda d=drafter: dk.speculative_generate(base, d, PROMPT, params, 4,
+                                                                           fallback=False))
             speculative[name] = {"acceptance_rate": round(result.stats.acceptance_rate, 3),
                                  "block_efficiency": round(result.stats.block_efficiency, 2)}  # fmt: skip
         medians = median_seconds(timers, repeats, step)

@@ -88,15 +88,17 @@ def run_plain(model, prompts, params, repeats: int = 1) -> Timing:
 
 
 def run_speculative(
-    target, draft, prompts, params, gamma, verify, adaptive=False, repeats: int = 1
+    target, draft, prompts, params, gamma, verify, adaptive=False, repeats: int = 1, fallback: bool = False
 ) -> tuple[dict, Timing]:
-    """Stats summed over the prompts (seeded: every repeat is the same), and the best timing."""
+    """Stats summed over the prompts (seeded: every repeat is the same), and the best timing.
+    Without the per-row fallback by default: the sweep measures speculation at every step."""
     total: dict = {}
 
     def go():
         total.clear()
         for prompt in prompts:
-            result = speculative_generate(target, draft, prompt, params, gamma, verify, adaptive)
+            result = speculative_generate(target, draft, prompt, params, gamma, verify, adaptive,
+                                          fallback=fallback)  # fmt: skip
             assert len(result.completions[0].token_ids) == params.max_new_tokens
             for key, value in vars(result.stats).items():
                 total[key] = total.get(key, 0) + value
@@ -133,7 +135,7 @@ def paired_block_efficiency(target, draft, prompts, params, gamma) -> dict:
         return block_verify(p, q, x, generator)
 
     for prompt in prompts:
-        speculative_generate(target, draft, prompt, params, gamma, recording_block_verify)
+        speculative_generate(target, draft, prompt, params, gamma, recording_block_verify, fallback=False)
     token = 1 + sums["token"] / sums["blocks"]
     block = 1 + sums["block"] / sums["blocks"]
     return {"token": round(token, 4), "block": round(block, 4), "gain": round(block / token - 1, 4)}
@@ -347,10 +349,13 @@ def bench_concurrent(
 ) -> dict:
     """`concurrent` speculative requests (distinct held-out prompts, T = 0, EOS ignored) batched
     on the target's persistent engine against the same requests decoded plainly on that
-    engine: tokens/s, wall and CPU, each the best of `repeats` interleaved runs; and the
+    engine: tokens/s, wall and CPU, each the best of `repeats` interleaved runs. The
+    speculative configurations run with the per-row fallback (speculation_gate.py, the
+    default) and without it (`_always`: every row speculates at every step). Then the same
+    with prompt lookup on prompts that repeat their text (`copy_prompts`), and the
     single-request speedup (each of `single_prompts` prompts alone, one after another), as
-    `bench_speculative` measures it. Greedy speculative output must equal plain greedy
-    output token for token, which is checked."""
+    `bench_speculative` measures it. Greedy speculative output must equal plain greedy output
+    token for token, which is checked."""
     import decodekit as dk
     from decodekit.engine.registry import engine_for
 
@@ -358,29 +363,41 @@ def bench_concurrent(
     torch.set_num_threads(threads)
     try:
         target, draft = dk.load_model(target_name), dk.load_model(draft_name)
-        prompts = heldout_prompts(target, concurrent)
         params = _params(new_tokens, 0.0)
-        expected = [c[0].token_ids for c in dk.generate(target, prompts, params)]  # and warm-up
-        configs = {f"gamma{gamma}": (gamma, False), f"gamma{gamma}_adaptive": (gamma, True),
-                   "gamma1": (1, False)}  # fmt: skip
+        workloads = {"heldout": heldout_prompts(target, concurrent), "copy": copy_prompts(target, concurrent)}
+        expected = {name: [c[0].token_ids for c in dk.generate(target, prompts, params)]  # and warm-up
+                    for name, prompts in workloads.items()}  # fmt: skip
+        # key: (workload, drafter, γ, adaptive, fallback)
+        lookup = "prompt-lookup"
+        configs = {f"gamma{gamma}": ("heldout", draft, gamma, False, True),
+                   f"gamma{gamma}_always": ("heldout", draft, gamma, False, False),
+                   f"gamma{gamma}_adaptive": ("heldout", draft, gamma, True, True),
+                   "gamma1_always": ("heldout", draft, 1, False, False),
+                   f"copy_lookup_gamma{gamma}": ("copy", lookup, gamma, False, True),
+                   f"copy_lookup_gamma{gamma}_always": ("copy", lookup, gamma, False, False)}  # fmt: skip
+        singles = {f"single_gamma{gamma}": ("heldout", draft, gamma, False, True),
+                   f"single_gamma{gamma}_always": ("heldout", draft, gamma, False, False),
+                   f"single_copy_lookup_gamma{gamma}": ("copy", lookup, gamma, False, True)}  # fmt: skip
         results: dict = {}
-        singles = [[i] for i in range(single_prompts)]
 
-        def spec_run(batches, gamma, adaptive, key):
+        def spec_run(batches, key, workload, drafter, g, adaptive, fallback):
             def go():
                 for batch in batches:  # each batch: the prompts of one call, by index
-                    result = speculative_generate(target, draft, [prompts[i] for i in batch], params,
-                                                  gamma, "block", adaptive)  # fmt: skip
+                    prompts = [workloads[workload][i] for i in batch]
+                    result = speculative_generate(target, drafter, prompts, params, g, "block", adaptive,
+                                                  fallback=fallback)  # fmt: skip
                     tokens = [c[0].token_ids for c in result.completions]
-                    assert tokens == [expected[i] for i in batch], "speculative greedy != plain greedy"
+                    want = [expected[workload][i] for i in batch]
+                    assert tokens == want, "speculative greedy != plain greedy"
                     results[key] = result.stats
 
             return go
 
-        def plain_run(batches):
+        def plain_run(batches, workload):
+            prompts = workloads[workload]
             return lambda: [dk.generate(target, [prompts[i] for i in batch], params) for batch in batches]
 
-        everything = [list(range(concurrent))]
+        everything, one_by_one = [list(range(concurrent))], [[i] for i in range(single_prompts)]
         runs: dict[str, list[Timing]] = {}
         engine, steps = engine_for(target), {}
 
@@ -393,38 +410,50 @@ def bench_concurrent(
             return go
 
         for _ in range(repeats):  # interleaved, so load from other processes hits all alike
-            runs.setdefault("plain", []).append(timed(counted("plain", plain_run(everything))))
-            for key, (g, adaptive) in configs.items():
-                runs.setdefault(key, []).append(timed(counted(key, spec_run(everything, g, adaptive, key))))
-            runs.setdefault("single_plain", []).append(timed(plain_run(singles)))
-            runs.setdefault("single_spec", []).append(timed(spec_run(singles, gamma, False, "single")))
+            for workload in workloads:
+                key = "plain" if workload == "heldout" else "copy_plain"
+                runs.setdefault(key, []).append(timed(counted(key, plain_run(everything, workload))))
+            for key, config in configs.items():
+                runs.setdefault(key, []).append(timed(counted(key, spec_run(everything, key, *config))))
+            for workload in workloads:
+                key = "single_plain" if workload == "heldout" else "single_copy_plain"
+                runs.setdefault(key, []).append(timed(plain_run(one_by_one, workload)))
+            for key, config in singles.items():
+                runs.setdefault(key, []).append(timed(spec_run(one_by_one, key, *config)))
         best = {key: Timing(min(t.wall for t in ts), min(t.cpu for t in ts)) for key, ts in runs.items()}
-        total = concurrent * new_tokens
 
         def per_step(key):
             cpu_ms = round(1000 * best[key].cpu / steps[key], 2)
             return {"engine_steps": steps[key], "cpu_ms_per_step": cpu_ms}
 
+        def against(key, plain, tokens):
+            stats = results[key]
+            return {**tokens_per_second(tokens, best[key]),
+                    "speedup": round(best[plain].wall / best[key].wall, 3),
+                    "speedup_cpu": round(best[plain].cpu / best[key].cpu, 3),
+                    "acceptance_rate": round(stats.acceptance_rate, 3),
+                    "block_efficiency": round(stats.block_efficiency, 3),
+                    "plain_steps": stats.plain_steps,
+                    "draft_share": round(stats.draft_seconds / stats.wall_seconds, 3)}  # fmt: skip
+
+        total = concurrent * new_tokens
         out: dict = {"target": target_name, "draft": draft_name, "concurrent": concurrent,
                      "new_tokens": new_tokens, "temperature": 0, "verify": "block",
                      "machine": machine(), "load_average": os.getloadavg()[0],
-                     "plain": {**tokens_per_second(total, best["plain"]), **per_step("plain")}}  # fmt: skip
-        for key in configs:
-            stats = results[key]
-            out[key] = {**tokens_per_second(total, best[key]),
-                        "speedup": round(best["plain"].wall / best[key].wall, 3),
-                        "speedup_cpu": round(best["plain"].cpu / best[key].cpu, 3),
-                        "acceptance_rate": round(stats.acceptance_rate, 3),
-                        "block_efficiency": round(stats.block_efficiency, 3),
-                        "draft_share": round(stats.draft_seconds / stats.wall_seconds, 3),
-                        **per_step(key)}  # fmt: skip
+                     "plain": {**tokens_per_second(total, best["plain"]), **per_step("plain")},
+                     "copy_plain": {**tokens_per_second(total, best["copy_plain"]),
+                                    **per_step("copy_plain")}}  # fmt: skip
+        for key, config in configs.items():
+            plain = "plain" if config[0] == "heldout" else "copy_plain"
+            out[key] = {**against(key, plain, total), **per_step(key)}
         single_total = single_prompts * new_tokens
-        plain, spec = best["single_plain"], best["single_spec"]
         out["single"] = {"prompts": single_prompts, "gamma": gamma,
-                         "plain": tokens_per_second(single_total, plain),
-                         "speculative": tokens_per_second(single_total, spec),
-                         "speedup": round(plain.wall / spec.wall, 3),
-                         "speedup_cpu": round(plain.cpu / spec.cpu, 3)}  # fmt: skip
+                         "plain": tokens_per_second(single_total, best["single_plain"]),
+                         "copy_plain": tokens_per_second(single_total,
+                                                         best["single_copy_plain"])}  # fmt: skip
+        for key, config in singles.items():
+            plain = "single_plain" if config[0] == "heldout" else "single_copy_plain"
+            out["single"][key.removeprefix("single_")] = against(key, plain, single_total)
         return out
     finally:
         torch.set_num_threads(previous)

@@ -89,6 +89,10 @@ def add_speculative_flags(p) -> None:
     spec.add_argument("--adaptive", "--adaptive-gamma", action=Renamed, nargs=0, const=True, default=False,
                       help="--num-draft-tokens +2 after a fully accepted draft, -1 otherwise "
                       "(--adaptive-gamma: deprecated)")
+    spec.add_argument("--no-fallback", dest="fallback", action="store_const", const=False, default=None,
+                      help="speculate at every step; by default a row whose measured acceptance does not "
+                      "pay for the measured cost of its drafts decodes plainly, and probes again now and "
+                      "then")
 
 
 def add_structure_flags(p) -> None:
@@ -235,10 +239,10 @@ def run_generate(args) -> None:
 
 def check_combination(args, params: SamplingParams, mask: dict) -> None:
     """Flags that cannot go together, refused before any model is loaded."""
-    for name in ("num_draft_tokens", "verify", "adaptive"):
-        if given(args, name) and args.draft_model is None:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} applies to speculative decoding: give --draft-model")
+    speculative = ["--" + name.replace("_", "-") for name in ("num_draft_tokens", "verify", "adaptive")
+                   if given(args, name)] + (["--no-fallback"] if args.fallback is False else [])  # fmt: skip
+    if speculative and args.draft_model is None:
+        raise UsageError(f"{speculative[0]} applies to speculative decoding: give --draft-model")
     for name in ("num_beams", "length_penalty"):
         if given(args, name) and args.strategy != "beam":
             raise UsageError(f"--{name.replace('_', '-')} applies to --strategy beam, not {args.strategy}")
@@ -267,6 +271,8 @@ def strategy_of(args):
     if args.draft_model is not None:
         options = {name: getattr(args, name) for name in ("num_draft_tokens", "verify", "adaptive")
                    if given(args, name)}
+        if args.fallback is False:
+            options["fallback"] = False
         return Speculative(args.draft_model, **options)
     if args.strategy == "beam":
         options = {name: getattr(args, name) for name in ("num_beams", "length_penalty") if given(args, name)}

@@ -24,7 +24,8 @@ speculative request, the γ draft positions as γ batched forwards of the draft 
 own block pool on the engine), the verification as the samples' feeds in the step's one
 target forward; rejected tokens are cropped from both block tables. Other targets run the
 samples one after another, target and drafter each keeping one cache row cropped back to
-the prefix it shares with the next sequence. Both run the same round (`settle_block`), and
+the prefix it shares with the next sequence. Either way a row may decode plainly while its
+speculation does not pay (`fallback`, speculation_gate.py). Both run the same round (`settle_block`), and
 sample i draws from its own generator seeded `seed + i` (`row_state`), batched or alone.
 """
 
@@ -51,6 +52,7 @@ from decodekit.decode.drafters import (
     scratch_state,
 )
 from decodekit.decode.route import Run, completion_deltas, engine_route
+from decodekit.decode.speculation_gate import SpeculationGate, StepCosts
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams
@@ -186,13 +188,17 @@ def expected_accepted(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """γ (`num_draft_tokens`), the rule, and the adaptive schedule: after a block whose draft
-    was all accepted γ += 2, else γ -= 1, kept in [1, max_draft_tokens] (HF's heuristic)."""
+    was all accepted γ += 2, else γ -= 1, kept in [1, max_draft_tokens] (HF's heuristic).
+    fallback: each row decodes plainly while its measured acceptance does not pay for a
+    block's measured cost, and re-probes now and then (speculation_gate.py); None (the
+    default): unless the request is seeded and samples (`falls_back`)."""
 
     num_draft_tokens: int = 4
     verify: str | VerifyRule = "block"
     adaptive: bool = False
     max_draft_tokens: int = 16
     trace: Callable[[BlockTrace], None] | None = None  # called with every verified block
+    fallback: bool | None = None  # a row decodes plainly while speculation does not pay
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -206,6 +212,17 @@ class SpeculativeConfig:
             )
         if not callable(self.verify) and self.verify not in VERIFY_RULES:
             raise ValueError(f"verify must be 'block', 'token' or a rule, got {self.verify!r}")
+        if self.fallback is not None and not isinstance(self.fallback, bool):
+            raise TypeError(f"fallback must be True, False or None (automatic), got {self.fallback!r}")
+
+    def falls_back(self, params: SamplingParams) -> bool:
+        """Whether a request's rows may switch to plain decoding: `fallback`, or by default
+        unless the request is seeded and samples. The switches follow measured time
+        (speculation_gate.py), so such a request's draws would not repeat; its distribution
+        would be the target's all the same."""
+        if self.fallback is not None:
+            return self.fallback
+        return params.greedy or params.seed is None
 
     def rule(self) -> VerifyRule:
         return self.verify if callable(self.verify) else VERIFY_RULES[self.verify]
@@ -244,6 +261,7 @@ class SpeculativeStats:
     emitted_tokens: int = 0
     target_calls: int = 0
     draft_calls: int = 0
+    plain_steps: int = 0  # steps a row decoded without a draft: speculation did not pay (fallback)
     alpha_sum: float = 0.0  # Σ over examined positions of Σ_x min(p_i(x), q_i(x))
     alpha_count: int = 0
     draft_seconds: float = 0.0
@@ -265,7 +283,8 @@ class SpeculativeStats:
         return self.emitted_tokens / self.target_calls if self.target_calls else 0.0
 
     def as_dict(self) -> dict:
-        keys = ("drafted_tokens", "accepted_tokens", "emitted_tokens", "target_calls", "draft_calls")
+        keys = ("drafted_tokens", "accepted_tokens", "emitted_tokens", "target_calls", "draft_calls",
+                "plain_steps")
         out: dict = {key: getattr(self, key) for key in keys}
         for key in ("acceptance_rate", "alpha", "block_efficiency"):
             out[key] = round(getattr(self, key), 4)
@@ -382,20 +401,33 @@ def speculate_row(
     stats: SpeculativeStats,
 ) -> None:
     """Generate one sample over a model's own cache: draft, verify in one target call, emit
-    x_1..x_τ, y (`settle_block`); repeat."""
+    x_1..x_τ, y (`settle_block`); repeat. With the fallback a gate chooses each round's
+    draft length, 0 (a plain step) while speculation does not pay (speculation_gate.py)."""
     request, model = row.request, target.model
     gamma = config.num_draft_tokens
+    gate, costs = (SpeculationGate(), StepCosts()) if config.falls_back(request.params) else (None, None)
+    step = 0
     while row.finish_reason is None:
+        step += 1
         context = request.prompt_ids + row.token_ids
         start = time.perf_counter()
-        sampler = DraftSampler(request.chain, state, model.vocab_size)
-        draft = drafter.propose(context, draft_budget(row, gamma, model.max_context), sampler)
+        length = gamma if gate is None else gate.draft_tokens(gamma, costs, step)
+        budget = draft_budget(row, length, model.max_context)
+        if budget:
+            draft = drafter.propose(context, budget, DraftSampler(request.chain, state, model.vocab_size))
+        else:
+            draft = empty_draft(model.vocab_size, model.device)
         middle = time.perf_counter()
         raw = target.next_logits(context + draft.tokens, len(draft.tokens) + 1)  # [γ+1, V]
         stats.draft_seconds += middle - start
         stats.target_seconds += time.perf_counter() - middle
         tau = settle_block(row, state, raw, draft, config, stats, model.max_context)
         gamma = config.next_gamma(gamma, len(draft.tokens), tau)
+        if gate is not None:
+            if len(context) > len(request.prompt_ids):  # the first round's seconds include the prompt's
+                costs.record(time.perf_counter() - start, len(draft.tokens))
+            gate.settle(len(draft.tokens), tau, gamma, costs, step)
+            stats.plain_steps += not draft.tokens
 
 
 @dataclass(frozen=True)
@@ -406,7 +438,9 @@ class Speculative:
     or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
     "auto" (the embedded `<target>-draft`), a model name, or any object with `propose`
     (drafters.Drafter). verify: "block", "token", or a rule `(p, q, draft, generator) -> (τ,
-    y)`. trace: called with each verified block (`BlockTrace`).
+    y)`. trace: called with each verified block (`BlockTrace`). fallback: a row whose
+    speculation does not pay decodes plainly until a probe says it does (speculation_gate.py);
+    None: unless the request is seeded and samples (`SpeculativeConfig.falls_back`).
     """
 
     draft: object = "auto"
@@ -415,6 +449,7 @@ class Speculative:
     adaptive: bool = False
     max_draft_tokens: int = 16
     trace: Callable[[BlockTrace], None] | None = None
+    fallback: bool | None = None
 
     def prepare(
         self,
@@ -432,7 +467,7 @@ class Speculative:
             raise ValueError("speculative decoding takes no constraint, heal or adapter")
         start = time.perf_counter()
         config = speculative_config(self.num_draft_tokens, self.verify, self.adaptive, self.max_draft_tokens,
-                                    self.trace)  # fmt: skip
+                                    self.trace, self.fallback)  # fmt: skip
         drafter = make_drafter(self.draft, target)
         requests = make_requests(target, list(prompts), params)
         route = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
@@ -474,6 +509,7 @@ def speculative_generate(
     adaptive: bool = False,
     max_draft_tokens: int = 16,
     trace: Callable[[BlockTrace], None] | None = None,
+    fallback: bool | None = None,
 ) -> SpeculativeResult:
     """Sample from `target` exactly as `generate` would, drafting with `draft` (the arguments:
     `Speculative`). Completions are shaped as `generate` returns them (a single string prompt
@@ -485,15 +521,16 @@ def speculative_generate(
     prompt_list = [prompts] if single else list(prompts)
     if not prompt_list:
         raise ValueError("prompts must contain at least one prompt")
-    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, trace)
+    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, trace, fallback)
     run = strategy.prepare(target, prompt_list, params)
     results = run.completions()
     return SpeculativeResult(results[0] if single else results, run.stats())
 
 
-def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None) -> SpeculativeConfig:
+def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None,
+                       fallback=None) -> SpeculativeConfig:  # fmt: skip
     longest = max(max_draft_tokens, num_draft_tokens)
-    return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace)
+    return SpeculativeConfig(num_draft_tokens, verify, adaptive, longest, trace, fallback)
 
 
 def merged_stats(parts: list[SpeculativeStats]) -> SpeculativeStats:
@@ -519,13 +556,14 @@ def speculative_programs(
     verify: str | VerifyRule = "block",
     adaptive: bool = False,
     max_draft_tokens: int = 16,
+    fallback: bool | None = None,
 ) -> list[SpeculativeProgram]:
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
     the target's engine (`Engine.add`, `engine.registry.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
     if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
-    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens)
+    strategy = Speculative(draft, num_draft_tokens, verify, adaptive, max_draft_tokens, None, fallback)
     return strategy.prepare(target, prompts, params).route[1]
 
 
@@ -544,6 +582,7 @@ class SpecRow:
     tokens: list[int] = field(default_factory=list)  # this block's draft
     probs: list[torch.Tensor] = field(default_factory=list)  # their q [V] each
     model_calls: int = 0  # the Python drafter's, for this block
+    gate: SpeculationGate | None = None  # with `fallback`: how many tokens it drafts this step
 
     @property
     def context(self) -> list[int]:
@@ -560,7 +599,10 @@ class SpeculativeProgram(Program):
     then `settle_block` per sample, as the plain loop does. Rejected tokens are cropped from
     both sequences. A drafter without paged KV (prompt lookup, a k-gram, the target itself)
     proposes in Python, one per sample. The prompt is prefilled once (all but its last
-    token, on both models) and forked into the n samples.
+    token, on both models) and forked into the n samples. With the fallback each sample's
+    gate (speculation_gate.py) sets its draft length per step; a sample without a draft
+    feeds one token on a RunningKV lane, sampled by the engine with the step's other rows
+    when it is its request's only one, and its draft model catches up when it drafts again.
     """
 
     def __init__(self, target: LanguageModel, drafter: Drafter, request: Request, config: SpeculativeConfig):
@@ -573,8 +615,16 @@ class SpeculativeProgram(Program):
         paged = isinstance(drafter, ModelDrafter) and model is not target and model.supports_paged_kv and (
             len(request.prompt_ids) <= model.max_context)
         self.draft_model = model if paged else None
-        self.rows = [SpecRow(row, row_state(request, row.sample, target), config.num_draft_tokens,
-                             None if paged else sample_drafter(drafter)) for row in request.rows]  # fmt: skip
+        # One sample: its request's own state (the same seed as `row_state`'s), so the engine
+        # can sample its plain steps with the step's other rows (program.py `Feed.row`).
+        self.single = len(request.rows) == 1
+        self.fallback = config.falls_back(request.params)
+        self.rows = [SpecRow(row, request.state if self.single else row_state(request, row.sample, target),
+                             config.num_draft_tokens, None if paged else sample_drafter(drafter),
+                             gate=SpeculationGate() if self.fallback else None)
+                     for row in request.rows]  # fmt: skip
+        self.costs = StepCosts()  # this program's step seconds, plain and speculative (fallback)
+        self.steps = 0  # its decode steps so far: the gates' clock
         self.started = False
 
     def needs(self, block_size: int) -> list[tuple[LanguageModel, int]]:
@@ -588,35 +638,62 @@ class SpeculativeProgram(Program):
 
     def step(self, kv: ProgramKV):
         start = time.perf_counter()
-        if not self.started:
+        first = not self.started  # its seconds include the prompt's: not a cost sample
+        if first:
             self.started = True
             if (yield from self._prefill(kv)):
                 self.stats.target_seconds += time.perf_counter() - start
                 return []  # the step's target forward prefilled the prompt
         live = [r for r in self.rows if r.row.finish_reason is None]
+        vocab, window = self.target.vocab_size, self.target.max_context
+        self.steps += 1
         for r in live:
-            r.budget = draft_budget(r.row, r.gamma, self.target.max_context)
-            r.sampler = DraftSampler(self.request.chain, r.state, self.target.vocab_size)
-            r.tokens, r.probs = [], []
-        yield from self._draft(live)
+            gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs, self.steps)
+            r.budget = draft_budget(r.row, gamma, window)
+            r.sampler = DraftSampler(self.request.chain, r.state, vocab) if r.budget else None
+            r.tokens, r.probs, r.model_calls = [], [], 0
+        yield from self._draft(live, kv)
         middle = time.perf_counter()
         self.stats.draft_seconds += middle - start
         for r in live:
+            if r.tokens:
+                kv.leave_lane(r.target)  # a block is verified over its KV blocks
             r.target.tokens += r.tokens
-        feeds = [Feed(r.target, every=True) for r in live]
+        # With the fallback a row without a draft decodes as a sampling row does: on a lane, and
+        # sampled by the engine with the step's other rows when it is its request's only one.
+        plain = [self.fallback and not r.tokens for r in live]
+        feeds = [Feed(r.target, every=not alone, lane=alone, row=r.row if alone and self.single else None)
+                 for r, alone in zip(live, plain, strict=True)]  # fmt: skip
         [logits] = yield [Forward(self.target, feeds)]  # per row [count >= γ+1, V]
         self.stats.target_seconds += time.perf_counter() - middle
-        for r, raw in zip(live, logits, strict=True):
-            probs = torch.stack(r.probs) if r.probs else empty_draft(self.target.vocab_size, raw.device).probs
-            draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
-            raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
-            tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, self.target.max_context)
+        taus = []
+        for r, raw, feed in zip(live, logits, feeds, strict=True):
+            if feed.row is not None:  # the engine sampled its token
+                tau = 0
+                self.stats.emitted_tokens += 1
+                self.stats.target_calls += 1
+            else:
+                probs = torch.stack(r.probs) if r.probs else empty_draft(vocab, raw.device).probs
+                draft = Draft(r.tokens, probs, len(r.tokens) if r.drafter is None else r.model_calls)
+                raw = raw[len(raw) - len(r.tokens) - 1 :]  # [γ+1, V]
+                tau = settle_block(r.row, r.state, raw, draft, self.config, self.stats, window)
+            taus.append(tau)
             r.gamma = self.config.next_gamma(r.gamma, len(r.tokens), tau)
-            for seq in (r.target, r.draft):
-                if seq is not None:
-                    follow(kv, seq, r.context)  # rejected draft tokens out, y in
-                    if r.row.finish_reason is not None:
+            if r.target.lane is not None:
+                r.target.tokens.append(r.row.token_ids[-1])  # a plain step: nothing to crop
+            else:
+                follow(kv, r.target, r.context)  # rejected draft tokens out, y in
+            if r.row.finish_reason is not None:
+                for seq in (r.target, r.draft):
+                    if seq is not None:
                         kv.close(seq)
+        if self.fallback:
+            longest = max((len(r.tokens) for r in live), default=0)
+            if not first:
+                self.costs.record(time.perf_counter() - start, longest)
+            for r, tau in zip(live, taus, strict=True):
+                r.gate.settle(len(r.tokens), tau, r.gamma, self.costs, self.steps)
+                self.stats.plain_steps += not r.tokens
         self.finished = all(r.row.finish_reason is not None for r in self.rows)
         return list(emit([r.row for r in live], self.target.max_context))
 
@@ -637,16 +714,18 @@ class SpeculativeProgram(Program):
                 seq.tokens.append(self.request.prompt_ids[-1])
         return bool(pending) and pending[0] is bases[0]
 
-    def _draft(self, live: list[SpecRow]):
-        """This round's draft of every live sample: in Python, or one draft-model forward per
-        position over the samples still drafting."""
+    def _draft(self, live: list[SpecRow], kv: ProgramKV):
+        """This round's draft of every live sample that drafts: in Python, or one draft-model
+        forward per position over the samples still drafting (each first follows its context:
+        the last block's rejected tokens out, the tokens of its plain steps in)."""
         for r in live:
-            if r.drafter is not None:
+            if r.drafter is not None and r.budget:
                 draft = r.drafter.propose(r.context, r.budget, r.sampler)
                 r.tokens, r.probs, r.model_calls = draft.tokens, list(draft.probs), draft.model_calls
-        # The draft model's context window, as `ModelDrafter.propose` limits it.
         for r in live:
-            if r.draft is not None:
+            if r.draft is not None and r.budget:
+                follow(kv, r.draft, r.context)
+                # The draft model's context window, as `ModelDrafter.propose` limits it.
                 r.budget = min(r.budget, self.draft_model.max_context - len(r.context) + 1)
         while drafting := [r for r in live if r.draft is not None and len(r.tokens) < r.budget]:
             [logits] = yield [Forward(self.draft_model, [Feed(r.draft) for r in drafting])]

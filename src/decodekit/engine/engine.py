@@ -207,6 +207,11 @@ class Engine:
                 wake(finish_rows(step, self.model.max_context, self.scheduler.remove))
             for (entry, i, _), work in zip(step.feeds, step.feed_work, strict=True):
                 entry.results[i].append(by_work[id(work)])
+            sampled = [(feed.row, by_work[id(work)]) for (_, _, feed), work in zip(step.feeds, step.feed_work)
+                       if feed.row is not None]  # fmt: skip
+            if sampled:  # programs' rows that decode plainly: one batch, as the sampling rows
+                sample_rows(torch.cat([out[-1:] for _, out in sampled]), [row for row, _ in sampled])
+                self.generated_tokens += len(sampled)
         for entry in step.parked:
             rounds.resume(entry, self._end)
 

@@ -26,7 +26,9 @@ cache), `fork` (full blocks shared, copy-on-write), `crop`, `close` (the KV stay
 prefix cache). A `Feed` computes every token of its sequence not yet in its table and
 returns the logits of the last one, or of every one (`every`: verification). A sequence
 of the engine's model that feeds exactly one token at every step may take a `RunningKV`
-lane (`Feed(lane=True)`), so it decodes over dense rows like a sampling row.
+lane (`Feed(lane=True)`), so it decodes over dense rows like a sampling row, and may have
+the engine sample its token (`Feed(row=...)`), batched with the others like a sampling
+row's (speculative rows that decode plainly: decode/speculation_gate.py).
 
 Memory: a program declares its worst case per model (`needs`); it is admitted when that
 fits, and the part of it not yet allocated is held from the scheduler (`BlockPool.held`),
@@ -73,6 +75,10 @@ class Feed:
     seq: Seq
     every: bool = False  # logits of every new position, else of the last one
     lane: bool = False  # take a RunningKV lane after this forward (one token a step from now on)
+    # Sample this row's next token from the feed's logits as the engine samples a sampling
+    # request's, batched with the step's other such rows (request.py `sample_rows`): a program's
+    # row that decodes plainly. Its request has one row, whose state accepts the token.
+    row: Row | None = None
 
 
 @dataclass
@@ -137,6 +143,12 @@ class ProgramKV:
         assert seq.lane is None, "a sequence with a lane cannot crop"
         seq.model_kv.manager.crop(seq.table, min(length, seq.table.length))
         del seq.tokens[length:]
+
+    def leave_lane(self, seq: Seq) -> None:
+        """Give up the sequence's RunningKV lane, if it has one: its KV stays in its blocks,
+        and it may feed several tokens or crop again."""
+        if seq.lane is not None:
+            seq.model_kv.running_kv.leave(seq)
 
     def close(self, seq: Seq) -> None:
         """Free the sequence; its computed KV stays findable in the prefix cache."""

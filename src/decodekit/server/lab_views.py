@@ -237,8 +237,9 @@ def speculative_view(target: LanguageModel, draft: object, prompt: str, params: 
     examined) and tokens per target call."""
     seed = params.seed if params.seed is not None else 0
     traces: list[BlockTrace] = []
+    # fallback=False: a block at every step to draw (speculation_gate.py would switch it off)
     result = speculative_generate(target, draft, prompt, params.replace(seed=seed), num_draft_tokens,
-                                  verify=follow, trace=traces.append)  # fmt: skip
+                                  verify=follow, trace=traces.append, fallback=False)  # fmt: skip
     blocks = []
     totals = {rule: {"accepted": 0, "emitted": 0, "alpha_sum": 0.0, "alpha_count": 0} for rule in VERIFIERS}
     for trace in traces:
