@@ -15,14 +15,12 @@ import torch
 
 import decodekit as dk
 from decodekit.decode.drafters import IncrementalModel, PromptLookupDrafter
-from decodekit.decode.speculative import (
-    SpeculativeConfig,
+from decodekit.decode.speculative import SpeculativeConfig, speculative_generate, speculative_programs
+from decodekit.decode.verification import (
     block_acceptance,
     block_verify,
     expected_accepted,
     residual,
-    speculative_generate,
-    speculative_programs,
     tau_distribution,
     token_verify,
 )

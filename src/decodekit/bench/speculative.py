@@ -27,7 +27,8 @@ import torch
 
 from decodekit.bench.decode import machine
 from decodekit.compress.evaluate import HELD_OUT
-from decodekit.decode.speculative import block_verify, expected_accepted, speculative_generate
+from decodekit.decode.speculative import speculative_generate
+from decodekit.decode.verification import block_verify, expected_accepted
 from decodekit.params import SamplingParams
 from decodekit.runtime import progress as progress_bar
 

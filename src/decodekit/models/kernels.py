@@ -68,7 +68,8 @@ GEMV_MAX_ROWS = 8
 # BENCHMARKS.md, "A speculative verification's rows on AVX2", 2026-11-28).
 GEMM_MIN_ROWS = {"avx512": 2, "avx2": 32}
 GEMM_MAX_ROWS = 8192
-_gemm_from = GEMM_MIN_ROWS["avx512"]  # the loaded ISA's (`status`); a global a traced graph reads as a constant
+# The loaded ISA's (`status` sets it): a module global, which a traced graph reads as a constant.
+_gemm_from = GEMM_MIN_ROWS["avx512"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -21,13 +21,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decodekit.decode.beam import Beam
-from decodekit.decode.speculative import (
-    BlockTrace,
+from decodekit.decode.speculative import BlockTrace, speculative_generate
+from decodekit.decode.verification import (
     block_acceptance,
     block_verify,
     expected_accepted,
     greedy_verify,
-    speculative_generate,
     token_acceptance,
     token_verify,
 )
