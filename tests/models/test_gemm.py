@@ -56,12 +56,13 @@ def test_float_linear_gives_a_row_the_same_bits_whatever_the_rows():
     # step's buckets against the eager step; a verification span against one-row steps),
     # whichever kernel the row count takes (linear_t below the ISA's GEMM_MIN_ROWS, the GEMM from it).
     assert kernels._gemm_from == kernels.GEMM_MIN_ROWS[kernels.status().reason]
-    x, w, b = _operands(70, 200, 75, seed=1)
-    together = kernels.float_linear(x, w, b)
-    for count in (1, 2, 3, 5, 8, 9, 16, 31, 32, 33, 64):
-        parts = torch.cat([kernels.float_linear(x[i : i + count], w, b) for i in range(0, 70, count)])
-        assert torch.equal(parts, together), count
-    assert torch.equal(kernels.float_linear(x[:, None], w, b)[:, 0], together)  # [..., K] in
+    for n in (75, kernels.LARGE_MATRIX // 200 + 1):  # a small matrix and a large one
+        x, w, b = _operands(70, 200, n, seed=1)
+        together = kernels.float_linear(x, w, b)
+        for count in (1, 2, 3, 5, 7, 8, 9, 16, 31, 32, 33, 64):
+            parts = torch.cat([kernels.float_linear(x[i : i + count], w, b) for i in range(0, 70, count)])
+            assert torch.equal(parts, together), (n, count)
+        assert torch.equal(kernels.float_linear(x[:, None], w, b)[:, 0], together)  # [..., K] in
 
 
 @needs_kernels

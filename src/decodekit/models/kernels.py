@@ -63,12 +63,15 @@ GEMV_MAX_ROWS = 8
 # of the instruction set in use, where it catches up with linear_t's axpy kernel (the same sums,
 # so the switch changes no bit), up to 8,192 rows, the most measured. AVX-512 (Zen 5): from 2
 # rows, 2-2.5x PyTorch's sgemm from 8 to 8,192 rows (BENCHMARKS.md, "Small-M float32 GEMM",
-# 2026-11-25). AVX2 (Zen 3): its 4 x 3 tile reads each row of wt in 96-byte pieces, which stream
-# from memory at half linear_t's speed: linear_t wins up to ~32 rows (1.4-2.2x at 2-16 rows,
-# BENCHMARKS.md, "A speculative verification's rows on AVX2", 2026-11-28).
-GEMM_MIN_ROWS = {"avx512": 2, "avx2": 32}
+# 2026-11-25). AVX2 (Zen 3, 2026-11-28, "A speculative verification's rows on AVX2"): its 4 x 3
+# tile reads each row of wt in 96-byte pieces, which stream from memory at half linear_t's speed,
+# so a large matrix (`LARGE_MATRIX` elements or more: a model past the cache streams it) runs
+# linear_t up to 32 rows (1.4-2.2x the GEMM at 2-16 rows); a small one, read from the cache, the
+# GEMM from 8 (up to 1.3x linear_t at 8-32 rows). Pairs: (small matrix, large matrix).
+GEMM_MIN_ROWS = {"avx512": (2, 2), "avx2": (8, 32)}
+LARGE_MATRIX = 1 << 18  # elements: 1 MiB of float32
 GEMM_MAX_ROWS = 8192
-# The loaded ISA's (`status` sets it): a module global, which a traced graph reads as a constant.
+# The loaded ISA's pair (`status` sets it): a module global, which a traced graph reads as a constant.
 _gemm_from = GEMM_MIN_ROWS["avx512"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -167,9 +170,11 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x [..., K] Wᵀ + b for a float weight [N, K] (float32 in either layout, bfloat16 or
     float16 row-major) on the kernels: one op call (`decodekit::linear` picks the layout and
     reshapes in C++, no Python-side view per call). From `GEMM_MIN_ROWS` rows (per instruction
-    set), float32 in the transposed layout (weight.stride(0) == 1) runs `decodekit::linear_gemm`,
-    whose sums equal linear_t's: a row's outputs have the same bits whatever the rows in the call."""
-    if x.numel() >= _gemm_from * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
+    set and matrix size), float32 in the transposed layout (weight.stride(0) == 1) runs
+    `decodekit::linear_gemm`, whose sums equal linear_t's: a row's outputs have the same bits
+    whatever the rows in the call."""
+    rows = _gemm_from[weight.numel() >= LARGE_MATRIX]
+    if x.numel() >= rows * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
         return torch.ops.decodekit.linear_gemm(x, weight, bias)
     return torch.ops.decodekit.linear(x, weight, bias)
 
