@@ -272,15 +272,19 @@ def test_progress_on_a_terminal_or_off_it_and_never_with_json(monkeypatch, capsy
         assert seen == [expected, expected]
 
 
-def test_dtype_flag_loads_the_model_in_that_dtype(capsys):
+def test_dtype_flag_loads_the_model_in_that_dtype(capsys, tmp_path):
     from decodekit.server.app import load_models
 
     args = ["generate", "ROMEO:", "--strategy", "greedy", "--max-new-tokens", "4", "--json"]
     assert main([*args, "--dtype", "bfloat16"]) == 0
     bf16 = json.loads(capsys.readouterr().out)
     assert len(bf16["token_ids"]) == 4 and all(lp <= 0 for lp in bf16["logprobs"])
+    # A few windows are enough to show that --dtype reaches eval perplexity: the whole README
+    # was over a hundred bfloat16 windows (10 s of this test).
+    text = tmp_path / "text.txt"
+    text.write_text((ROOT / "README.md").read_text()[:1500])
     assert main(["eval", "perplexity", "shakespeare", "--dtype", "bfloat16", "--window", "64",
-                 "--text", str(ROOT / "README.md")]) == 0  # fmt: skip
+                 "--text", str(text)]) == 0  # fmt: skip
     assert "perplexity" in capsys.readouterr().out
     assert main(["bench", "decode", "--dtype", "bfloat16", "--new-tokens", "2", "--repeats", "1",
                  "--json"]) == 0  # fmt: skip

@@ -13,6 +13,7 @@ listed fails the test, so no page can gain an example that nothing runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -131,9 +132,34 @@ def test_every_command_is_run_or_listed_as_long():
     assert len(runnable()) >= 8
 
 
+# The commands and scripts are each a fresh interpreter that spends seconds importing torch on
+# one thread (OMP_NUM_THREADS=1): two run at once, so on the suite's two cores this file takes
+# half the wall time. Each test still checks its own process's result.
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """Key -> future of the subprocess run of every command and script selected in this module,
+    started on first use, `WORKERS` at a time, in the tests' order."""
+    jobs = {}
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module is not request.module or not params:
+            continue
+        if "command" in params:
+            jobs[params["command"]] = (shell, params["command"])
+        elif "source" in params:
+            jobs[params["name"]] = (run_script, params["source"])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        futures = {key: pool.submit(*job) for key, job in jobs.items()}
+        yield futures
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize("command", runnable())
-def test_command(command):
-    result = shell(command)
+def test_command(command, runs):
+    result = runs[command].result()
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
     assert "is deprecated" not in result.stderr  # the README speaks the current vocabulary
@@ -155,11 +181,15 @@ def test_continued_blocks_say_so():
     assert len(scripts()) >= 8
 
 
+def run_script(source: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=environment(),
+                          capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("name, source", scripts(), ids=[name for name, _ in scripts()])
-def test_python_block(name, source):
+def test_python_block(name, source, runs):
     """Each script in a fresh interpreter; the JSON-schema examples print valid, finished JSON."""
-    result = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=environment(),
-                            capture_output=True, text=True, timeout=120)
+    result = runs[name].result()
     assert result.returncode == 0, result.stderr
     if "dk.JsonSchema(" in source:  # print(c.text, c.finish_reason) of a JSON-schema example
         [(text, reason)] = re.findall(r'^(\{"speaker".*\}) (\w+)$', result.stdout, flags=re.MULTILINE)

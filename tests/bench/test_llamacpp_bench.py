@@ -10,11 +10,13 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from decodekit.bench import llamacpp, packed
 from decodekit.bench.gguf import gpt2_pre_tokenizer
 from decodekit.bench.llamacpp import ABSENT, find_llamacpp, repack_pattern
 from decodekit.bench.packed import bench_packed
+from decodekit.compress import recipe
 from decodekit.models.registry import ASSETS
 
 
@@ -77,6 +79,8 @@ def test_repacking_takes_only_the_weights_llama_cpp_stores_as_q4_0():
     assert "ffn_down" in qwen and "attn_output" in qwen
 
 
+real_quantized_copy = recipe.quantized_copy
+
 FAKE_WORKER = textwrap.dedent("""
     # A stand-in for llamacpp_worker.py: speaks its session protocol with fixed timings and
     # logs every request, one JSON line each, to the file named by argv[1].
@@ -116,6 +120,18 @@ def fake_peer(directory, log):
     return directory
 
 
+def one_thread_quantized_copy(model, config):
+    """recipe.quantized_copy on one torch thread: GPTQ's column loop of small ops took a minute
+    of the suite on `bench_packed`'s two threads when the other core was busy; the test is about
+    the timed rounds, which still run on two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return real_quantized_copy(model, config)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_llama_cpp_rounds_run_between_decodekits_with_the_same_threads(tmp_path, monkeypatch, one_thread):
     log = tmp_path / "requests.jsonl"
     peers = fake_peer(tmp_path / "peers", log)
@@ -126,6 +142,7 @@ def test_llama_cpp_rounds_run_between_decodekits_with_the_same_threads(tmp_path,
         return lambda: order.append(who) or timer()
 
     real_local, real_timers = packed.local, llamacpp.timers
+    monkeypatch.setattr(recipe, "quantized_copy", one_thread_quantized_copy)
     monkeypatch.setattr(packed, "local", lambda fn: logged("decodekit", real_local(fn)))
     monkeypatch.setattr(llamacpp, "timers", lambda *a: {
         name: logged("llama.cpp", timer) for name, timer in real_timers(*a).items()})  # fmt: skip
