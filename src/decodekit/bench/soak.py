@@ -67,7 +67,13 @@ class Soak:
             return engine.add(BeamProgram(self.target, search, 0))
         if kind in ("speculative", "self-int4"):
             draft = self.draft if kind == "speculative" else "self-int4"
-            [program] = speculative_programs(self.target, draft, [text], greedy, 3, "block", False, 16)
+            # The draft model speculates at every step (its blocks drafted, verified and cropped
+            # each step: the engine's memory under the most churn); self-int4 takes the default
+            # fallback, so rows also switch to plain decoding and back (speculation_gate.py).
+            fallback = False if kind == "speculative" else None
+            [program] = speculative_programs(
+                self.target, draft, [text], greedy, 3, "block", False, 16, fallback
+            )
             return engine.add(program)
         if kind == "contrastive":
             pair = ContrastiveLM(self.target, self.amateur, alpha=0.1)
