@@ -21,6 +21,12 @@ TEMPERATURE = 0.7  # per-sample accuracy >= 0.8 on the 9 problems arith can solv
 # decodekit's own majority_vote on generate_problems(10, seed=0): 9 of 10 (n 8 and 16, temperature
 # 0.7 and 1, seeds 0-2; the tenth problem arith solves in about 3 % of its samples).
 OWN_VOTE = 9
+# its_hub samples unseeded, so its votes vary: with per-sample accuracy p >= 0.8, a majority of 8
+# misses a problem with probability q <= P(Bin(8, 0.8) <= 4) = 0.056; needing OWN_VOTE - 3 = 6 of
+# 10 allows 3 misses beside the tenth problem, P(>= 4 misses of 9) <= C(9, 4) q^4 = 0.0012. An
+# integration that broke (answers not reaching the vote, temperature ignored) scores ~0-2.
+# (At >= 9 the test failed once in three CI runs of 2026-11-28: {'self_consistency': 8, ...}.)
+NEEDED = OWN_VOTE - 3
 
 
 @pytest.fixture(scope="module")
@@ -60,4 +66,4 @@ def test_self_consistency_and_best_of_n_reach_decodekits_own_vote(arith_server):
         for name, algorithm in (("self_consistency", consistency), ("best_of_n", best)):
             answer = algorithm.infer(lm, format_prompt(problem), budget=SAMPLES)
             right[name] += extract_answer(answer["content"]) == problem.answer
-    assert right["self_consistency"] >= OWN_VOTE and right["best_of_n"] >= OWN_VOTE, right
+    assert right["self_consistency"] >= NEEDED and right["best_of_n"] >= NEEDED, right
