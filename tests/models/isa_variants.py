@@ -27,3 +27,18 @@ def same_bits_per_isa(script: str, tmp_path, missing: tuple[str, ...] = ("Assert
         results[isa] = torch.load(path)
     for wide, narrow in zip(results["avx512"], results["avx2"], strict=True):
         assert torch.equal(wide, narrow)
+
+
+def on_one_and_two_threads(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer(x) with one torch thread and with two (the kernels split work between threads;
+    each output must still be one thread's fixed sequence of operations), the setting restored."""
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = layer(x)
+            torch.set_num_threads(2)
+            two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    return one, two

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from isa_variants import same_bits_per_isa
+from isa_variants import on_one_and_two_threads, same_bits_per_isa
 from torch import nn
 
 from decodekit.models import kernels
@@ -101,13 +101,5 @@ def test_a_prefill_has_the_same_bits_on_one_and_two_threads(bits):
     # thread's fixed sequence of operations. 896 -> 1152 at 100 rows splits between two threads.
     layer = _layer(bits, None, 896, 1152)
     x = torch.randn(100, 896, generator=torch.Generator().manual_seed(3))
-    before = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
-            one = layer(x)
-            torch.set_num_threads(2)
-            two = layer(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = on_one_and_two_threads(layer, x)
     assert torch.equal(one, two)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from isa_variants import same_bits_per_isa
+from isa_variants import on_one_and_two_threads, same_bits_per_isa
 from torch import nn
 
 import decodekit as dk
@@ -162,15 +162,7 @@ def test_outputs_are_the_same_bits_on_one_and_two_threads(weight):
         linear = nn.Linear(896, 1152, bias=False)
         linear.weight.data = w
         layer = QuantizedLinear.from_linear(linear, QuantSpec(8 if weight.startswith("int8") else 4, None))
-    before = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
-            one = layer(x)
-            torch.set_num_threads(2)
-            two = layer(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = on_one_and_two_threads(layer, x)
     assert torch.equal(one, two)
 
 
