@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# shakespeare-large's CPU training (issue 36; MODELS.md "shakespeare-large (in training)"):
+# shakespeare-large's CPU training (issue 36; MODELS.md "shakespeare-large"):
 # start it, or resume it from its last checkpoint, in the background at the lowest priority,
 # so that it only takes CPU time nobody else wants.
 #

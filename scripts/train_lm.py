@@ -288,7 +288,7 @@ CONFIGS = {
     # draft / amateur: ~15x fewer parameters, 2 layers
     "shakespeare-draft": LMConfig(64, 2, 2, 1, 172, 512, 512, 8, 4e-3, 50),
     # issue 36's candidates for a memory-bound target (scripts/size_lm.py measures them;
-    # MODELS.md "shakespeare-large (in training)"): 14M (55 MB in float32, under 4x the
+    # MODELS.md "shakespeare-large"): 14M (55 MB in float32, under 4x the
     # 32 MiB L3), 36M (144 MB) and 56M (224 MB); head dim 64, KV heads half the heads
     "large-14m": LMConfig(384, 8, 6, 3, 1024, 512, 512, 8, 1e-3, 100),
     "large-36m": LMConfig(512, 12, 8, 4, 1376, 512, 512, 8, 1e-3, 100),

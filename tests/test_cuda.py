@@ -128,13 +128,21 @@ def _tokens(result) -> list:
 
 
 def _runs():
+    """test_devices.py's RUNS, each skipped where its optional package is missing."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_devices import RUNS
+    from test_devices import RUNS, skip_without_its_package
 
-    return RUNS
+    def checked(name):
+        def run(models):
+            skip_without_its_package(name)
+            return RUNS[name](models)
+
+        return run
+
+    return {name: checked(name) for name in RUNS}
 
 
 GREEDY_RUNS = ["greedy", "short-prompts-together", "stream", "beam", "speculative-draft",
@@ -150,8 +158,6 @@ def test_greedy_strategies_on_the_device_give_the_cpus_tokens(both, name):
 
 @pytest.mark.parametrize("name", sorted(set(_runs()) - set(GREEDY_RUNS)))
 def test_seeded_strategies_on_the_device_repeat_themselves(both, name):
-    if name == "gguf" and "gguf" not in both["cuda"]:
-        pytest.skip("needs the gguf package")
     run = _runs()[name]
     first = _tokens(run(both["cuda"]))
     assert first == _tokens(run(both["cuda"]))

@@ -88,12 +88,20 @@ RUNS = {
     "int4": lambda m: dk.generate(m["int4"], ["ROMEO:", "JU"], SEEDED),
     "gguf": lambda m: dk.generate(m["gguf"], ["ROMEO:", "JU"], GREEDY),
 }
+# the optional package each run needs (a GPU machine may lack the extras: test_cuda.py)
+NEEDS = {"gguf": "gguf", "constrained": "llguidance", "healing": "llguidance"}
+
+
+def skip_without_its_package(name: str) -> None:
+    import importlib.util
+
+    if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+        pytest.skip(f"needs the {NEEDS[name]} package")
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_strategy_names_its_tensors_devices(models, name):
-    if name == "gguf" and "gguf" not in models:
-        pytest.skip("needs the gguf package")
+    skip_without_its_package(name)
     with NamedDevices():
         out = RUNS[name](models)
     assert out  # each run returns its completions (or a search's result)

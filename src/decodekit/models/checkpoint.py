@@ -22,8 +22,11 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors, or of the shards named by its index."""
+    """All tensors of model.safetensors, or of the shards named by its index; matrices stored
+    as int8 (models/int8_storage.py) come back in float32."""
     from safetensors.torch import load_file
+
+    from decodekit.models.int8_storage import dequantise
 
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.exists():
@@ -33,7 +36,7 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
             state.update(load_file(path / shard))
-        return state
+        return dequantise(state)
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 

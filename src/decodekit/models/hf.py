@@ -127,9 +127,24 @@ def loading_bars(enabled: bool) -> Iterator[None]:
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False):
     """transformers' AutoModelForCausalLM of a local directory, in eval mode; `progress`:
-    its loading bars (off: decodekit's output is the answer, not a loading log)."""
-    from transformers import AutoModelForCausalLM
+    its loading bars (off: decodekit's output is the answer, not a loading log). A directory
+    whose weights are stored as int8 (models/int8_storage.py) is built from its config and
+    given the dequantised float32 weights, which transformers cannot read itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from decodekit.models import int8_storage
+
+    if int8_storage.is_int8_storage(Path(path)):
+        from decodekit.models.checkpoint import load_safetensors
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(load_safetensors(Path(path)), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is not stored
+            raise ValueError(f"{path}: weights do not match its config.json (missing {missing}, "
+                             f"unexpected {unexpected})")
+        model.tie_weights()
+        return model.to(dtype).eval()
     with loading_bars(progress):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.eval()
