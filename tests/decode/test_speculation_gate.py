@@ -14,10 +14,11 @@ from decodekit.decode.speculative import SpeculativeConfig, speculative_generate
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def costs(plain: float, probe: float) -> StepCosts:
+def costs(plain: float, block: float, gamma: int = 4) -> StepCosts:
+    """Step costs with a plain step and a step drafting `gamma` tokens measured."""
     out = StepCosts()
     out.record(plain, 0)
-    out.record(probe, 1)
+    out.record(block, gamma)
     return out
 
 
@@ -34,43 +35,43 @@ def run(gate: SpeculationGate, costs: StepCosts, steps: range, accepts, gamma: i
 
 def test_speedup_is_leviathans_formula():
     assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
-    assert speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
+    assert speedup(0.8, 4, 1.4) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))  # c = 0.1
     assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
-    assert speedup(0.0, 1, 0.0) == 1.0  # nothing accepted, free drafts: no gain
+    assert speedup(0.0, 1, 1.0) == 1.0  # nothing accepted, free drafts: no gain
 
 
 def test_a_row_that_never_accepts_probes_on_a_growing_interval():
     gate = SpeculationGate()
-    drafted_at = run(gate, costs(1.0, 1.5), range(1, 1001), lambda step, drafted: 0)
+    drafted_at = run(gate, costs(1.0, 3.0), range(1, 1001), lambda step, drafted: 0)
     assert drafted_at == [1, 16, 64, 256, 512, 768]  # the interval: 16, 64, then 256 at most
     assert not gate.speculating and gate.alpha == 0.0
 
 
 def test_a_row_that_accepts_well_keeps_speculating():
-    # c = 0.5: a block of 4 costs 3 plain steps and emits 5 tokens when all are accepted
+    # a block of 4 costs 3 plain steps (c = 0.5) and emits 5 tokens when all are accepted
     gate = SpeculationGate()
-    drafted_at = run(gate, costs(1.0, 1.5), range(1, 201), lambda step, drafted: drafted)
-    # one accepted probe is α = 2/3 against the prior's rejection, 2.6 tokens for 3 steps: not yet;
-    # the second (α = 6/7, 3.7 tokens) switches it on for good
-    assert drafted_at == [1] + list(range(16, 201))
+    drafted_at = run(gate, costs(1.0, 3.0), range(1, 201), lambda step, drafted: drafted)
+    # the first probe, all 4 accepted against the prior's rejection: α = 4 / 4.5, 4.0 tokens
+    # for 3 steps: on for good
+    assert drafted_at == list(range(1, 201))
     assert gate.speculating and gate.alpha > 0.95
 
 
 def test_the_same_acceptance_does_not_pay_on_dearer_drafts():
-    # two of every four draft tokens accepted: α = 2/3, 2.6 tokens a block; that pays at
-    # c = 0.1 (a block costs 1.4 plain steps), not at c = 0.5 (3 plain steps), where a probe
-    # (its one token accepted) tries a block now and then, on the growing interval
+    # two of every four draft tokens accepted: α -> 2/3, 2.6 tokens a block (2.2 after the
+    # first probe, α = 2 / 3.5); that pays where a block costs 1.4 plain steps, not 3, where
+    # the row probes on the growing interval
     def two(step, drafted):
         return min(drafted, 2)
 
     cheap, dear = SpeculationGate(), SpeculationGate()
-    assert run(cheap, costs(1.0, 1.1), range(1, 301), two) == list(range(1, 301))
-    assert run(dear, costs(1.0, 1.5), range(1, 301), two) == [1, 16, 17, 64, 65, 256, 257]
+    assert run(cheap, costs(1.0, 1.4), range(1, 301), two) == list(range(1, 301))
+    assert run(dear, costs(1.0, 3.0), range(1, 301), two) == [1, 16, 64, 256]
 
 
 def test_a_row_whose_acceptance_rises_goes_back_to_speculating():
     gate = SpeculationGate()
-    drafted_at = run(gate, costs(1.0, 1.2), range(1, 801), lambda step, drafted: 0 if step < 300 else drafted)
+    drafted_at = run(gate, costs(1.0, 1.8), range(1, 801), lambda step, drafted: 0 if step < 300 else drafted)
     assert drafted_at[:4] == [1, 16, 64, 256]
     assert drafted_at[4:] == list(range(512, 801))  # the first probe after the rise: on for good
 
@@ -80,9 +81,15 @@ def test_plain_steps_come_first_and_the_least_recent_one_prices_a_step():
     assert gate.draft_tokens(4, costs, 1) == 0  # no plain step measured yet
     for seconds in (3.0, 1.0, 2.0):  # a dear step after a probe does not make drafts look cheap
         costs.record(seconds, 0)
+    assert costs.step_cost(4) is None  # no drafting step measured yet
     costs.record(1.5, 1)
-    costs.record(9.0, 4)  # a longer block's step is not a probe
-    assert costs.draft_token_cost() == pytest.approx(0.5)
+    costs.record(9.0, 4)
+    costs.record(5.0, 4)  # a running mean: 9 * 3/4 + 5 / 4
+    assert costs.step_cost(1) == pytest.approx(1.5) and costs.step_cost(4) == pytest.approx(8.0)
+    # a length not measured: the nearest one's extra seconds, scaled
+    assert costs.step_cost(2) == pytest.approx(1 + 0.5 * 2)  # from 1
+    assert costs.step_cost(3) == pytest.approx(1 + 7.0 * 3 / 4)  # from 4
+    assert gate.draft_tokens(4, costs, 1) == 4  # a probe is a whole block
 
 
 class NeverAccepted:
@@ -112,9 +119,9 @@ def test_on_the_engine_a_row_that_never_accepts_stops_verifying(tiny_lm):
         assert result.completions[0].token_ids == plain.token_ids
         assert result.stats.accepted_tokens == 0
     assert always.stats.target_calls == 40 and always.stats.drafted_tokens > 100
-    # the gate's blocks: one probe of one token at its first step with a plain step measured,
+    # the gate's blocks: a probe of 4 tokens at its first step with a plain step measured,
     # and one at step 16; the interval is then 64, past the 40 tokens
-    assert gated.stats.drafted_tokens == 2
+    assert gated.stats.drafted_tokens == 8
     assert gated.stats.plain_steps == 38 and gated.stats.target_calls == 40
 
 

@@ -1,30 +1,37 @@
 """Speculation that switches itself off per row when it does not pay, and back on when it does.
 
 The cost model, in one sentence: a row speculates with γ draft tokens while Leviathan et
-al.'s speedup (1 - α^(γ+1)) / ((1 - α)(γ c + 1)) exceeds 1 (2023, Eq. 1 and Theorem 3.8;
-REFERENCES.md), with α the row's measured acceptance and c the measured cost of one draft
-token in plain steps: the seconds of a step whose blocks drafted one token, over those of a
-plain step, less one. c so measured holds everything a draft token costs on this engine and
-this machine: the draft forward, the verified position, leaving the decode lane, the host's
-work; an overhead-bound target (`shakespeare`: c near 1) never pays, a memory-bound one with
-a cheap draft does.
+al.'s expected tokens per block, (1 - α^(γ+1)) / (1 - α) (2023, Eq. 1; REFERENCES.md),
+exceed the measured seconds of a step that drafts γ tokens over those of a plain step, with
+α the row's measured acceptance. Leviathan's speedup divides by γ c + 1 (c: a draft token's
+cost in target steps); the measured step holds that and what a fixed c misses on this engine
+and machine: the verification's extra rows, the host's work of a block, a draft forward's
+cost beside a bare one. So an overhead-bound target (`shakespeare`: a block of 4 costs about
+5 plain steps) never pays, and a memory-bound one with a cheap draft does. A step drafting a
+length not measured yet is priced from the nearest measured length, its extra seconds scaled
+linearly. The seconds of switching a row back to speculation (its draft model catching up on
+the tokens of its plain steps, its target leaving the decode lane: speculative.py) are paid
+once per switch and left out of the step's.
 
 A row that does not pay decodes plainly (an empty draft: one target token a step, its
 distribution the target's, so the output stays exact whatever the row does) and re-probes
 at the next step that is a multiple of its interval (`PROBE_INTERVAL` steps, four times
 longer after each probe that does not pay, up to `MAX_PROBE_INTERVAL`: a probe costs the
-batch about c + 1 plain steps, so over n steps they cost O(log n)), so a row whose acceptance rises (a
-continuation that repeats its prompt, for prompt lookup) goes back to speculating. A probe
-is one block of one draft token, the cheapest that measures α and c. On multiples, rows that
-started together probe together: in a batch a step with any draft costs every row the draft
-forwards, so scattered probes would slow all the plain steps, and c is measured on steps
-where the batch probes as a whole.
+batch about one block's extra seconds, so over n steps they cost O(log n)), so a row whose
+acceptance rises (a continuation that repeats its prompt, for prompt lookup) goes back to
+speculating. A probe is one block of γ draft tokens: it measures α over up to γ positions and
+the cost of the very block it decides on (a one-token probe priced a block by its fixed
+costs spread over one token, and switched off rows that paid: `shakespeare-large` with
+`shakespeare` at 1.3x). On multiples, rows that started together probe together: in a batch
+a step with any draft costs every row the draft forwards, so scattered probes would slow all
+the plain steps.
 
 α is accepted / examined draft positions (examined: τ + 1, or γ when all were accepted),
 both sums decaying by `DECAY` per block so a change of regime shows within a few blocks, from
-a prior of one rejected position (a single accepted probe is α = 1/2, not 1). A plain step's
-seconds are the least of the last `PLAIN_WINDOW` plain steps (a step after a probe pays for
-lanes taken again; other processes only ever add time); a probe's are a running mean.
+a prior of one rejected position (a single accepted draft token is α = 1/2, not 1). A plain
+step's seconds are the least of the last `PLAIN_WINDOW` plain steps (a step after a probe pays
+for lanes taken again; other processes only ever add time); a drafting step's are a running
+mean per draft length.
 
 Since the choice reads the clock, a seeded request at temperature > 0 draws different
 uniforms when its rows switch at different steps: its tokens are distributed exactly as the
@@ -45,9 +52,10 @@ PLAIN_WINDOW = 8  # plain steps whose least seconds price a plain step
 SMOOTHING = 0.25  # weight of a new probe's seconds in their running mean
 
 
-def speedup(alpha: float, gamma: int, cost: float) -> float:
-    """Leviathan et al.'s expected speedup: (1 - α^(γ+1)) / ((1 - α)(γ c + 1))."""
-    return expected_tokens(alpha, gamma) / (gamma * cost + 1.0)
+def speedup(alpha: float, gamma: int, step_cost: float) -> float:
+    """The expected speedup of blocks of γ at acceptance α whose step costs `step_cost` plain
+    steps: Leviathan et al.'s (1 - α^(γ+1)) / ((1 - α)(γ c + 1)) where step_cost = γ c + 1."""
+    return expected_tokens(alpha, gamma) / step_cost
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -59,23 +67,29 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 @dataclass
 class StepCosts:
-    """A program's step seconds (module docstring): its recent plain steps, and the running
-    mean of its steps whose longest draft was one token."""
+    """A program's step seconds (module docstring): its recent plain steps, and per longest
+    draft length the running mean of its steps that drafted that many tokens."""
 
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))
-    probe: float | None = None
+    drafting: dict = field(default_factory=dict)  # longest draft -> mean seconds
 
     def record(self, seconds: float, longest_draft: int) -> None:
         if longest_draft == 0:
             self.plain.append(seconds)
-        elif longest_draft == 1:
-            self.probe = seconds if self.probe is None else (1 - SMOOTHING) * self.probe + SMOOTHING * seconds
+            return
+        before = self.drafting.get(longest_draft)
+        self.drafting[longest_draft] = seconds if before is None else (
+            (1 - SMOOTHING) * before + SMOOTHING * seconds)
 
-    def draft_token_cost(self) -> float | None:
-        """c: one draft token in plain steps, None until a plain step and a probe are measured."""
-        if not self.plain or self.probe is None:
+    def step_cost(self, gamma: int) -> float | None:
+        """A step drafting `gamma` tokens in plain steps (>= 1), from the nearest measured
+        draft length (the longer on a tie), its extra seconds scaled by gamma / length; None
+        until a plain step and a drafting one are measured."""
+        if not self.plain or not self.drafting:
             return None
-        return max(self.probe / min(self.plain) - 1.0, 0.0)
+        length = min(self.drafting, key=lambda n: (abs(n - gamma), -n))
+        extra = max(self.drafting[length] / min(self.plain) - 1.0, 0.0)
+        return 1.0 + extra * gamma / length
 
 
 @dataclass
@@ -94,14 +108,14 @@ class SpeculationGate:
         return self.accepted / self.examined if self.examined else 0.0
 
     def draft_tokens(self, gamma: int, costs: StepCosts, step: int) -> int:
-        """Step `step`'s draft length: γ while speculating, a probe's (1) from `next_probe` on,
+        """Step `step`'s draft length: γ while speculating or probing (from `next_probe` on),
         else 0. A row's first steps are plain, until a plain step's cost is measured."""
         if self.speculating:
             return gamma
         if not costs.plain or step < self.next_probe:
             return 0
         self.probing = True
-        return 1
+        return gamma
 
     def settle(self, drafted: int, accepted: int, gamma: int, costs: StepCosts, step: int) -> None:
         """After step `step`'s block drafted `drafted` tokens and kept `accepted`: update α and
@@ -114,8 +128,8 @@ class SpeculationGate:
         examined = min(accepted + 1, drafted)
         self.accepted = DECAY * self.accepted + accepted
         self.examined = DECAY * self.examined + examined
-        cost = costs.draft_token_cost()
-        if cost is None:  # no probe measured yet (a row that began speculating): measure one
+        cost = costs.step_cost(gamma)
+        if cost is None:  # no drafting step measured yet (a row that began speculating)
             self.speculating = False
             return
         if speedup(self.alpha, gamma, cost) > 1.0:

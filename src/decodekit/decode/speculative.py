@@ -513,6 +513,7 @@ class SpeculativeProgram(Program):
                              gate=SpeculationGate() if self.fallback else None)
                      for row in request.rows]  # fmt: skip
         self.costs = StepCosts()  # this program's step seconds, plain and speculative (fallback)
+        self.switch_seconds = 0.0  # this step's seconds of switching rows back to speculation
         self.steps = 0  # its decode steps so far: the gates' clock
         self.started = False
 
@@ -536,6 +537,7 @@ class SpeculativeProgram(Program):
         live = [r for r in self.rows if r.row.finish_reason is None]
         vocab, window = self.target.vocab_size, self.target.max_context
         self.steps += 1
+        self.switch_seconds = 0.0
         for r in live:
             gamma = r.gamma if r.gate is None else r.gate.draft_tokens(r.gamma, self.costs, self.steps)
             r.budget = draft_budget(r.row, gamma, window)
@@ -546,7 +548,9 @@ class SpeculativeProgram(Program):
         self.stats.draft_seconds += middle - start
         for r in live:
             if r.tokens:
+                switched = time.perf_counter()
                 kv.leave_lane(r.target)  # a block is verified over its KV blocks
+                self.switch_seconds += time.perf_counter() - switched
             r.target.tokens += r.tokens
         # With the fallback a row without a draft decodes as a sampling row does: on a lane, and
         # sampled by the engine with the step's other rows when it is its request's only one.
@@ -578,8 +582,8 @@ class SpeculativeProgram(Program):
                         kv.close(seq)
         if self.fallback:
             longest = max((len(r.tokens) for r in live), default=0)
-            if not first:
-                self.costs.record(time.perf_counter() - start, longest)
+            if not first:  # less the switch back (once per plain stretch, not per draft token)
+                self.costs.record(time.perf_counter() - start - self.switch_seconds, longest)
             for r, tau in zip(live, taus, strict=True):
                 r.gate.settle(len(r.tokens), tau, r.gamma, self.costs, self.steps)
                 self.stats.plain_steps += not r.tokens
@@ -616,6 +620,17 @@ class SpeculativeProgram(Program):
                 follow(kv, r.draft, r.context)
                 # The draft model's context window, as `ModelDrafter.propose` limits it.
                 r.budget = min(r.budget, self.draft_model.max_context - len(r.context) + 1)
+        # A draft model behind by more than a block's two tokens (the row's plain steps) catches
+        # up in a forward of its own, timed apart: a cost of switching back to speculation once,
+        # not of each draft token (the gate's c). Its last token is the first draft forward's.
+        behind = [r for r in live if r.draft is not None and r.budget and r.draft.pending > 2]
+        if behind:
+            held = [r.draft.tokens.pop() for r in behind]
+            switched = time.perf_counter()
+            yield [Forward(self.draft_model, [Feed(r.draft) for r in behind])]
+            self.switch_seconds += time.perf_counter() - switched
+            for r, token in zip(behind, held, strict=True):
+                r.draft.tokens.append(token)
         while drafting := [r for r in live if r.draft is not None and len(r.tokens) < r.budget]:
             [logits] = yield [Forward(self.draft_model, [Feed(r.draft) for r in drafting])]
             for r, out in zip(drafting, logits, strict=True):
