@@ -84,7 +84,7 @@ def test_plain_steps_come_first_and_the_least_recent_one_prices_a_step():
     assert costs.step_cost(4) is None  # no drafting step measured yet
     costs.record(1.5, 1)
     costs.record(9.0, 4)
-    costs.record(5.0, 4)  # a running mean: 9 * 3/4 + 5 / 4
+    costs.record(8.0, 4)  # the least of the recent ones, as for plain steps
     assert costs.step_cost(1) == pytest.approx(1.5) and costs.step_cost(4) == pytest.approx(8.0)
     # a length not measured: the nearest one's extra seconds, scaled
     assert costs.step_cost(2) == pytest.approx(1 + 0.5 * 2)  # from 1

@@ -62,7 +62,6 @@ DEFAULTS: dict[tuple[str, str | None], object] = {
     ("dtypes", None): "float32,bfloat16",
     ("batches", None): "16,64",
     ("amateur_model", None): "shakespeare-draft",
-    ("draft_model", None): "shakespeare-draft",
     ("judge_model", None): "shakespeare-draft",
     ("clients", "server"): "1,8,32,64",
     ("clients", "beam"): "16",
@@ -96,7 +95,8 @@ def add_bench(sub) -> None:
     p.add_argument("--amateur-model", "--amateur", action=Renamed, default=None, metavar="AMATEUR",
                    help="bench contrastive: the amateur (default shakespeare-draft; --amateur: deprecated)")
     p.add_argument("--draft-model", "--draft", action=Renamed, default=None, metavar="DRAFT",
-                   help="bench speculative and soak: the draft model (default shakespeare-draft; "
+                   help="bench speculative and soak: the draft model (default the model's embedded "
+                   "draft: shakespeare-draft for shakespeare, shakespeare for shakespeare-large; "
                    "--draft: deprecated)")
     p.add_argument("--judge-model", default=None, metavar="JUDGE",
                    help="bench presets: the second model that scores the samples (default shakespeare-draft)")
@@ -165,6 +165,13 @@ def settle(args) -> None:
                 if key in DEFAULTS:
                     setattr(args, name, DEFAULTS[key])
                     break
+    if args.which in ("speculative", "soak") and args.draft_model is None:
+        from decodekit.models.registry import default_draft
+
+        args.draft_model = default_draft(args.model)
+        if args.draft_model is None:
+            raise UsageError(f"bench {args.which}: {args.model!r} has no embedded draft model; "
+                             "give --draft-model")
     if args.clients is not None and args.which != "server":
         [args.clients] = int_list("--clients", args.clients, one=True)
     wanted = {"packed": "llamacpp", "server": "vllm"}.get(args.which)

@@ -246,21 +246,22 @@ def draft_for(target: LanguageModel, key: object, build: Callable[[], LanguageMo
 
 def make_drafter(draft: object, target: LanguageModel) -> Drafter:
     """A drafter from a `Drafter`, a `LanguageModel`, "prompt-lookup", "self-int4" (the
-    target's own int4 copy, `self_draft`), "auto" (the embedded `<target>-draft` model) or an
+    target's own int4 copy, `self_draft`), "auto" (the target's embedded draft: registry.py
+    `default_draft`, e.g. `shakespeare-draft` for `shakespeare`) or an
     embedded model name / checkpoint directory."""
     if isinstance(draft, str):
         if draft == "prompt-lookup":
             return PromptLookupDrafter()
         if draft == "self-int4":
             return self_draft(target)
-        from decodekit.models.registry import embedded_models, load_model, resolve
+        from decodekit.models.registry import default_draft, load_model, resolve
 
         if draft == "auto":
-            draft = f"{target.name}-draft"
-            if draft not in embedded_models():
+            draft = default_draft(target.name)
+            if draft is None:
                 raise ValueError(
-                    f"no default draft model for {target.name!r} (no embedded model {draft!r}); "
-                    "name a draft model or use 'prompt-lookup'"
+                    f"no default draft model for {target.name!r} (no embedded model "
+                    f"'{target.name}-draft'); name a draft model or use 'prompt-lookup'"
                 )
         name = draft
         # beside the target (an n-gram model runs on the CPU only; verification moves its draft)

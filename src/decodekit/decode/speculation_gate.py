@@ -29,9 +29,11 @@ the plain steps.
 α is accepted / examined draft positions (examined: τ + 1, or γ when all were accepted),
 both sums decaying by `DECAY` per block so a change of regime shows within a few blocks, from
 a prior of one rejected position (a single accepted draft token is α = 1/2, not 1). A plain
-step's seconds are the least of the last `PLAIN_WINDOW` plain steps (a step after a probe pays
-for lanes taken again; other processes only ever add time); a drafting step's are a running
-mean per draft length.
+step's seconds are the least of the last `WINDOW` plain steps (a step after a probe pays
+for lanes taken again; other processes only ever add time), and a step drafting γ tokens
+likewise the least of its last `WINDOW`: the same statistic on both sides of the ratio, which
+a loaded machine's noise then leaves near its quiet value (a mean over a least inflated it,
+and switched off rows that paid).
 
 Since the choice reads the clock, a seeded request at temperature > 0 draws different
 uniforms when its rows switch at different steps: its tokens are distributed exactly as the
@@ -48,8 +50,7 @@ from dataclasses import dataclass, field
 PROBE_INTERVAL = 16  # steps to the first re-probe
 MAX_PROBE_INTERVAL = 256
 DECAY = 0.5  # weight of the earlier blocks' acceptance at each new block
-PLAIN_WINDOW = 8  # plain steps whose least seconds price a plain step
-SMOOTHING = 0.25  # weight of a new probe's seconds in their running mean
+WINDOW = 8  # recent steps of a kind (plain, or drafting so many tokens) whose least seconds price it
 
 
 def speedup(alpha: float, gamma: int, step_cost: float) -> float:
@@ -68,18 +69,16 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 @dataclass
 class StepCosts:
     """A program's step seconds (module docstring): its recent plain steps, and per longest
-    draft length the running mean of its steps that drafted that many tokens."""
+    draft length its recent steps that drafted that many tokens."""
 
-    plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))
-    drafting: dict = field(default_factory=dict)  # longest draft -> mean seconds
+    plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    drafting: dict = field(default_factory=dict)  # longest draft -> deque of seconds
 
     def record(self, seconds: float, longest_draft: int) -> None:
         if longest_draft == 0:
             self.plain.append(seconds)
-            return
-        before = self.drafting.get(longest_draft)
-        self.drafting[longest_draft] = seconds if before is None else (
-            (1 - SMOOTHING) * before + SMOOTHING * seconds)
+        else:
+            self.drafting.setdefault(longest_draft, deque(maxlen=WINDOW)).append(seconds)
 
     def step_cost(self, gamma: int) -> float | None:
         """A step drafting `gamma` tokens in plain steps (>= 1), from the nearest measured
@@ -88,7 +87,7 @@ class StepCosts:
         if not self.plain or not self.drafting:
             return None
         length = min(self.drafting, key=lambda n: (abs(n - gamma), -n))
-        extra = max(self.drafting[length] / min(self.plain) - 1.0, 0.0)
+        extra = max(min(self.drafting[length]) / min(self.plain) - 1.0, 0.0)
         return 1.0 + extra * gamma / length
 
 

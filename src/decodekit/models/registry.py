@@ -91,6 +91,14 @@ def embedded_models() -> dict[str, dict]:
     return {name: entry for name, entry in entries.items() if (ASSETS / entry["dir"]).exists()}
 
 
+def default_draft(name: str) -> str | None:
+    """The embedded draft model of an embedded target: its registry entry's "draft", else the
+    embedded `<name>-draft`; None where there is neither."""
+    models = embedded_models()
+    draft = models.get(name, {}).get("draft", f"{name}-draft")
+    return draft if draft in models else None
+
+
 # A hub ID as Hugging Face spells it ("Qwen/Qwen2.5-0.5B"): one slash, no leading "." or "~".
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
