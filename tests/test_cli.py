@@ -319,6 +319,8 @@ def test_dtype_flag_loads_the_model_in_that_dtype(capsys, tmp_path):
     (["bench", "kv", "--new-tokens", "16"], "--new-tokens applies to bench decode, engine, dtype, compress"),
     (["bench", "dtype", "--dtype", "bfloat16"], "--dtype applies to bench decode, engine and latency"),
     (["bench", "speculative", "--quick", "--clients", "4"], "--quick shortens the sweep"),
+    (["bench", "speculative", "--model", "arith"],
+     "bench speculative: 'arith' has no embedded draft model; give --draft-model"),
     (["bench", "server", "--hardening", "--repeats", "2"], "--hardening runs its own fixed load"),
     (["compress", "m", "--method", "rtn", "--calib", "8", "--out", "o"],
      "--calib applies to the methods that calibrate (gptq, sparsegpt), not rtn"),
