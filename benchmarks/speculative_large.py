@@ -76,14 +76,10 @@ def sweep(target, drafts, prompts, new_tokens, gammas, repeats, log) -> tuple[li
                                             "cpu_tok_s": round(tokens / plain.cpu, 2)}
         plains.append(run_plain(target, prompts, p))  # the last configuration's plain after it
         for i, (draft, gamma, verify, adaptive, stats, timing) in enumerate(runs):
-            # beside plain: the plain runs just before and after this configuration's, whose
-            # load it shared (the best plain of the sweep may come from a quieter minute)
-            beside = (plains[i].cpu + plains[i + 1].cpu) / 2
             rows.append({"draft": draft, "temperature": temperature, "gamma": gamma, "verify": verify,
                          "adaptive": adaptive, "mean_gamma": round(stats["drafted_tokens"]
                                                                    / max(stats["target_calls"], 1), 2),
-                         **summary(stats, timing, plain),
-                         "speedup_cpu_beside": round(beside / timing.cpu, 3)})  # fmt: skip
+                         **summary(stats, timing, plain, beside=(plains[i], plains[i + 1]))})  # fmt: skip
     return rows, plain_rates
 
 

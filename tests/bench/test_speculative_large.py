@@ -47,3 +47,15 @@ def test_markdown_names_the_label_and_every_row():
     assert "| shakespeare | 0 | 2 | block | 0.50 | 0.40 | 1.50 | 1.25x | 0.80x |" in text
     assert "adaptive (mean 3.2)" in text and "gamma4: 1.44x CPU" in text
     assert "shakespeare γ=2: -1.1 %" in text
+
+
+def test_a_configuration_beside_plain_is_against_the_plain_runs_around_it():
+    from decodekit.bench.speculative import Timing, summary
+
+    stats = {"drafted_tokens": 8, "target_calls": 4, "alpha_sum": 2.0, "alpha_count": 4, "accepted_tokens": 6,
+             "emitted_tokens": 10, "draft_calls": 8, "draft_seconds": 0.5, "wall_seconds": 1.0}  # fmt: skip
+    spec, best_plain = Timing(wall=1.0, cpu=1.0), Timing(wall=1.2, cpu=1.2)
+    out = summary(stats, spec, best_plain, beside=(Timing(wall=2.0, cpu=1.8), Timing(wall=2.0, cpu=2.2)))
+    assert out["speedup_cpu"] == 1.2 and out["speedup_cpu_beside"] == 2.0  # (1.8 + 2.2) / 2 / 1.0
+    assert out["block_efficiency"] == 2.5 and out["alpha"] == 0.5
+    assert "speedup_cpu_beside" not in summary(stats, spec, best_plain)
