@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# shakespeare-large's CPU training (issue 36; MODELS.md "shakespeare-large"):
-# start it, or resume it from its last checkpoint, in the background at the lowest priority,
-# so that it only takes CPU time nobody else wants.
+# shakespeare-large's CPU training (issue 36; MODELS.md "shakespeare-large"): the CPU route to
+# the shipped model, which was trained on a GPU instead (scripts/train_large_gpu.sh, 2 minutes
+# on an H200). Start it, or resume it from its last checkpoint, in the background at the lowest
+# priority, so that it only takes CPU time nobody else wants.
 #
 #   bash scripts/train_large.sh            # start or resume (does nothing if it runs already)
 #   bash scripts/train_large.sh status     # running or not, the last log lines
