@@ -25,6 +25,11 @@ def test_sizes_are_about_four_times_apart_with_their_own_reward_models():
             assert probe["policy"] == f"../{name}" and entries[f"{name}-{kind}"]["policy"] == name
 
 
-def test_shipped_assets_stay_under_60_mb():
-    total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
-    assert total < 60e6, f"models/assets holds {total / 1e6:.1f} MB"
+def test_shipped_assets_stay_small():
+    """The small models and data under 30 MB; `shakespeare-large`, the memory-bound target
+    (issue 36: the package may grow by at most 120 MB for it), under 40 MB as int8."""
+    large = ASSETS / "shakespeare-large"
+    sizes = {f: f.stat().st_size for f in ASSETS.rglob("*") if f.is_file()}
+    small = sum(size for f, size in sizes.items() if large not in f.parents)
+    assert small < 30e6, f"models/assets holds {small / 1e6:.1f} MB besides shakespeare-large"
+    assert sum(sizes.values()) - small < 40e6
