@@ -29,10 +29,8 @@ for steps in "${schedules[@]}"; do
 done
 wait
 "$PYTHON" - "$RUNS" "$OUT" "$device" "${schedules[@]}" <<'EOF'
-import json, math, sys, shutil
+import json, math, subprocess, sys
 from pathlib import Path
-from decodekit.models import int8_storage
-from decodekit.models.checkpoint import load_safetensors
 from decodekit.cli import main as cli
 
 runs, out, device, schedules = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -50,12 +48,9 @@ for steps in schedules:
     print(steps, {s: r.get("perplexity", r) for s, r in results[steps].items()}, flush=True)
 key = lambda s: results[s]["val"].get("perplexity", math.inf)
 chosen = min(schedules, key=key)
-src = runs / f"s{chosen}" / "best"
-int8_dir = out / "int8"
-int8_storage.save(load_safetensors(src), int8_dir)
-for path in src.iterdir():
-    if path.suffix == ".json" and not path.name.startswith("model.safetensors"):
-        shutil.copyfile(path, int8_dir / path.name)
+int8_dir = out / "int8"  # stored as the package ships it (models/int8_storage.py)
+subprocess.run([sys.executable, "-m", "decodekit.models.int8_storage", str(runs / f"s{chosen}" / "best"),
+                str(int8_dir)], check=True)
 results["chosen"] = chosen
 results["int8"] = {split: ppl(int8_dir, split) for split in ("val", "test")}
 (out / "ppl.json").write_text(json.dumps(results, indent=1))
