@@ -80,6 +80,40 @@ def test_a_compressed_model_on_the_device(tmp_path):
     assert len(completion.token_ids) == 24
 
 
+def test_decode_steps_replayed_from_cuda_graphs_equal_the_eager_engine(pair):
+    """The engine's default on a GPU (engine/cuda_graphs.py): rows that end at different
+    steps (padded buckets) and one past RunningKV's first 64 positions (captured again over
+    the grown rows); the same greedy tokens as the eager engine."""
+    from decodekit.engine import Engine, EngineConfig
+    from decodekit.engine.cuda_graphs import GraphedLanes
+
+    _, gpu = pair
+    prompts = ["ROMEO:", "JULIET: O Romeo, Romeo", "KING"]
+    params = [GREEDY.replace(max_new_tokens=n) for n in (90, 9, 20)]
+    out = {}
+    for mode in (False, None):
+        engine = Engine(gpu, EngineConfig(compile=mode))
+        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while engine.has_work():
+            engine.step()
+        out[mode] = [h.result(0)[0].token_ids for h in handles]
+    assert out[None] == out[False]
+    lanes = engine.lanes
+    assert isinstance(lanes, GraphedLanes) and lanes.failed is None
+    assert lanes.captures >= 4 and engine.compiled.steps >= 85
+
+
+def test_a_decode_step_synchronises_the_host_at_most_twice(pair):
+    """Counted by CUDA's sync debug mode (bench/engine.py `host_syncs_per_step`): the
+    step's inputs go up asynchronously, and its tokens come down once."""
+    from decodekit.bench.engine import engine_config, host_syncs_per_step
+
+    _, gpu = pair
+    counts = host_syncs_per_step(gpu, engine_config(None), steps=8)
+    assert set(counts) == {"greedy", "top_p_4_samples_logprobs"}
+    assert all(count <= 2 for count in counts.values()), counts
+
+
 # Every strategy of tests/test_devices.py on the GPU. Greedy runs (and the compressed and
 # GGUF models, whose CPU kernels round differently, see above: there the GPU's own second run)
 # must equal the CPU's tokens; seeded ones must repeat themselves.

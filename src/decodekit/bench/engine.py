@@ -105,18 +105,19 @@ def run_engine(model, prompts, params, config=None) -> dict:
     return engine.stats()
 
 
-def engine_config(compile: bool):
+def engine_config(compile: bool | None):
     from decodekit.engine import EngineConfig
 
     return EngineConfig(max_running=64, max_kv_bytes=64 * 2**20, compile=compile)
 
 
-def run_hf(hf, prompts, new_tokens: int, sample: bool, num_return_sequences: int = 1, pad=0):
+def run_hf(hf, prompts, new_tokens: int, sample: bool, num_return_sequences: int = 1, pad=0, **fields):
+    """transformers' `generate()`; `fields`: more GenerationConfig fields (a static cache)."""
     from decodekit.models.base import left_pad
 
     tokens, mask = (t.to(hf.device) for t in left_pad(prompts, pad))
     with torch.inference_mode():
-        config = hf_generation(new_tokens, sample, pad, num_return_sequences=num_return_sequences)
+        config = hf_generation(new_tokens, sample, pad, num_return_sequences=num_return_sequences, **fields)
         out = hf.generate(tokens, attention_mask=mask.long(), generation_config=config)
     assert out.shape == (len(prompts) * num_return_sequences, tokens.shape[1] + new_tokens)
 
@@ -141,10 +142,12 @@ def bench_engine(
     progress: bool = False,
     dtype: str = "auto",
     device: str = "cpu",
-    compile: bool = False,
+    compile: bool | None = False,
 ) -> dict:
     """The chosen scenarios (module docstring), decodekit against transformers, both in
-    `dtype` on `device`; `progress`: a bar over the scenarios on stderr."""
+    `dtype` on `device`; `progress`: a bar over the scenarios on stderr. compile: the
+    engine's (EngineConfig.compile): False eager; None automatic (on a GPU, decode steps
+    replayed from CUDA graphs: engine/cuda_graphs.py); True compiled."""
     import decodekit as dk
 
     torch.set_num_threads(threads)
@@ -166,6 +169,12 @@ def bench_engine(
                                within_unit(bar))
         results["single"] = {"new_tokens": new_tokens, **_ratios(ours, theirs, new_tokens),
                              **({"compile_warmup_s": round(warmup, 2)} if compile else {})}  # fmt: skip
+        if model.device.type == "cuda":  # transformers' fastest path, and the step's host syncs
+            ours, static = compare(lambda: run_engine(model, prompt, greedy, config),
+                                   lambda: run_hf(hf, prompt, new_tokens, False, pad=eos,
+                                                  cache_implementation="static"), repeats)  # fmt: skip
+            results["single"]["hf_static_cache"] = _ratios(ours, static, new_tokens)
+            results["single"]["host_syncs_per_step"] = host_syncs_per_step(model, config)
     if "shared_prefix" in scenarios:
         bar.set_postfix_str("shared_prefix")
         samples, generated = 16, 128
@@ -193,6 +202,41 @@ def bench_engine(
         bar.update()
     bar.close()
     return results
+
+
+def host_syncs_per_step(model, config, steps: int = 16) -> dict:
+    """Host synchronisations per decode-only step on a GPU, counted by CUDA's sync debug mode
+    (`torch.cuda.set_sync_debug_mode`: every synchronising call warns), for one greedy row
+    and four seeded samples with top-p and logprobs; the mean over `steps` steps after the
+    prompt's and the first decode steps (which capture the graphs)."""
+    import warnings
+
+    import decodekit as dk
+    from decodekit.engine import Engine
+
+    runs = {"greedy": dk.SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True),
+            "top_p_4_samples_logprobs": dk.SamplingParams(max_new_tokens=steps + 4, n=4, top_p=0.9,
+                                                          seed=0, logprobs=2, ignore_eos=True)}  # fmt: skip
+    counts = {}
+    for name, params in runs.items():
+        engine = Engine(model, config)
+        engine.submit(model.encode("ROMEO:"), params)
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        counts[name] = round(len(syncs) / steps, 2)
+        while engine.has_work():
+            engine.step()
+    return counts
 
 
 CONCURRENT = {"requests": 64, "new_tokens": 128, "prompt_lengths": [16, 32, 64, 96, 128]}

@@ -40,6 +40,7 @@ TAKES: dict[str, tuple[str, ...]] = {
     "peer_url": ("server",),
     "gguf": ("packed",),
     "compile": ("engine", "packed"),
+    "eager": ("engine",),
     "quick": ("speculative",),
     "clients": ("speculative", "server", "beam", "soak"),
     "hardening": ("server",),
@@ -114,7 +115,11 @@ def add_bench(sub) -> None:
     p.add_argument("--quick", action="store_true", help="bench speculative: a short run")
     p.add_argument("--compile", action="store_true",
                    help="bench engine/packed: decodekit runs the engine's compiled decode step "
-                   "(engine/compiled.py), compiled in the warm-up; default the eager step")
+                   "(engine/compiled.py), compiled in the warm-up; default the eager step on the CPU, "
+                   "and on a GPU the engine's own (decode steps replayed from CUDA graphs), which "
+                   "--compile compiles with inductor first")
+    p.add_argument("--eager", action="store_true",
+                   help="bench engine: the eager decode step on a GPU too (no CUDA graphs)")
     p.add_argument("--clients", "--concurrent", "--concurrency", action=Renamed, default=None,
                    metavar="N[,N...]",
                    help="requests in flight at once: bench server, a comma-separated list of levels "
@@ -284,8 +289,10 @@ def _run_shaped(args, model: str) -> dict:
     if args.which == "engine":
         from decodekit.bench.engine import bench_engine
 
+        # on a GPU the engine's default (CUDA graphs) unless --eager; on the CPU eager unless --compile
+        default = False if args.eager or not str(args.device or "").startswith("cuda") else None
         return bench_engine(model, args.new_tokens, args.repeats, threads, progress=progress,
-                            compile=args.compile, **model_options(args))
+                            compile=args.compile or default, **model_options(args))
     if args.which == "dtype":
         from decodekit.bench.dtype import bench_dtype
 

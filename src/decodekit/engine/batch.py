@@ -166,13 +166,13 @@ def group_short_spans(
     offsets = [[min(t, new - 1) for t in range(count)] for new in counts]  # [B, T]
     queries = [span.start + t for span, row in zip(short, offsets) for t in row]
     real = [b * count + t for b, new in enumerate(counts) for t in range(new)]
-    seen = torch.tensor([[span.length - new + t for t in row]
-                         for span, new, row in zip(short, counts, offsets)], device=device)  # [B, T]
+    seen = to_device([[span.length - new + t for t in row]
+                      for span, new, row in zip(short, counts, offsets)], device)  # [B, T]
     mask = (torch.arange(width, device=device)[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, T, S]
     num_blocks = -(-width // block_size)
     padded = [torch.cat([s.blocks, s.blocks[:1].expand(num_blocks - len(s.blocks))]) for s in short]
-    group = SpanGroup(torch.tensor(queries, device=device), torch.tensor(real, device=device),
-                      torch.tensor([queries[i] for i in real], device=device), torch.cat(padded), mask)
+    group = SpanGroup(to_device(queries, device), to_device(real, device),
+                      to_device([queries[i] for i in real], device), torch.cat(padded), mask)
     grouped = set(map(id, short))
     return group, [span for span in spans if id(span) not in grouped]
 
@@ -233,7 +233,7 @@ def paged_forward(
     end = batch.end or int(positions.max()) + 1
     model.check_positions(end)
     if model.config.rope.kind == "dynamic":  # each token's frequencies from its own row's length
-        lengths = torch.tensor(batch.lengths, dtype=torch.long, device=positions.device)
+        lengths = to_device(batch.lengths, positions.device)
         cos, sin = model.rope.at(positions, lengths)
     else:
         cos, sin = model.rope.tables(end)
@@ -284,22 +284,31 @@ def build_batch(
             raise PoolCorrupted(f"RunningKV row {index} holds {running.total_length(index)} positions "
                                 f"and feeds {count} tokens; its table holds {length}, and a row feeds one")
         if index >= decoding:
-            blocks = torch.tensor(table.blocks, dtype=torch.long, device=device)
+            blocks = to_device(table.blocks, device)
             prefills.append(PrefillSpan(start, start + count, blocks, length))
     rows = None
     if decoding:
         rows = _running_rows(running, set(windows) or {None})
 
     # the step's indices in one copy to the device: tokens, positions, slots [T] and keep [K]
-    flat = torch.tensor(tokens + positions + all_slots + keep, dtype=torch.long, device=device)
+    flat = to_device(tokens + positions + all_slots + keep, device)
     tokens_t, positions_t, slots_t, keep_t = flat.split([len(tokens)] * 3 + [len(keep)])
     batch = PagedBatch(pool, slots_t, rows, prefills, windows, max(positions, default=-1) + 1, lengths)
     return tokens_t, positions_t, batch, keep_t
 
 
+def to_device(numbers: list, device: torch.device) -> torch.Tensor:
+    """Host integers (a list, or a list of equal lists) as a long tensor on `device`. On a
+    GPU the copy is asynchronous, from pinned memory (the caching host allocator keeps it
+    until the copy is done): a step's inputs cost no synchronisation of the host."""
+    if device.type != "cuda":
+        return torch.tensor(numbers, dtype=torch.long, device=device)
+    return torch.tensor(numbers, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+
+
 def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
     device = running.keys.device
-    lengths = torch.tensor(running.lengths, device=device)  # [B] each row's own positions
+    lengths = to_device(running.lengths, device)  # [B] each row's own positions
     width = max(running.lengths)
     groups: dict[int, tuple[SharedPrefix, list[int]]] = {}
     for row, prefix in enumerate(running.prefixes):
@@ -317,5 +326,5 @@ def _running_rows(running: RunningKV, windows: set[int | None]) -> RunningRows:
         if groups:  # the LSE-returning kernel takes an additive mask [B, 1, 1, S]
             mask = running.keys.new_zeros(mask.shape).masked_fill(~mask, -torch.inf)
         masks[window] = mask
-    shared = [(prefix, torch.tensor(rows, device=device)) for prefix, rows in groups.values()]
+    shared = [(prefix, to_device(rows, device)) for prefix, rows in groups.values()]
     return RunningRows(running, lengths - 1, masks, width, shared)

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from decodekit.cache_dir import cache_dir
+from decodekit.engine.batch import to_device
 from decodekit.engine.compiled import ASSUMED_SAVING, AUTO_MAX_ROWS, COLD_WARMUP_S, bucket, bucket_name
+from decodekit.engine.cuda_graphs import GraphedLanes
 from decodekit.engine.lanes import PrefixKV, lanes_for
 from decodekit.models.native import NativeLM
 
@@ -102,7 +104,10 @@ class CompiledDecode:
     """An engine's compiled decode steps (lanes.py) and the evidence of its eager ones."""
 
     def __init__(self, model: NativeLM, mode: bool | None):
-        self.lanes = lanes_for(model)
+        if model.device.type == "cuda":  # CUDA graphs, captured at once; inductor's step with True
+            self.lanes = GraphedLanes(model, inductor=mode is True)
+        else:
+            self.lanes = lanes_for(model)
         self.policy = CompilePolicy.for_model(model, mode)
         self.decode_steps = 0  # eager decode-only steps (the policy's evidence) and their mean time
         self.eager_step_s = 0.0
@@ -133,12 +138,16 @@ class CompiledDecode:
         if (bucket(len(seqs)), prefix is not None) not in self.lanes.ready:
             return None  # not compiled (yet): no inputs to build
         device = running_kv.keys.device  # the step's indices live beside the rows they index
-        # each row's token, its position, and the positions its row holds before it: [3, B]
-        per_row = torch.tensor([[seq.tokens[seq.table.length - 1] for seq in seqs],
-                                [seq.table.length - 1 for seq in seqs],
-                                [length - 1 for length in running_kv.lengths]], device=device)  # fmt: skip
-        tokens, positions, stored = per_row.unbind()
-        bounds = None if prefix is None else torch.tensor(prefix.bounds(running_kv.prefixes), device=device)
+        # each row's token, its position, the positions its row holds before it and its
+        # pool slot, [4, B], and the rows' prefix spans [2, B]: one copy to the device
+        per_row = [[seq.tokens[seq.table.length - 1] for seq in seqs],
+                   [seq.table.length - 1 for seq in seqs],
+                   [length - 1 for length in running_kv.lengths],
+                   [work.slots[0] for work in works]]  # fmt: skip
+        if prefix is not None:
+            per_row += prefix.bounds(running_kv.prefixes)
+        tokens, positions, stored, slots, *spans = to_device(per_row, device).unbind()
+        bounds = None if prefix is None else torch.stack(spans)
         out = self.lanes.run(len(seqs), tokens, positions, stored, running_kv, prefix, bounds)
         if out is None:
             return None
@@ -146,7 +155,6 @@ class CompiledDecode:
         rows = torch.arange(len(seqs), device=device)
         running_kv.keys[:, rows, :, stored] = keys.transpose(0, 1)  # [B, N, H_kv, D]
         running_kv.values[:, rows, :, stored] = values.transpose(0, 1)
-        slots = torch.tensor([work.slots[0] for work in works], device=device)
         pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
         self.steps += 1
         return logits

@@ -95,8 +95,11 @@ class LaneAttention:
         if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
             keys, values, sees = self.prefix
             prefixes = (SharedKV(keys[layer], values[layer], sees=sees),)
+        # written out (models/attention.py) as dynamo traces it, also when a CUDA graph records
+        # it eager: the eager kernels' form would copy every row's keys to append the new one
         out = decode_attention(q[:, 0], self.keys[layer, :batch], self.values[layer, :batch],
-                               self.visible, new=(k[:, 0], v[:, 0]), prefixes=prefixes)  # fmt: skip
+                               self.visible, new=(k[:, 0], v[:, 0]), prefixes=prefixes,
+                               written_out=True)  # fmt: skip
         self.new_keys.append(k[:, 0])
         self.new_values.append(v[:, 0])
         return out[:, None]

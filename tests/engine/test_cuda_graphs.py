@@ -1,0 +1,93 @@
+"""The CUDA graphs' bookkeeping (engine/cuda_graphs.py), on the CPU: `GraphedLanes` with
+`capture=False` runs every step through a bucket's own input tensors and the RunningKV
+storage it was built on, as a replayed graph would, so these tests check the padding, the
+copies in and out and the captures again when the rows grow; the capture itself runs in
+tests/test_cuda.py on a GPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import engine_fixtures
+import torch
+
+import decodekit as dk
+from decodekit.engine.compiled import bucket
+from decodekit.engine.config import EngineConfig
+from decodekit.engine.cuda_graphs import GraphedLanes
+from decodekit.engine.engine import Engine
+
+one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
+
+PROMPTS = [[(5 * i + 7 * j) % 250 + 1 for i in range(4 + 6 * j)] for j in range(3)]
+
+
+def run(model, items, graphed: bool):
+    """(prompt, params) items on a fresh engine, eager or through `GraphedLanes`; their
+    token ids and logprobs, and the engine."""
+    engine = Engine(model, EngineConfig(compile=graphed or False, block_size=4, num_blocks=512))
+    if graphed:
+        engine.compiled.lanes = engine.lanes = GraphedLanes(model, capture=False)
+    handles = [engine.submit(prompt, params) for prompt, params in items]
+    while engine.has_work():
+        engine.step()
+    engine.check()
+    results = [h.result(0) for h in handles]
+    return [[(c.token_ids, c.logprobs) for c in r] for r in results], engine
+
+
+def test_graphed_steps_equal_the_eager_engine_as_rows_leave_and_grow(sharp_lm):
+    """Three requests that end at different steps (buckets 4, 2, 1: padded rows), one long
+    enough that RunningKV doubles its positions (64 -> 128): the graphs are built again
+    over the new storage, and every token and logprob equals the eager engine's."""
+    greedy = dk.SamplingParams(temperature=0, ignore_eos=True)
+    items = [(PROMPTS[0], greedy.replace(max_new_tokens=90)),
+             (PROMPTS[1], greedy.replace(max_new_tokens=9)),
+             (PROMPTS[2], dk.SamplingParams(temperature=1.0, top_k=20, seed=3, max_new_tokens=20))]
+    want, _ = run(sharp_lm, items, False)
+    got, engine = run(sharp_lm, items, True)
+    assert [tokens for [(tokens, _)] in got] == [tokens for [(tokens, _)] in want]
+    # the graphed step attends in its written-out form over the rows' whole capacity
+    # (compiled.py): the same sums in another order
+    for [(_, ours)], [(_, eager)] in zip(got, want, strict=True):
+        assert torch.allclose(torch.tensor(ours), torch.tensor(eager), atol=1e-5, rtol=0)
+    lanes = engine.lanes
+    assert engine.compiled.steps >= 85  # every decode-only step but the prompts'
+    assert set(lanes.graphs) == {bucket(1)}  # the buckets of 4 and 2 were dropped when the rows grew
+    assert lanes.captures >= 4 and lanes.failed is None  # 4, 2, 1 rows, and 1 again over 128 positions
+    assert lanes.graphs[1].keys is engine.running_kv.keys
+
+
+def test_a_graphs_logits_are_copied_out(sharp_lm):
+    """A replay overwrites the graph's outputs: `run` hands out a copy of the logits."""
+    engine = Engine(sharp_lm, EngineConfig(compile=True, block_size=4, num_blocks=64))
+    lanes = GraphedLanes(sharp_lm, capture=False)
+    engine.submit(PROMPTS[0], dk.SamplingParams(temperature=0, max_new_tokens=5))
+    engine.step()  # the prompt: the sequence takes its lane
+    kv = engine.running_kv
+    kv.grow(1)
+    first = torch.tensor([[3], [len(PROMPTS[0])], [kv.lengths[0] - 1]])
+    with torch.inference_mode():  # as in an engine step
+        logits = lanes.run(1, *first, kv)[0]
+        kept = logits.clone()
+        graph = lanes.graphs[1]
+        other = lanes.run(1, *torch.tensor([[40], [0], [0]]), kv)[0]  # another token, seeing nothing
+    assert lanes.graphs[1] is graph and not torch.equal(other, kept)
+    assert torch.equal(logits, kept)
+
+
+def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(sharp_lm, monkeypatch):
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=6)
+    want, _ = run(sharp_lm, [(PROMPTS[0], greedy)], False)
+
+    def broken(self, size, keys, values):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedLanes, "_new_graph", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, engine = run(sharp_lm, [(PROMPTS[0], greedy)], True)
+    assert [tokens for [(tokens, _)] in got] == [tokens for [(tokens, _)] in want]
+    assert engine.compiled.steps == 0
+    assert "stream is capturing" in engine.lanes.failed and not engine.lanes.ready
+    assert sum("CUDA graph" in str(w.message) for w in caught) == 1
