@@ -12,6 +12,7 @@ import engine_fixtures
 import torch
 
 import decodekit as dk
+from decodekit.engine import compiled
 from decodekit.engine.compiled import bucket
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.cuda_graphs import GraphedLanes
@@ -22,12 +23,12 @@ one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # f
 PROMPTS = [[(5 * i + 7 * j) % 250 + 1 for i in range(4 + 6 * j)] for j in range(3)]
 
 
-def run(model, items, graphed: bool):
-    """(prompt, params) items on a fresh engine, eager or through `GraphedLanes`; their
-    token ids and logprobs, and the engine."""
+def run(model, items, graphed: bool, inductor: bool = False):
+    """(prompt, params) items on a fresh engine, eager or through `GraphedLanes` (with the
+    compiled step: `inductor`); their token ids and logprobs, and the engine."""
     engine = Engine(model, EngineConfig(compile=graphed or False, block_size=4, num_blocks=512))
     if graphed:
-        engine.compiled.lanes = engine.lanes = GraphedLanes(model, capture=False)
+        engine.compiled.lanes = engine.lanes = GraphedLanes(model, inductor=inductor, capture=False)
     handles = [engine.submit(prompt, params) for prompt, params in items]
     while engine.has_work():
         engine.step()
@@ -56,6 +57,18 @@ def test_graphed_steps_equal_the_eager_engine_as_rows_leave_and_grow(sharp_lm):
     assert set(lanes.graphs) == {bucket(1)}  # the buckets of 4 and 2 were dropped when the rows grew
     assert lanes.captures >= 4 and lanes.failed is None  # 4, 2, 1 rows, and 1 again over 128 positions
     assert lanes.graphs[1].keys is engine.running_kv.keys
+
+
+def test_the_compiled_step_in_the_graph_equals_the_eager_engine(sharp_lm, monkeypatch):
+    """compile=True on a GPU: the step compiled once (here by "aot_eager", which traces the
+    same step in seconds) for every bucket and length of the rows, then recorded."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    greedy = dk.SamplingParams(temperature=0, ignore_eos=True)
+    items = [(PROMPTS[0], greedy.replace(max_new_tokens=70)), (PROMPTS[2], greedy.replace(max_new_tokens=8))]
+    want, _ = run(sharp_lm, items, False)
+    got, engine = run(sharp_lm, items, True, inductor=True)
+    assert [tokens for [(tokens, _)] in got] == [tokens for [(tokens, _)] in want]
+    assert engine.lanes._compiled is not None and engine.lanes.captures >= 3 and engine.compiled.steps >= 65
 
 
 def test_a_graphs_logits_are_copied_out(sharp_lm):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decodekit.engine import compiled
 from decodekit.engine.compiled import BUCKETS, bucket, lanes_step
 from decodekit.models.native import NativeLM
 
@@ -169,6 +170,6 @@ class GraphedLanes:
             # no C++ wrapper (lanes.py compile_options): a replayed graph has no wrapper to speed up
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             name = "graphed_compiled_step"
-            self._compiled = compile_step(self.model, name, False, example, "inductor", options)
+            self._compiled = compile_step(self.model, name, False, example, compiled.BACKEND, options)
         return self._compiled
 
