@@ -93,7 +93,7 @@ def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(sharp_lm, mon
     greedy = dk.SamplingParams(temperature=0, max_new_tokens=6)
     want, _ = run(sharp_lm, [(PROMPTS[0], greedy)], False)
 
-    def broken(self, inputs, keys, values):
+    def broken(self, size, keys, values):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(GraphedLanes, "_new_graph", broken)

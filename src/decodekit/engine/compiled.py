@@ -82,26 +82,15 @@ class LaneAttention:
     token each over their RunningKV rows, and over a shared prefix for the rows that continue
     it (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, prefix=None, stored=None):  # visible [B, 1, 1, C] bool
+    def __init__(self, keys, values, visible, prefix=None):  # visible [B, 1, 1, C] bool
         self.keys, self.values, self.visible = keys, values, visible
         self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and sees [B, 1, 1, P] bool
-        # stored [B]: each row's new key is written into its row at this column first, and the
-        # rows' own SDPA reads it there (`lanes_step(stores=True)`); `visible` includes it
-        self.stored = stored
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
         """q [B, 1, H, D], k/v [B, 1, H_kv, D] -> [B, 1, H, D]."""
         batch = q.shape[0]
-        self.new_keys.append(k[:, 0])
-        self.new_values.append(v[:, 0])
-        if self.stored is not None:
-            rows = torch.arange(batch, device=q.device)
-            self.keys[layer, rows, :, self.stored] = k[:, 0]
-            self.values[layer, rows, :, self.stored] = v[:, 0]
-            keys, values = self.keys[layer, :batch], self.values[layer, :batch]
-            return decode_attention(q[:, 0], keys, values, self.visible)[:, None]
         prefixes = ()
         if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
             keys, values, sees = self.prefix
@@ -111,21 +100,18 @@ class LaneAttention:
         out = decode_attention(q[:, 0], self.keys[layer, :batch], self.values[layer, :batch],
                                self.visible, new=(k[:, 0], v[:, 0]), prefixes=prefixes,
                                written_out=True)  # fmt: skip
+        self.new_keys.append(k[:, 0])
+        self.new_values.append(v[:, 0])
         return out[:, None]
 
 
-def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False, stores: bool = False):
+def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False):
     """step(tokens [B, 1], positions [B], stored [B], keys, values [N, R, H_kv, C, D]) ->
     logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring). positions:
     each token's position in its sequence (RoPE); stored: the positions its row holds before
     it (a padded row: 0, it sees only its own key). `prefixed`: the step also takes shared
     prefixes' keys and values [N, 1, H_kv, P, D] and each row's span of them, bounds [2, B]
     (start, end; a row that continues a prefix holds only the positions after it).
-
-    `stores`: the step writes each row's new key and value into its row itself, at column
-    `stored`, and attends over the rows with SDPA (a CUDA graph's step, cuda_graphs.py: a few
-    kernels a layer where the written-out form takes fifteen); not for dynamo, whose graph
-    must not mutate its inputs.
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -136,9 +122,7 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
 
     def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
         columns = torch.arange(keys.shape[3], device=keys.device)
-        # [B, 1, 1, C]: the positions each row holds (and its new one, where the step stores it)
-        visible = ((columns[None, :] <= stored[:, None]) if stores else (columns[None, :] < stored[:, None]))
-        visible = visible[:, None, None]
+        visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
         cos = cos_table.index_select(0, positions)[:, None, None]  # [B, 1, 1, D]
         sin = sin_table.index_select(0, positions)[:, None, None]
         prefix = None
@@ -146,7 +130,7 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
             spans = torch.arange(prefix_keys.shape[3], device=keys.device)[None, :]  # [1, P]
             sees = (spans >= bounds[0][:, None]) & (spans < bounds[1][:, None])  # [B, P]
             prefix = (prefix_keys, prefix_values, sees[:, None, None])
-        cache = LaneAttention(keys, values, visible, prefix, stored if stores else None)
+        cache = LaneAttention(keys, values, visible, prefix)
         logits = net(tokens, cos, sin, cache, masks)  # [B, 1, V]
         return logits[:, 0], torch.stack(cache.new_keys), torch.stack(cache.new_values)
 

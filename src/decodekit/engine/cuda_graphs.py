@@ -10,10 +10,8 @@ written into the rows and the pool after it):
 
 - The step is compiled.py's `lanes_step`, the one the CPU compiles: eager (the engine's
   default, `compile=None`: a capture costs a few steps, so every bucket is captured at its
-  first decode-only step), where it writes each row's new key and value into the rows
-  itself and attends over them with SDPA (`stores=True`: a few kernels a layer, where the
-  written-out attention the compilers trace takes fifteen); or compiled by inductor first
-  (`compile=True`: fused kernels, a compilation of minutes at the first step).
+  first decode-only step), or compiled by inductor first (`compile=True`: fused kernels, a
+  compilation of tens of seconds at the first step).
 - One graph per bucket of rows (compiled.BUCKETS; padded rows see only their own key and
   their output is dropped), captured against the RunningKV storage as it is: its keys and
   values at their full capacity, each row's stored positions masked (`visible`). When the
@@ -43,7 +41,7 @@ from decodekit.engine import compiled
 from decodekit.engine.compiled import BUCKETS, bucket, lanes_step
 from decodekit.models.native import NativeLM
 
-WARMUP_RUNS = 1  # runs on a side stream before a capture: lazy initialisation (cuBLAS) is not captured
+WARMUP_RUNS = 2  # runs on a side stream before a capture: lazy initialisation (cuBLAS) is not captured
 
 
 @dataclass
@@ -67,10 +65,7 @@ class GraphedLanes:
         self.failed: str | None = None
         self.load_seconds: list[float] = []  # each capture's time (with the compilation, the first)
         self.captures = 0
-        # the eager step stores the new keys in the rows and attends with SDPA (compiled.py
-        # `lanes_step(stores=True)`); inductor's returns them, as on the CPU
-        self.stores_rows = not inductor
-        self._step = lanes_step(model, "graphed_decode_step", stores=self.stores_rows)
+        self._step = lanes_step(model, "graphed_decode_step")
         self._compiled = None  # the inductor-compiled step, once compiled
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # shared by the buckets' graphs
 
@@ -103,30 +98,26 @@ class GraphedLanes:
             return None
         running_kv.reserve_rows(size)
         graph = self.graphs.get(size)
-        fresh = graph is None or graph.keys is not running_kv.keys
-        # this step's inputs, before a capture too: its warm-up runs the step, which writes the
-        # rows' new keys (the replay then writes the same)
-        device = running_kv.keys.device
-        inputs = torch.empty((3, size), dtype=torch.long, device=device) if fresh else graph.inputs
+        if graph is None or graph.keys is not running_kv.keys:
+            graph = self._capture_bucket(size, running_kv)
+            if graph is None:
+                return None
+        inputs = graph.inputs
         inputs[0, :rows].copy_(tokens)
         inputs[1, :rows].copy_(positions)
         inputs[2, :rows].copy_(stored)
-        if rows < size:  # padded rows: token 0 at position 0 of an unused row, seeing only itself
-            inputs[:, rows:].zero_()
-        if fresh:
-            graph = self._capture_bucket(size, running_kv, inputs)
-            if graph is None:
-                return None
+        if rows < size:
+            inputs[:, rows:].zero_()  # padded rows: token 0 at position 0, seeing only itself
         logits, keys, values = graph.replay()
         return logits[:rows].clone(), keys[:, :rows], values[:, :rows]
 
-    def _capture_bucket(self, size: int, running_kv, inputs: torch.Tensor) -> _Graph | None:
+    def _capture_bucket(self, size: int, running_kv) -> _Graph | None:
         stale = [key for key, graph in self.graphs.items() if graph.keys is not running_kv.keys]
         for key in stale:  # the rows grew: graphs over their old storage read freed memory
             del self.graphs[key]
         start = time.perf_counter()
         try:
-            graph = self._new_graph(inputs, running_kv.keys, running_kv.values)
+            graph = self._new_graph(size, running_kv.keys, running_kv.values)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self.failed = f"{type(error).__name__}: {error}"
             message = f"the CUDA graph of the decode step failed; the engine stays eager ({self.failed:.200})"
@@ -137,7 +128,8 @@ class GraphedLanes:
         self.load_seconds.append(time.perf_counter() - start)
         return graph
 
-    def _new_graph(self, inputs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> _Graph:
+    def _new_graph(self, size: int, keys: torch.Tensor, values: torch.Tensor) -> _Graph:
+        inputs = torch.zeros((3, size), dtype=torch.long, device=keys.device)
         args = (inputs[0][:, None], inputs[1], inputs[2], keys, values)
         step = self._step_function(args)
         if not self.capture:  # as a graph: the same output tensors, overwritten by each run

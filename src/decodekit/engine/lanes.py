@@ -71,7 +71,6 @@ class CompiledLanes:
 
     model: NativeLM
     ready: dict[tuple[int, bool], object] = field(default_factory=dict)  # (bucket, prefixed) -> step
-    stores_rows = False  # its step returns the new keys and values; the engine writes them (compiled.py)
     failed: str | None = None
     load_seconds: list[float] = field(default_factory=list)  # each in-process compilation's time
     _pending: set[tuple[int, bool]] = field(default_factory=set)
