@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check (issue 33): every strategy on CUDA (tests/test_cuda.py: greedy equal to the
-# CPU's, seeded equal to itself) and the engine's speed table against transformers' generate()
-# in the same run (the tests took 35 s on an H200; the bench at qwen2.5-0.5b did not finish in
-# 150 s, 2026-11-28). Run from the repository root with the venv:
+# CPU's, seeded equal to itself; the CUDA graphs equal to the eager engine; one host sync a
+# step) and the engine's speed table against transformers' generate() and its static cache
+# in the same run, the engine's decode steps replayed from CUDA graphs (its default on a GPU;
+# `bench engine --eager` times the eager step). On an H200, 2026-11-28: the tests 7 s; one
+# scenario group at a time, 128 new tokens, one repeat, 30-100 s each. Run from the
+# repository root with the venv:
 #
 #     bash scripts/gpu_check.sh [--dtype bfloat16]
 #

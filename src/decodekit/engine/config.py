@@ -28,7 +28,9 @@ class EngineConfig:
     compile: the compiled decode step for the decoding rows (engine/compiled.py): None
     compiles a batch bucket of up to 8 rows in the background once the decode steps so far
     would have repaid its measured warm-up, True every bucket on its first decode step,
-    False never.
+    False never. On a GPU (engine/cuda_graphs.py): None and True replay every bucket's
+    step from a CUDA graph captured at its first decode step (True compiles the step with
+    inductor first), False runs it eager.
     kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a
     float32 scale per layer, head and position (engine/block_pool.py). The running rows stay in the
     model's dtype (rows.py), so it shrinks the pool, not the rows.

@@ -8,7 +8,8 @@
 A step (`step`) is three calls. `_schedule`: admit waiting requests and reserve every
 scheduled token's slot (scheduler.py, entry.py). `_run`: the programs' rounds on other
 models (rounds.py), then one forward of this engine's model over every scheduled token
-(batch.py), compiled when it only decodes and its bucket is ready (compile_policy.py).
+(batch.py), compiled when it only decodes and its bucket is ready (compile_policy.py; on a
+GPU replayed from a CUDA graph, cuda_graphs.py).
 `_postprocess`: the new sequences take RunningKV lanes, every sampling row gets one token
 from its request's own chain and generator (request.py: `sample_rows`; entry.py
 `finish_rows`) and every program ends its step (rounds.py `resume`), so a seeded request's
