@@ -233,6 +233,8 @@ ROWS = [
      "bench_server", "peer_url", "http://127.0.0.1:8000"),
     ("bench --quick", ["bench", "speculative", "--quick"], "bench_speculative", "quick", True),
     ("bench --compile", ["bench", "packed", "--compile"], "bench_packed", "compile", True),
+    # on a GPU the engine's CUDA graphs are bench engine's default (compile None); --eager: False
+    ("bench --eager", ["bench", "engine", "--device", "cuda", "--eager"], "bench_engine", "compile", False),
     ("bench --gguf", ["bench", "packed", "--gguf", "m.gguf"], "bench_gguf", "files", ["m.gguf"]),
     ("bench --clients", ["bench", "server", "--clients", "2,4"], "bench_server", "levels", [2, 4]),
     ("bench --concurrent", ["bench", "speculative", "--concurrent", "3"], "bench_concurrent", "concurrent",
