@@ -99,6 +99,22 @@ def test_crop_then_extend_equals_never_extended(sharp_lm):
     assert (got - reference(sharp_lm, ours)).abs().max() <= TOL
 
 
+def test_a_programs_fork_and_crop_refuse_what_would_corrupt_its_kv(sharp_lm):
+    """A program that forks a sequence with uncomputed tokens, or crops one on a lane, gets
+    a ValueError (which ends that program, rounds.py), not an assert that `python -O` drops."""
+    from decodekit.engine.program import ProgramKV
+
+    engine = Engine(sharp_lm, EngineConfig(block_size=4, num_blocks=32, compile=False))
+    kv = ProgramKV(sharp_lm, engine.members.of)
+    seq = kv.open(sharp_lm, TOKENS[:6])
+    with pytest.raises(ValueError, match="6 pending"):
+        kv.fork(seq)
+    seq.lane = 0  # as if it held RunningKV row 0
+    with pytest.raises(ValueError, match="leave_lane"):
+        kv.crop(seq, 3)
+    assert seq.tokens == TOKENS[:6]  # nothing cropped
+
+
 def test_crop_into_a_shared_block_copies_it_before_writing(sharp_lm):
     manager = manager_for(sharp_lm, cache=False)
     parent = BlockTable()

@@ -131,7 +131,8 @@ class ProgramKV:
     def fork(self, seq: Seq) -> Seq:
         """A copy of `seq` (tokens, KV and lane) that can grow apart from it."""
         model_kv = seq.model_kv
-        assert seq.pending == 0, "fork a sequence once its tokens are computed"
+        if seq.pending:  # a raise, not an assert: a program's misuse ends that program (rounds.py)
+            raise ValueError(f"fork a sequence once its tokens are computed ({seq.pending} pending)")
         child = Seq(list(seq.tokens), model_kv.manager.fork(seq.table), model_kv)
         if seq.lane is not None:
             child.lane = model_kv.running_kv.copy(child, seq.lane)
@@ -140,7 +141,8 @@ class ProgramKV:
 
     def crop(self, seq: Seq, length: int) -> None:
         """Keep the first `length` tokens (and their KV)."""
-        assert seq.lane is None, "a sequence with a lane cannot crop"
+        if seq.lane is not None:
+            raise ValueError("a sequence with a lane cannot crop: `leave_lane` first")
         seq.model_kv.manager.crop(seq.table, min(length, seq.table.length))
         del seq.tokens[length:]
 
