@@ -13,9 +13,9 @@ from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.engine.block_pool import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
+from decodekit.engine.persistent import engine_for, forget_engine
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Program
-from decodekit.engine.registry import engine_for, forget_engine
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures
 

@@ -8,7 +8,7 @@ import httpx
 import torch
 
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.registry import engine_for, forget_engine
+from decodekit.engine.persistent import engine_for, forget_engine
 from decodekit.models.registry import load_model
 
 BODY = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 6, "temperature": 0}

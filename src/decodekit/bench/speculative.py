@@ -369,7 +369,7 @@ def bench_concurrent(
     `bench_speculative` measures it. Greedy speculative output must equal plain greedy output
     token for token, which is checked."""
     import decodekit as dk
-    from decodekit.engine.registry import engine_for
+    from decodekit.engine.persistent import engine_for
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -59,7 +59,7 @@ class Run:
         """The deltas wherever the run is routed: the model's persistent engine, or the plain loop."""
         if self.route is None:
             return self.plain()
-        from decodekit.engine.registry import run_requests
+        from decodekit.engine.persistent import run_requests
 
         return run_requests(*self.route)
 

@@ -17,7 +17,7 @@ random stream is the same alone or beside others; with the model's `batch_invari
 (read when the engine is built) its logits are too, bit for bit, and so are its tokens
 and logprobs. Requests join and leave between steps. A step that raises: failure.py.
 `decodekit.generate` runs models that support paged KV (`LanguageModel.supports_paged_kv`:
-NativeLM) on the model's persistent engine (registry.py: `engine_for`, `run_requests`).
+NativeLM) on the model's persistent engine (persistent.py: `engine_for`, `run_requests`).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ class Engine:
 
     def start(self) -> None:
         """Run `step` in a background thread whenever there is work. Each `start` is undone
-        by one `stop`: two servers on one model's shared engine (registry.py) keep it running
+        by one `stop`: two servers on one model's shared engine (persistent.py) keep it running
         until both stop."""
         with self.inbox.cond:
             self._starts += 1

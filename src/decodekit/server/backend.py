@@ -170,7 +170,7 @@ class Backend:
                  aliases: dict[str, str] | None = None, chat_templates: dict[str, str] | None = None):
         from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
-        from decodekit.engine.registry import engine_for
+        from decodekit.engine.persistent import engine_for
 
         if not models:
             raise ValueError("a server needs at least one model")
@@ -187,7 +187,7 @@ class Backend:
         self.config = config = config or ServerConfig()
         self.engine_config = engine_config = EngineConfig(
             max_kv_bytes=config.kv_bytes, max_running=config.max_running, max_waiting=config.max_queued)
-        # The model's persistent engine (engine/registry.py), with the server's bound: the
+        # The model's persistent engine (engine/persistent.py), with the server's bound: the
         # server's requests and any `decodekit.generate` call in this process share its cache.
         # Read through `engine(name)`, which follows the model when its engine is replaced.
         self.engines = {name: engine_for(model, engine_config) for name, model in self.models.items()
@@ -223,7 +223,7 @@ class Backend:
         caller asked for another config), the new one is started here, so the server never
         serves from a stale one; a replaced engine is stopped once it has finished the
         requests it holds."""
-        from decodekit.engine.registry import engine_for
+        from decodekit.engine.persistent import engine_for
 
         engine = engine_for(self.models[name], self.engine_config)
         with self._lock:

@@ -8,7 +8,7 @@ tokens in that cache (idle, evicted least recently used first when the pool runs
 prefix_cache.py), so a tree-search child, a refinement round or a retry that extends an
 earlier text reuses its KV instead of prefilling it again.
 
-The registry is the model's own attribute `_decodekit_engine`, (engine, weights stamp),
+The record is the model's own attribute `_decodekit_engine`, (engine, weights stamp),
 set only here, under one lock: the engine references its model, so a module-level dict
 would keep every model alive; an attribute makes a cycle the garbage collector frees with
 the model. The engine is rebuilt when it no longer matches the model: the model's `batch_invariant` flag (read
