@@ -60,7 +60,9 @@ def add_compile(p) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's compiled decode step (engine/compiled.py): --compile compiles it "
                    "on the first decode step, --no-compile never; default: automatic, once the "
-                   "decode steps run would have repaid the compilation (a short command never waits)")
+                   "decode steps run would have repaid the compilation (a short command never waits); "
+                   "on a GPU the steps replay CUDA graphs by default, --compile records inductor's "
+                   "compiled step in them, --no-compile runs them eager")
 
 
 def apply_compile(args, model) -> None:
