@@ -11,7 +11,8 @@ written into the rows and the pool after it):
 - The step is compiled.py's `lanes_step`, the one the CPU compiles: eager (the engine's
   default, `compile=None`: a capture costs a few steps, so every bucket is captured at its
   first decode-only step), or compiled by inductor first (`compile=True`: fused kernels, a
-  compilation of tens of seconds at the first step).
+  compilation of minutes at the first step: not finished in 110 s at qwen2.5-0.5b on an
+  H200, so its speed is unmeasured).
 - One graph per bucket of rows (compiled.BUCKETS; padded rows see only their own key and
   their output is dropped), captured against the RunningKV storage as it is: its keys and
   values at their full capacity, each row's stored positions masked (`visible`). When the
