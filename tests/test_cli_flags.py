@@ -239,6 +239,8 @@ ROWS = [
     ("bench --clients", ["bench", "server", "--clients", "2,4"], "bench_server", "levels", [2, 4]),
     ("bench --concurrent", ["bench", "speculative", "--concurrent", "3"], "bench_concurrent", "concurrent",
      3),
+    ("bench --prompt-tokens", ["bench", "speculative", "--clients", "2", "--prompt-tokens", "64"],
+     "bench_concurrent", "prompt_tokens", 64),
     ("bench --concurrency", ["bench", "beam", "--concurrency", "5"], "bench_beam", "clients", 5),
     ("bench --hardening", ["bench", "server", "--hardening"], "bench_hardening", "new_tokens", 64),
     ("bench --new-tokens", ["bench", "beam", "--new-tokens", "256"], "bench_beam", "new_tokens", 256),

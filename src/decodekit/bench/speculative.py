@@ -358,6 +358,7 @@ def bench_concurrent(
     repeats: int = 3,
     single_prompts: int = 3,
     threads: int = 1,
+    prompt_tokens: int | None = None,
 ) -> dict:
     """`concurrent` speculative requests (distinct held-out prompts, T = 0, EOS ignored) batched
     on the target's persistent engine against the same requests decoded plainly on that
@@ -367,8 +368,14 @@ def bench_concurrent(
     with prompt lookup on prompts that repeat their text (`copy_prompts`), and the
     single-request speedup (each of `single_prompts` prompts alone, one after another), as
     `bench_speculative` measures it. Greedy speculative output must equal plain greedy output
-    token for token, which is checked."""
+    token for token, which is checked.
+
+    prompt_tokens: instead, prompts of exactly that many tokens (`long_context.py`: windows of
+    the validation text), on an engine whose pools keep every prompt's KV, the target's and
+    the draft's, between runs (the timed runs decode; the untimed reference run prefills);
+    no copy workload. Issue 36: seed 001's claim that speculation pays at long context."""
     import decodekit as dk
+    from decodekit.bench import long_context
     from decodekit.engine.persistent import engine_for
 
     previous = torch.get_num_threads()
@@ -376,7 +383,14 @@ def bench_concurrent(
     try:
         target, draft = dk.load_model(target_name), dk.load_model(draft_name)
         params = _params(new_tokens, 0.0)
-        workloads = {"heldout": heldout_prompts(target, concurrent), "copy": copy_prompts(target, concurrent)}
+        if prompt_tokens is None:
+            workloads = {"heldout": heldout_prompts(target, concurrent),
+                         "copy": copy_prompts(target, concurrent)}  # fmt: skip
+        else:
+            long_context.check_context((target, draft), prompt_tokens, new_tokens, gamma)
+            workloads = {"heldout": long_context.context_prompts(target, concurrent, prompt_tokens)}
+            engine_for(target, long_context.context_engine_config(concurrent, prompt_tokens + new_tokens
+                                                                  + gamma))  # fmt: skip
         expected = {name: [c[0].token_ids for c in dk.generate(target, prompts, params)]  # and warm-up
                     for name, prompts in workloads.items()}  # fmt: skip
         # key: (workload, drafter, γ, adaptive, fallback)
@@ -390,6 +404,8 @@ def bench_concurrent(
         singles = {f"single_gamma{gamma}": ("heldout", draft, gamma, False, True),
                    f"single_gamma{gamma}_always": ("heldout", draft, gamma, False, False),
                    f"single_copy_lookup_gamma{gamma}": ("copy", lookup, gamma, False, True)}  # fmt: skip
+        configs = {key: config for key, config in configs.items() if config[0] in workloads}
+        singles = {key: config for key, config in singles.items() if config[0] in workloads}
         results: dict = {}
 
         def spec_run(batches, key, workload, drafter, g, adaptive, fallback):
@@ -421,6 +437,7 @@ def bench_concurrent(
 
             return go
 
+        cached_before = engine.stats()["prefix_cache_hit_tokens"]
         for _ in range(repeats):  # interleaved, so load from other processes hits all alike
             for workload in workloads:
                 key = "plain" if workload == "heldout" else "copy_plain"
@@ -452,17 +469,20 @@ def bench_concurrent(
         out: dict = {"target": target_name, "draft": draft_name, "concurrent": concurrent,
                      "new_tokens": new_tokens, "temperature": 0, "verify": "block",
                      "machine": machine(), "load_average": os.getloadavg()[0],
-                     "plain": {**tokens_per_second(total, best["plain"]), **per_step("plain")},
-                     "copy_plain": {**tokens_per_second(total, best["copy_plain"]),
-                                    **per_step("copy_plain")}}  # fmt: skip
+                     "prompt_tokens": prompt_tokens,
+                     # prompt tokens the timed runs took from the target's prefix cache, not prefilled
+                     "prefix_cache_hit_tokens": engine.stats()["prefix_cache_hit_tokens"] - cached_before,
+                     "plain": {**tokens_per_second(total, best["plain"]), **per_step("plain")}}  # fmt: skip
+        if "copy" in workloads:
+            out["copy_plain"] = {**tokens_per_second(total, best["copy_plain"]), **per_step("copy_plain")}
         for key, config in configs.items():
             plain = "plain" if config[0] == "heldout" else "copy_plain"
             out[key] = {**against(key, plain, total), **per_step(key)}
         single_total = single_prompts * new_tokens
         out["single"] = {"prompts": single_prompts, "gamma": gamma,
-                         "plain": tokens_per_second(single_total, best["single_plain"]),
-                         "copy_plain": tokens_per_second(single_total,
-                                                         best["single_copy_plain"])}  # fmt: skip
+                         "plain": tokens_per_second(single_total, best["single_plain"])}  # fmt: skip
+        if "copy" in workloads:
+            out["single"]["copy_plain"] = tokens_per_second(single_total, best["single_copy_plain"])
         for key, config in singles.items():
             plain = "single_plain" if config[0] == "heldout" else "single_copy_plain"
             out["single"][key.removeprefix("single_")] = against(key, plain, single_total)

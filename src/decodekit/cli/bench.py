@@ -43,6 +43,7 @@ TAKES: dict[str, tuple[str, ...]] = {
     "eager": ("engine",),
     "quick": ("speculative",),
     "clients": ("speculative", "server", "beam", "soak"),
+    "prompt_tokens": ("speculative",),
     "hardening": ("server",),
     "new_tokens": ("decode", "engine", "dtype", "compress", "speculative", "server", "beam", "soak",
                    "packed"),
@@ -126,6 +127,11 @@ def add_bench(sub) -> None:
                    "(default 1,8,32,64); bench beam (default 16) and soak (default 64), one count; "
                    "bench speculative, N concurrent requests batched on the engine against N plain ones "
                    "instead of the sweep over the draft length (--concurrent, --concurrency: deprecated)")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="P",
+                   help="bench speculative --clients: prompts of exactly P tokens (windows of the shipped "
+                   "validation text; prompt and draft KV cached before the timed runs) instead of short "
+                   "held-out speeches and the copy workload (past 512 positions: a RoPE-scaled copy of the "
+                   "models, benchmarks/speculative_long_context.py)")
     p.add_argument("--hardening", action="store_true", help="bench server: /health under a huge prompt "
                    "and 64 streams, a 100 MB body's 413, best-of-16 on a pool of two servers "
                    "(bench/hardening.py)")
@@ -160,6 +166,11 @@ def settle(args) -> None:
     if args.quick and args.clients is not None:
         raise UsageError("--quick shortens the sweep of bench speculative; --clients runs the concurrent "
                          "comparison instead")
+    if args.prompt_tokens is not None and args.clients is None:
+        raise UsageError("--prompt-tokens sets the prompt length of bench speculative --clients N; "
+                         "give --clients")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise UsageError(f"--prompt-tokens must be a positive integer, got {args.prompt_tokens}")
     if args.hardening and (args.clients is not None or args.repeats is not None or args.peer is not None):
         raise UsageError("bench server --hardening runs its own fixed load: no --clients, --repeats or "
                          "--peer")
@@ -221,7 +232,7 @@ def run_bench(args) -> None:
         from decodekit.bench.speculative import bench_concurrent
 
         result = bench_concurrent(args.model, args.draft_model, args.clients, args.new_tokens,
-                                  repeats=args.repeats, threads=threads)
+                                  repeats=args.repeats, threads=threads, prompt_tokens=args.prompt_tokens)
     elif args.which == "speculative":
         from decodekit.bench.speculative import bench_speculative, markdown_table
 
