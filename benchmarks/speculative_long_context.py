@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 
@@ -35,6 +36,23 @@ import torch
 
 from decodekit.bench.long_context import rope_scaled_copy
 from decodekit.bench.speculative import bench_concurrent
+
+
+def tail_perplexity(path: str, window: int, windows: int = 4, scored: int = 256) -> float:
+    """Perplexity of the last `scored` tokens of `windows` windows of `window` tokens spread over
+    the shipped test text: what the model makes of positions up to `window` (a probe, 1,024
+    tokens scored at the defaults; `decodekit eval perplexity` is the full measure)."""
+    import decodekit as dk
+    from decodekit.compress.evaluate import HELD_OUT
+    from decodekit.models.base import score_batch
+
+    model = dk.load_model(path)
+    ids = model.encode(HELD_OUT["test"].read_text())
+    step = (len(ids) - window) // windows
+    rows = [ids[i * step : i * step + window] for i in range(windows)]
+    with torch.inference_mode():
+        nll = -sum(float(s.sum()) for row in rows for s in score_batch(model, [row], [window - scored]))
+    return round(math.exp(nll / (windows * scored)), 2)
 
 
 def point(label: str, target: str, draft: str, context: int, batch: int, args) -> dict:
@@ -93,6 +111,13 @@ def main(argv: list[str] | None = None) -> None:
         scaled = (f"theta x{args.theta_factor:g}", str(rope_scaled_copy(args.target, tmp, args.theta_factor,
                                                                         args.positions)),
                   str(rope_scaled_copy(args.draft, tmp, args.theta_factor, args.positions)))  # fmt: skip
+        quality = {f"{name} {label}, positions < {window}": tail_perplexity(path, window)
+                   for name, shipped, copy in ((args.target, args.target, scaled[1]),
+                                               (args.draft, args.draft, scaled[2]))
+                   for label, path, windows in (("shipped", shipped, (512,)),
+                                                (scaled[0], copy, (512, args.positions - 256)))
+                   for window in windows}  # fmt: skip
+        print("perplexity, last 256 tokens of 4 windows of the test text:", json.dumps(quality, indent=1))
         for context in args.contexts:
             fits = context + args.new_tokens + args.gamma <= 512
             pairs = [("shipped", args.target, args.draft)] if fits and not args.no_shipped else []
@@ -101,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             for batch in args.batches:
                 for label, target, draft in pairs:
                     result = point(label, target, draft, context, batch, args)
+                    result["tail_perplexity"] = quality
                     results.append(result)
                     print(f"[{time.perf_counter() - start:6.0f} s] {rows(result)[0]}", flush=True)
                     if args.json:
