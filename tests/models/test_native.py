@@ -255,6 +255,29 @@ def test_dynamic_ntk_rope_batched_greedy_equals_alone(tmp_path):
         assert (padded[row] - native_logits(model, prompt)[-1]).abs().max() <= 1e-4
 
 
+def test_speculative_decoding_refuses_to_pass_a_dynamic_rope_models_positions(tmp_path):
+    """Past the trained positions a verification's γ + 1 tokens share one length's
+    frequencies where decoding gives each its own, so speculation would not be exact: within
+    them it equals greedy decoding, beyond them it is refused with the numbers."""
+    import decodekit as dk
+
+    config = transformers.LlamaConfig(
+        **{**TINY, "max_position_embeddings": 16},
+        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config)
+    randomize(hf_model, seed=5)
+    hf_model.save_pretrained(tmp_path)
+    model = NativeLM.from_pretrained(tmp_path)
+    prompt = [(7 * i + 3) % 100 + 1 for i in range(5)]
+    within = dk.SamplingParams(temperature=0, max_new_tokens=11, ignore_eos=True)  # 16 positions
+    result = dk.speculative_generate(model, model, [prompt], within, num_draft_tokens=3)
+    assert result.completions[0][0].token_ids == dk.generate(model, [prompt], within)[0][0].token_ids
+    with pytest.raises(ValueError, match="16 trained positions; this request reaches 17"):
+        dk.speculative_generate(model, model, [prompt], within.replace(max_new_tokens=12))
+
+
 def test_metadata_sharded_weights_and_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -359,6 +359,7 @@ class Speculative:
                                     self.trace, self.fallback)  # fmt: skip
         drafter = make_drafter(self.draft, target)
         requests = make_requests(target, list(prompts), params)
+        check_dynamic_rope(target, requests)
         route = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
                              delegate=False)  # verification needs the target's own logits  # fmt: skip
         stats = SpeculativeStats()
@@ -414,6 +415,25 @@ def speculative_generate(
     run = strategy.prepare(target, prompt_list, params)
     results = run.completions()
     return SpeculativeResult(results[0] if single else results, run.stats())
+
+
+def check_dynamic_rope(target: LanguageModel, requests: list[Request]) -> None:
+    """Refuse a request that would pass a dynamic-NTK RoPE target's trained positions: past
+    them each decoding step rotates its token with the frequencies of its own length, while
+    a verification rotates its γ + 1 tokens with one length's (the forward's, as
+    transformers does), so the verified tokens would not be the ones decoding gives."""
+    rope = getattr(getattr(target, "config", None), "rope", None)
+    if rope is None or rope.kind != "dynamic":
+        return
+    for request in requests:
+        longest = len(request.prompt_ids) + request.params.max_new_tokens
+        if longest > rope.max_positions:
+            raise ValueError(
+                f"speculative decoding is exact only within a dynamic-RoPE model's "
+                f"{rope.max_positions} trained positions; this request reaches {longest} "
+                f"({len(request.prompt_ids)} prompt + {request.params.max_new_tokens} new tokens): "
+                "lower max_new_tokens or decode it without speculation"
+            )
 
 
 def speculative_config(num_draft_tokens, verify, adaptive, max_draft_tokens, trace=None,
