@@ -255,10 +255,11 @@ def test_dynamic_ntk_rope_batched_greedy_equals_alone(tmp_path):
         assert (padded[row] - native_logits(model, prompt)[-1]).abs().max() <= 1e-4
 
 
-def test_speculative_decoding_refuses_to_pass_a_dynamic_rope_models_positions(tmp_path):
-    """Past the trained positions a verification's γ + 1 tokens share one length's
-    frequencies where decoding gives each its own, so speculation would not be exact: within
-    them it equals greedy decoding, beyond them it is refused with the numbers."""
+def test_speculative_decoding_past_a_dynamic_rope_models_positions_equals_greedy(tmp_path):
+    """Past the trained positions a forward's frequencies depend on its length: a
+    verification gives each of its tokens its own length's, as decoding one by one does, so
+    speculation equals greedy decoding there (it did not when a verification shared one
+    length); a prompt longer than the trained positions is refused, with the numbers."""
     import decodekit as dk
 
     config = transformers.LlamaConfig(
@@ -271,11 +272,11 @@ def test_speculative_decoding_refuses_to_pass_a_dynamic_rope_models_positions(tm
     hf_model.save_pretrained(tmp_path)
     model = NativeLM.from_pretrained(tmp_path)
     prompt = [(7 * i + 3) % 100 + 1 for i in range(5)]
-    within = dk.SamplingParams(temperature=0, max_new_tokens=11, ignore_eos=True)  # 16 positions
-    result = dk.speculative_generate(model, model, [prompt], within, num_draft_tokens=3)
-    assert result.completions[0][0].token_ids == dk.generate(model, [prompt], within)[0][0].token_ids
-    with pytest.raises(ValueError, match="16 trained positions; this request reaches 17"):
-        dk.speculative_generate(model, model, [prompt], within.replace(max_new_tokens=12))
+    past = dk.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)  # to 35 positions
+    result = dk.speculative_generate(model, model, [prompt], past, num_draft_tokens=3)
+    assert result.completions[0][0].token_ids == dk.generate(model, [prompt], past)[0][0].token_ids
+    with pytest.raises(ValueError, match="16 trained positions; this prompt has 17 tokens"):
+        dk.speculative_generate(model, model, [list(range(1, 18))], past)
 
 
 def test_metadata_sharded_weights_and_tokenizer(tmp_path):

@@ -418,21 +418,20 @@ def speculative_generate(
 
 
 def check_dynamic_rope(target: LanguageModel, requests: list[Request]) -> None:
-    """Refuse a request that would pass a dynamic-NTK RoPE target's trained positions: past
-    them each decoding step rotates its token with the frequencies of its own length, while
-    a verification rotates its γ + 1 tokens with one length's (the forward's, as
-    transformers does), so the verified tokens would not be the ones decoding gives."""
+    """Refuse a prompt longer than a dynamic-NTK RoPE target's trained positions. Past them a
+    forward's frequencies depend on its length: a verification gives each token its own
+    length's, as decoding does (batch.py `build_batch`), but a prompt's tokens share the
+    prompt's length, and speculation prefills all but the prompt's last token, so their keys
+    would not be the ones plain decoding computes."""
     rope = getattr(getattr(target, "config", None), "rope", None)
     if rope is None or rope.kind != "dynamic":
         return
     for request in requests:
-        longest = len(request.prompt_ids) + request.params.max_new_tokens
-        if longest > rope.max_positions:
+        if len(request.prompt_ids) > rope.max_positions:
             raise ValueError(
-                f"speculative decoding is exact only within a dynamic-RoPE model's "
-                f"{rope.max_positions} trained positions; this request reaches {longest} "
-                f"({len(request.prompt_ids)} prompt + {request.params.max_new_tokens} new tokens): "
-                "lower max_new_tokens or decode it without speculation"
+                f"speculative decoding is exact only for prompts within a dynamic-RoPE model's "
+                f"{rope.max_positions} trained positions; this prompt has {len(request.prompt_ids)} "
+                "tokens: shorten it or decode without speculation"
             )
 
 

@@ -273,11 +273,14 @@ def build_batch(
         start = len(tokens)
         tokens += seq_tokens[length - count : length]
         positions += range(length - count, length)
-        lengths += [length] * count
         all_slots += slots
         if every is not None and every[index]:
             keep += range(start, start + count)
+            # a verification's tokens as decoding would have fed them one by one: each with
+            # its own length's frequencies (dynamic RoPE; a prompt shares its forward's length)
+            lengths += range(length - count + 1, length + 1)
         else:
+            lengths += [length] * count
             keep.append(start + count - 1)
         if index < decoding and (count != 1 or running.total_length(index) != length):
             # a row's KV and its table disagree: the step would attend over the wrong keys
