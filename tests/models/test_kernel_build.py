@@ -214,3 +214,21 @@ def test_an_unwritable_cache_means_one_line_and_the_pure_torch_paths(installed, 
     assert err.count("\n") == 1
     assert err.startswith("decodekit: the CPU kernels cannot be built (cannot write ")
     assert cxx.calls() == []
+
+
+def test_a_checkouts_build_copies_a_library_built_for_another_clone(monkeypatch, tmp_path):
+    """scripts/setup.sh in a second clone finds the library built for the first in the user's
+    cache; `--build` copies it into the checkout's `_native/`, where the test suite (whose
+    DECODEKIT_CACHE_DIR is a temporary directory) looks, instead of building it again there."""
+    native, cache = tmp_path / "native", tmp_path / "cache"
+    monkeypatch.setattr(kernel_build, "BUILD_DIR", native)
+    monkeypatch.setattr(kernel_build, "in_checkout", lambda: True)
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(cache))
+    built = cache / kernel_build.CACHE_SUBDIR / kernel_build.library_name()
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"\x7fELF stand-in")
+    assert kernel_build.find() == built
+    copied = kernel_build.into_build_dir(built)
+    assert copied == native / built.name and copied.read_bytes() == built.read_bytes()
+    assert kernel_build.find() == copied and kernel_build.into_build_dir(copied) == copied
+    assert [p.name for p in native.iterdir()] == [built.name]  # no partial copy left behind

@@ -6,8 +6,9 @@ mismatched build is never loaded. It is looked for in two places (`find`):
 
 - `_native/` beside the sources when they lie in a checkout (an editable install:
   `src/decodekit/models` under a directory holding pyproject.toml). scripts/setup.sh builds
-  there, and the test suite, which points DECODEKIT_CACHE_DIR at a temporary directory,
-  finds it there;
+  there (or copies there the library another clone built into the cache: `into_build_dir`),
+  and the test suite, which points DECODEKIT_CACHE_DIR at a temporary directory, finds it
+  there;
 - `kernels/` in decodekit's cache directory (cache_dir.py), where an installed package (a
   wheel) builds it.
 
@@ -127,6 +128,22 @@ def find() -> Path | None:
         if (directory / name).is_file():
             return directory / name
     return None
+
+
+def into_build_dir(found: Path) -> Path:
+    """`found` copied into `build_dir()` when it lies elsewhere (a checkout whose library was
+    built for another clone, in the cache): the test suite, which points DECODEKIT_CACHE_DIR
+    at a temporary directory, then finds it there instead of building it again (~1 minute).
+    The copy appears under its final name only when complete."""
+    target = build_dir() / found.name
+    if found == target or target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{found.name}.", delete=False) as part:
+        shutil.copyfile(found, part.name)
+    os.chmod(part.name, 0o755)
+    os.replace(part.name, target)
+    return target
 
 
 def remembered_failure(target: Path) -> str | None:

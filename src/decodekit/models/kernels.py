@@ -248,7 +248,11 @@ def build() -> Status:
     BuildError (a RuntimeError) with the compiler's output on failure."""
     if (reason := kernel_build.unsupported_cpu(kernel_build.cpu_flags())) is not None:
         raise kernel_build.BuildError(reason)
-    kernel_build.find() or kernel_build.build(kernel_build.build_dir() / kernel_build.library_name())
+    found = kernel_build.find()
+    if found is None:
+        kernel_build.build(kernel_build.build_dir() / kernel_build.library_name())
+    else:  # built for another checkout, in the cache: a copy here, where the tests look
+        kernel_build.into_build_dir(found)
     status.cache_clear()
     return status()
 
