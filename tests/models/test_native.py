@@ -209,16 +209,22 @@ def test_greedy_tokens_equal_transformers_generate(pair):
     assert got == expected
 
 
-def test_dynamic_ntk_rope_beyond_max_positions_matches_transformers(tmp_path):
+def dynamic_rope_pair(path, factor: float, seed: int):
+    """A tiny Llama with dynamic-NTK RoPE over 16 trained positions, saved at `path`: the
+    transformers model and decodekit's NativeLM of it."""
     config = transformers.LlamaConfig(
         **{**TINY, "max_position_embeddings": 16},
-        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": factor},
     )
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(config)
-    randomize(hf_model, seed=3)
-    hf_model.save_pretrained(tmp_path)
-    model = NativeLM.from_pretrained(tmp_path)
+    randomize(hf_model, seed=seed)
+    hf_model.save_pretrained(path)
+    return hf_model, NativeLM.from_pretrained(path)
+
+
+def test_dynamic_ntk_rope_beyond_max_positions_matches_transformers(tmp_path):
+    hf_model, model = dynamic_rope_pair(tmp_path, factor=2.0, seed=3)
     for length in (12, 24):  # within, then beyond, the 16 trained positions
         tokens = [(7 * i + 3) % 101 for i in range(length)]
         expected = hf_logits(hf_model.eval(), tokens)
@@ -232,15 +238,7 @@ def test_dynamic_ntk_rope_batched_greedy_equals_alone(tmp_path):
     the batch sharing its longest row's frequencies)."""
     import decodekit as dk
 
-    config = transformers.LlamaConfig(
-        **{**TINY, "max_position_embeddings": 16},
-        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-    )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(config)
-    randomize(hf_model, seed=5)
-    hf_model.save_pretrained(tmp_path)
-    model = NativeLM.from_pretrained(tmp_path)
+    _, model = dynamic_rope_pair(tmp_path, factor=4.0, seed=5)
     prompts = [[(7 * i + 3 * j) % 100 + 1 for i in range(4 + 7 * j)] for j in range(3)]  # 4, 11, 18 tokens
     greedy = dk.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
     alone = [dk.generate(model, [prompt], greedy)[0][0].token_ids for prompt in prompts]
@@ -262,15 +260,7 @@ def test_speculative_decoding_past_a_dynamic_rope_models_positions_equals_greedy
     length); a prompt longer than the trained positions is refused, with the numbers."""
     import decodekit as dk
 
-    config = transformers.LlamaConfig(
-        **{**TINY, "max_position_embeddings": 16},
-        rope_scaling={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-    )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(config)
-    randomize(hf_model, seed=5)
-    hf_model.save_pretrained(tmp_path)
-    model = NativeLM.from_pretrained(tmp_path)
+    _, model = dynamic_rope_pair(tmp_path, factor=4.0, seed=5)
     prompt = [(7 * i + 3) % 100 + 1 for i in range(5)]
     past = dk.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)  # to 35 positions
     result = dk.speculative_generate(model, model, [prompt], past, num_draft_tokens=3)

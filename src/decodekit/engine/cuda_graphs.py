@@ -32,7 +32,6 @@ CPU's tests check everything here but the capture.
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -64,7 +63,6 @@ class GraphedLanes:
         self.capture = capture
         self.graphs: dict[int, _Graph] = {}
         self.failed: str | None = None
-        self.load_seconds: list[float] = []  # each capture's time (with the compilation, the first)
         self.captures = 0
         self._step = lanes_step(model, "graphed_decode_step")
         self._compiled = None  # the inductor-compiled step, once compiled
@@ -116,7 +114,6 @@ class GraphedLanes:
         stale = [key for key, graph in self.graphs.items() if graph.keys is not running_kv.keys]
         for key in stale:  # the rows grew: graphs over their old storage read freed memory
             del self.graphs[key]
-        start = time.perf_counter()
         try:
             graph = self._new_graph(size, running_kv.keys, running_kv.values)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
@@ -126,7 +123,6 @@ class GraphedLanes:
             return None
         self.graphs[size] = graph
         self.captures += 1
-        self.load_seconds.append(time.perf_counter() - start)
         return graph
 
     def _new_graph(self, size: int, keys: torch.Tensor, values: torch.Tensor) -> _Graph:
@@ -166,10 +162,10 @@ class GraphedLanes:
         if not self.inductor:
             return self._step
         if self._compiled is None:
-            from decodekit.engine.lanes import compile_step
+            from decodekit.engine.lanes import compile_options, compile_step
 
-            # no C++ wrapper (lanes.py compile_options): a replayed graph has no wrapper to speed up
-            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            # no C++ wrapper: a replayed graph has no wrapper to speed up
+            options = compile_options(compiled.BACKEND, cpp_wrapper=False)
             name = "graphed_compiled_step"
             self._compiled = compile_step(self.model, name, False, example, compiled.BACKEND, options)
         return self._compiled

@@ -30,13 +30,14 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
-def compile_options(backend) -> dict:
-    """torch.compile's options for a bucket's step."""
+def compile_options(backend, cpp_wrapper: bool = True) -> dict:
+    """torch.compile's options for a bucket's step (`cpp_wrapper=False`: inductor's Python
+    wrapper, for a step a CUDA graph replays: cuda_graphs.py)."""
     # No guards on the model's modules: these steps belong to one model object and its
     # weights as they are (`lanes_for` builds new ones when they change), and checking each
     # parameter on every call cost 0.65 ms a token at 240M (int4, 16 layers).
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    if backend == "inductor":
+    if backend == "inductor" and cpp_wrapper:
         # The graph's wrapper in C++, not Python: its ~50 buffer checks and each kernel's
         # call leave the interpreter (0.30 -> 0.25 ms a step of `shakespeare`, int8/int4
         # alike; a cold compile measured no longer, 18 s against 22 s).

@@ -44,9 +44,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first index i of each row of probs [..., V] with cdf[i] > u * total, u [...]."""
     cdf = torch.cumsum(probs.double(), dim=-1)  # [..., V]
-    if cdf.is_cuda:  # up asynchronously, from pinned memory: no synchronisation of the host
-        u = u.pin_memory().to(cdf.device, non_blocking=True)
-    target = u.to(cdf.device)[..., None] * cdf[..., -1:]
+    # to a GPU asynchronously, from pinned memory: no synchronisation of the host
+    u = u.pin_memory().to(cdf.device, non_blocking=True) if cdf.is_cuda else u.to(cdf.device)
+    target = u[..., None] * cdf[..., -1:]
     tokens = torch.searchsorted(cdf, target, right=True)[..., 0]
     return tokens.clamp(max=probs.shape[-1] - 1)
 
