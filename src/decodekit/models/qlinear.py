@@ -534,7 +534,11 @@ class QuantizedLinear(nn.Module):
         the dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
             dtype = prefill_dtype()
-            weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]
+            if kernels.eager_op(self.scales):  # one pass over the codes (csrc/dequant.cpp), the same numbers
+                bf16 = dtype == torch.bfloat16
+                weight = torch.ops.decodekit.dequantize(self.qweight, self.scales, self.in_features, bf16)
+            else:
+                weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]
             return F.linear(x.to(dtype), weight).to(x.dtype)
         if self.kernel == "int8pack":
             return int8_kernel_matmul(x, self.qweight, self.kernel_scales)

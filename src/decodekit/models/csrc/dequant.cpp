@@ -1,0 +1,88 @@
+// decodekit::dequantize(codes, scales, in_features, bf16): a quantised layer's weight
+// W[n, k] = code[n, k] * scale[n, k / group] as float32 (or bfloat16), for the one GEMM a
+// prefill runs above qlinear.py's PACKED_MAX_ROWS rows.
+//
+// The same numbers as qlinear.py's `dequantize` (codes and scales converted to the dtype, one
+// product rounded once: float32, or bfloat16 rounded to nearest even), which ATen computes in
+// ~6 passes over the weight (unpack, cat, convert, multiply): ~19 ms for an int4 896 -> 4864
+// layer on the Zen 3, as long as the GEMM after it at 200 rows (BENCHMARKS.md, issue 39). Here
+// one pass reads the codes and writes the weight.
+//
+// codes: int8 [N, K] (int8 layers), or uint8 [N, H] two int4 codes a byte (qlinear.py
+// `pack_int4`: byte j holds column j in its low nibble and column H + j in its high one,
+// both signed); scales: float32 [N, G] with G dividing K.
+#include "gemv_common.h"
+
+#include <vector>
+
+namespace {
+
+// One row: its int4 codes sign-extended into `codes` (two plain loops: the low nibbles are
+// columns [0, half), the high ones [half, K)), then per group w[k] = float(code) * scale,
+// float32 or rounded to bfloat16. The multiply is the only rounding (codes up to ±127 are
+// exact in bfloat16 too). Plain loops the compiler vectorises for AVX2.
+template <bool BF16, bool INT4>
+AVX2 void dequantize_row(const uint8_t* row, int64_t half, const float* scales, int64_t K, int64_t group,
+                         int8_t* codes, void* out) {
+  const int8_t* c = reinterpret_cast<const int8_t*>(row);
+  if constexpr (INT4) {
+    for (int64_t j = 0; j < half; ++j) codes[j] = int8_t(uint8_t(row[j] << 4)) >> 4;
+    for (int64_t j = 0; j < K - half; ++j) codes[half + j] = int8_t(row[j]) >> 4;
+    c = codes;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    const float scale = BF16 ? bf16_to_float(float_to_bf16(scales[k0 / group])) : scales[k0 / group];
+    if constexpr (BF16) {
+      uint16_t* o = static_cast<uint16_t*>(out) + k0;
+      for (int64_t k = 0; k < group; ++k) o[k] = float_to_bf16(float(c[k0 + k]) * scale);
+    } else {
+      float* o = static_cast<float*>(out) + k0;
+      for (int64_t k = 0; k < group; ++k) o[k] = float(c[k0 + k]) * scale;
+    }
+  }
+}
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales_in, int64_t K, bool bf16) {
+  TORCH_CHECK(isa() != kNone, "decodekit kernels need AVX2 + FMA");
+  TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu() && codes.is_contiguous() &&
+                  (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte),
+              "codes must be a contiguous CPU int8 [N, K] or uint8 [N, ceil(K / 2)] tensor");
+  const bool int4 = codes.scalar_type() == at::kByte;
+  const int64_t N = codes.size(0), width = codes.size(1);
+  TORCH_CHECK(int4 ? width == (K + 1) / 2 : width == K, "codes hold ", width, " bytes a row, not ",
+              int4 ? "ceil(K / 2)" : "K", " for K = ", K);
+  const at::Tensor scales = scales_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) > 0 && K % scales.size(1) == 0,
+              "scales must be [N, G] with G dividing K = ", K);
+  const int64_t G = scales.size(1), group = K / G;
+  at::Tensor out = at::empty({N, K}, codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t out_row = K * (bf16 ? 2 : 4);
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<int8_t> unpacked(int4 ? K : 0);
+    int8_t* u = unpacked.data();
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = cp + n * width;
+      const float* s = sp + n * G;
+      void* o = op + n * out_row;
+      if (int4 && bf16) dequantize_row<true, true>(row, width, s, K, group, u, o);
+      else if (int4) dequantize_row<false, true>(row, width, s, K, group, u, o);
+      else if (bf16) dequantize_row<true, false>(row, width, s, K, group, u, o);
+      else dequantize_row<false, false>(row, width, s, K, group, u, o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(decodekit, m) {
+  m.def("dequantize(Tensor codes, Tensor scales, int in_features, bool bf16) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
+  m.impl("dequantize", &dequantize);
+}

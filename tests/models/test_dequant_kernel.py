@@ -1,0 +1,66 @@
+"""decodekit::dequantize (csrc/dequant.cpp): a quantised layer's prefill weight in one pass,
+the same bits as qlinear.py's `dequantize` in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.models import kernels, qlinear
+from decodekit.models.qlinear import PACKED_MAX_ROWS, QuantizedLinear, QuantSpec, dequantize, pack_int4
+
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
+)
+
+
+def _codes(bits: int, n: int, k: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    top = 8 if bits == 4 else 128
+    codes = torch.randint(-top, top, (n, k), generator=g, dtype=torch.int8)
+    return codes, torch.randn(n, groups, generator=g).abs() * 0.01 + 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k", "groups"), [(5, 96, 3), (7, 33, 1), (3, 64, 2), (9, 130, 5), (64, 896, 14)])
+def test_the_op_gives_the_bits_of_the_torch_dequantisation(bits, dtype, n, k, groups):
+    codes, scales = _codes(bits, n, k, groups)
+    stored = pack_int4(codes) if bits == 4 else codes  # int4: two codes a byte, halves layout
+    out = torch.ops.decodekit.dequantize(stored, scales, k, dtype == torch.bfloat16)
+    expected = dequantize(codes, scales, dtype)
+    assert out.dtype == dtype and out.shape == (n, k)
+    assert torch.equal(out.view(torch.int16) if dtype == torch.bfloat16 else out.view(torch.int32),
+                       expected.view(torch.int16) if dtype == torch.bfloat16 else expected.view(torch.int32))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group"), [(4, None), (4, 32), (8, None), (8, 64)])
+def test_a_prefill_gives_the_same_outputs_with_and_without_the_op(bits, group, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(128, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 128, generator=g) / 10)
+    layer = QuantizedLinear.from_linear(linear, QuantSpec(bits=bits, group_size=group))
+    x = torch.randn(PACKED_MAX_ROWS + 7, 128, generator=g)  # a prefill: above the kernels' rows
+    calls = []
+    op = torch.ops.decodekit.dequantize
+    monkeypatch.setattr(qlinear.torch.ops.decodekit, "dequantize", lambda *a: calls.append(1) or op(*a), raising=False)
+    with torch.no_grad():
+        fast = layer(x)
+        assert calls, "the prefill did not run decodekit::dequantize"
+        monkeypatch.setattr(kernels, "eager_op", lambda *tensors: False)
+        slow = layer(x)
+    assert torch.equal(fast, slow)
+
+
+@needs_kernels
+def test_bad_operands_are_refused_with_the_expected_shape():
+    codes, scales = _codes(8, 4, 32, 2)
+    with pytest.raises(RuntimeError, match="codes hold 32 bytes a row"):
+        torch.ops.decodekit.dequantize(codes, scales, 64, False)
+    with pytest.raises(RuntimeError, match="G dividing K"):
+        torch.ops.decodekit.dequantize(codes, torch.ones(4, 3), 32, False)
+    with pytest.raises(RuntimeError, match="int8 \\[N, K\\] or uint8"):
+        torch.ops.decodekit.dequantize(codes.float(), scales, 32, False)
