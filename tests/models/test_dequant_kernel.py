@@ -33,6 +33,8 @@ def test_the_op_gives_the_bits_of_the_torch_dequantisation(bits, dtype, n, k, gr
     assert out.dtype == dtype and out.shape == (n, k)
     assert torch.equal(out.view(torch.int16) if dtype == torch.bfloat16 else out.view(torch.int32),
                        expected.view(torch.int16) if dtype == torch.bfloat16 else expected.view(torch.int32))
+    reused = kernels.dequantize(stored, scales, k, dtype)  # into this thread's reused buffer
+    assert torch.equal(reused.float(), expected.float())
 
 
 @needs_kernels
@@ -62,5 +64,24 @@ def test_bad_operands_are_refused_with_the_expected_shape():
         torch.ops.decodekit.dequantize(codes, scales, 64, False)
     with pytest.raises(RuntimeError, match="G dividing K"):
         torch.ops.decodekit.dequantize(codes, torch.ones(4, 3), 32, False)
+    with pytest.raises(RuntimeError, match="out must be a contiguous CPU float32 \\[4, 32\\]"):
+        torch.ops.decodekit.dequantize(codes, scales, 32, False, torch.empty(4, 31))
     with pytest.raises(RuntimeError, match="int8 \\[N, K\\] or uint8"):
         torch.ops.decodekit.dequantize(codes.float(), scales, 32, False)
+
+
+@needs_kernels
+def test_a_prefill_that_autograd_saves_does_not_use_the_reused_buffer():
+    g = torch.Generator().manual_seed(2)
+    layers = []
+    for _ in range(2):
+        linear = torch.nn.Linear(64, 32, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(32, 64, generator=g))
+        layers.append(QuantizedLinear.from_linear(linear, QuantSpec(bits=4, group_size=None)))
+    x = torch.randn(PACKED_MAX_ROWS + 1, 64, generator=g, requires_grad=True)
+    y = layers[0](x)
+    layers[1](torch.randn(PACKED_MAX_ROWS + 1, 64, generator=g))  # another prefill before backward
+    y.sum().backward()
+    weight = layers[0].dequantized_weight(torch.float32)
+    torch.testing.assert_close(x.grad, weight.sum(0).expand_as(x))

@@ -27,6 +27,8 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   blocks; scales [N, 1] or one per block of 32 inputs. They serve any number of rows (the
   layers' prefills too: W8A8 on AVX2 from 16 rows on csrc/gemm_a8.cpp's register-blocked
   tiles), and a row's outputs have the same bits whatever the rows beside it;
+- `dequantize(codes, scales, in_features, bf16, out)` (csrc/dequant.cpp): a quantised
+  layer's weight in float32 or bfloat16 for the one GEMM of its prefill (`dequantize`);
 - `rms_norm(x, weight, eps)` (csrc/norm.cpp): float32 RMSNorm over the last dimension, one op
   where ATen runs six (models/native.py's eager CPU path; `eager_op` says when it may run).
 
@@ -47,6 +49,7 @@ import argparse
 import functools
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +180,26 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.numel() >= rows * x.shape[-1] and weight.dtype == torch.float32 and weight.stride(0) == 1:
         return torch.ops.decodekit.linear_gemm(x, weight, bias)
     return torch.ops.decodekit.linear(x, weight, bias)
+
+
+_scratch = threading.local()
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """A quantised layer's weight [N, K] in float32 or bfloat16 for one prefill GEMM
+    (`decodekit::dequantize`, csrc/dequant.cpp: qlinear.dequantize's bits in one pass), from
+    int8 codes [N, K] or int4 ones packed two a byte (qlinear.pack_int4). It is written into a
+    buffer this thread reuses, valid until its next call: a fresh [N, K] was page-faulted in on
+    every call, as long as the dequantisation itself. The buffer keeps the largest layer's
+    weight per thread that prefilled (memory each call allocated and freed before). Callers
+    use it at once and never where autograd would save it (`eager_op`)."""
+    numel = codes.shape[0] * in_features
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype, device="cpu")
+    out = buffer[:numel].view(codes.shape[0], in_features)
+    return torch.ops.decodekit.dequantize(codes, scales, in_features, dtype == torch.bfloat16, out)
 
 
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:

@@ -534,9 +534,8 @@ class QuantizedLinear(nn.Module):
         the dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
             dtype = prefill_dtype()
-            if kernels.eager_op(self.scales):  # one pass over the codes (csrc/dequant.cpp), the same numbers
-                bf16 = dtype == torch.bfloat16
-                weight = torch.ops.decodekit.dequantize(self.qweight, self.scales, self.in_features, bf16)
+            if kernels.eager_op(self.scales, x):  # one pass over the codes, the same numbers
+                weight = kernels.dequantize(self.qweight, self.scales, self.in_features, dtype)
             else:
                 weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]
             return F.linear(x.to(dtype), weight).to(x.dtype)
