@@ -21,10 +21,13 @@ def _codes(bits: int, n: int, k: int, groups: int, seed: int = 0) -> tuple[torch
     return codes, torch.randn(n, groups, generator=g).abs() * 0.01 + 1e-4
 
 
+SHAPES = [(5, 96, 3), (7, 33, 1), (3, 64, 2), (9, 130, 5), (64, 896, 14)]  # (N, K, groups)
+
+
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k", "groups"), [(5, 96, 3), (7, 33, 1), (3, 64, 2), (9, 130, 5), (64, 896, 14)])
+@pytest.mark.parametrize(("n", "k", "groups"), SHAPES)
 def test_the_op_gives_the_bits_of_the_torch_dequantisation(bits, dtype, n, k, groups):
     codes, scales = _codes(bits, n, k, groups)
     stored = pack_int4(codes) if bits == 4 else codes  # int4: two codes a byte, halves layout
@@ -48,7 +51,8 @@ def test_a_prefill_gives_the_same_outputs_with_and_without_the_op(bits, group, m
     x = torch.randn(PACKED_MAX_ROWS + 7, 128, generator=g)  # a prefill: above the kernels' rows
     calls = []
     op = torch.ops.decodekit.dequantize
-    monkeypatch.setattr(qlinear.torch.ops.decodekit, "dequantize", lambda *a: calls.append(1) or op(*a), raising=False)
+    counted = lambda *args: calls.append(1) or op(*args)  # noqa: E731
+    monkeypatch.setattr(qlinear.torch.ops.decodekit, "dequantize", counted, raising=False)
     with torch.no_grad():
         fast = layer(x)
         assert calls, "the prefill did not run decodekit::dequantize"

@@ -185,7 +185,8 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 _scratch = threading.local()
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """A quantised layer's weight [N, K] in float32 or bfloat16 for one prefill GEMM
     (`decodekit::dequantize`, csrc/dequant.cpp: qlinear.dequantize's bits in one pass), from
     int8 codes [N, K] or int4 ones packed two a byte (qlinear.pack_int4). It is written into a
