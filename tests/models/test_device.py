@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import decodekit as dk
 from decodekit.models.base import prefill
-from decodekit.models.native import one_row_gemv
+from decodekit.models.half_linear import one_row_gemv
 from decodekit.models.registry import load_model, resolve_device
 
 

@@ -153,7 +153,13 @@ def eager_op(*tensors: torch.Tensor) -> bool:
     """Whether an eager forward may call one of the ops that have no autograd formula and no
     fake kernel (`rms_norm`) on these CPU tensors: the kernels run, nothing is being traced,
     and no gradient would flow through them."""
-    if torch.compiler.is_compiling() or not available():
+    return no_grad_needed(*tensors) and available()
+
+
+def no_grad_needed(*tensors: torch.Tensor) -> bool:
+    """Nothing is being traced and no gradient would flow through these tensors (so a result
+    may be computed outside autograd, or from a reused `scratch` buffer)."""
+    if torch.compiler.is_compiling():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
@@ -185,21 +191,28 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 _scratch = threading.local()
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
-               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """A quantised layer's weight [N, K] in float32 or bfloat16 for one prefill GEMM
-    (`decodekit::dequantize`, csrc/dequant.cpp: qlinear.dequantize's bits in one pass), from
-    int8 codes [N, K] or int4 ones packed two a byte (qlinear.pack_int4). It is written into a
-    buffer this thread reuses, valid until its next call: a fresh [N, K] was page-faulted in on
-    every call, as long as the dequantisation itself. The buffer keeps the largest layer's
-    weight per thread that prefilled (memory each call allocated and freed before). Callers
-    use it at once and never where autograd would save it (`eager_op`)."""
-    numel = codes.shape[0] * in_features
+def scratch(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU [rows, columns] buffer this thread reuses, valid until its next call: a prefill's
+    weight made for one GEMM (`dequantize`, models/native.py `widened_linear`). A fresh one of
+    a large layer's size was page-faulted in on every call: 4.6 ms to allocate and fill 17 MB
+    against 1.1 ms to refill (Zen 3). It keeps the largest such weight per dtype and thread that
+    prefilled, memory each call allocated and freed before. Callers use it at once and never
+    where autograd would save it (`eager_op`, `no_grad_needed`)."""
+    numel = rows * columns
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[dtype] = torch.empty(numel, dtype=dtype, device="cpu")
-    out = buffer[:numel].view(codes.shape[0], in_features)
+    return buffer[:numel].view(rows, columns)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """A quantised layer's weight [N, K] in float32 or bfloat16 for one prefill GEMM
+    (`decodekit::dequantize`, csrc/dequant.cpp: qlinear.dequantize's bits in one pass), from
+    int8 codes [N, K] or int4 ones packed two a byte (qlinear.pack_int4), written into this
+    thread's `scratch`."""
+    out = scratch(codes.shape[0], in_features, dtype)
     return torch.ops.decodekit.dequantize(codes, scales, in_features, dtype == torch.bfloat16, out)
 
 

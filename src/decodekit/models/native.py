@@ -45,6 +45,8 @@ from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.contiguous_kv import ContiguousKVCache, attention_mask
 from decodekit.models.families import FAMILIES
+from decodekit.models.half_linear import GEMV_DTYPES, one_row_gemv, widened_linear
+from decodekit.models.qlinear import prefill_dtype
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 
@@ -195,22 +197,6 @@ def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def one_row_gemv(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` for x holding one row, as a matrix-vector product over the row-major
-    [out, in] weight: x [..., in] -> [..., out].
-
-    The bfloat16/float16 decode path where decodekit's kernels are not built
-    (models/kernels.py, which `_linear` tries first): at one row, `torch.mv` over row-major bfloat16 weights
-    streams them at memory speed, while `F.linear` takes oneDNN's GEMM path, 1.5x slower
-    (measured on this AVX-512-BF16 CPU, one thread: 896 -> 9728, 837 against 1,253 us; float32
-    F.linear is 1,320 us). BENCHMARKS.md, "Real model shapes: dtype, device and speed".
-    """
-    out = torch.mv(layer.weight, x.reshape(-1))  # [out]
-    if layer.bias is not None:
-        out = out + layer.bias
-    return out.view(*x.shape[:-1], out.shape[0])
-
-
 def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if rowwise:
         return rowwise_linear(layer, x)
@@ -225,13 +211,15 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
             and x.numel() <= kernels.max_rows(weight.dtype) * x.shape[-1]
             and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
         return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV / GEMM (models/kernels.py)
-    if (x.numel() == x.shape[-1] and weight.dtype in _GEMV_DTYPES
+    if (x.numel() == x.shape[-1] and weight.dtype in GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
         return one_row_gemv(layer, x)
+    if (weight.dtype == torch.bfloat16 and weight.is_cpu and x.dtype == torch.bfloat16
+            and prefill_dtype() == torch.float32 and kernels.no_grad_needed(weight, x)):  # fmt: skip
+        return widened_linear(layer, x)
     return layer(x)
 
 
-_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # their weights stay row-major (transpose_weight_layout)
 
 
 class RMSNorm(nn.Module):
