@@ -48,3 +48,16 @@ def test_a_native_bfloat16_product_or_a_gradient_keeps_the_layer_call(monkeypatc
     out = native._linear(layer, x.requires_grad_(), rowwise=False)  # autograd would save the buffer
     out.float().sum().backward()
     assert x.grad is not None
+
+
+def test_the_buffer_serves_calls_inside_and_outside_inference_mode(monkeypatch):
+    layer = _layer(False)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    monkeypatch.setattr(native, "prefill_dtype", lambda: torch.float32)
+    with torch.inference_mode():
+        inside = native._linear(layer, x, rowwise=False)
+    with torch.no_grad():
+        outside = native._linear(layer, x, rowwise=False)
+    with torch.inference_mode():
+        again = native._linear(layer, x, rowwise=False)
+    assert torch.equal(inside, outside) and torch.equal(again, outside)

@@ -200,10 +200,13 @@ def scratch(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     where autograd would save it (`eager_op`, `no_grad_needed`)."""
     numel = rows * columns
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(dtype)
-    if buffer is None or buffer.numel() < numel:
-        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype, device="cpu")
-    return buffer[:numel].view(rows, columns)
+    # A normal tensor, not an inference one: a call under torch.inference_mode and a later
+    # one outside it both write into it.
+    with torch.inference_mode(False):
+        buffer = buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = buffers[dtype] = torch.empty(numel, dtype=dtype, device="cpu")
+        return buffer[:numel].view(rows, columns)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
