@@ -128,6 +128,7 @@ class Engine:
         error. Waiting requests stay queued and the engine stays usable (failure.py)."""
         if self.lanes is not None:
             self.lanes.poll()  # a compilation runs here, between steps (compile_worker.py)
+        self.members.poll()  # and the member models' (members.py)
         with STEPS.step(), self._step_lock, torch.inference_mode(), failure.failing_step(self):
             step = self._schedule()
             output = self._run(step)
