@@ -201,8 +201,8 @@ class GatheredRows:
         used, width = len(self), max(len(blocks) for blocks in self.blocks)
         # Short tables padded with their first block: every gathered key is a finite number,
         # which the attention's mask weighs by zero (a stale NaN would not stay zero).
-        index = torch.tensor([b for blocks in self.blocks for b in blocks + blocks[:1] * (width - len(blocks))],
-                             dtype=torch.long, device=self.pool.keys.device)  # fmt: skip
+        padded = [b for blocks in self.blocks for b in blocks + blocks[:1] * (width - len(blocks))]
+        index = torch.tensor(padded, dtype=torch.long, device=self.pool.keys.device)
         out = []
         for store in (self.pool.keys, self.pool.values):  # [N, H_kv, capacity, block_size, D]
             layers, kv_heads, _, block_size, dim = store.shape
