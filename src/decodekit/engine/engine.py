@@ -33,7 +33,7 @@ import torch
 from decodekit.engine import failure, rounds
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.block_pool import BlockPool, PoolCorrupted
-from decodekit.engine.compile_policy import CompiledDecode, eligible
+from decodekit.engine.compile_policy import CompiledDecode, CompiledSpans, eligible
 from decodekit.engine.compile_worker import STEPS
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.entry import Entry, entry_for, finish_rows
@@ -81,6 +81,10 @@ class Engine:
         if config.compile is not False and self.compile_refused is None:
             self.compiled = CompiledDecode(model, config.compile)
         self.lanes = self.compiled.lanes if self.compiled is not None else None
+        # Speculative verification steps compiled per span (compile_policy.py), on the CPU.
+        self.spans = None
+        if self.compiled is not None and model.device.type == "cpu":
+            self.spans = CompiledSpans(model, config.compile)
 
     # ------------------------------------------------------------------ requests
 
@@ -128,6 +132,8 @@ class Engine:
         error. Waiting requests stay queued and the engine stays usable (failure.py)."""
         if self.lanes is not None:
             self.lanes.poll()  # a compilation runs here, between steps (compile_worker.py)
+        if self.spans is not None:
+            self.spans.poll()
         self.members.poll()  # and the member models' (members.py)
         with STEPS.step(), self._step_lock, torch.inference_mode(), failure.failing_step(self):
             step = self._schedule()
@@ -181,6 +187,9 @@ class Engine:
         only_decoding = len(ordered) == len(decoding) and not wants_hidden and not step.forks
         if only_decoding and self.compiled is not None:
             return ordered, *self.compiled.forward(decoding, self.running_kv, self.pool, eager)
+        verifying = not step.work and not wants_hidden and not step.forks and CompiledSpans.verifies(ordered)
+        if verifying and self.spans is not None:  # a speculative verification alone (compile_policy.py)
+            return ordered, *self.spans.forward(ordered, self.pool, eager)
         return ordered, *eager()
 
     def _postprocess(self, step: Step, output: tuple | None) -> None:
