@@ -1,19 +1,22 @@
-"""The draft's compiled one-token step (issue 36): speculative decoding on `shakespeare-large`
-with the `shakespeare` draft, its draft forwards eager or compiled, beside plain decoding.
+"""Speculative decoding's compiled steps (issue 36): `shakespeare-large` with the
+`shakespeare` draft, its draft forwards and its verifications eager or compiled, beside
+plain decoding eager or compiled.
 
-One engine (compile=True, buckets compiled in an untimed warm-up) and three modes, toggled
-in-process and interleaved in every round, so they share the machine's load:
+One engine (compile=True; every bucket compiled in an untimed warm-up) and four modes,
+toggled in-process and interleaved in every round, so they share the machine's load:
 
-- eager: the engine's own decode step and the draft's forwards eager (the default engine
-  of a short run: the automatic policy compiles only once the steps have repaid it);
-- compiled plain, eager draft: what the engine gave before the draft's step compiled;
-- compiled: the engine's decode step and the draft's one-token forwards compiled
-  (engine/members.py, rounds.py `member_forward`).
+- eager: nothing compiled (the default engine of a short run: the automatic policy
+  compiles only once the steps have repaid it);
+- compiled decode: the engine's own decode step compiled (plain decoding's), the draft's
+  forwards and the verification eager: the engine before this change;
+- + draft: the draft's one-token forwards compiled too (engine/members.py, rounds.py
+  `member_forward`);
+- + verification: and a step that only verifies runs the target's compiled step of its
+  span (compile_policy.py `CompiledSpans`).
 
-Plain decoding runs in the eager and the compiled engine; each speculative mode's speedup is
-against plain in its own engine ("compiled plain, eager draft" against compiled plain).
-Greedy tokens are checked equal to plain ones. CPU time of this process, one thread, the best
-of --repeats rounds per configuration.
+Plain decoding runs eager and compiled; "eager" is against eager plain, the others against
+compiled plain. Greedy tokens are checked equal to plain ones. CPU time of this process, one
+thread, the best of --repeats rounds per configuration.
 
     OMP_NUM_THREADS=1 python benchmarks/speculative_draft_step.py \\
         --json benchmarks/results/speculative_draft_step.json
@@ -36,7 +39,7 @@ from decodekit.engine.config import EngineConfig
 from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
 from decodekit.params import SamplingParams
 
-MODES = ("eager", "compiled plain, eager draft", "compiled")
+MODES = ("eager", "compiled decode", "+ draft", "+ verification")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,17 +75,20 @@ def main(argv: list[str] | None = None) -> None:
                 stats[key] = stats.get(key, 0) + value
         return out
 
-    # Warm-up: every bucket both models use compiles here (one row each), untimed.
+    # Warm-up, untimed: every bucket both models use compiles here (one row; each span the
+    # configurations verify, down to the short blocks at the end of a generation).
     for prompt in prompts[:1]:
         dk.generate(target, prompt, params(0.0, 8))
-        speculative_generate(target, draft, prompt, params(0.0, 16), 4, "block", fallback=False)
+        for temperature, gamma in configs:
+            speculative_generate(target, draft, prompt, params(temperature), gamma, "block", fallback=False)
     member = engine.members.of(draft)
-    main_step, draft_step = engine.compiled, member.compiled
-    assert main_step.lanes.ready and draft_step.lanes.ready, "the warm-up compiled no bucket"
+    main_step, draft_step, spans = engine.compiled, member.compiled, engine.spans
+    assert main_step.lanes.ready and draft_step.lanes.ready and spans.by_span, "the warm-up compiled nothing"
 
     def mode(name: str) -> None:
         engine.compiled = None if name == "eager" else main_step
-        member.compiled = draft_step if name == "compiled" else None
+        member.compiled = draft_step if name in ("+ draft", "+ verification") else None
+        engine.spans = spans if name == "+ verification" else None
 
     def cpu(fn) -> tuple[float, object]:
         start = time.process_time()
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 if temperature == 0:
                     assert tokens == times[("tokens", "eager")], f"greedy tokens differ in mode {name}"
         print(f"[{time.perf_counter() - started:5.0f} s] round {round_ + 1} done", flush=True)
-    mode("compiled")
+    mode("+ verification")
 
     total = args.new_tokens * len(prompts)
     rows = []
@@ -118,12 +124,13 @@ def main(argv: list[str] | None = None) -> None:
             reference = min(times[("plain", temperature, "eager" if name == "eager" else "compiled")])
             best = min(times[(temperature, gamma, name)])
             s = stats[(temperature, gamma, name)]
+            drafted = max(s["drafted_tokens"], 1)
             rows.append({"temperature": temperature, "gamma": gamma, "mode": name,
                          "plain_ms_per_token": round(1e3 * reference / total, 2),
                          "ms_per_token": round(1e3 * best / total, 2),
                          "speedup": round(reference / best, 3),
                          "block_efficiency": round(s["emitted_tokens"] / s["target_calls"], 2),
-                         "acceptance_rate": round(s["accepted_tokens"] / max(s["drafted_tokens"], 1), 3)})  # fmt: skip
+                         "accepted": round(s["accepted_tokens"] / drafted, 3)})  # fmt: skip
     print("| T | γ | mode | plain ms/token | speculative ms/token | speedup | tokens per target call |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:

@@ -25,8 +25,12 @@ step (models/static.py). Here:
   its row, its new key] with one softmax (the eager step merges the prefix's attention by
   log-sum-exp, rows.py). Several requests' prefixes are joined once and kept while the
   same prefixes run (`PrefixKV`).
-- Prompts, verification spans, forks, sliding windows, a quantised KV pool and the
-  batch-invariant mode stay on the eager path (`eligible`).
+- `lanes_step(span=T)`: a step that only verifies speculative spans, T tokens a row, attending
+  over the row's keys and causally among themselves (`span_attention`), on rows gathered from
+  the pool (compile_policy.py `CompiledSpans`, rows.py `GatheredRows`); a member model's
+  one-token forwards (a draft's) run the one-token step over such rows (members.py).
+- Prompts, mixed steps, forks, sliding windows, a quantised KV pool and the batch-invariant
+  mode stay on the eager path (`eligible`).
 
 When to compile (`CompilePolicy`, compile_policy.py; the buckets, lanes.py): compilation
 costs seconds to a minute (inductor caches its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so

@@ -226,6 +226,17 @@ class Engine:
         for entry in step.parked:
             rounds.resume(entry, self._end)
 
+    def _compiling(self) -> list[str]:
+        """The buckets being compiled: this model's decode steps, its verification steps
+        (`verify=T/...`) and its member models' decode steps (`<name>/...`)."""
+        names = list(self.lanes.compiling) if self.lanes is not None else []
+        if self.spans is not None:
+            names += [f"verify={span}/{name}" for span, step in self.spans.by_span.items()
+                      for name in step.lanes.compiling]  # fmt: skip
+        members = [kv for kv in self.members if kv.compiled is not None and kv is not self.members.main]
+        names += [f"{kv.model.name}/{name}" for kv in members for name in kv.compiled.lanes.compiling]
+        return names
+
     def _end(self, entry: Entry, deltas, error: BaseException | None = None) -> None:
         """Take a request or program out of the engine, its KV freed (what it computed stays
         in the prefix cache), and hand its last deltas (or `error`) to its reader; the member
@@ -319,7 +330,7 @@ class Engine:
             "resets": self.resets,
             # the buckets a compile worker or the next step compiles (compile_worker.py): the
             # CPU a server uses while no request runs
-            "compiling": self.lanes.compiling if self.lanes is not None else [],
+            "compiling": self._compiling(),
         }
 
 
