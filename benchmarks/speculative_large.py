@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="γ 2 and 4, 32 tokens, one prompt, one repeat")
     parser.add_argument("--compile", action="store_true",
                         help="the target's engine compiles at once (EngineConfig(compile=True)): plain "
-                             "decoding's step, the draft's one-token step, the verification spans")  # fmt: skip
+                             "decoding, the draft's one-token step, verification spans")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.quick:
