@@ -34,6 +34,7 @@ import torch
 import decodekit as dk
 from decodekit.bench.decode import machine
 from decodekit.bench.speculative import heldout_prompts
+from decodekit.compress.recipe import CompressConfig, quantized_copy
 from decodekit.decode.speculative import speculative_generate
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="shakespeare-large")
     parser.add_argument("--draft", default="shakespeare")
+    parser.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
+                        help="the draft's round-to-nearest copy: int8 per channel, int4 in groups of 32")
     parser.add_argument("--configs", nargs="+", default=["0:3", "0:4", "1:4"], help="temperature:gamma")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
@@ -55,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     target, draft = dk.load_model(args.target), dk.load_model(args.draft)
+    if args.draft_bits:  # its linear layers' codes and scales; embedding, norms and head stay float
+        group = 32 if args.draft_bits == 4 else None
+        draft = quantized_copy(draft, CompressConfig("rtn", bits=args.draft_bits, group_size=group))
     prompts = heldout_prompts(target, args.prompts)
     engine = engine_for(target, EngineConfig(**{**vars(DEFAULT_CONFIG), "compile": True}))
     configs = [(float(t), int(g)) for t, g in (c.split(":") for c in args.configs)]
@@ -137,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['temperature']:g} | {r['gamma']} | {r['mode']} | {r['plain_ms_per_token']} | "
               f"{r['ms_per_token']} | **{r['speedup']:.2f}x** | {r['block_efficiency']} |")  # fmt: skip
     if args.json:
-        result = {"target": args.target, "draft": args.draft, "new_tokens": args.new_tokens,
+        result = {"target": args.target, "draft": args.draft, "draft_bits": args.draft_bits,
+                  "new_tokens": args.new_tokens,
                   "prompts": len(prompts), "repeats": args.repeats, "machine": machine(),
                   "load_average": os.getloadavg()[0], "rows": rows}  # fmt: skip
         with open(args.json, "w") as f:
