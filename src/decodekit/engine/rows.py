@@ -178,6 +178,7 @@ class GatheredRows:
         self.lengths = lengths
         self.prefixes: list[SharedPrefix | None] = [None] * len(lengths)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._filled = 0  # rows gathered or zeroed
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -195,21 +196,22 @@ class GatheredRows:
         self._gathered(rows)
 
     def _gathered(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = max(rows, 2, len(self))
-        if self._rows is not None and self._rows[0].shape[1] >= rows:
+        rows = max(rows, len(self))  # the rows a compiled bucket reads: the sequences' and padding
+        if self._rows is not None and self._filled >= rows:
             return self._rows
-        used, width = len(self), max(len(blocks) for blocks in self.blocks)
+        width = max(len(blocks) for blocks in self.blocks)
         # Short tables padded with their first block: every gathered key is a finite number,
         # which the attention's mask weighs by zero (a stale NaN would not stay zero).
-        padded = [b for blocks in self.blocks for b in blocks + blocks[:1] * (width - len(blocks))]
-        index = torch.tensor(padded, dtype=torch.long, device=self.pool.keys.device)
+        index = torch.tensor([blocks + blocks[:1] * (width - len(blocks)) for blocks in self.blocks],
+                             dtype=torch.long, device=self.pool.keys.device)  # fmt: skip
         out = []
         for store in (self.pool.keys, self.pool.values):  # [N, H_kv, capacity, block_size, D]
             layers, kv_heads, _, block_size, dim = store.shape
-            gathered = store.index_select(2, index).view(layers, kv_heads, used, width * block_size, dim)
-            dense = store.new_empty((layers, rows, kv_heads, width * block_size, dim))
-            dense[:, :used] = gathered.transpose(1, 2)
-            dense[:, used:] = 0  # padding rows: each sees only its own new key
-            out.append(dense)
-        self._rows = (out[0], out[1])
+            dense = store.new_empty((layers, max(rows, 2), kv_heads, width * block_size, dim))
+            for row in range(len(self)):  # each row's blocks copied once, straight into its place
+                place = dense[:, row].view(layers, kv_heads, width, block_size, dim)
+                torch.index_select(store, 2, index[row], out=place)
+            dense[:, len(self) : rows] = 0  # a bucket's padding rows: each sees only its own new key
+            out.append(dense)  # a row past `rows` (R >= 2) is never read: left as it is
+        self._rows, self._filled = (out[0], out[1]), rows
         return self._rows
