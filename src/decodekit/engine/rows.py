@@ -164,13 +164,14 @@ class RunningKV:
 
 class GatheredRows:
     """One step's dense rows gathered from the pool, for sequences without a RunningKV lane
-    that each feed one token: a member model's (a speculative draft, a contrastive amateur:
-    rounds.py `member_forward`), whose sequences crop and catch up every block, so a lane
-    would be given up as often as taken. What the compiled step (compile_policy.py
-    `CompiledDecode`) reads of a RunningKV: `keys`, `values` [N, R, H_kv, C, D] (R >= 2: a
-    graph compiled for R rows is not specialised to one), `lengths` (each row's positions,
-    its new one included), `prefixes` (none shared), `reserve_rows`. Gathered on first use,
-    so a step that stays eager gathers nothing."""
+    whose sequences crop and catch up every block, so a lane would be given up as often as
+    taken: a member model's that each feed one token (a speculative draft, a contrastive
+    amateur: rounds.py `member_forward`), or a verification's that each feed T tokens
+    (compile_policy.py `CompiledSpans`). What the compiled step (`CompiledDecode`) reads of a
+    RunningKV: `keys`, `values` [N, R, H_kv, C, D] (R >= 2: a graph compiled for R rows is
+    not specialised to one), `lengths` (each row's positions, its new ones included),
+    `prefixes` (none shared), `reserve_rows`. Gathered on first use, so a step that stays
+    eager gathers nothing."""
 
     def __init__(self, pool: BlockPool, blocks: list[list[int]], lengths: list[int]):
         self.pool = pool
