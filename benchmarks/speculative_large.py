@@ -45,6 +45,8 @@ from decodekit.bench.speculative import (
     run_speculative,
     summary,
 )
+from decodekit.engine.config import EngineConfig
+from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
 from decodekit.params import SamplingParams
 
 DRAFTS = ("shakespeare", "shakespeare-draft", "self-int4", "prompt-lookup")
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="γ 2 and 4, 32 tokens, one prompt, one repeat")
+    parser.add_argument("--compile", action="store_true",
+                        help="the target's engine compiles at once (EngineConfig(compile=True)): plain "
+                             "decoding, the draft's one-token step, verification spans")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -138,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     target = dk.load_model(args.target)
+    if args.compile:  # the persistent engine every run below uses (persistent.py)
+        engine_for(target, EngineConfig(**{**vars(DEFAULT_CONFIG), "compile": True}))
     prompts = heldout_prompts(target, args.prompts)
     start = time.perf_counter()
 

@@ -9,6 +9,7 @@ modules with `LaneAttention`), in seconds; one test runs inductor itself."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -23,11 +24,13 @@ from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
 from decodekit.decode.speculative import speculative_programs
 from decodekit.engine import compiled
+from decodekit.engine.block_pool import BlockPool
 from decodekit.engine.compile_policy import CompilePolicy
 from decodekit.engine.compiled import bucket
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
 from decodekit.engine.lanes import lanes_for
+from decodekit.engine.rows import GatheredRows
 from decodekit.models.native import NativeLM
 from decodekit.request import make_requests
 
@@ -139,6 +142,58 @@ def test_speculative_programs_equal_the_eager_engine(sharp_lm):
     want, _ = run(sharp_lm, [*programs(), PROMPTS[2]], False)
     got, _ = run(sharp_lm, [*programs(), PROMPTS[2]], True)
     assert got == want
+
+
+def noisy_draft(model: NativeLM) -> NativeLM:
+    """Another model over `model`'s shape, its weights moved by noise: a draft that accepts
+    some of its tokens, not all."""
+    net = copy.deepcopy(model.net)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    return NativeLM(net, model.config, name="noisy-draft")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_speculative_drafts_and_verifications_run_compiled(sharp_lm, params):
+    # The draft's forwards that feed one token a sequence run its compiled step over rows
+    # gathered from its pool (rounds.py `member_forward`), and a step that only verifies runs
+    # the target's compiled step of its span (compile_policy.py `CompiledSpans`); greedy tokens
+    # equal plain decoding, seeded samples the eager engine's.
+    draft = noisy_draft(sharp_lm)
+
+    def programs():
+        return speculative_programs(sharp_lm, draft, PROMPTS, params, 3, "block", False, 16, fallback=False)
+
+    want, _ = run(sharp_lm, programs(), False)
+    compiled_programs = programs()
+    got, engine = run(sharp_lm, compiled_programs, True)
+    assert got == want
+    member = engine.members.of(draft).compiled
+    assert (bucket(len(PROMPTS) * params.n), False) in member.lanes.ready and member.steps > 0
+    spans = engine.spans.by_span
+    assert (bucket(len(PROMPTS) * params.n), False) in spans[4].lanes.ready and spans[4].steps > 0  # γ + 1
+    accepted = sum(p.stats.accepted_tokens for p in compiled_programs)
+    assert 0 < accepted < sum(p.stats.drafted_tokens for p in compiled_programs)  # a draft that errs
+    if params is GREEDY:
+        plain, _ = run(sharp_lm, PROMPTS, False)
+        assert got == plain
+
+
+def test_gathered_rows_hold_each_tables_keys_in_order():
+    pool = BlockPool(2, 8, 4, 2, 3, torch.float32)
+    pool.keys.copy_(torch.randn(pool.keys.shape))
+    pool.values.copy_(torch.randn(pool.values.shape))
+    rows = GatheredRows(pool, [[5, 2], [7]], [6, 3])
+    assert rows.keys.shape == (2, 2, 2, 8, 3)  # [N, R, H_kv, C, D]: C = the longest table's blocks
+    for row, blocks in enumerate([[5, 2], [7]]):
+        keys, values = pool.read(torch.tensor(blocks))
+        width = 4 * len(blocks)
+        assert torch.equal(rows.keys[:, row, :, :width], keys)
+        assert torch.equal(rows.values[:, row, :, :width], values)
+    rows.reserve_rows(4)  # a bucket of 4: two padding rows of zeros
+    assert rows.keys.shape[1] == 4 and not rows.keys[:, 2:].any() and not rows.values[:, 2:].any()
 
 
 def test_contrastive_programs_equal_the_eager_engine(sharp_lm, tiny_llama_dir):
@@ -303,6 +358,7 @@ import decodekit as dk
 from decodekit.engine.compile_policy import shape_key
 from decodekit.engine.compiled import BUCKETS, bucket_name
 from decodekit.engine.lanes import lanes_for
+from decodekit.engine.rows import GatheredRows
 
 model = dk.load_model("shakespeare")
 times = {f"{shape_key(model)}/{bucket_name(b, p)}": 0.01 for b in BUCKETS for p in (False, True)}

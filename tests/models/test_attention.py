@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodekit.models.attention import LSE_KERNEL, SharedKV, attend_alone, decode_attention, prefill_attention
+from decodekit.models.attention import (
+    LSE_KERNEL,
+    SharedKV,
+    attend_alone,
+    decode_attention,
+    prefill_attention,
+    span_attention,
+)
 
 B, H, H_KV, D, S, P = 3, 4, 2, 8, 7, 5
 
@@ -94,3 +101,23 @@ def test_one_query_per_row_of_prefill_is_decode_and_attend_alone_is_the_unmasked
     seen = int(visible[1].sum())
     alone = attend_alone(q[1], keys[1, :, :seen], values[1, :, :seen])
     torch.testing.assert_close(alone, by_hand(q, keys, values, visible)[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_span_attends_over_its_rows_keys_and_causally_over_its_own():
+    # span_attention (the compiled verification step's) against prefill_attention over the
+    # row's visible keys with the span's keys appended, under the causal mask among them
+    generator = torch.Generator().manual_seed(3)
+    batch, count, heads, kv_heads, dim, width = 2, 5, 8, 4, 16, 37
+    q = torch.randn(batch, count, heads, dim, generator=generator)
+    keys, values = (torch.randn(batch, kv_heads, width, dim, generator=generator) for _ in range(2))
+    new = tuple(torch.randn(batch, count, kv_heads, dim, generator=generator) for _ in range(2))
+    stored = [30, 37]
+    visible = (torch.arange(width)[None, :] < torch.tensor(stored)[:, None])[:, None, None]  # [B, 1, 1, S]
+    out = span_attention(q, keys, values, visible, new)  # [B, T, H, D]
+    for row, length in enumerate(stored):
+        k = torch.cat([keys[row, :, :length], new[0][row].transpose(0, 1)], dim=1)[None]
+        v = torch.cat([values[row, :, :length], new[1][row].transpose(0, 1)], dim=1)[None]
+        mask = torch.ones(count, length + count, dtype=torch.bool)
+        mask[:, length:] = torch.ones(count, count, dtype=torch.bool).tril()
+        want = prefill_attention(q[row : row + 1].transpose(1, 2), k, v, mask[None, None], causal=False)
+        torch.testing.assert_close(out[row], want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from decodekit.engine.batch import to_device
 from decodekit.engine.compiled import ASSUMED_SAVING, AUTO_MAX_ROWS, COLD_WARMUP_S, bucket, bucket_name
 from decodekit.engine.cuda_graphs import GraphedLanes
 from decodekit.engine.lanes import PrefixKV, lanes_for
+from decodekit.engine.rows import GatheredRows
 from decodekit.models.native import NativeLM
 
 _log = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ class CompilePolicy:
     warmups: dict[str, float] = field(default_factory=dict)  # bucket_name -> seconds
 
     @classmethod
-    def for_model(cls, model: NativeLM, mode: bool | None) -> CompilePolicy:
-        policy = cls(mode, cache_dir() / "compile-times.json", shape_key(model))
+    def for_model(cls, model: NativeLM, mode: bool | None, span: int = 1) -> CompilePolicy:
+        key = shape_key(model) + ("" if span == 1 else f"/verify{span}")
+        policy = cls(mode, cache_dir() / "compile-times.json", key)
         for name, seconds in _read_json(policy.cache_file).items():
             shape, _, bucket_of = name.rpartition("/")
             if shape == policy.key and bucket_of.startswith("rows="):
@@ -103,12 +105,14 @@ def _read_json(path: Path) -> dict:
 class CompiledDecode:
     """An engine's compiled decode steps (lanes.py) and the evidence of its eager ones."""
 
-    def __init__(self, model: NativeLM, mode: bool | None):
+    def __init__(self, model: NativeLM, mode: bool | None, span: int = 1):
         if model.device.type == "cuda":  # CUDA graphs, captured at once; inductor's step with True
+            assert span == 1, "verification steps compile on the CPU only (CompiledSpans)"
             self.lanes = GraphedLanes(model, inductor=mode is True)
         else:
-            self.lanes = lanes_for(model)
-        self.policy = CompilePolicy.for_model(model, mode)
+            self.lanes = lanes_for(model, span)
+        self.policy = CompilePolicy.for_model(model, mode, span)
+        self.span = span  # tokens a row: 1 decodes, T > 1 verifies (`_verify`)
         self.decode_steps = 0  # eager decode-only steps (the policy's evidence) and their mean time
         self.eager_step_s = 0.0
         self.steps = 0
@@ -133,6 +137,8 @@ class CompiledDecode:
         return out
 
     def _compiled(self, works: list, running_kv, pool) -> torch.Tensor | None:
+        if self.span > 1:
+            return self._verify(works, running_kv, pool)
         self.prefix_kv = prefix = PrefixKV.for_rows(running_kv.prefixes, self.prefix_kv)
         seqs = [work.seq for work in works]
         if (bucket(len(seqs)), prefix is not None) not in self.lanes.ready:
@@ -158,3 +164,66 @@ class CompiledDecode:
         pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
         self.steps += 1
         return logits
+
+    def _verify(self, works: list, rows: GatheredRows, pool) -> torch.Tensor | None:
+        """Logits [B * T, V] of a verification step, every row's T tokens in order (their new
+        keys and values written into the pool), or None while its bucket is not ready."""
+        span, seqs = self.span, [work.seq for work in works]
+        if (bucket(len(seqs)), False) not in self.lanes.ready:
+            return None
+        count = len(seqs) * span
+        # each row's T tokens and positions, the positions it holds before them, their slots:
+        # one copy to the device
+        flat = [t for seq in seqs for t in seq.tokens[seq.table.length - span : seq.table.length]]
+        flat += [p for seq in seqs for p in range(seq.table.length - span, seq.table.length)]
+        flat += [seq.table.length - span for seq in seqs]
+        flat += [slot for work in works for slot in work.slots]
+        indices = to_device(flat, pool.keys.device)
+        tokens, positions, stored, slots = indices.split([count, count, len(seqs), count])
+        out = self.lanes.run(len(seqs), tokens.view(-1, span), positions.view(-1, span), stored, rows)
+        if out is None:
+            return None
+        logits, keys, values = out  # [B, T, V], [N, B, T, H_kv, D]
+        layers, _, _, kv_heads, dim = keys.shape
+        pool.write_layers(slots, keys.permute(0, 3, 1, 2, 4).reshape(layers, kv_heads, count, dim),
+                          values.permute(0, 3, 1, 2, 4).reshape(layers, kv_heads, count, dim))  # fmt: skip
+        self.steps += 1
+        return logits.reshape(count, -1)
+
+
+# Verification spans compiled per T up to this: γ <= 16 and the block's extra token.
+MAX_SPAN = 17
+
+
+class CompiledSpans:
+    """An engine's compiled verification steps, one `CompiledDecode` per span T: a step whose
+    every sequence feeds the same T > 1 tokens and keeps the logits of each (speculative
+    verification; no lanes, no sampling rows) runs T's bucket over rows gathered from the pool
+    (rows.py `GatheredRows`), under the engine's compile mode. On the CPU only: a CUDA graph
+    replays fixed storage, and gathered rows are new tensors every step."""
+
+    def __init__(self, model: NativeLM, mode: bool | None):
+        self.model, self.mode = model, mode
+        self.by_span: dict[int, CompiledDecode] = {}
+
+    @staticmethod
+    def verifies(works: list) -> bool:
+        """Whether a step's works (scheduler.py `Work`) are all verification spans of one T."""
+        span = works[0].count if works else 0
+        return 1 < span <= MAX_SPAN and all(w.every and w.count == span and w.seq.lane is None for w in works)
+
+    def forward(self, works: list, pool, eager: Callable[[], tuple]) -> tuple:
+        """(logits [B * T, V], None) of a verification step (`verifies`): compiled when T's
+        bucket is ready, else `eager()`."""
+        span = works[0].count
+        step = self.by_span.get(span)
+        if step is None:
+            step = self.by_span[span] = CompiledDecode(self.model, self.mode, span)
+        tables = [work.seq.table for work in works]
+        rows = GatheredRows(pool, [table.blocks for table in tables], [table.length for table in tables])
+        return step.forward(works, rows, pool, eager)
+
+    def poll(self) -> None:
+        """Between steps: the buckets that are due compile (lanes.py `poll`)."""
+        for step in self.by_span.values():
+            step.lanes.poll()

@@ -90,13 +90,14 @@ class CompileJob:
     """One bucket compiled in a child process (module docstring): `done()` polls it without
     waiting; `error` is None when it compiled, else what failed."""
 
-    def __init__(self, model, name: str, prefixed: bool, example: tuple, backend, options: dict):
+    def __init__(self, model, name: str, prefixed: bool, example: tuple, backend, options: dict,
+                 span: int = 1):  # fmt: skip
         self.folder = Path(tempfile.mkdtemp(prefix="decodekit-compile-"))
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.error: str | None = None
         skeleton = _skeleton(model.net)
-        job = {"net": skeleton, "config": model.config, "name": name, "prefixed": prefixed,
+        job = {"net": skeleton, "config": model.config, "name": name, "prefixed": prefixed, "span": span,
                "example": [t.to("meta") for t in example], "device": str(model.device),
                "backend": backend, "options": options}  # fmt: skip
         torch.save(job, self.folder / "job.pt")
@@ -206,7 +207,8 @@ def main(folder: str) -> int:
         net = _materialize(job["net"], device)
         model = NativeLM(net, job["config"])
         example = tuple(torch.zeros_like(t, device=device) for t in job["example"])
-        compile_step(model, job["name"], job["prefixed"], example, job["backend"], job["options"])
+        options, span = job["options"], job["span"]
+        compile_step(model, job["name"], job["prefixed"], example, job["backend"], options, span)
     except Exception as error:  # noqa: BLE001 -- reported to the parent, whose engine stays eager
         failure = {"ok": False, "error": f"{type(error).__name__}: {error}"}
         (path / "result.json").write_text(json.dumps(failure))

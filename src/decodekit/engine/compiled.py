@@ -25,8 +25,12 @@ step (models/static.py). Here:
   its row, its new key] with one softmax (the eager step merges the prefix's attention by
   log-sum-exp, rows.py). Several requests' prefixes are joined once and kept while the
   same prefixes run (`PrefixKV`).
-- Prompts, verification spans, forks, sliding windows, a quantised KV pool and the
-  batch-invariant mode stay on the eager path (`eligible`).
+- `lanes_step(span=T)`: a step that only verifies speculative spans, T tokens a row, attending
+  over the row's keys and causally among themselves (`span_attention`), on rows gathered from
+  the pool (compile_policy.py `CompiledSpans`, rows.py `GatheredRows`); a member model's
+  one-token forwards (a draft's) run the one-token step over such rows (members.py).
+- Prompts, mixed steps, forks, sliding windows, a quantised KV pool and the batch-invariant
+  mode stay on the eager path (`eligible`).
 
 When to compile (`CompilePolicy`, compile_policy.py; the buckets, lanes.py): compilation
 costs seconds to a minute (inductor caches its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so
@@ -50,7 +54,7 @@ import types
 
 import torch
 
-from decodekit.models.attention import SharedKV, decode_attention
+from decodekit.models.attention import SharedKV, decode_attention, span_attention
 from decodekit.models.native import NativeLM
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -89,8 +93,13 @@ class LaneAttention:
         self.new_values: list[torch.Tensor] = []
 
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
-        """q [B, 1, H, D], k/v [B, 1, H_kv, D] -> [B, 1, H, D]."""
+        """q [B, T, H, D], k/v [B, T, H_kv, D] -> [B, T, H, D]; T > 1: a verification span."""
         batch = q.shape[0]
+        if q.shape[1] > 1:  # no shared prefix: a span's rows are gathered whole (rows.py)
+            self.new_keys.append(k)
+            self.new_values.append(v)
+            keys, values = self.keys[layer, :batch], self.values[layer, :batch]
+            return span_attention(q, keys, values, self.visible, (k, v))
         prefixes = ()
         if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
             keys, values, sees = self.prefix
@@ -105,13 +114,16 @@ class LaneAttention:
         return out[:, None]
 
 
-def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False):
+def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False, span: int = 1):
     """step(tokens [B, 1], positions [B], stored [B], keys, values [N, R, H_kv, C, D]) ->
     logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring). positions:
     each token's position in its sequence (RoPE); stored: the positions its row holds before
     it (a padded row: 0, it sees only its own key). `prefixed`: the step also takes shared
     prefixes' keys and values [N, 1, H_kv, P, D] and each row's span of them, bounds [2, B]
     (start, end; a row that continues a prefix holds only the positions after it).
+    `span` T > 1: a verification step, T tokens a row (tokens and positions [B, T]) attending
+    causally among themselves (`span_attention`); logits [B, T, V], new keys and values
+    [N, B, T, H_kv, D].
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -123,15 +135,17 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
         columns = torch.arange(keys.shape[3], device=keys.device)
         visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
-        cos = cos_table.index_select(0, positions)[:, None, None]  # [B, 1, 1, D]
-        sin = sin_table.index_select(0, positions)[:, None, None]
+        cos = cos_table.index_select(0, positions.reshape(-1)).view(*tokens.shape, 1, -1)  # [B, T, 1, D]
+        sin = sin_table.index_select(0, positions.reshape(-1)).view(*tokens.shape, 1, -1)
         prefix = None
         if prefixed:
             spans = torch.arange(prefix_keys.shape[3], device=keys.device)[None, :]  # [1, P]
             sees = (spans >= bounds[0][:, None]) & (spans < bounds[1][:, None])  # [B, P]
             prefix = (prefix_keys, prefix_values, sees[:, None, None])
         cache = LaneAttention(keys, values, visible, prefix)
-        logits = net(tokens, cos, sin, cache, masks)  # [B, 1, V]
+        logits = net(tokens, cos, sin, cache, masks)  # [B, T, V]
+        if span > 1:
+            return logits, torch.stack(cache.new_keys), torch.stack(cache.new_values)
         return logits[:, 0], torch.stack(cache.new_keys), torch.stack(cache.new_values)
 
     code = step.__code__.replace(co_name=name, co_qualname=name)

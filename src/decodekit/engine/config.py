@@ -25,10 +25,11 @@ class EngineConfig:
     max_prefill_tokens: prompt tokens admitted per step (a request longer than this is
     still admitted alone, so it cannot starve).
     prefix_caching: keep the KV of full blocks for later requests with the same prefix.
-    compile: the compiled decode step for the decoding rows (engine/compiled.py): None
-    compiles a batch bucket of up to 8 rows in the background once the decode steps so far
-    would have repaid its measured warm-up, True every bucket on its first decode step,
-    False never. On a GPU (engine/cuda_graphs.py): None and True replay every bucket's
+    compile: the compiled decode step for the decoding rows (engine/compiled.py), and on the
+    CPU for a member model's one-token forwards and for steps that only verify speculative
+    spans: None compiles a batch bucket of up to 8 rows in the background once the steps so
+    far would have repaid its measured warm-up, True every bucket on its first step, False
+    never. On a GPU (engine/cuda_graphs.py): None and True replay every bucket's
     step from a CUDA graph captured at its first decode step (True compiles the step with
     inductor first), False runs it eager.
     kv_dtype: the dtype the block pool stores KV in (None: the model's); "int8" keeps a

@@ -33,7 +33,7 @@ import torch
 from decodekit.engine import failure, rounds
 from decodekit.engine.batch import build_batch, paged_forward
 from decodekit.engine.block_pool import BlockPool, PoolCorrupted
-from decodekit.engine.compile_policy import CompiledDecode, eligible
+from decodekit.engine.compile_policy import CompiledDecode, CompiledSpans, eligible
 from decodekit.engine.compile_worker import STEPS
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.entry import Entry, entry_for, finish_rows
@@ -81,6 +81,10 @@ class Engine:
         if config.compile is not False and self.compile_refused is None:
             self.compiled = CompiledDecode(model, config.compile)
         self.lanes = self.compiled.lanes if self.compiled is not None else None
+        # Speculative verification steps compiled per span (compile_policy.py), on the CPU.
+        self.spans = None
+        if self.compiled is not None and model.device.type == "cpu":
+            self.spans = CompiledSpans(model, config.compile)
 
     # ------------------------------------------------------------------ requests
 
@@ -128,6 +132,9 @@ class Engine:
         error. Waiting requests stay queued and the engine stays usable (failure.py)."""
         if self.lanes is not None:
             self.lanes.poll()  # a compilation runs here, between steps (compile_worker.py)
+        if self.spans is not None:
+            self.spans.poll()
+        self.members.poll()  # and the member models' (members.py)
         with STEPS.step(), self._step_lock, torch.inference_mode(), failure.failing_step(self):
             step = self._schedule()
             output = self._run(step)
@@ -180,6 +187,9 @@ class Engine:
         only_decoding = len(ordered) == len(decoding) and not wants_hidden and not step.forks
         if only_decoding and self.compiled is not None:
             return ordered, *self.compiled.forward(decoding, self.running_kv, self.pool, eager)
+        verifying = not step.work and not wants_hidden and not step.forks and CompiledSpans.verifies(ordered)
+        if verifying and self.spans is not None:  # a speculative verification alone (compile_policy.py)
+            return ordered, *self.spans.forward(ordered, self.pool, eager)
         return ordered, *eager()
 
     def _postprocess(self, step: Step, output: tuple | None) -> None:
@@ -215,6 +225,17 @@ class Engine:
                 self.generated_tokens += len(sampled)
         for entry in step.parked:
             rounds.resume(entry, self._end)
+
+    def _compiling(self) -> list[str]:
+        """The buckets being compiled: this model's decode steps, its verification steps
+        (`verify=T/...`) and its member models' decode steps (`<name>/...`)."""
+        names = list(self.lanes.compiling) if self.lanes is not None else []
+        if self.spans is not None:
+            names += [f"verify={span}/{name}" for span, step in self.spans.by_span.items()
+                      for name in step.lanes.compiling]  # fmt: skip
+        members = [kv for kv in self.members if kv.compiled is not None and kv is not self.members.main]
+        names += [f"{kv.model.name}/{name}" for kv in members for name in kv.compiled.lanes.compiling]
+        return names
 
     def _end(self, entry: Entry, deltas, error: BaseException | None = None) -> None:
         """Take a request or program out of the engine, its KV freed (what it computed stays
@@ -309,7 +330,7 @@ class Engine:
             "resets": self.resets,
             # the buckets a compile worker or the next step compiles (compile_worker.py): the
             # CPU a server uses while no request runs
-            "compiling": self.lanes.compiling if self.lanes is not None else [],
+            "compiling": self._compiling(),
         }
 
 

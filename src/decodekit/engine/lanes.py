@@ -45,11 +45,12 @@ def compile_options(backend, cpp_wrapper: bool = True) -> dict:
     return options
 
 
-def compile_step(model: NativeLM, name: str, prefixed: bool, example: tuple, backend, options: dict):
+def compile_step(model: NativeLM, name: str, prefixed: bool, example: tuple, backend, options: dict,
+                 span: int = 1):  # fmt: skip
     """The bucket's step compiled and run once on `example` (which compiles it): in the
     engine's process (`CompiledLanes`) or in a compile worker's (compile_worker.py)."""
     kernels.register_fakes()
-    step = lanes_step(model, name, prefixed)
+    step = lanes_step(model, name, prefixed, span)
     compiled = torch.compile(step, backend=backend, dynamic=False, fullgraph=True, options=options)
     with torch.inference_mode():
         _mark_dynamic(*example[3:5])
@@ -71,6 +72,7 @@ class CompiledLanes:
     before a step, on the stepping thread, while no engine of the process steps."""
 
     model: NativeLM
+    span: int = 1  # tokens a row: 1 decodes, T > 1 verifies T tokens (compiled.py `lanes_step`)
     ready: dict[tuple[int, bool], object] = field(default_factory=dict)  # (bucket, prefixed) -> step
     failed: str | None = None
     load_seconds: list[float] = field(default_factory=list)  # each in-process compilation's time
@@ -92,14 +94,15 @@ class CompiledLanes:
             if not policy.pays(size, decode_steps, eager_step_s, prefixed):
                 return
             self._pending.add(key)
-        example = _example_inputs(self.model, size, running_kv, prefixed)
+        example = _example_inputs(self.model, size, running_kv, prefixed, self.span)
         if policy.mode:
             with self._lock:
                 self._due[key] = (example, policy, None)
             return
         try:
             options = compile_options(compiled.BACKEND)
-            job = CompileJob(self.model, _step_name(key), prefixed, example, compiled.BACKEND, options)
+            name = _step_name(key, self.span)
+            job = CompileJob(self.model, name, prefixed, example, compiled.BACKEND, options, self.span)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self._fail(f"{type(error).__name__}: {error}", key)
             return
@@ -156,7 +159,8 @@ class CompiledLanes:
         start = time.perf_counter()
         try:
             options = compile_options(compiled.BACKEND)
-            step = compile_step(self.model, _step_name(key), prefixed, example, compiled.BACKEND, options)
+            step = compile_step(self.model, _step_name(key, self.span), prefixed, example, compiled.BACKEND,
+                                options, self.span)  # fmt: skip
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self._fail(f"{type(error).__name__}: {error}", key)
             return
@@ -189,40 +193,43 @@ class CompiledLanes:
         keys, values = running_kv.keys, running_kv.values
         pad = size - rows
         if pad:
-            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-            positions = torch.cat([positions, positions.new_zeros(pad)])
-            stored = torch.cat([stored, stored.new_zeros(pad)])
+            tokens, positions, stored = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+                                         for x in (tokens, positions, stored))  # fmt: skip
         if self._marked[0] is not keys:  # regrown since the last step
             _mark_dynamic(keys, values)
             self._marked[0] = keys
+        tokens = tokens if self.span > 1 else tokens[:, None]  # [B, T]
         if prefix is None:
-            logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values)
+            logits, new_keys, new_values = compiled(tokens, positions, stored, keys, values)
         else:
             if pad:
                 bounds = torch.cat([bounds, bounds.new_zeros(2, pad)], dim=1)
             if self._marked[1] is not prefix.keys:
                 _mark_dynamic(prefix.keys, prefix.values, rows=False)
                 self._marked[1] = prefix.keys
-            logits, new_keys, new_values = compiled(tokens[:, None], positions, stored, keys, values,
+            logits, new_keys, new_values = compiled(tokens, positions, stored, keys, values,
                                                     prefix.keys, prefix.values, bounds)  # fmt: skip
         return logits[:rows], new_keys[:, :rows], new_values[:, :rows]
 
 
-def _step_name(key: tuple[int, bool]) -> str:
+def _step_name(key: tuple[int, bool], span: int = 1) -> str:
     """A bucket's code object name (`lanes_step`)."""
     size, prefixed = key
-    return f"decode_step_{size}_rows" + ("_prefixed" if prefixed else "")
+    kind = "decode_step" if span == 1 else f"verify_{span}_step"
+    return f"{kind}_{size}_rows" + ("_prefixed" if prefixed else "")
 
 
-def lanes_for(model: NativeLM) -> CompiledLanes:
-    """The model's compiled steps, kept on the model (every engine of it, and a later one,
-    reuses them); new ones when its weights changed (a compressed or reloaded model)."""
+def lanes_for(model: NativeLM, span: int = 1) -> CompiledLanes:
+    """The model's compiled steps of `span` tokens a row, kept on the model (every engine of
+    it, and a later one, reuses them); new ones when its weights changed (a compressed or
+    reloaded model)."""
     stamp = weights_stamp(model)
+    attribute = "_decodekit_lanes" if span == 1 else f"_decodekit_lanes_{span}"
     with _LANES_LOCK:
-        built_on, lanes = model.__dict__.get("_decodekit_lanes", (None, None))
+        built_on, lanes = model.__dict__.get(attribute, (None, None))
         if lanes is None or built_on != stamp:
-            lanes = CompiledLanes(model)
-            model.__dict__["_decodekit_lanes"] = (stamp, lanes)
+            lanes = CompiledLanes(model, span)
+            model.__dict__[attribute] = (stamp, lanes)
         return lanes
 
 
@@ -238,16 +245,17 @@ def _mark_dynamic(keys: torch.Tensor, values: torch.Tensor, rows: bool = True) -
         torch._dynamo.maybe_mark_dynamic(tensor, 3)
 
 
-def _example_inputs(model: NativeLM, size: int, running_kv, prefixed: bool = False):
+def _example_inputs(model: NativeLM, size: int, running_kv, prefixed: bool = False, span: int = 1):
     """Inputs of a bucket's shapes, for a compilation in the background (the live rows are
     never touched there)."""
     keys = running_kv.keys
     n, _, kv_heads, _, dim = keys.shape
     shape = (n, max(size, 2) + 1, kv_heads, 67, dim)  # sizes not 0/1 and unequal (no shared symbols)
     example_keys = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
-    tokens = torch.zeros((size, 1), dtype=torch.long, device=keys.device)
-    positions = torch.zeros(size, dtype=torch.long, device=keys.device)
-    example = (tokens, positions, positions.clone(), example_keys, example_keys.clone())
+    tokens = torch.zeros((size, span), dtype=torch.long, device=keys.device)
+    positions = torch.zeros((size, span) if span > 1 else size, dtype=torch.long, device=keys.device)
+    stored = torch.zeros(size, dtype=torch.long, device=keys.device)
+    example = (tokens, positions, stored, example_keys, example_keys.clone())
     if not prefixed:
         return example
     prefix_keys = torch.zeros((n, 1, kv_heads, 37, dim), dtype=keys.dtype, device=keys.device)

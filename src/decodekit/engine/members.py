@@ -6,6 +6,12 @@ engine's block size and memory bound. Such a pool belongs to the programs that u
 no queued or running program does, it becomes idle, and idle pools beyond
 `EngineConfig.idle_member_bytes` of KV storage are freed, least recently used first (a
 self-int4 draft's copy of the model goes with its pool).
+
+A member model on the CPU gets the compiled decode step the engine's own model gets
+(compile_policy.py `CompiledDecode`, under the engine's `compile` mode): its forwards that
+feed one token per sequence run it over rows gathered from its pool (rows.py
+`GatheredRows`). On a GPU they stay eager: a CUDA graph replays fixed storage, and gathered
+rows are new tensors every step.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from decodekit.engine.block_pool import BlockManager, BlockPool, block_bytes
+from decodekit.engine.compile_policy import CompiledDecode, eligible
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.rows import RunningKV
@@ -31,6 +38,7 @@ class ModelKV:
         self.pool = pool
         self.manager = BlockManager(pool)
         self.running_kv = running_kv
+        self.compiled: CompiledDecode | None = None  # a member's one-token forwards (module docstring)
 
     def close(self, seq) -> None:
         """Free a sequence's (program.py `Seq`) blocks and lane; its computed KV stays
@@ -77,6 +85,9 @@ class Members:
                 raise TypeError(f"{model.name} has no paged-KV configuration")
             kv = ModelKV(model, new_pool(model, self.config))
             kv.pool.journal = {} if self.journaling else None
+            if (self.config.compile is not False and model.device.type == "cpu"
+                    and eligible(model, kv.pool, model.batch_invariant) is None):  # fmt: skip
+                kv.compiled = CompiledDecode(model, self.config.compile)
             self._models[id(model)] = kv
         return kv
 
@@ -88,6 +99,12 @@ class Members:
 
     def __iter__(self) -> Iterator[ModelKV]:
         return iter(list(self._models.values()))
+
+    def poll(self) -> None:
+        """Between steps: the members' compiled steps that are due compile (lanes.py `poll`)."""
+        for kv in self._models.values():
+            if kv.compiled is not None and kv is not self.main:
+                kv.compiled.lanes.poll()
 
     def is_idle(self, kv: ModelKV) -> bool:
         return id(kv.model) in self._idle

@@ -20,6 +20,7 @@ from decodekit.engine.entry import ProgramEntry
 from decodekit.engine.handle import wake
 from decodekit.engine.members import Members, ModelKV
 from decodekit.engine.program import Feed
+from decodekit.engine.rows import GatheredRows
 from decodekit.engine.scheduler import Work
 from decodekit.models.base import LanguageModel
 
@@ -66,13 +67,24 @@ def resume(entry: ProgramEntry, end: End) -> None:
 
 
 def member_forward(model_kv: ModelKV, feeds: list[Feed]) -> list[torch.Tensor]:
-    """One forward of another model over programs' feeds (their blocks, no lanes)."""
+    """One forward of another model over programs' feeds (their blocks, no lanes): through
+    its compiled decode step when each feeds one token and its bucket is ready (members.py),
+    over rows gathered from its pool, else eager."""
     manager = model_kv.manager
     works = [Work(f.seq, f.seq.pending, manager.reserve(f.seq.table, f.seq.pending), f.every) for f in feeds]
     model = model_kv.model
-    items = [(w.seq.table, w.seq.tokens, w.slots) for w in works]
-    batch = build_batch(model_kv.pool, items, None, model.config.layer_windows, [w.every for w in works])
-    logits = paged_forward(model, *batch, model.batch_invariant)
+
+    def eager() -> tuple:
+        items = [(w.seq.table, w.seq.tokens, w.slots) for w in works]
+        batch = build_batch(model_kv.pool, items, None, model.config.layer_windows, [w.every for w in works])
+        return paged_forward(model, *batch, model.batch_invariant), None
+
+    if model_kv.compiled is not None and all(w.count == 1 and not w.every for w in works):
+        tables = [w.seq.table for w in works]
+        rows = GatheredRows(model_kv.pool, [t.blocks for t in tables], [t.length for t in tables])
+        logits, _ = model_kv.compiled.forward(works, rows, model_kv.pool, eager)
+    else:
+        logits, _ = eager()
     for w in works:
         manager.register(w.seq.table, w.seq.tokens, w.seq.table.length)
     return split(logits, works)

@@ -160,3 +160,59 @@ class RunningKV:
             new = old.new_zeros((old.shape[0], rows, old.shape[2], length, old.shape[4]))
             new[:, :used, :, :stored] = old[:, :used, :, :stored]
             setattr(self, name, new)
+
+
+class GatheredRows:
+    """One step's dense rows gathered from the pool, for sequences without a RunningKV lane
+    whose sequences crop and catch up every block, so a lane would be given up as often as
+    taken: a member model's that each feed one token (a speculative draft, a contrastive
+    amateur: rounds.py `member_forward`), or a verification's that each feed T tokens
+    (compile_policy.py `CompiledSpans`). What the compiled step (`CompiledDecode`) reads of a
+    RunningKV: `keys`, `values` [N, R, H_kv, C, D] (R >= 2: a graph compiled for R rows is
+    not specialised to one), `lengths` (each row's positions, its new ones included),
+    `prefixes` (none shared), `reserve_rows`. Gathered on first use, so a step that stays
+    eager gathers nothing."""
+
+    def __init__(self, pool: BlockPool, blocks: list[list[int]], lengths: list[int]):
+        self.pool = pool
+        self.blocks = blocks  # each row's block table, its new position's block included
+        self.lengths = lengths
+        self.prefixes: list[SharedPrefix | None] = [None] * len(lengths)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._filled = 0  # rows gathered or zeroed
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._gathered(len(self))[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._gathered(len(self))[1]
+
+    def reserve_rows(self, rows: int) -> None:
+        """At least `rows` rows (a compiled bucket's padding: rows that see nothing)."""
+        self._gathered(rows)
+
+    def _gathered(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = max(rows, len(self))  # the rows a compiled bucket reads: the sequences' and padding
+        if self._rows is not None and self._filled >= rows:
+            return self._rows
+        width = max(len(blocks) for blocks in self.blocks)
+        # Short tables padded with their first block: every gathered key is a finite number,
+        # which the attention's mask weighs by zero (a stale NaN would not stay zero).
+        index = torch.tensor([blocks + blocks[:1] * (width - len(blocks)) for blocks in self.blocks],
+                             dtype=torch.long, device=self.pool.keys.device)  # fmt: skip
+        out = []
+        for store in (self.pool.keys, self.pool.values):  # [N, H_kv, capacity, block_size, D]
+            layers, kv_heads, _, block_size, dim = store.shape
+            dense = store.new_empty((layers, max(rows, 2), kv_heads, width * block_size, dim))
+            for row in range(len(self)):  # each row's blocks copied once, straight into its place
+                place = dense[:, row].view(layers, kv_heads, width, block_size, dim)
+                torch.index_select(store, 2, index[row], out=place)
+            dense[:, len(self) : rows] = 0  # a bucket's padding rows: each sees only its own new key
+            out.append(dense)  # a row past `rows` (R >= 2) is never read: left as it is
+        self._rows, self._filled = (out[0], out[1]), rows
+        return self._rows

@@ -7,6 +7,9 @@
 - `prefill_attention`: T queries per row, causal or under a mask (prompts, verification
   spans, the contiguous caches); one query per row is `decode_attention`.
 - `attend_alone`: one query over exactly the keys it sees (the batch-invariant mode).
+- `span_attention`: T new queries per row over its stored keys and its own T new keys,
+  causal among them: the compiled verification step's (engine/compiled.py), written out as
+  `decode_attention` is when traced; its eager twin is `prefill_attention` under a mask.
 
 Grouped-query attention folds the G query heads that share a key head into the query axis,
 [B, H, D] -> [B, H_kv, G, D], so each key is read once, not once per query head.
@@ -152,3 +155,31 @@ def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     kv_heads = k.shape[0]
     folded = q.reshape(1, kv_heads, heads // kv_heads, dim)  # [1, H_kv, G, D]
     return F.scaled_dot_product_attention(folded, k[None], v[None]).reshape(heads, dim)
+
+
+def span_attention(
+    q: torch.Tensor,  # [B, T, H, D], each row's T new queries, rotated
+    keys: torch.Tensor,  # [B, H_kv, S, D], each row's stored keys
+    values: torch.Tensor,  # [B, H_kv, S, D]
+    visible: torch.Tensor,  # [B, 1, 1, S] bool: the stored positions each row sees
+    new: tuple[torch.Tensor, torch.Tensor],  # k, v [B, T, H_kv, D]: the T new keys, not in `keys`
+) -> torch.Tensor:
+    """Query t of a row over its visible stored keys and its new keys 0..t: [B, T, H, D].
+    Written out (one softmax over [stored, new], two matmuls), as `decode_attention` is
+    when traced: nothing is concatenated or written, so the graph mutates no input."""
+    batch, count, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # [B, H_kv, G * T, D]: query head h = kv * G + g, row g * T + t (a mask broadcasts over G)
+    folded = q.transpose(1, 2).reshape(batch, kv_heads, group * count, dim)
+    scale = dim**-0.5
+    stored = (folded @ keys.transpose(-1, -2)).float() * scale  # [B, H_kv, G * T, S]
+    stored = stored.masked_fill(~visible, -torch.inf)
+    new_keys, new_values = new[0].transpose(1, 2), new[1].transpose(1, 2)  # [B, H_kv, T, D]
+    own = (folded @ new_keys.transpose(-1, -2)).float() * scale  # [B, H_kv, G * T, T]
+    causal = torch.ones(count, count, dtype=torch.bool, device=q.device).tril().repeat(group, 1)  # [G * T, T]
+    own = own.masked_fill(~causal, -torch.inf)
+    weights = torch.cat([stored, own], dim=-1).softmax(dim=-1).to(q.dtype)
+    width = keys.shape[2]
+    out = weights[..., :width] @ values + weights[..., width:] @ new_values  # [B, H_kv, G * T, D]
+    return out.reshape(batch, heads, count, dim).transpose(1, 2)  # [B, T, H, D]
