@@ -31,7 +31,8 @@ SHAPES = [(5, 96, 3), (7, 33, 1), (3, 64, 2), (9, 130, 5), (64, 896, 14)]  # (N,
 def test_the_op_gives_the_bits_of_the_torch_dequantisation(bits, dtype, n, k, groups):
     codes, scales = _codes(bits, n, k, groups)
     stored = pack_int4(codes) if bits == 4 else codes  # int4: two codes a byte, halves layout
-    out = torch.ops.decodekit.dequantize(stored, scales, k, dtype == torch.bfloat16)
+    out = torch.empty(n, k, dtype=dtype)
+    torch.ops.decodekit.dequantize(stored, scales, k, out)
     expected = dequantize(codes, scales, dtype)
     assert out.dtype == dtype and out.shape == (n, k)
     assert torch.equal(out.view(torch.int16) if dtype == torch.bfloat16 else out.view(torch.int32),
@@ -65,13 +66,13 @@ def test_a_prefill_gives_the_same_outputs_with_and_without_the_op(bits, group, m
 def test_bad_operands_are_refused_with_the_expected_shape():
     codes, scales = _codes(8, 4, 32, 2)
     with pytest.raises(RuntimeError, match="codes hold 32 bytes a row"):
-        torch.ops.decodekit.dequantize(codes, scales, 64, False)
+        torch.ops.decodekit.dequantize(codes, scales, 64, torch.empty(4, 64))
     with pytest.raises(RuntimeError, match="G dividing K"):
-        torch.ops.decodekit.dequantize(codes, torch.ones(4, 3), 32, False)
+        torch.ops.decodekit.dequantize(codes, torch.ones(4, 3), 32, torch.empty(4, 32))
     with pytest.raises(RuntimeError, match="out must be a contiguous CPU float32 \\[4, 32\\]"):
-        torch.ops.decodekit.dequantize(codes, scales, 32, False, torch.empty(4, 31))
+        torch.ops.decodekit.dequantize(codes, scales, 32, torch.empty(4, 31))
     with pytest.raises(RuntimeError, match="int8 \\[N, K\\] or uint8"):
-        torch.ops.decodekit.dequantize(codes.float(), scales, 32, False)
+        torch.ops.decodekit.dequantize(codes.float(), scales, 32, torch.empty(4, 32))
 
 
 @needs_kernels

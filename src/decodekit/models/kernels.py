@@ -27,8 +27,8 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
   blocks; scales [N, 1] or one per block of 32 inputs. They serve any number of rows (the
   layers' prefills too: W8A8 on AVX2 from 16 rows on csrc/gemm_a8.cpp's register-blocked
   tiles), and a row's outputs have the same bits whatever the rows beside it;
-- `dequantize(codes, scales, in_features, bf16, out)` (csrc/dequant.cpp): a quantised
-  layer's weight in float32 or bfloat16 for the one GEMM of its prefill (`dequantize`);
+- `dequantize(codes, scales, in_features, out)` (csrc/dequant.cpp): a quantised layer's
+  weight written into `out` (float32 or bfloat16) for the one GEMM of its prefill (`dequantize`);
 - `rms_norm(x, weight, eps)` (csrc/norm.cpp): float32 RMSNorm over the last dimension, one op
   where ATen runs six (models/native.py's eager CPU path; `eager_op` says when it may run).
 
@@ -216,7 +216,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
     int8 codes [N, K] or int4 ones packed two a byte (qlinear.pack_int4), written into this
     thread's `scratch`."""
     out = scratch(codes.shape[0], in_features, dtype)
-    return torch.ops.decodekit.dequantize(codes, scales, in_features, dtype == torch.bfloat16, out)
+    torch.ops.decodekit.dequantize(codes, scales, in_features, out)
+    return out
 
 
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:

@@ -220,8 +220,6 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     return layer(x)
 
 
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in float32 (Zhang & Sennrich 2019; as transformers)."""
 

@@ -1,6 +1,8 @@
-// decodekit::dequantize(codes, scales, in_features, bf16, out): a quantised layer's weight
-// W[n, k] = code[n, k] * scale[n, k / group] as float32 (or bfloat16), for the one GEMM a
-// prefill runs above qlinear.py's PACKED_MAX_ROWS rows.
+// decodekit::dequantize(codes, scales, in_features, out): a quantised layer's weight
+// W[n, k] = code[n, k] * scale[n, k / group] written into `out`, float32 or bfloat16 (its
+// dtype), for the one GEMM a prefill runs above qlinear.py's PACKED_MAX_ROWS rows. `out` is
+// the caller's reused buffer (kernels.scratch): a fresh [N, K] allocation is page-faulted in
+// on every call, ~3.5 of ~4.6 ms for an 896 -> 4864 layer's 17 MB on the Zen 3.
 //
 // The same numbers as qlinear.py's `dequantize` (codes and scales converted to the dtype, one
 // product rounded once: float32, or bfloat16 rounded to nearest even), which ATen computes in
@@ -42,10 +44,7 @@ AVX2 void dequantize_row(const uint8_t* row, int64_t half, const float* scales, 
   }
 }
 
-// out: where to write (a caller's reused buffer: a fresh [N, K] allocation is page-faulted in on
-// every call, ~3.5 of ~4.6 ms for an 896 -> 4864 layer's 17 MB on the Zen 3), or none.
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales_in, int64_t K, bool bf16,
-                      const c10::optional<at::Tensor>& out_in) {
+void dequantize(const at::Tensor& codes, const at::Tensor& scales_in, int64_t K, const at::Tensor& out) {
   TORCH_CHECK(isa() != kNone, "decodekit kernels need AVX2 + FMA");
   TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu() && codes.is_contiguous() &&
                   (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte),
@@ -58,11 +57,11 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales_in, int6
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) > 0 && K % scales.size(1) == 0,
               "scales must be [N, G] with G dividing K = ", K);
   const int64_t G = scales.size(1), group = K / G;
-  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  at::Tensor out = out_in.has_value() ? *out_in : at::empty({N, K}, codes.options().dtype(dtype));
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == dtype && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == N && out.size(1) == K,
-              "out must be a contiguous CPU ", bf16 ? "bfloat16" : "float32", " [", N, ", ", K, "] tensor");
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.device().is_cpu() && (bf16 || out.scalar_type() == at::kFloat) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == N && out.size(1) == K,
+              "out must be a contiguous CPU ", bf16 ? "bfloat16" : "float32", " [", N, ", ", K,
+              "] tensor (float32 or bfloat16)");
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   char* op = static_cast<char*>(out.data_ptr());
@@ -81,13 +80,12 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales_in, int6
       else dequantize_row<false, false>(row, width, s, K, group, u, o);
     }
   });
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(decodekit, m) {
-  m.def("dequantize(Tensor codes, Tensor scales, int in_features, bool bf16, Tensor? out=None) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scales, int in_features, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
