@@ -1,7 +1,7 @@
 """The server's one seam to the library: served models, their engines, and jobs.
 
 `Backend.submit(name, run)` starts a request the library built and routed (a strategy's
-`prepare`, decode/route.py `Run`; request_plan.py `launch`) and returns a `Job` (the engine's
+`prepare`, decode/sample.py `Run`; request_plan.py `launch`) and returns a `Job` (the engine's
 `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()` (or
 `abatches()`: what arrived together, e.g. one engine step's deltas) and ends early with `cancel()`:
 
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from decodekit.decode.route import Run
+from decodekit.decode.sample import Run, runs_on_own_engine
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta
 
@@ -168,7 +168,6 @@ class Backend:
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None,
                  aliases: dict[str, str] | None = None, chat_templates: dict[str, str] | None = None):
-        from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
         from decodekit.engine.persistent import engine_for
 
