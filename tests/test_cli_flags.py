@@ -92,7 +92,7 @@ SINKS = {
     "compress_to_dir": ("decodekit.compress.recipe:compress_to_dir", COMPRESSED),
     "load_served": ("decodekit.server.app:load_served",
                     lambda *a, **k: ({"m": MODEL[0]}, {"m": "embedded"})),
-    "engine_for": ("decodekit.engine.persistent:engine_for", None),
+    "engine_for": ("decodekit.engine.engine:engine_for", None),
     "Backend": ("decodekit.server.backend:Backend", None),
     "serve": ("decodekit.server.app:serve", None),
     "plan_memory": ("decodekit.models.footprint:plan_memory", CALL),

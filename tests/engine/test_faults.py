@@ -12,8 +12,7 @@ import decodekit as dk
 from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.engine.block_pool import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.engine import Engine
-from decodekit.engine.persistent import engine_for, forget_engine
+from decodekit.engine.engine import Engine, engine_for, forget_engine
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Program
 

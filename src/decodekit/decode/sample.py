@@ -17,7 +17,7 @@ loop, made by declared capability, never by class (models/base.py); server/backe
 an engine for exactly the models this routes to their own engine (`runs_on_own_engine`):
 
 1. a model with paged KV (`supports_paged_kv`) runs the items on its own persistent
-   engine (engine/persistent.py `run_requests`): sampling requests as they are, other
+   engine (engine/engine.py `run_requests`): sampling requests as they are, other
    strategies' items as the programs `program(index, item)` builds (engine/program.py);
 2. a model built on others runs them on the engine its `engine_programs(items)` hook names
    (a ContrastiveLM of two paged-KV models: its expert's, for sampling requests and beam
@@ -89,7 +89,7 @@ class Run:
         """The deltas wherever the run is routed: the model's persistent engine, or the plain loop."""
         if self.route is None:
             return self.plain()
-        from decodekit.engine.persistent import run_requests
+        from decodekit.engine.engine import run_requests
 
         return run_requests(*self.route)
 

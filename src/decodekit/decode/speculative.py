@@ -467,7 +467,7 @@ def speculative_programs(
     fallback: bool | None = None,
 ) -> list[SpeculativeProgram]:
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
-    the target's engine (`Engine.add`, `engine.persistent.run_requests`); each streams
+    the target's engine (`Engine.add`, `engine.engine.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
     if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")
