@@ -26,7 +26,7 @@ import torch
 
 import decodekit as dk
 from decodekit.compress.recipe import CompressConfig, quantized_copy
-from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
+from decodekit.engine.engine import DEFAULT_CONFIG, engine_for
 from decodekit.models import shapes
 
 PROBE = {**shapes.SHAPES["qwen2.5-0.5b-16l"], "hidden_size": 128, "intermediate_size": 256,

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from decodekit.engine.persistent import forget_engine
+from decodekit.engine.engine import forget_engine
 from decodekit.meta.evaluate import EvalConfig, eval_problems, evaluate_tree, sample_parallel
 from decodekit.meta.generator import LocalGenerator
 from decodekit.meta.rewards import load_reward_model

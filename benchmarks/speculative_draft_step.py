@@ -37,7 +37,7 @@ from decodekit.bench.speculative import heldout_prompts
 from decodekit.compress.recipe import CompressConfig, quantized_copy
 from decodekit.decode.speculative import speculative_generate
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
+from decodekit.engine.engine import DEFAULT_CONFIG, engine_for
 from decodekit.params import SamplingParams
 
 MODES = ("eager", "compiled decode", "+ draft", "+ verification")

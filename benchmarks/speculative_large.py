@@ -46,7 +46,7 @@ from decodekit.bench.speculative import (
     summary,
 )
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
+from decodekit.engine.engine import DEFAULT_CONFIG, engine_for
 from decodekit.params import SamplingParams
 
 DRAFTS = ("shakespeare", "shakespeare-draft", "self-int4", "prompt-lookup")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     target = dk.load_model(args.target)
-    if args.compile:  # the persistent engine every run below uses (persistent.py)
+    if args.compile:  # the persistent engine every run below uses (engine/engine.py `engine_for`)
         engine_for(target, EngineConfig(**{**vars(DEFAULT_CONFIG), "compile": True}))
     prompts = heldout_prompts(target, args.prompts)
     start = time.perf_counter()

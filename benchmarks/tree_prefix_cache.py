@@ -27,7 +27,7 @@ from decodekit.meta.generator import LocalGenerator
 from decodekit.models.registry import load_model
 
 try:
-    from decodekit.engine.persistent import forget_engine
+    from decodekit.engine.engine import forget_engine
 except ImportError:  # the code before the persistent engine: an engine per call
     forget_engine = None
 

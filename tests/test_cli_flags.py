@@ -40,7 +40,7 @@ def stream():
 
 
 RUN = SimpleNamespace(completions=lambda: [[COMPLETION]], deltas=stream,
-                      stats=lambda: SimpleNamespace(as_dict=dict))  # a prepared run (route.py `Run`)
+                      stats=lambda: SimpleNamespace(as_dict=dict))  # a prepared run (decode/sample.py `Run`)
 
 
 @contextlib.contextmanager
@@ -52,7 +52,7 @@ def shape_dir(model_name, shape=None):
 # call's arguments, or CALL). "model" stands for the tiny checkpoint (the tiny_lm fixture).
 SINKS = {
     "load_model": ("decodekit:load_model", "model"),
-    # `decodekit generate` prepares one strategy's run (decode/route.py) and reads it
+    # `decodekit generate` prepares one strategy's run (decode/sample.py `Run`) and reads it
     "sample": ("decodekit.decode.sample:Sample.prepare", lambda *a, **k: RUN),
     "beam": ("decodekit.decode.beam:Beam.prepare", lambda *a, **k: RUN),
     "speculative": ("decodekit.decode.speculative:Speculative.prepare", lambda *a, **k: RUN),
@@ -92,7 +92,7 @@ SINKS = {
     "compress_to_dir": ("decodekit.compress.recipe:compress_to_dir", COMPRESSED),
     "load_served": ("decodekit.server.app:load_served",
                     lambda *a, **k: ({"m": MODEL[0]}, {"m": "embedded"})),
-    "engine_for": ("decodekit.engine.persistent:engine_for", None),
+    "engine_for": ("decodekit.engine.engine:engine_for", None),
     "Backend": ("decodekit.server.backend:Backend", None),
     "serve": ("decodekit.server.app:serve", None),
     "plan_memory": ("decodekit.models.footprint:plan_memory", CALL),

@@ -18,7 +18,7 @@ import torch
 
 import decodekit as dk
 from decodekit.completion import Completion
-from decodekit.engine.persistent import run_requests
+from decodekit.engine.engine import run_requests
 from decodekit.engine.program import Feed, Forward, Program
 from decodekit.models.families import FAMILIES
 from decodekit.request import Delta
@@ -116,7 +116,7 @@ def test_the_recipes_name_the_places_these_tests_edit():
     recipes = text[text.index("**Where a new piece plugs in.**") : text.index("Layout as built")]
     for place in ("subclass of `Adapter` in `sampling/adapters.py`", "`option(", "`DEFAULT_ORDER`",
                   "tests/sampling/test_adapters.py `ON`", "`Program` (engine/program.py)",
-                  "`engine.persistent.run_requests(model, programs)`", "`models/families.py` `FAMILIES`"):
+                  "`engine.engine.run_requests(model, programs)`", "`models/families.py` `FAMILIES`"):
         assert place in recipes, place
 
 

@@ -74,7 +74,7 @@ def test_beam_refuses_stop_strings_naming_the_field(tiny_lm):
     """The one check of stop strings (decode/beam.py): the strategy raises before anything
     runs, naming the field, which the server answers as the 400's param."""
     from decodekit.decode.beam import Beam
-    from decodekit.decode.route import UnsupportedField
+    from decodekit.decode.sample import UnsupportedField
 
     with pytest.raises(UnsupportedField, match="stop strings are not supported") as refused:
         Beam(num_beams=2).prepare(tiny_lm, ["a"], dk.SamplingParams(stop=("x",)))

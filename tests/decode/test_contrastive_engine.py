@@ -17,7 +17,7 @@ from decodekit.decode.beam import _beam_plain, beam_searches
 from decodekit.decode.contrastive import ContrastiveLM, ContrastiveProgram
 from decodekit.decode.sample import _steps, stream_events
 from decodekit.engine import Engine, EngineConfig
-from decodekit.engine.persistent import engine_for
+from decodekit.engine.engine import engine_for
 from decodekit.models.native import NativeLM
 from decodekit.request import emit, make_requests, to_completion
 

@@ -597,7 +597,7 @@ def outcome(completion):
 def test_batched_rows_equal_single_row_runs(paged_pair, draft, verify, adaptive):
     # 4 prompts x n = 2 samples: 8 rows in one batch; sample i of a request seeded s draws
     # what a one-sample request seeded s + i draws alone.
-    from decodekit.engine.persistent import engine_for
+    from decodekit.engine.engine import engine_for
 
     target, drafter = paged_pair
     drafter = drafter if draft == "model" else draft
@@ -628,7 +628,7 @@ def test_batched_rows_equal_single_row_runs(paged_pair, draft, verify, adaptive)
 
 
 def test_batched_greedy_equals_plain_greedy_and_streams(paged_pair):
-    from decodekit.engine.persistent import run_requests
+    from decodekit.engine.engine import run_requests
 
     target, drafter = paged_pair
     params = dk.SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, stop=["zz"])

@@ -12,8 +12,7 @@ import decodekit as dk
 from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.engine.block_pool import BlockManager, BlockPool, PoolCorrupted
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.engine import Engine
-from decodekit.engine.persistent import engine_for, forget_engine
+from decodekit.engine.engine import Engine, engine_for, forget_engine
 from decodekit.engine.prefix_cache import PrefixCache
 from decodekit.engine.program import Program
 
@@ -71,7 +70,7 @@ def test_a_failed_beam_step_does_not_poison_the_prefix_cache(sharp_lm, inject):
     program closed, and the greedy request reused them."""
     want = fresh_run(sharp_lm, PROMPT)
     engine = Engine(sharp_lm)
-    engine.start()
+    engine.background.start()
     try:
         inject()
         [search] = beam_searches(sharp_lm, [PROMPT], GREEDY.replace(max_new_tokens=5), num_beams=2)
@@ -83,7 +82,7 @@ def test_a_failed_beam_step_does_not_poison_the_prefix_cache(sharp_lm, inject):
         again = engine.submit(PROMPT, GREEDY).result(30)[0]  # and a real hit is still right
         assert again.usage.cached_prompt_tokens == 32 and again.token_ids == want
     finally:
-        engine.stop()
+        engine.background.stop()
     idle(engine)
 
 

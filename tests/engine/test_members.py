@@ -11,8 +11,7 @@ import decodekit as dk
 from decodekit.decode.beam import BeamProgram, beam_searches
 from decodekit.decode.speculative import speculative_generate
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.engine import Engine
-from decodekit.engine.persistent import engine_for, forget_engine
+from decodekit.engine.engine import Engine, engine_for, forget_engine
 from decodekit.models.native import NativeLM
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures

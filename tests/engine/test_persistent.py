@@ -1,4 +1,4 @@
-"""The persistent engine per model (engine/persistent.py): later calls reuse earlier calls' KV,
+"""The persistent engine per model (engine/engine.py `engine_for`): later calls reuse earlier calls' KV,
 and reusing it changes no output; concurrent callers get their own results; the pool
 stays within its bound."""
 
@@ -12,8 +12,7 @@ import torch
 
 import decodekit as dk
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.engine import Engine
-from decodekit.engine.persistent import engine_for, forget_engine
+from decodekit.engine.engine import Engine, engine_for, forget_engine
 from decodekit.models.native import NativeLM
 
 one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # fixtures

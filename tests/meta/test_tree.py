@@ -289,14 +289,14 @@ def test_search_ranks_paths_by_the_aggregate(aggregate, expected):
 
 class EngineSpy(LocalGenerator):
     """Records each call's prompts and the prompt tokens the model's persistent engine
-    computed and reused for it (engine/persistent.py)."""
+    computed and reused for it (engine/engine.py `engine_for`)."""
 
     def __init__(self, model):
         super().__init__(model)
         self.calls = []
 
     def generate(self, prompts, n, params):
-        from decodekit.engine.persistent import engine_for
+        from decodekit.engine.engine import engine_for
 
         stats = engine_for(self.model).stats
         before = stats()
@@ -312,7 +312,7 @@ class EngineSpy(LocalGenerator):
 def test_deeper_nodes_compute_no_prompt_token_the_engine_already_holds(method):
     """A child's prompt is its parent's prompt and step: the parent computed all of it but
     the step's last token (the delimiter), so each child prompt computes that one token."""
-    from decodekit.engine.persistent import forget_engine
+    from decodekit.engine.engine import forget_engine
     from decodekit.meta.tasks.arith import format_prompt, generate_problems
     from decodekit.models.registry import load_model
 

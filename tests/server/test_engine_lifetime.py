@@ -8,7 +8,7 @@ import httpx
 import torch
 
 from decodekit.engine.config import EngineConfig
-from decodekit.engine.persistent import engine_for, forget_engine
+from decodekit.engine.engine import engine_for, forget_engine
 from decodekit.models.registry import load_model
 
 BODY = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 6, "temperature": 0}
@@ -29,7 +29,7 @@ def test_a_replaced_engine_is_never_served_from_again(server_model_dir):
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         current = backend.engines["tiny"]
         assert current is not old and current.stats()["generated_tokens"] == 6  # served there
-        assert old._thread is None  # drained and stopped
+        assert old.background._thread is None  # drained and stopped
         with torch.no_grad():
             model.net.norm.weight.mul_(0.5)  # weights changed in place: cached KV is stale
         changed = httpx.post(thread.url + "/v1/completions", json=BODY, timeout=30).json()

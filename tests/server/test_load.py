@@ -144,7 +144,7 @@ def test_concurrent_contrastive_requests_run_on_the_experts_engine(server, serve
 
 def test_beam_search_over_a_contrastive_pair_runs_on_the_experts_engine(server, server_models, monkeypatch):
     """Beam search with an amateur_model is a BeamProgram on the expert's engine (the library
-    routes it there, decode/route.py), never a worker-thread job, and equals the library's."""
+    routes it there, decode/sample.py `engine_route`), never a worker-thread job, and equals the library's."""
     import decodekit as dk
 
     thread, backend = server

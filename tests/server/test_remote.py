@@ -33,7 +33,7 @@ def local_gen(server_models):
 def counts(budget) -> dict:
     """The counts both generators must agree on. Prompt tokens only in total, computed plus
     reused: the local generator also counts the hits of the model's persistent prefix cache
-    (engine/persistent.py), which the server (whose engine it shares here) does not report."""
+    (engine/engine.py `engine_for`), which the server (whose engine it shares here) does not report."""
     get = budget.__getitem__ if isinstance(budget, dict) else lambda name: getattr(budget, name)
     return {**{name: get(name) for name in COUNTS},
             "all_prompt_tokens": get("prompt_tokens") + get("reused_prefix_tokens")}

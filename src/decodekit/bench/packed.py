@@ -120,7 +120,7 @@ def decode_timers(models: dict[str, Any], new_tokens: int, prefill: torch.Tensor
     import dataclasses
 
     import decodekit as dk
-    from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
+    from decodekit.engine.engine import DEFAULT_CONFIG, engine_for
 
     params = dk.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     timers: dict[str, Timer] = {}

@@ -376,7 +376,7 @@ def bench_concurrent(
     no copy workload. Issue 36: seed 001's claim that speculation pays at long context."""
     import decodekit as dk
     from decodekit.bench import long_context
-    from decodekit.engine.persistent import engine_for
+    from decodekit.engine.engine import engine_for
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

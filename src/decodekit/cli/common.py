@@ -66,13 +66,13 @@ def add_compile(p) -> None:
 
 
 def apply_compile(args, model) -> None:
-    """--compile / --no-compile: the model's persistent engine (engine/persistent.py) with the
+    """--compile / --no-compile: the model's persistent engine (engine/engine.py `engine_for`) with the
     compiled decode step on or off; a contrastive pair's expert's."""
     if args.compile is None:
         return
     import dataclasses
 
-    from decodekit.engine.persistent import DEFAULT_CONFIG, engine_for
+    from decodekit.engine.engine import DEFAULT_CONFIG, engine_for
 
     model = getattr(model, "expert", model)
     if model.supports_paged_kv:

@@ -217,7 +217,7 @@ def run_generate(args) -> None:
     set_threads(args, model)
     apply_compile(args, model)
     warn_beyond_context(args, model, params)
-    # The one library call every front end makes (decode/route.py): the strategy's `prepare`
+    # The one library call every front end makes (decode/sample.py `Run`): the strategy's `prepare`
     # checks and routes the request, and the run's deltas stream or its completions return.
     run = strategy_of(args).prepare(model, [args.prompt], params, **mask)
     streamed = args.stream and not args.json
@@ -262,7 +262,7 @@ def check_combination(args, params: SamplingParams, mask: dict) -> None:
 
 
 def strategy_of(args):
-    """The library strategy the flags ask for (decode/route.py): speculative decoding with
+    """The library strategy the flags ask for (decode/sample.py `Run`): speculative decoding with
     --draft-model, beam search with --strategy beam, else sampling (greedy is temperature 0)."""
     from decodekit.decode.beam import Beam
     from decodekit.decode.sample import Sample

@@ -20,7 +20,7 @@ early_stopping="never"; its False is a heuristic that may stop sooner).
 A token mask (`constraint=` or `heal=`, as in `generate`) is applied before the chain; a
 hypothesis whose constraint is complete leaves the beam like one that emits EOS.
 
-`Beam(num_beams, length_penalty, early_stopping)` is the strategy (route.py): its `prepare`
+`Beam(num_beams, length_penalty, early_stopping)` is the strategy (sample.py `Run`): its `prepare`
 builds one `BeamSearch` per prompt and routes them, as `BeamProgram`s on an engine or
 `_beam_plain` over the model's own cache; `beam_search` runs it to the end.
 """
@@ -35,7 +35,7 @@ import torch
 
 from decodekit.completion import Completion, Usage
 from decodekit.decode.constrained import Constraint, token_mask
-from decodekit.decode.route import Run, UnsupportedField, completion_deltas, engine_route
+from decodekit.decode.sample import Run, UnsupportedField, completion_deltas, engine_route
 from decodekit.engine.program import Feed, Forward, Program
 from decodekit.models.base import LanguageModel, prefill
 from decodekit.params import SamplingParams
@@ -59,7 +59,7 @@ class Hypothesis:
 
 @dataclass(frozen=True)
 class Beam:
-    """Beam search as a strategy (route.py): `num_beams` kept per step, a finished
+    """Beam search as a strategy (sample.py `Run`): `num_beams` kept per step, a finished
     hypothesis scored Σ log p / |y|^length_penalty, `early_stopping` (module docstring)."""
 
     num_beams: int = 4
@@ -77,7 +77,7 @@ class Beam:
         adapter: Chain | None = None,
     ) -> Run:
         """One search per prompt, every argument checked, routed: every prompt's search batched
-        on an engine, or None: the plain loop (route.py)."""
+        on an engine, or None: the plain loop (sample.py `engine_route`)."""
         if adapter is not None:
             raise ValueError("beam search takes no adapter: it ranks by the params' own chain")
         params = params or SamplingParams()

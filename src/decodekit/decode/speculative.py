@@ -51,7 +51,7 @@ from decodekit.decode.drafters import (
     sample_drafter,
     scratch_state,
 )
-from decodekit.decode.route import Run, completion_deltas, engine_route
+from decodekit.decode.sample import Run, completion_deltas, engine_route
 from decodekit.decode.speculation_gate import SpeculationGate, StepCosts
 from decodekit.decode.verification import VERIFY_RULES, VerifyRule, greedy_verify
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
@@ -321,7 +321,7 @@ def speculate_row(
 
 @dataclass(frozen=True)
 class Speculative:
-    """Speculative decoding as a strategy (route.py), the arguments of `speculative_generate`.
+    """Speculative decoding as a strategy (sample.py `Run`), the arguments of `speculative_generate`.
 
     draft: a LanguageModel over the target's vocabulary (e.g. `load_model("shakespeare-draft")`
     or an `NGramLM`), "prompt-lookup", "self-int4" (the target's own int4 copy, drafters.py),
@@ -376,7 +376,7 @@ class Speculative:
 
 @dataclass
 class SpeculativeRun(Run):
-    """A speculative run (route.py `Run`) and its statistics."""
+    """A speculative run (sample.py `Run`) and its statistics."""
 
     plain_stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     start: float = 0.0  # when `prepare` began: wall_seconds counts building the drafter
@@ -467,7 +467,7 @@ def speculative_programs(
     fallback: bool | None = None,
 ) -> list[SpeculativeProgram]:
     """One `SpeculativeProgram` per prompt (the arguments of `speculative_generate`), to run on
-    the target's engine (`Engine.add`, `engine.persistent.run_requests`); each streams
+    the target's engine (`Engine.add`, `engine.engine.run_requests`); each streams
     its samples' deltas and keeps its own `stats`. Raises ValueError/TypeError for bad input."""
     if engine_route(target, [], delegate=False) is None:
         raise TypeError(f"speculative programs run on a paged-KV target, got {type(target).__name__}")

@@ -25,7 +25,7 @@ dtype, so the attention of a step and of every later step sees the same stored v
 The pool is zero-initialised, so a gather that reaches past a sequence's end reads
 finite values, which the attention mask then gives weight zero. Its storage grows by
 doubling up to `num_blocks` as blocks are first used, so a long-lived engine with a
-generous bound (engine/persistent.py) holds only the memory its KV has needed so far.
+generous bound (engine/engine.py `engine_for`) holds only the memory its KV has needed so far.
 """
 
 from __future__ import annotations

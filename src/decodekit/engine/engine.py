@@ -1,9 +1,11 @@
-"""The engine: continuous batching of many requests over one NativeLM and a paged KV cache.
+"""The engine: continuous batching of many requests over one NativeLM and a paged KV
+cache, and the one engine per model that `decodekit.generate` and every front end run on.
 
-    engine = Engine(model, EngineConfig(max_kv_bytes=256 * 2**20))
+    engine = engine_for(model)                                      # the model's own engine
+    for delta in run_requests(model, requests): ...                 # add them, step to their end
     handle = engine.submit("ROMEO:", SamplingParams(n=4, seed=0))   # thread-safe
-    engine.start()                                                   # or call engine.step()
-    for delta in handle: ...                                         # or handle.result()
+    engine.background.start()                                       # or call engine.step()
+    for delta in handle: ...                                        # or handle.result()
 
 A step (`step`) is three calls. `_schedule`: admit waiting requests and reserve every
 scheduled token's slot (scheduler.py, entry.py). `_run`: the programs' rounds on other
@@ -16,23 +18,46 @@ from its request's own chain and generator (request.py: `sample_rows`; entry.py
 random stream is the same alone or beside others; with the model's `batch_invariant` on
 (read when the engine is built) its logits are too, bit for bit, and so are its tokens
 and logprobs. Requests join and leave between steps. A step that raises: failure.py.
-`decodekit.generate` runs models that support paged KV (`LanguageModel.supports_paged_kv`:
-NativeLM) on the model's persistent engine (persistent.py: `engine_for`, `run_requests`).
-"""
+Off the request's path: the server's background thread (background.py) and `stats`
+(stats.py).
 
+One persistent engine per model. `decodekit.generate`, `stream`, `LocalGenerator`, the
+CLI and the server run a paged-KV model's requests (`LanguageModel.supports_paged_kv`:
+NativeLM) on the engine `engine_for` returns: built on the model's first request with
+`EngineConfig`'s memory bound, and kept for the model's life, so its prefix cache serves
+later calls. A finished sequence leaves the full blocks of its prompt and generated tokens
+in that cache (idle, evicted least recently used first when the pool runs out:
+block_pool.py, prefix_cache.py), so a tree-search child, a refinement round or a retry
+that extends an earlier text reuses its KV instead of prefilling it again. The record is
+the model's own attribute `_decodekit_engine`, (engine, weights stamp), set only here,
+under one lock: the engine references its model, so a module-level dict would keep every
+model alive; an attribute makes a cycle the garbage collector frees with the model. The
+engine is rebuilt when it no longer matches the model: the model's `batch_invariant` flag
+(read when an engine is built), or its weights (a compressed-in-place or reloaded model
+must not read KV its old weights computed: `weights_stamp`).
+
+Threads: any number of callers may run requests on one engine at once (`run_requests`).
+Each caller adds its requests and then drives `Engine.step` (serialised by the engine's
+step lock) until its own requests finish; every step advances every caller's requests, so
+concurrent calls batch together. A step that raises fails the requests it was running
+(each of their callers gets the error), rolls back the KV slots it reserved and leaves the
+engine usable, its prefix cache intact (`Engine.step`, failure.py); a KeyboardInterrupt in
+`generate` is such a failure too.
+"""
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import uuid
-from collections import Counter
+from collections import deque
+from collections.abc import Iterator
 
 import torch
 
 from decodekit.engine import failure, rounds
+from decodekit.engine.background import Background
 from decodekit.engine.batch import build_batch, paged_forward
-from decodekit.engine.block_pool import BlockPool, PoolCorrupted
+from decodekit.engine.block_pool import PoolCorrupted
 from decodekit.engine.compile_policy import CompiledDecode, CompiledSpans, eligible
 from decodekit.engine.compile_worker import STEPS
 from decodekit.engine.config import EngineConfig
@@ -41,13 +66,20 @@ from decodekit.engine.handle import EngineFull, Inbox, RequestHandle, wake
 from decodekit.engine.members import Members
 from decodekit.engine.program import Program
 from decodekit.engine.scheduler import Scheduler, Step, Work
-from decodekit.models.base import LanguageModel
+from decodekit.engine.stats import engine_stats
+from decodekit.models.base import LanguageModel, weights_stamp
 from decodekit.params import SamplingParams
-from decodekit.request import Prompt, Request, make_requests, sample_rows
+from decodekit.request import Delta, Prompt, Request, make_requests, sample_rows
 
-__all__ = ["Engine", "EngineFull", "RequestHandle"]
+__all__ = ["DEFAULT_CONFIG", "Engine", "EngineFull", "RequestHandle", "engine_for", "forget_engine",
+           "run_requests"]
 
-_log = logging.getLogger(__name__)
+_ATTRIBUTE = "_decodekit_engine"
+_LOCK = threading.Lock()
+# EngineConfig's KV bound; up to 1024 sequences per forward, so a `generate` call of many
+# prompts x n samples runs them all in one batch, as the engine per call did (arith, 32
+# prompts x 16 samples: 1.12 s, against 1.38 s at EngineConfig's default 64: BENCHMARKS.md).
+DEFAULT_CONFIG = EngineConfig(max_running=1024)
 
 
 class Engine:
@@ -67,9 +99,7 @@ class Engine:
         self.scheduler = Scheduler(self.members, config)
         self.inbox = Inbox(config.max_waiting)
         self._step_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._starts = 0  # `start` calls not yet undone by `stop`
+        self.background = Background(self.step, self.has_work, self.inbox.cond)  # background.py
         self.steps = 0
         self.generated_tokens = 0
         self.peak_blocks_used = 0
@@ -226,17 +256,6 @@ class Engine:
         for entry in step.parked:
             rounds.resume(entry, self._end)
 
-    def _compiling(self) -> list[str]:
-        """The buckets being compiled: this model's decode steps, its verification steps
-        (`verify=T/...`) and its member models' decode steps (`<name>/...`)."""
-        names = list(self.lanes.compiling) if self.lanes is not None else []
-        if self.spans is not None:
-            names += [f"verify={span}/{name}" for span, step in self.spans.by_span.items()
-                      for name in step.lanes.compiling]  # fmt: skip
-        members = [kv for kv in self.members if kv.compiled is not None and kv is not self.members.main]
-        names += [f"{kv.model.name}/{name}" for kv in members for name in kv.compiled.lanes.compiling]
-        return names
-
     def _end(self, entry: Entry, deltas, error: BaseException | None = None) -> None:
         """Take a request or program out of the engine, its KV freed (what it computed stays
         in the prefix cache), and hand its last deltas (or `error`) to its reader; the member
@@ -263,97 +282,92 @@ class Engine:
             for entry in cancelled:
                 self._end(entry, entry.finals())
 
-    # ------------------------------------------------------------------ background thread
-
-    def start(self) -> None:
-        """Run `step` in a background thread whenever there is work. Each `start` is undone
-        by one `stop`: two servers on one model's shared engine (persistent.py) keep it running
-        until both stop."""
-        with self.inbox.cond:
-            self._starts += 1
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stopping = False
-            self._thread = threading.Thread(target=_loop, args=(self,), name="decodekit-engine", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the background thread after its current step (queued requests stay), once
-        every `start` has had its `stop`."""
-        with self.inbox.cond:
-            self._starts = max(self._starts - 1, 0)
-            if self._starts:
-                return
-            self._stopping = True
-            self.inbox.cond.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-        self._thread = None
-
     def fail_all(self, error: BaseException) -> None:
         """End every queued and running request with `error` (waits for a running step)."""
         with self._step_lock:
             failure.fail_all(self, error)
 
     def stats(self) -> dict:
-        """The engine's state: requests (sampling requests and programs alike), its pool's
-        blocks, and every member pool's (drafts, amateurs), for /health and /metrics."""
-        pool, scheduler = self.pool, self.scheduler
-        cached = len(pool.cache) if pool.cache is not None else 0
-        queued = [*self.inbox.incoming, *scheduler.waiting]
-        return {
-            "running_requests": len(scheduler.running),
-            "running_sequences": sum(len(e.seqs) for e in scheduler.running),
-            "waiting_requests": len(queued),
-            "total_blocks": pool.num_blocks,
-            "used_blocks": pool.num_used,
-            "held_blocks": pool.held,
-            "free_blocks": pool.num_free,
-            "cached_blocks": cached,
-            "idle_cached_blocks": pool.cache.num_idle if pool.cache is not None else 0,
-            "running_programs": Counter(e.kind for e in scheduler.running)["program"],
-            "waiting_programs": Counter(e.kind for e in queued)["program"],
-            "members": {
-                model_kv.model.name: _pool_stats(model_kv.pool, self.members.is_idle(model_kv))
-                for model_kv in self.members
-                if model_kv.pool is not pool
-            },  # fmt: skip
-            "peak_used_blocks": self.peak_blocks_used,
-            "block_bytes": pool.bytes_per_block,
-            "running_rows_bytes": self.running_kv.nbytes,
-            "prefill_tokens": scheduler.prefill_tokens,
-            "prefix_cache_hit_tokens": scheduler.cached_tokens,
-            "preemptions": scheduler.preemptions,
-            "steps": self.steps,
-            "generated_tokens": self.generated_tokens,
-            "resets": self.resets,
-            # the buckets a compile worker or the next step compiles (compile_worker.py): the
-            # CPU a server uses while no request runs
-            "compiling": self._compiling(),
-        }
+        """The engine's state for /health and /metrics (stats.py)."""
+        return engine_stats(self)
 
 
-def _loop(engine: Engine) -> None:
-    """The background thread's: step whenever there is work, until `stop`."""
-    while True:
-        with engine.inbox.cond:
-            engine.inbox.cond.wait_for(lambda: engine._stopping or engine.has_work())
-            if engine._stopping:
-                return
-        try:
-            engine.step()
-        except Exception as error:  # noqa: BLE001 -- the step failed its own requests
-            _log.warning("an engine step failed and ended its requests: %r", error)
+# ---------------------------------------------------------------------- one engine per model
 
 
-def _pool_stats(pool: BlockPool, idle: bool) -> dict:
-    """A member pool's blocks and bytes."""
-    return {
-        "used_blocks": pool.num_used,
-        "held_blocks": pool.held,
-        "cached_blocks": len(pool.cache) if pool.cache is not None else 0,
-        "total_blocks": pool.num_blocks,
-        "bytes": pool.nbytes,
-        "idle": idle,
-    }
+def engine_for(model: LanguageModel, config: EngineConfig | None = None) -> Engine:
+    """The model's persistent engine, built on first use (thread-safe).
+
+    config: the bound of a new engine (default `DEFAULT_CONFIG`); an engine built with
+    another config is replaced by one with this config (its callers keep the old one).
+    """
+    with _LOCK:
+        engine, built_on = model.__dict__.get(_ATTRIBUTE, (None, None))
+        stamp = weights_stamp(model)
+        if (
+            engine is None
+            or engine.model is not model  # a copy of a model that had an engine
+            or engine.batch_invariant != model.batch_invariant
+            or built_on != stamp
+            or (config is not None and engine.config != config)
+        ):
+            engine = Engine(model, config or DEFAULT_CONFIG)
+            model.__dict__[_ATTRIBUTE] = (engine, stamp)
+        return engine
+
+
+def forget_engine(model: LanguageModel, engine: Engine | None = None) -> None:
+    """Drop the model's engine (only if it is still `engine`, when given): the next call
+    builds a fresh one with an empty cache. Callers still running on it finish there."""
+    with _LOCK:
+        current = model.__dict__.get(_ATTRIBUTE, (None,))[0]
+        if current is not None and (engine is None or current is engine):
+            del model.__dict__[_ATTRIBUTE]
+
+
+def run_requests(model: LanguageModel, requests: list[Request | Program]) -> Iterator[Delta]:
+    """Run `requests` (sampling requests or programs: program.py) on the model's persistent
+    engine, yielding their deltas as they come.
+
+    Requests larger than the engine's whole pool run on a private engine sized for them.
+    Closing the iterator early cancels the requests it has not finished.
+    """
+    engine = engine_for(model)
+    if any(entry_for(r).blocks_alone(model, engine.config.block_size) > engine.pool.num_blocks
+           for r in requests):  # fmt: skip
+        engine = _private_engine(model, requests)
+    pending = deque(requests)
+    handles: list[RequestHandle] = []
+    try:
+        while True:
+            while pending:  # as many as the queue takes (max_waiting)
+                try:
+                    handles.append(engine.add(pending[0]))
+                except EngineFull:
+                    break
+                pending.popleft()
+            # `done` is set with a request's last delta, so read it before polling.
+            finished = not pending and all(handle.done for handle in handles)
+            for handle in handles:
+                yield from handle.poll()
+            if finished:
+                break
+            engine.step()  # a step that raises has failed its own requests: `Engine.step`
+        for handle in handles:
+            handle.result()  # raises the error of a step that failed in another thread
+    finally:
+        unfinished = [handle for handle in handles if not handle.done]
+        for handle in unfinished:
+            handle.cancel()
+        if unfinished:
+            engine.take_incoming()  # free their blocks now, not at some later caller's step
+
+
+def _private_engine(model: LanguageModel, requests: list[Request | Program]) -> Engine:
+    """An engine sized for exactly these requests (the pre-persistent path)."""
+    size = EngineConfig.block_size
+    entries = [entry_for(r) for r in requests]
+    blocks = sum(entry.blocks_alone(model, size) for entry in entries)
+    rows = sum(entry.num_samples for entry in entries)
+    return Engine(model, EngineConfig(num_blocks=blocks, max_running=max(rows, 1),
+                                      max_waiting=len(requests)))  # fmt: skip

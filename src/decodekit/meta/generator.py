@@ -11,7 +11,7 @@ call do not draw identical samples). `params.n` is ignored: `n` says how many.
 `LocalGenerator` runs a `LanguageModel` in this process: the n samples of a prompt share
 its prefill (the prompt is computed once and its KV forked), and the samples that reused
 it say so in `usage.cached_prompt_tokens`. A paged-KV model runs on its persistent engine
-(engine/persistent.py), whose prefix cache outlives a call: a prompt that extends an earlier
+(engine/engine.py `engine_for`), whose prefix cache outlives a call: a prompt that extends an earlier
 call's text (a tree-search child) computes only its new tokens, and its first sample's
 `cached_prompt_tokens` counts the rest. A remote OpenAI-compatible
 endpoint implements the same protocol (meta/remote.py), so meta-generators never know

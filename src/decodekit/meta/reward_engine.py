@@ -5,7 +5,7 @@ A Llama/Qwen2 reward model is a `NativeLM` whose `net.lm_head` is the reward hea
 (reward_heads.py): the final norm's states go through it, so the engine's "logits" of a
 position are the head's outputs there, [L] with L = 1 or 2 (`native_reward_lm`). Scoring
 (prompt, segments) is then a `ScoreProgram` (engine/program.py) on the model's persistent
-engine (engine/persistent.py `run_requests`): one sequence of prompt + segments, one
+engine (engine/engine.py `run_requests`): one sequence of prompt + segments, one
 `Feed(every=True)` over the tokens its table does not already hold, the head's outputs
 read at each segment's position. So:
 
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from decodekit.engine.persistent import engine_for, run_requests
+from decodekit.engine.engine import engine_for, run_requests
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, StepGenerator
 from decodekit.models.base import LanguageModel
 from decodekit.models.families import FAMILIES

@@ -1,7 +1,7 @@
 """The server's one seam to the library: served models, their engines, and jobs.
 
 `Backend.submit(name, run)` starts a request the library built and routed (a strategy's
-`prepare`, decode/route.py `Run`; request_plan.py `launch`) and returns a `Job` (the engine's
+`prepare`, decode/sample.py `Run`; request_plan.py `launch`) and returns a `Job` (the engine's
 `RequestHandle`, or a `ThreadJob`), which the HTTP layer reads with `aiter()` (or
 `abatches()`: what arrived together, e.g. one engine step's deltas) and ends early with `cancel()`:
 
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from decodekit.decode.route import Run
+from decodekit.decode.sample import Run, runs_on_own_engine
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta
 
@@ -168,9 +168,8 @@ class Backend:
 
     def __init__(self, models: dict[str, LanguageModel], config: ServerConfig | None = None,
                  aliases: dict[str, str] | None = None, chat_templates: dict[str, str] | None = None):
-        from decodekit.decode.route import runs_on_own_engine
         from decodekit.engine.config import EngineConfig
-        from decodekit.engine.persistent import engine_for
+        from decodekit.engine.engine import engine_for
 
         if not models:
             raise ValueError("a server needs at least one model")
@@ -187,7 +186,7 @@ class Backend:
         self.config = config = config or ServerConfig()
         self.engine_config = engine_config = EngineConfig(
             max_kv_bytes=config.kv_bytes, max_running=config.max_running, max_waiting=config.max_queued)
-        # The model's persistent engine (engine/persistent.py), with the server's bound: the
+        # The model's persistent engine (engine/engine.py `engine_for`), with the server's bound: the
         # server's requests and any `decodekit.generate` call in this process share its cache.
         # Read through `engine(name)`, which follows the model when its engine is replaced.
         self.engines = {name: engine_for(model, engine_config) for name, model in self.models.items()
@@ -208,12 +207,12 @@ class Backend:
     def start(self) -> None:
         self._started = True
         for engine in self.engines.values():
-            engine.start()
+            engine.background.start()
 
     def stop(self) -> None:
         self._started = False
         for engine in [*self.engines.values(), *self._retired]:
-            engine.stop()
+            engine.background.stop()
         self._retired.clear()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
@@ -223,7 +222,7 @@ class Backend:
         caller asked for another config), the new one is started here, so the server never
         serves from a stale one; a replaced engine is stopped once it has finished the
         requests it holds."""
-        from decodekit.engine.persistent import engine_for
+        from decodekit.engine.engine import engine_for
 
         engine = engine_for(self.models[name], self.engine_config)
         with self._lock:
@@ -231,12 +230,12 @@ class Backend:
             if engine is not current:
                 self.engines[name] = engine
                 if self._started:
-                    engine.start()
+                    engine.background.start()
                     self._retired.append(current)
             drained = [old for old in self._retired if not old.has_work()]
             self._retired = [old for old in self._retired if old not in drained]
         for old in drained:
-            old.stop()
+            old.background.stop()
         return engine
 
     def submit(self, name: str, run: Run) -> Job:

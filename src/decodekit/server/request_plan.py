@@ -2,7 +2,7 @@
 the library's strategy (decode/: `Sample`, `Beam`, `Speculative`; over a ContrastiveLM with
 amateur_model), the constraint and the best-of-N / voting selection. Every bad value is an
 `APIError` naming its field. What runs is the library's to build (`launch`: the strategy's
-`prepare`, route.py); this module only reads the request's fields.
+`prepare`, decode/sample.py `engine_route`); this module only reads the request's fields.
 
 Chat prompts use the served model's chat template (`serve --chat-template`), else the
 tokenizer's when it has one; otherwise the plain template (docs/server.md): one line per
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from decodekit.decode.beam import Beam
-from decodekit.decode.route import UnsupportedField
-from decodekit.decode.sample import Sample
+from decodekit.decode.sample import Sample, UnsupportedField
 from decodekit.decode.speculative import Speculative
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams, preset_values
