@@ -220,13 +220,13 @@ def test_a_step_wakes_an_event_loop_once_for_all_its_readers(sharp_lm):
         async def batches(handle):
             return [batch async for batch in handle.abatches()]
 
-        eng.background.start()
+        eng.start()
         return await asyncio.gather(*(batches(handle) for handle in handles)), len(calls)
 
     try:
         read, calls = asyncio.run(read_all())
     finally:
-        eng.background.stop()
+        eng.stop()
     assert 0 < calls <= eng.steps
     for batches in read:
         assert sum(len(d.token_ids) for batch in batches for d in batch) == 3 * 10  # every token, once
@@ -234,7 +234,7 @@ def test_a_step_wakes_an_event_loop_once_for_all_its_readers(sharp_lm):
 
 def test_background_thread_streams_to_iterators_and_asyncio(sharp_lm):
     eng = engine(sharp_lm)
-    eng.background.start()
+    eng.start()
     try:
         params = dk.SamplingParams(max_new_tokens=10, seed=6, n=2, ignore_eos=True)
         blocking = eng.submit(PROMPTS[0], params, request_id="a")
@@ -257,4 +257,4 @@ def test_background_thread_streams_to_iterators_and_asyncio(sharp_lm):
         assert [final.token_ids] == alone(sharp_lm, PROMPTS[1], GREEDY)
         assert all(d.prompt_index == 0 for d in streamed)
     finally:
-        eng.background.stop()
+        eng.stop()

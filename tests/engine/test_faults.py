@@ -70,7 +70,7 @@ def test_a_failed_beam_step_does_not_poison_the_prefix_cache(sharp_lm, inject):
     program closed, and the greedy request reused them."""
     want = fresh_run(sharp_lm, PROMPT)
     engine = Engine(sharp_lm)
-    engine.background.start()
+    engine.start()
     try:
         inject()
         [search] = beam_searches(sharp_lm, [PROMPT], GREEDY.replace(max_new_tokens=5), num_beams=2)
@@ -82,7 +82,7 @@ def test_a_failed_beam_step_does_not_poison_the_prefix_cache(sharp_lm, inject):
         again = engine.submit(PROMPT, GREEDY).result(30)[0]  # and a real hit is still right
         assert again.usage.cached_prompt_tokens == 32 and again.token_ids == want
     finally:
-        engine.background.stop()
+        engine.stop()
     idle(engine)
 
 

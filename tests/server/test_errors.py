@@ -141,9 +141,9 @@ def paused_server(server_models):
     backend = Backend(server_models, ServerConfig(max_queued=2, request_timeout=1.0, kv_bytes=2**20,
                                                   retry_after=3))
     with ServerThread(backend) as thread:
-        backend.engines["tiny"].background.stop()
+        backend.engines["tiny"].stop()
         yield thread, backend
-        backend.engines["tiny"].background.start()
+        backend.engines["tiny"].start()
 
 
 def wait_for(condition, seconds=10.0):
@@ -182,7 +182,7 @@ def test_a_stream_that_times_out_ends_with_an_error_event(paused_server):
     with pytest.raises(openai.APIError, match="timeout"):
         for _ in client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=4, stream=True):
             pass
-    backend.engines["tiny"].background.start()  # the server recovers
+    backend.engines["tiny"].start()  # the server recovers
     assert client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=3).choices[0].text
 
 

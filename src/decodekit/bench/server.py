@@ -335,14 +335,14 @@ def bench_server(model: str = "shakespeare", new_tokens: int = 64, levels=LEVELS
     process = None
     try:
         process = start_server(model, port, extra=("--threads", str(threads)))  # as this one
-        engine.background.start()
+        engine.start()
         load_before = os.getloadavg()
         url = f"http://127.0.0.1:{port}"
         rows = asyncio.run(bench_levels(url, process.pid, engine, levels, new_tokens, repeats, progress,
                                         peer_args))
         load = [round(x, 2) for x in load_before + os.getloadavg()]
     finally:
-        engine.background.stop()
+        engine.stop()
         if process is not None:
             process.terminate()
             process.wait(30)

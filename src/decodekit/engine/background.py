@@ -1,5 +1,5 @@
-"""An engine's background thread: `engine.background.start()` steps the engine whenever
-it has work, until `stop()`. The server uses it; a library call drives `Engine.step` from
+"""An engine's background thread: `Engine.start()` steps the engine whenever it has
+work, until `Engine.stop()`. The server uses it; a library call drives `Engine.step` from
 its own thread instead (engine.py `run_requests`), so this is not on a request's path.
 
 Each `start` is undone by one `stop`: two servers on one model's shared engine (engine.py

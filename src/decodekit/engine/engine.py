@@ -4,7 +4,7 @@ cache, and the one engine per model that `decodekit.generate` and every front en
     engine = engine_for(model)                                      # the model's own engine
     for delta in run_requests(model, requests): ...                 # add them, step to their end
     handle = engine.submit("ROMEO:", SamplingParams(n=4, seed=0))   # thread-safe
-    engine.background.start()                                       # or call engine.step()
+    engine.start()                                                  # or call engine.step()
     for delta in handle: ...                                        # or handle.result()
 
 A step (`step`) is three calls. `_schedule`: admit waiting requests and reserve every
@@ -286,6 +286,16 @@ class Engine:
         """End every queued and running request with `error` (waits for a running step)."""
         with self._step_lock:
             failure.fail_all(self, error)
+
+    def start(self) -> None:
+        """Step in a background thread whenever there is work (background.py); each `start`
+        is undone by one `stop`."""
+        self.background.start()
+
+    def stop(self) -> None:
+        """Stop the background thread after its step, once every `start` has had its `stop`
+        (queued requests stay)."""
+        self.background.stop()
 
     def stats(self) -> dict:
         """The engine's state for /health and /metrics (stats.py)."""

@@ -207,12 +207,12 @@ class Backend:
     def start(self) -> None:
         self._started = True
         for engine in self.engines.values():
-            engine.background.start()
+            engine.start()
 
     def stop(self) -> None:
         self._started = False
         for engine in [*self.engines.values(), *self._retired]:
-            engine.background.stop()
+            engine.stop()
         self._retired.clear()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
@@ -230,12 +230,12 @@ class Backend:
             if engine is not current:
                 self.engines[name] = engine
                 if self._started:
-                    engine.background.start()
+                    engine.start()
                     self._retired.append(current)
             drained = [old for old in self._retired if not old.has_work()]
             self._retired = [old for old in self._retired if old not in drained]
         for old in drained:
-            old.background.stop()
+            old.stop()
         return engine
 
     def submit(self, name: str, run: Run) -> Job:
