@@ -67,7 +67,9 @@ def decode_attention(
     group = heads // kv_heads
     queries = group * count  # a row's queries of one key head
     folded = q.transpose(1, 2).reshape(batch, kv_heads, queries, dim)  # [B, H_kv, G * T, D]
-    if written_out is None:  # the LSE kernel: the CPU's, and a row it sees nothing of gets lse 0
+    # written out when traced, for T > 1 new keys (no causal mask in the eager form), and for
+    # prefixes the LSE kernel cannot take: it is the CPU's, and a row seeing none of one gets lse 0
+    if written_out is None:
         written_out = (
             torch.compiler.is_compiling()
             or (new is not None and count > 1)
