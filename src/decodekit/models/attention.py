@@ -117,7 +117,7 @@ def decode_attention(
         if new is not None:
             own_weights = weights[..., -count:]  # [B, H_kv, GT, T]
             out = out + (own_weights * own_values if count == 1 else own_weights @ own_values)
-        return out.reshape(batch, heads, count, dim).transpose(1, 2)  # [B, T, H, D]
+        return _unfold_heads(out, count)  # [B, T, H, D]
     if new is not None:  # the eager kernels read one key tensor: append the new key to it
         keys = torch.cat([keys, new[0].transpose(1, 2)], dim=2)
         values = torch.cat([values, new[1].transpose(1, 2)], dim=2)
@@ -125,8 +125,7 @@ def decode_attention(
             seen = visible.new_ones(1) if visible.dtype == torch.bool else visible.new_zeros(1)
             visible = torch.cat([visible, seen.expand(*visible.shape[:3], 1)], dim=-1)
     if not prefixes:
-        out = F.scaled_dot_product_attention(folded, keys, values, visible)  # [B, H_kv, GT, D]
-        return out.reshape(batch, heads, count, dim).transpose(1, 2)
+        return _unfold_heads(F.scaled_dot_product_attention(folded, keys, values, visible), count)
     if visible is not None and visible.dtype == torch.bool:  # the LSE kernel takes an additive mask
         visible = keys.new_zeros(visible.shape).masked_fill(~visible, -torch.inf)
     out, lse = LSE_KERNEL(folded, keys, values, 0.0, False, attn_mask=visible)  # [B, H_kv, GT, D], [.., GT]
@@ -143,7 +142,16 @@ def decode_attention(
         own_weight = (own_lse - top).exp()[..., None]
         shared_weight = (shared_lse - top).exp()[..., None]
         out[rows] = (out[rows] * own_weight + shared * shared_weight) / (own_weight + shared_weight)
-    return out.reshape(batch, heads, count, dim).transpose(1, 2)
+    return _unfold_heads(out, count)
+
+
+def _unfold_heads(out: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, H_kv, G * T, D] -> [B, T, H, D]. T = 1 is a plain reshape: a transpose would give
+    the size-1 axis another stride, and inductor one more view of each layer's buffer."""
+    batch, _, _, dim = out.shape
+    if count == 1:
+        return out.reshape(batch, 1, -1, dim)
+    return out.reshape(batch, -1, count, dim).transpose(1, 2)
 
 
 def prefill_attention(
