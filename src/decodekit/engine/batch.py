@@ -146,8 +146,9 @@ class PagedBatch:
         assert window is None or not running.groups  # no shared prefix in a sliding-window model
         width = running.width  # the longest row
         prefixes = [SharedKV(p.keys[layer], p.values[layer], rows) for p, rows in running.groups]
-        return decode_attention(q, row_keys[:batch, :, :width], row_values[:batch, :, :width],
-                                running.masks[window], prefixes=prefixes)  # fmt: skip
+        out = decode_attention(q[:, None], row_keys[:batch, :, :width], row_values[:batch, :, :width],
+                               running.masks[window], prefixes=prefixes)  # fmt: skip
+        return out[:, 0]
 
 
 def group_short_spans(

@@ -26,9 +26,10 @@ step (models/static.py). Here:
   log-sum-exp, rows.py). Several requests' prefixes are joined once and kept while the
   same prefixes run (`PrefixKV`).
 - `lanes_step(span=T)`: a step that only verifies speculative spans, T tokens a row, attending
-  over the row's keys and causally among themselves (`span_attention`), on rows gathered from
-  the pool (compile_policy.py `CompiledSpans`, rows.py `GatheredRows`); a member model's
-  one-token forwards (a draft's) run the one-token step over such rows (members.py).
+  over the row's keys and causally among themselves (the same `decode_attention`, T queries a
+  row), on rows gathered from the pool (compile_policy.py `CompiledSpans`, rows.py
+  `GatheredRows`); a member model's one-token forwards (a draft's) run the one-token step over
+  such rows (members.py).
 - Prompts, mixed steps, forks, sliding windows, a quantised KV pool and the batch-invariant
   mode stay on the eager path (`eligible`).
 
@@ -54,7 +55,7 @@ import types
 
 import torch
 
-from decodekit.models.attention import SharedKV, decode_attention, span_attention
+from decodekit.models.attention import SharedKV, decode_attention
 from decodekit.models.native import NativeLM
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -93,25 +94,20 @@ class LaneAttention:
         self.new_values: list[torch.Tensor] = []
 
     def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
-        """q [B, T, H, D], k/v [B, T, H_kv, D] -> [B, T, H, D]; T > 1: a verification span."""
-        batch = q.shape[0]
-        if q.shape[1] > 1:  # no shared prefix: a span's rows are gathered whole (rows.py)
-            self.new_keys.append(k)
-            self.new_values.append(v)
-            keys, values = self.keys[layer, :batch], self.values[layer, :batch]
-            return span_attention(q, keys, values, self.visible, (k, v))
+        """q [B, T, H, D], k/v [B, T, H_kv, D] -> [B, T, H, D]; T > 1: a verification span
+        (whose rows hold no shared prefix: they are gathered whole, rows.py)."""
+        batch, count = q.shape[:2]
         prefixes = ()
         if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
             keys, values, sees = self.prefix
             prefixes = (SharedKV(keys[layer], values[layer], sees=sees),)
         # written out (models/attention.py) as dynamo traces it, also when a CUDA graph records
         # it eager: the eager kernels' form would copy every row's keys to append the new one
-        out = decode_attention(q[:, 0], self.keys[layer, :batch], self.values[layer, :batch],
-                               self.visible, new=(k[:, 0], v[:, 0]), prefixes=prefixes,
-                               written_out=True)  # fmt: skip
-        self.new_keys.append(k[:, 0])
-        self.new_values.append(v[:, 0])
-        return out[:, None]
+        out = decode_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.visible,
+                               new=(k, v), prefixes=prefixes, written_out=True)  # fmt: skip
+        self.new_keys.append(k[:, 0] if count == 1 else k)  # [B, H_kv, D], a span's [B, T, H_kv, D]
+        self.new_values.append(v[:, 0] if count == 1 else v)
+        return out
 
 
 def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False, span: int = 1):
@@ -122,8 +118,8 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     prefixes' keys and values [N, 1, H_kv, P, D] and each row's span of them, bounds [2, B]
     (start, end; a row that continues a prefix holds only the positions after it).
     `span` T > 1: a verification step, T tokens a row (tokens and positions [B, T]) attending
-    causally among themselves (`span_attention`); logits [B, T, V], new keys and values
-    [N, B, T, H_kv, D].
+    causally among themselves (`decode_attention`'s T queries a row); logits [B, T, V], new keys
+    and values [N, B, T, H_kv, D].
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process

@@ -110,7 +110,7 @@ class StaticStep:
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(2, self.position, k.transpose(1, 2))
         values.index_copy_(2, self.position, v.transpose(1, 2))
-        return decode_attention(q[:, 0], keys, values, self.visible)[:, None]
+        return decode_attention(q, keys, values, self.visible)
 
 
 def decode_step(model: NativeLM, capacity: int) -> Step:
