@@ -109,13 +109,13 @@ class PagedBatch:
         k, v = pool.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [T, H_kv, D]
         decoding = len(self.running.columns) if self.running is not None else 0
-        if decoding and not self.prefills:
-            return self._decode(layer, q[0], k, v, window, per_query)[None]
+        if decoding and not self.prefills:  # each token its own row: [1, B, H, D] <-> [B, 1, H, D]
+            return self._decode(layer, q.transpose(0, 1), k, v, window, per_query).transpose(0, 1)
         out = torch.empty_like(q[0])  # [T, H, D]
         if decoding:
             out[:decoding] = self._decode(
-                layer, q[0, :decoding], k[:decoding], v[:decoding], window, per_query
-            )
+                layer, q[0, :decoding, None], k[:decoding], v[:decoding], window, per_query
+            )[:, 0]
         alone = self.prefills
         if self.group is not None and not per_query:
             out[self.group.positions] = _attend_together(q[0], pool, layer, self.group)
@@ -127,7 +127,7 @@ class PagedBatch:
         return out[None]
 
     def _decode(self, layer: int, q, k, v, window: int | None, per_query: bool) -> torch.Tensor:
-        """q [B, H, D], k/v [B, H_kv, D] of the running rows -> [B, H, D]."""
+        """q [B, 1, H, D], k/v [B, H_kv, D] of the running rows -> [B, 1, H, D]."""
         running = self.running
         batch = q.shape[0]
         row_keys = running.kv.keys[layer]  # [R, H_kv, C, D]
@@ -141,14 +141,13 @@ class PagedBatch:
             for row, length in enumerate(running.kv.lengths[:batch]):
                 first = max(0, length - window) if window is not None else 0
                 keys, values = row_keys[row, :, first:length], row_values[row, :, first:length]
-                out[row] = attend_alone(q[row], keys, values)  # [H, D]
+                out[row, 0] = attend_alone(q[row, 0], keys, values)  # [H, D]
             return out
         assert window is None or not running.groups  # no shared prefix in a sliding-window model
         width = running.width  # the longest row
         prefixes = [SharedKV(p.keys[layer], p.values[layer], rows) for p, rows in running.groups]
-        out = decode_attention(q[:, None], row_keys[:batch, :, :width], row_values[:batch, :, :width],
-                               running.masks[window], prefixes=prefixes)  # fmt: skip
-        return out[:, 0]
+        return decode_attention(q, row_keys[:batch, :, :width], row_values[:batch, :, :width],
+                                running.masks[window], prefixes=prefixes)  # fmt: skip
 
 
 def group_short_spans(

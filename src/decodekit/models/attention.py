@@ -66,7 +66,8 @@ def decode_attention(
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     queries = group * count  # a row's queries of one key head
-    folded = q.transpose(1, 2).reshape(batch, kv_heads, queries, dim)  # [B, H_kv, G * T, D]
+    # [B, H_kv, G * T, D]; at T = 1 the transpose would only add a view
+    folded = (q if count == 1 else q.transpose(1, 2)).reshape(batch, kv_heads, queries, dim)
     # written out when traced, for T > 1 new keys (no causal mask in the eager form), and for
     # prefixes the LSE kernel cannot take: it is the CPU's, and a row seeing none of one gets lse 0
     if written_out is None:
