@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 PROBE_INTERVAL = 16  # steps to the first re-probe
 MAX_PROBE_INTERVAL = 256
 DECAY = 0.5  # weight of the earlier blocks' acceptance at each new block
-WINDOW = 8  # recent steps of a kind (plain, or drafting so many tokens) whose least seconds price it
+WINDOW = 8  # recent steps of a kind (plain; so many rows drafting so many tokens): their least prices it
 
 
 def pays(alpha: float, gamma: int, step_cost: float, rows: int = 1, drafting: int = 1) -> bool:
