@@ -1,39 +1,55 @@
 """Speculation that switches itself off per row when it does not pay, and back on when it does.
 
-The cost model, in one sentence: a row speculates with γ draft tokens while Leviathan et
-al.'s expected tokens per block, (1 - α^(γ+1)) / (1 - α) (2023, Eq. 1; REFERENCES.md),
-exceed the measured seconds of a step that drafts γ tokens over those of a plain step, with
-α the row's measured acceptance. Leviathan's speedup divides by γ c + 1 (c: a draft token's
-cost in target steps); the measured step holds that and what a fixed c misses on this engine
-and machine: the verification's extra rows, the host's work of a block, a draft forward's
-cost beside a bare one. So an overhead-bound target (`shakespeare`: a block of 4 costs about
-5 plain steps) never pays, and a memory-bound one with a cheap draft does. A step drafting a
-length not measured yet is priced from the nearest measured length, its extra seconds scaled
-linearly. The seconds of switching a row back to speculation (its draft model catching up on
-the tokens of its plain steps, its target leaving the decode lane: speculative.py) are paid
-once per switch and left out of the step's.
+The cost model, in one sentence: a row speculates with γ draft tokens while the tokens it
+gains, Leviathan et al.'s expected tokens per block E = (1 - α^(γ+1)) / (1 - α) (2023, Eq. 1;
+REFERENCES.md) less the one a plain step gives, exceed its share of what the step costs the
+whole batch, R (c - 1) / S: c the measured seconds of a step in which S of the batch's R rows
+drafted γ tokens over those of a plain step, α the row's measured acceptance.
+
+Why the batch: a step in which any row drafts costs every row of the batch the draft
+forwards and the longer verification. With R rows of which S draft, a plain step yields R
+tokens for 1 plain step's seconds, a drafting step (R - S) + Σ_s E_s for c, so it pays only if
+Σ_s (E_s - 1) > R (c - 1). Each drafting row takes its 1/S share of the right-hand side: the
+sum of the rows' tests is the batch's test when their E are alike, and a row whose E falls
+short of its share drops out while the others stay (the step's c then falls, priced by the
+next steps). At R = S = 1 this is Leviathan's speedup E / c > 1 (c = γ c_draft + 1): one
+request decides as it always has. Measured on 16 concurrent requests of `shakespeare-large`
+with the `shakespeare` draft (BENCHMARKS.md): a row alone pays (E ≈ 3 for c ≈ 1.3 when 1-5 of
+16 rows draft), while those steps cost the 11-15 plain rows beside it 30 % more each; every
+row drafting, c ≈ 3.2 > E.
+
+c holds what a fixed c misses on this engine and machine: the verification's extra rows, the
+host's work of a block, a draft forward's cost beside a bare one. So an overhead-bound
+target (`shakespeare`: a block of 4 costs about 5 plain steps) never pays, and a memory-bound
+one with a cheap draft does. A step is priced from steps that drafted with as many rows and
+the nearest draft length (else the nearest number of rows), its extra seconds scaled
+linearly in both. The seconds of switching a row back to speculation (its draft model
+catching up on the tokens of its plain steps, its target leaving the decode lane:
+speculative.py) are paid once per switch and left out of the step's. R and S come from the
+engine's step (`StepBatch`): the rows decoding on its lanes (sampling rows too) and the
+speculative programs' rows, shared by the programs on one engine (program.py
+`ProgramKV.shared`).
 
 A row that does not pay decodes plainly (an empty draft: one target token a step, its
 distribution the target's, so the output stays exact whatever the row does) and re-probes
 at the next step that is a multiple of its interval (`PROBE_INTERVAL` steps, four times
 longer after each probe that does not pay, up to `MAX_PROBE_INTERVAL`: a probe costs the
-batch about one block's extra seconds, so over n steps they cost O(log n)), so a row whose
-acceptance rises (a continuation that repeats its prompt, for prompt lookup) goes back to
-speculating. A probe is one block of γ draft tokens: it measures α over up to γ positions and
-the cost of the very block it decides on (a one-token probe priced a block by its fixed
-costs spread over one token, and switched off rows that paid: `shakespeare-large` with
-`shakespeare` at 1.3x). On multiples, rows that started together probe together: in a batch
-a step with any draft costs every row the draft forwards, so scattered probes would slow all
-the plain steps.
+batch about one block's extra seconds, so over n steps they cost O(log n) until the interval
+reaches its cap), so a row whose acceptance rises (a continuation that repeats its prompt, for
+prompt lookup) goes back to speculating. A probe is one block of γ draft tokens: it measures
+α over up to γ positions and the cost of the very block it decides on (a one-token probe
+priced a block by its fixed costs spread over one token, and switched off rows that paid:
+`shakespeare-large` with `shakespeare` at 1.3x). On multiples, rows that started together
+probe together, and are judged together: S is all of them.
 
 α is accepted / examined draft positions (examined: τ + 1, or γ when all were accepted),
 both sums decaying by `DECAY` per block so a change of regime shows within a few blocks, from
 a prior of one rejected position (a single accepted draft token is α = 1/2, not 1). A plain
 step's seconds are the least of the last `WINDOW` plain steps (a step after a probe pays
-for lanes taken again; other processes only ever add time), and a step drafting γ tokens
-likewise the least of its last `WINDOW`: the same statistic on both sides of the ratio, which
-a loaded machine's noise then leaves near its quiet value (a mean over a least inflated it,
-and switched off rows that paid).
+for lanes taken again; other processes only ever add time), and a drafting step's likewise
+the least of its last `WINDOW`: the same statistic on both sides of the ratio, which a loaded
+machine's noise then leaves near its quiet value (a mean over a least inflated it, and
+switched off rows that paid).
 
 Since the choice reads the clock, a seeded request at temperature > 0 draws different
 uniforms when its rows switch at different steps: its tokens are distributed exactly as the
@@ -50,13 +66,14 @@ from dataclasses import dataclass, field
 PROBE_INTERVAL = 16  # steps to the first re-probe
 MAX_PROBE_INTERVAL = 256
 DECAY = 0.5  # weight of the earlier blocks' acceptance at each new block
-WINDOW = 8  # recent steps of a kind (plain, or drafting so many tokens) whose least seconds price it
+WINDOW = 8  # recent steps of a kind (plain; so many rows drafting so many tokens): their least prices it
 
 
-def speedup(alpha: float, gamma: int, step_cost: float) -> float:
-    """The expected speedup of blocks of γ at acceptance α whose step costs `step_cost` plain
-    steps: Leviathan et al.'s (1 - α^(γ+1)) / ((1 - α)(γ c + 1)) where step_cost = γ c + 1."""
-    return expected_tokens(alpha, gamma) / step_cost
+def pays(alpha: float, gamma: int, step_cost: float, rows: int = 1, drafting: int = 1) -> bool:
+    """Whether a row at acceptance α drafting γ tokens pays its share of a step that costs
+    `step_cost` plain steps, in which `drafting` of the batch's `rows` rows draft (module
+    docstring): E - 1 > R (c - 1) / S. At R = S = 1, Leviathan's speedup E / c > 1."""
+    return expected_tokens(alpha, gamma) - 1.0 > rows * (step_cost - 1.0) / drafting
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -68,27 +85,56 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 @dataclass
 class StepCosts:
-    """A program's step seconds (module docstring): its recent plain steps, and per longest
-    draft length its recent steps that drafted that many tokens."""
+    """A program's step seconds (module docstring): its recent plain steps (no row of the
+    batch drafted), and per (longest draft, rows drafting) its recent steps that drafted."""
 
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    drafting: dict = field(default_factory=dict)  # longest draft -> deque of seconds
+    drafting: dict = field(default_factory=dict)  # (longest draft, rows drafting) -> deque of seconds
 
-    def record(self, seconds: float, longest_draft: int) -> None:
+    def record(self, seconds: float, longest_draft: int, drafting: int = 1) -> None:
         if longest_draft == 0:
             self.plain.append(seconds)
         else:
-            self.drafting.setdefault(longest_draft, deque(maxlen=WINDOW)).append(seconds)
+            self.drafting.setdefault((longest_draft, drafting), deque(maxlen=WINDOW)).append(seconds)
 
-    def step_cost(self, gamma: int) -> float | None:
-        """A step drafting `gamma` tokens in plain steps (>= 1), from the nearest measured
-        draft length (the longer on a tie), its extra seconds scaled by gamma / length; None
-        until a plain step and a drafting one are measured."""
+    def step_cost(self, gamma: int, drafting: int = 1) -> float | None:
+        """A step in which `drafting` rows draft `gamma` tokens, in plain steps (>= 1): from
+        the steps measured with as many rows drafting and the nearest length (the longer on a
+        tie), else the nearest number of rows, its extra seconds scaled linearly in both;
+        None until a plain step and a drafting one are measured."""
         if not self.plain or not self.drafting:
             return None
-        length = min(self.drafting, key=lambda n: (abs(n - gamma), -n))
-        extra = max(min(self.drafting[length]) / min(self.plain) - 1.0, 0.0)
-        return 1.0 + extra * gamma / length
+        length, rows = min(self.drafting, key=lambda k: (abs(k[1] - drafting), abs(k[0] - gamma), -k[0]))
+        extra = max(min(self.drafting[length, rows]) / min(self.plain) - 1.0, 0.0)
+        return 1.0 + extra * gamma / length * drafting / rows
+
+
+@dataclass
+class StepBatch:
+    """One engine step as the speculative programs on that engine see it: R `rows` (those
+    decoding on the engine's lanes, with the programs' rows that do not) and S of them
+    `drafting`, the `longest` draft. The programs share it (program.py `ProgramKV.shared`):
+    every row of theirs joins it after its draft, before the step's forward, and their gates
+    read it after, when they settle. The engine runs every program's rounds before any
+    program's end of step (rounds.py), so a join after a settle, or a program's second join,
+    is the next step's."""
+
+    rows: int = 0
+    drafting: int = 0
+    longest: int = 0
+    joined: set = field(default_factory=set)  # id() of the programs that joined this step
+    settled: bool = True
+
+    def join(self, program: object, drafts: list[int], off_lane: int, lanes: int) -> None:
+        """A program's rows in the coming step: their draft lengths, how many of them are not
+        on a lane, and the engine's lanes now (read at a step's first join)."""
+        if self.settled or id(program) in self.joined:
+            self.rows, self.drafting, self.longest, self.settled = lanes, 0, 0, False
+            self.joined.clear()
+        self.joined.add(id(program))
+        self.rows += off_lane
+        self.drafting += sum(n > 0 for n in drafts)
+        self.longest = max([self.longest, *drafts])
 
 
 @dataclass
@@ -116,9 +162,11 @@ class SpeculationGate:
         self.probing = True
         return gamma
 
-    def settle(self, drafted: int, accepted: int, gamma: int, costs: StepCosts, step: int) -> None:
-        """After step `step`'s block drafted `drafted` tokens and kept `accepted`: update α and
-        decide whether the next steps speculate with γ (`gamma`: the row's next γ)."""
+    def settle(self, drafted: int, accepted: int, gamma: int, costs: StepCosts, step: int,
+               rows: int = 1, drafting: int = 1) -> None:  # fmt: skip
+        """After step `step`'s block drafted `drafted` tokens and kept `accepted`, in a step of
+        `rows` rows of which `drafting` drafted: update α and decide whether the next steps
+        speculate with γ (`gamma`: the row's next γ)."""
         if drafted == 0:  # nothing to learn; a probe that found no draft (prompt lookup) waits
             if self.probing:
                 self.next_probe, self.probing = (step // self.interval + 1) * self.interval, False
@@ -127,11 +175,12 @@ class SpeculationGate:
         examined = min(accepted + 1, drafted)
         self.accepted = DECAY * self.accepted + accepted
         self.examined = DECAY * self.examined + examined
-        cost = costs.step_cost(gamma)
+        drafting = max(drafting, 1)  # this row drafted
+        cost = costs.step_cost(gamma, drafting)
         if cost is None:  # no drafting step measured yet (a row that began speculating)
             self.speculating = False
             return
-        if speedup(self.alpha, gamma, cost) > 1.0:
+        if pays(self.alpha, gamma, cost, max(rows, drafting), drafting):
             self.speculating = True
             if not probe:  # a block of γ paid, not only a probe's token: probe soon if it stops
                 self.interval = PROBE_INTERVAL

@@ -52,7 +52,7 @@ from decodekit.decode.drafters import (
     scratch_state,
 )
 from decodekit.decode.sample import Run, completion_deltas, engine_route
-from decodekit.decode.speculation_gate import SpeculationGate, StepCosts
+from decodekit.decode.speculation_gate import SpeculationGate, StepBatch, StepCosts
 from decodekit.decode.verification import VERIFY_RULES, VerifyRule, greedy_verify
 from decodekit.engine.program import Feed, Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
@@ -565,6 +565,10 @@ class SpeculativeProgram(Program):
         yield from self._draft(live, kv)
         middle = time.perf_counter()
         self.stats.draft_seconds += middle - start
+        # The step's rows, for the gates' share of its cost (speculation_gate.py), rows of
+        # programs without the fallback too.
+        batch = kv.shared.setdefault(StepBatch, StepBatch())
+        batch.join(self, [len(r.tokens) for r in live], sum(r.target.lane is None for r in live), kv.lanes())
         for r in live:
             if r.tokens:
                 switched = time.perf_counter()
@@ -599,12 +603,13 @@ class SpeculativeProgram(Program):
                 for seq in (r.target, r.draft):
                     if seq is not None:
                         kv.close(seq)
+        batch.settled = True  # the next join is the next step's
         if self.fallback:
-            longest = max((len(r.tokens) for r in live), default=0)
             if not first:  # less the switch back (once per plain stretch, not per draft token)
-                self.costs.record(time.perf_counter() - start - self.switch_seconds, longest)
+                seconds = time.perf_counter() - start - self.switch_seconds
+                self.costs.record(seconds, batch.longest, batch.drafting)
             for r, tau in zip(live, taus, strict=True):
-                r.gate.settle(len(r.tokens), tau, r.gamma, self.costs, self.steps)
+                r.gate.settle(len(r.tokens), tau, r.gamma, self.costs, self.steps, batch.rows, batch.drafting)
                 self.stats.plain_steps += not r.tokens
         self.finished = all(r.row.finish_reason is not None for r in self.rows)
         return list(emit([r.row for r in live], self.target.max_context))

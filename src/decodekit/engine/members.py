@@ -39,6 +39,8 @@ class ModelKV:
         self.manager = BlockManager(pool)
         self.running_kv = running_kv
         self.compiled: CompiledDecode | None = None  # a member's one-token forwards (module docstring)
+        # What the programs on this engine share, by keys of their own (program.py `ProgramKV.shared`).
+        self.shared: dict = {}
 
     def close(self, seq) -> None:
         """Free a sequence's (program.py `Seq`) blocks and lane; its computed KV stays

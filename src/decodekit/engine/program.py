@@ -121,6 +121,18 @@ class ProgramKV:
     members: object  # callable: model -> ModelKV (the engine's `Members.of`)
     seqs: list[Seq] = field(default_factory=list)
 
+    @property
+    def shared(self) -> dict:
+        """State the programs on this engine share, under keys of their own (the speculative
+        programs' view of each step: decode/speculation_gate.py `StepBatch`). It lives as long
+        as the engine's pool."""
+        return self.members(self.model).shared
+
+    def lanes(self) -> int:
+        """Sequences decoding on the engine's RunningKV lanes now: its sampling rows and the
+        programs' rows that feed one token a step."""
+        return len(self.members(self.model).running_kv)
+
     def open(self, model: LanguageModel, tokens: list[int]) -> Seq:
         """A sequence of `tokens`, its table starting with their cached prefix."""
         model_kv = self.members(model)
