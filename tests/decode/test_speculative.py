@@ -552,7 +552,7 @@ def test_each_embedded_target_names_its_draft():
     from decodekit.models.registry import default_draft
 
     assert default_draft("shakespeare") == "shakespeare-draft"  # <name>-draft
-    assert default_draft("shakespeare-large") == "shakespeare"  # its registry entry's "draft"
+    assert default_draft("shakespeare-large") == "shakespeare-large-draft"  # its entry's "draft"
     assert default_draft("arith") is None and default_draft("no-such-model") is None
 
 

@@ -30,7 +30,7 @@ def run_models(args) -> None:
     if args.json:
         print(json.dumps(models, indent=2))
         return
-    print(f"{'name':<20} {'kind':<6} {'parameters':>11} {'size':>9}  measured")
+    print(f"{'name':<24} {'kind':<6} {'parameters':>11} {'size':>9}  measured")
     for name, entry in models.items():
         size = entry.get("size_bytes") or entry.get("size") or 0
         size_text = f"{size / 1e6:.1f} MB" if isinstance(size, int | float) else str(size)
@@ -39,7 +39,7 @@ def run_models(args) -> None:
         metric = entry.get("metric") or entry.get("metrics") or ""
         if isinstance(metric, dict):
             metric = ", ".join(f"{k}={v}" for k, v in metric.items())
-        print(f"{name:<20} {entry.get('kind', 'hf'):<6} {params_text:>11} {size_text:>9}  {metric}")
+        print(f"{name:<24} {entry.get('kind', 'hf'):<6} {params_text:>11} {size_text:>9}  {metric}")
     from decodekit.models.dtype_probe import dtype_report
 
     report = dtype_report()
