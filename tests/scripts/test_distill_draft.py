@@ -3,6 +3,7 @@ initialisation, and a short run that makes a student agree more with its teacher
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -44,7 +45,10 @@ def test_keeping_layers_gives_a_shallower_model_of_those_layers():
     ids = torch.tensor([[5, 6, 7, 8]])
     full = model(input_ids=ids).logits
     step = model(input_ids=ids[:, :3], use_cache=True)  # the cache indexes the kept layers
-    last = model(input_ids=ids[:, 3:], past_key_values=step.past_key_values).logits
+    # transformers 5 names the cache `cache` (`past_key_values` is deprecated); 4.x the latter
+    new_name = "cache" in inspect.signature(model.forward).parameters
+    cache = step["cache"] if new_name else step.past_key_values
+    last = model(input_ids=ids[:, 3:], **{"cache" if new_name else "past_key_values": cache}).logits
     torch.testing.assert_close(last[0, -1], full[0, -1], atol=1e-4, rtol=1e-4)
 
 
