@@ -45,15 +45,13 @@ from decodekit.bench.speculative import (
     run_speculative,
     summary,
 )
+from decodekit.bench.speculative import (
+    bench_params as params,
+)
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import DEFAULT_CONFIG, engine_for
-from decodekit.params import SamplingParams
 
 DRAFTS = ("shakespeare", "shakespeare-draft", "self-int4", "prompt-lookup")
-
-
-def params(new_tokens: int, temperature: float) -> SamplingParams:
-    return SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=0)
 
 
 def sweep(target, drafts, prompts, new_tokens, gammas, repeats, log) -> tuple[list[dict], dict]:

@@ -26,8 +26,7 @@ import torch
 
 import decodekit as dk
 from decodekit.bench.decode import machine
-from decodekit.bench.speculative import heldout_prompts, run_plain, run_speculative, summary
-from decodekit.params import SamplingParams
+from decodekit.bench.speculative import bench_params, heldout_prompts, run_plain, run_speculative, summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,25 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     target = dk.load_model(args.target)
     prompts = heldout_prompts(target, args.prompts)
-    configs = [(t, g, False) for t in args.temperatures for g in args.gammas]
-    configs += [(t, 4, True) for t in args.temperatures]
-
-    def params(temperature: float) -> SamplingParams:
-        return SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, ignore_eos=True,
-                              seed=0)  # fmt: skip
-
-    run_speculative(target, args.draft, prompts[:1], params(1.0), 2, "block")  # warm-up
+    configs = [(g, False) for g in args.gammas] + [(4, True)]  # (γ, adaptive) at each temperature
+    run_speculative(target, args.draft, prompts[:1], bench_params(args.new_tokens, 1.0), 2, "block")  # warm-up
     ratios: dict[str, list[float]] = {}
     figures: dict[str, dict] = {}
     for r in range(args.rounds):
         line = []
         for temperature in args.temperatures:
-            p = params(temperature)
+            p = bench_params(args.new_tokens, temperature)
             before = run_plain(target, prompts, p)
             timed = []
-            for t, gamma, adaptive in configs:
-                if t != temperature:
-                    continue
+            for gamma, adaptive in configs:
                 stats, timing = run_speculative(target, args.draft, prompts, p, gamma, "block", adaptive)
                 key = f"t{temperature:g}_gamma{gamma}{'_adaptive' if adaptive else ''}"
                 timed.append((key, stats, timing))

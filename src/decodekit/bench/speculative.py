@@ -73,7 +73,9 @@ def timed(fn, repeats: int = 1) -> Timing:
     return Timing(min(walls), min(cpus))
 
 
-def _params(new_tokens: int, temperature: float) -> SamplingParams:
+def bench_params(new_tokens: int, temperature: float) -> SamplingParams:
+    """A benchmark request: `new_tokens` tokens whatever EOS, seed 0 (the drivers in
+    benchmarks/ use it too)."""
     return SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=0)
 
 
@@ -263,10 +265,10 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, hf, repeats
                  "target_parameters": target.num_parameters(),
                  "draft_parameters": draft.num_parameters(), "rows": []}  # fmt: skip
     kgram = kgram_drafter(target)
-    run_speculative(target, draft, prompts[:1], _params(16, 1.0), 2, "block")  # warm-up
-    run_plain(target, prompts[:1], _params(16, 1.0))
+    run_speculative(target, draft, prompts[:1], bench_params(16, 1.0), 2, "block")  # warm-up
+    run_plain(target, prompts[:1], bench_params(16, 1.0))
     for temperature in (0.0, 1.0):
-        params = _params(new_tokens, temperature)
+        params = bench_params(new_tokens, temperature)
         sweep = []
         rules = ("block",) if temperature == 0 else ("token", "block")  # greedy: the same rule
         for gamma in gammas:
@@ -292,11 +294,11 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, hf, repeats
                    **summary(stats, timing, plain, beside=(plains[i], plains[i + 1]))}  # fmt: skip
             out["rows"].append(row)
         out[f"plain_t{temperature:g}"] = tokens_per_second(new_tokens * len(prompts), plain)
-    out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, _params(new_tokens, 1.0), g)
+    out["paired_t1"] = {g: paired_block_efficiency(target, draft, prompts, bench_params(new_tokens, 1.0), g)
                         for g in gammas}  # fmt: skip
     bar.update()
     copies = copy_prompts(target, num_prompts)
-    params = _params(new_tokens, 0.0)
+    params = bench_params(new_tokens, 0.0)
     out["copy_workload"] = {}
     for gamma in (4, 8):
         for label, drafter in (("prompt lookup", "prompt-lookup"), ("draft model", draft)):
@@ -312,7 +314,7 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, hf, repeats
             best = max(rows, key=lambda r: r["speedup_cpu_beside"])
             runs = hf_runs(target_name, draft_name, prompts, new_tokens, temperature, best["gamma"],
                            repeats)  # fmt: skip
-            params = _params(new_tokens, temperature)
+            params = bench_params(new_tokens, temperature)
             plain = run_plain(target, prompts, params, repeats)
             stats, timing = run_speculative(target, draft, prompts, params, best["gamma"], best["verify"],
                                             False, repeats)  # fmt: skip
@@ -321,7 +323,7 @@ def _bench(target_name, draft_name, new_tokens, gammas, num_prompts, hf, repeats
                 new_tokens * len(prompts), timing)
             out[f"hf_t{temperature:g}"] = runs
             bar.update()
-        params = _params(new_tokens, 0.0)
+        params = bench_params(new_tokens, 0.0)
         out["copy_workload"]["hf_prompt_lookup_gamma8"] = hf_prompt_lookup(
             target_name, copies, new_tokens, 8, repeats)
         _, timing = run_speculative(target, "prompt-lookup", copies, params, 8, "block", False, repeats)
@@ -382,7 +384,7 @@ def bench_concurrent(
     torch.set_num_threads(threads)
     try:
         target, draft = dk.load_model(target_name), dk.load_model(draft_name)
-        params = _params(new_tokens, 0.0)
+        params = bench_params(new_tokens, 0.0)
         if prompt_tokens is None:
             workloads = {"heldout": heldout_prompts(target, concurrent),
                          "copy": copy_prompts(target, concurrent)}  # fmt: skip
