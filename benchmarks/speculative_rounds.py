@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     target = dk.load_model(args.target)
     prompts = heldout_prompts(target, args.prompts)
     configs = [(g, False) for g in args.gammas] + [(4, True)]  # (γ, adaptive) at each temperature
-    run_speculative(target, args.draft, prompts[:1], bench_params(args.new_tokens, 1.0), 2, "block")  # warm-up
+    warm = bench_params(args.new_tokens, 1.0)
+    run_speculative(target, args.draft, prompts[:1], warm, 2, "block")  # warm-up
     ratios: dict[str, list[float]] = {}
     figures: dict[str, dict] = {}
     for r in range(args.rounds):

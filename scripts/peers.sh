@@ -7,6 +7,9 @@
 # Usage: bash scripts/peers.sh [PYTHON]
 #   PYTHON: a Python with decodekit's dependencies (torch, transformers) for the converter;
 #           default .venv/bin/python (scripts/setup.sh makes it).
+#   PEERS_ISA=avx2: llama.cpp built for AVX2 + FMA + F16C without AVX-512 (GGML_NATIVE=OFF), to
+#           compare with DECODEKIT_GEMV_ISA=avx2 on an AVX-512 machine; with DECODEKIT_PEERS
+#           naming another folder (DECODEKIT_PEERS=.peers-avx2) beside the native build.
 # Then: pytest -m peer (tests/server/test_peers.py, tests/bench/test_llamacpp_bench.py) and
 # `decodekit bench packed --peer llamacpp` find .peers/ by themselves ($DECODEKIT_PEERS: elsewhere).
 set -euo pipefail
@@ -14,7 +17,12 @@ cd "$(dirname "$0")/.."
 python=${1:-.venv/bin/python}
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-peers=.peers
+peers=${DECODEKIT_PEERS:-.peers}
+case ${PEERS_ISA:-native} in
+  native) ggml="-DGGML_NATIVE=ON" ;;
+  avx2) ggml="-DGGML_NATIVE=OFF" ;;  # its defaults then: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512
+  *) echo "PEERS_ISA must be native or avx2, not ${PEERS_ISA}" >&2; exit 2 ;;
+esac
 src=$peers/src/llama_cpp_python-$version
 step() { printf '==> %s\n' "$*"; }
 
@@ -33,7 +41,7 @@ if ! "$peers/venv/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
   step "building llama-cpp-python[server] from source with $jobs jobs (about 25 minutes on 2 cores)"
   # LLAVA_BUILD=OFF: no multimodal library (51 of 178 objects); the peer benches
   # load text models only, and llama_cpp imports mtmd_cpp only for multimodal chat formats.
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+  CMAKE_ARGS="$ggml -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
     "$peers/venv/bin/python" -m pip install --no-binary llama-cpp-python "$src[server]"
 fi
 

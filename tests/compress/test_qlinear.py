@@ -216,3 +216,20 @@ def test_the_prefill_gemm_runs_in_bfloat16_only_where_the_cpu_multiplies_it(monk
             assert torch.equal(layer.packed_matmul(x), expected.to(torch.float32))
     finally:
         module.prefill_dtype.cache_clear()
+
+
+def test_the_forced_avx2_kernels_prefill_in_float32_as_an_avx2_cpu(monkeypatch):
+    """DECODEKIT_GEMV_ISA=avx2 emulates an AVX2-only CPU on an AVX-512 one (issue 39's
+    measurements): its prefill GEMM then runs in float32 whatever the CPU's bfloat16 flags."""
+    from decodekit.models import qlinear as module
+
+    monkeypatch.setattr(module, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setenv("DECODEKIT_GEMV_ISA", "avx2")
+    module.prefill_dtype.cache_clear()
+    try:
+        assert module.prefill_dtype() == torch.float32
+        monkeypatch.delenv("DECODEKIT_GEMV_ISA")
+        module.prefill_dtype.cache_clear()
+        assert module.prefill_dtype() == torch.bfloat16
+    finally:
+        module.prefill_dtype.cache_clear()

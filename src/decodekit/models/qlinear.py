@@ -84,6 +84,7 @@ float32 twin's 72 on a Zen 3 (BENCHMARKS.md, issue 39).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -265,7 +266,11 @@ BFLOAT16_GEMM_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 @functools.cache
 def prefill_dtype() -> torch.dtype:
     """The dtype of a packed layer's prefill GEMM: bfloat16 where the CPU has a native bfloat16
-    product (or its flags are unknown: not Linux), else float32 (module docstring)."""
+    product (or its flags are unknown: not Linux), else float32 (module docstring). Under
+    DECODEKIT_GEMV_ISA=avx2 (the kernels' AVX2 variants forced: an AVX2-only CPU emulated on an
+    AVX-512 one) float32, as on such a CPU."""
+    if os.environ.get("DECODEKIT_GEMV_ISA") == "avx2":
+        return torch.float32
     flags = cpu_flags()
     return torch.bfloat16 if flags is None or flags & BFLOAT16_GEMM_FLAGS else torch.float32
 
