@@ -98,7 +98,7 @@ def add_bench(sub) -> None:
                    help="bench contrastive: the amateur (default shakespeare-draft; --amateur: deprecated)")
     p.add_argument("--draft-model", "--draft", action=Renamed, default=None, metavar="DRAFT",
                    help="bench speculative and soak: the draft model (default the model's embedded "
-                   "draft: shakespeare-draft for shakespeare, shakespeare for shakespeare-large; "
+                   "draft: shakespeare-draft for shakespeare, shakespeare-large-draft for shakespeare-large; "
                    "--draft: deprecated)")
     p.add_argument("--judge-model", default=None, metavar="JUDGE",
                    help="bench presets: the second model that scores the samples (default shakespeare-draft)")

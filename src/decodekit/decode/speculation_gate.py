@@ -43,13 +43,25 @@ priced a block by its fixed costs spread over one token, and switched off rows t
 probe together, and are judged together: S is all of them.
 
 α is accepted / examined draft positions (examined: τ + 1, or γ when all were accepted),
-both sums decaying by `DECAY` per block so a change of regime shows within a few blocks, from
-a prior of one rejected position (a single accepted draft token is α = 1/2, not 1). A plain
-step's seconds are the least of the last `WINDOW` plain steps (a step after a probe pays
-for lanes taken again; other processes only ever add time), and a drafting step's likewise
-the least of its last `WINDOW`: the same statistic on both sides of the ratio, which a loaded
-machine's noise then leaves near its quiet value (a mean over a least inflated it, and
-switched off rows that paid).
+both sums decaying by `DECAY` per block, from a prior of two accepted positions in three
+(`PRIOR`). A row is judged by α plus `CONFIDENCE` standard deviations of a rate measured over
+all the positions it has examined, sqrt(α (1 - α) / (4 + positions)): wide after a block or
+two, gone after a few dozen. These are set by what a wrong choice costs a row: switched off
+wrongly it loses its whole speedup until its next probe, 16 or more steps on; speculating a
+few blocks too long it loses c - E plain steps a block. With the former decay of 0.5, a prior
+of one rejected position and no margin, an unlucky first block switched a row off (a
+continuation's first 8 tokens agree with the distilled draft of `shakespeare-large` at 0.47,
+the rest at 0.73), and its single probes rarely brought it back: one greedy request of 256
+tokens ran at 0.96x plain decoding with the gate against 1.63x without it; now 1.68x
+(2026-11-28, BENCHMARKS.md). Replayed on that pair's acceptance position by position (8
+held-out prompts) at block costs of 1.3-3.2 plain steps, the gate keeps 0.91-1.0 of the better
+of always and never speculating (0.68-0.97 before); on independent acceptances of 0.3-0.9,
+0.96-1.0 (0.74-0.99): benchmarks/speculation_gate_replay.py. A drop in acceptance from 0.8
+to 0.1 takes about ten blocks to switch a row off (two before). A plain step's seconds are the
+least of the last `WINDOW` plain steps (a step after a probe pays for lanes taken again; other
+processes only ever add time), and a drafting step's likewise the least of its last `WINDOW`:
+the same statistic on both sides of the ratio, which a loaded machine's noise then leaves near
+its quiet value (a mean over a least inflated it, and switched off rows that paid).
 
 Since the choice reads the clock, a seeded request at temperature > 0 draws different
 uniforms when its rows switch at different steps: its tokens are distributed exactly as the
@@ -60,12 +72,15 @@ plain greedy decoding whatever the rows do.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 PROBE_INTERVAL = 16  # steps to the first re-probe
 MAX_PROBE_INTERVAL = 256
-DECAY = 0.5  # weight of the earlier blocks' acceptance at each new block
+DECAY = 0.9  # weight of the earlier blocks' acceptance at each new block
+PRIOR = (2.0, 3.0)  # (accepted, examined) positions before a row's first block: α = 2/3
+CONFIDENCE = 1.0  # standard deviations of α's estimate added before judging (module docstring)
 WINDOW = 8  # recent steps of a kind (plain; so many rows drafting so many tokens): their least prices it
 
 
@@ -145,12 +160,20 @@ class SpeculationGate:
     interval: int = PROBE_INTERVAL
     next_probe: int = 0  # the step (the caller's count) of the next probe
     probing: bool = False  # this step's block is a probe
-    accepted: float = 0.0  # decayed sums (module docstring)
-    examined: float = 1.0
+    accepted: float = field(default_factory=lambda: PRIOR[0])  # decayed sums (module docstring)
+    examined: float = field(default_factory=lambda: PRIOR[1])
+    seen: int = 0  # draft positions examined in all, not decayed: how sure α is
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.examined if self.examined else 0.0
+
+    @property
+    def optimistic_alpha(self) -> float:
+        """α plus `CONFIDENCE` standard deviations of its estimate over the decayed positions
+        examined (module docstring): the rate a row is judged by."""
+        alpha = self.alpha
+        return min(1.0, alpha + CONFIDENCE * math.sqrt(alpha * (1.0 - alpha) / (PRIOR[1] + 1.0 + self.seen)))
 
     def draft_tokens(self, gamma: int, costs: StepCosts, step: int) -> int:
         """Step `step`'s draft length: γ while speculating or probing (from `next_probe` on),
@@ -175,12 +198,13 @@ class SpeculationGate:
         examined = min(accepted + 1, drafted)
         self.accepted = DECAY * self.accepted + accepted
         self.examined = DECAY * self.examined + examined
+        self.seen += examined
         drafting = max(drafting, 1)  # this row drafted
         cost = costs.step_cost(gamma, drafting)
         if cost is None:  # no drafting step measured yet (a row that began speculating)
             self.speculating = False
             return
-        if pays(self.alpha, gamma, cost, max(rows, drafting), drafting):
+        if pays(self.optimistic_alpha, gamma, cost, max(rows, drafting), drafting):
             self.speculating = True
             if not probe:  # a block of γ paid, not only a probe's token: probe soon if it stops
                 self.interval = PROBE_INTERVAL
