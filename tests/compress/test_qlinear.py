@@ -204,6 +204,7 @@ def test_the_prefill_gemm_runs_in_bfloat16_only_where_the_cpu_multiplies_it(monk
     from decodekit.models import qlinear as module
 
     monkeypatch.setattr(module, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("DECODEKIT_GEMV_ISA", raising=False)  # the flags decide, not a forced ISA
     module.prefill_dtype.cache_clear()
     try:
         assert module.prefill_dtype() == dtype

@@ -12,21 +12,17 @@
 // AVX-512 BF16 (int4_dot4_avx512): plane i (word >> 4i) -> 32 bf16 weights through one vpermw
 // (a 16-entry table), dot products with bf16 x by vdpbf16ps (exact products, f32 sums).
 //
-// AVX2 + FMA, and AVX-512 without BF16 (int4_dot4_avx2, issue 39): no instruction turns nibbles
-// into floats, and on a Zen 3 core every vector op per 8 weights shows (widening each nibble by
-// shift, mask, convert and subtract ran at 2 GB/s of int4, 1.1x the float32 kernel). So a nibble
-// is masked in place, never shifted down: a 32-byte load holds 16 words, two per 32-bit lane;
-// (lanes & 0xF << p) converts (vcvtdq2ps) to (code + 8) 2^p exactly, and x is stored times 2^-p
-// in the order the lanes meet it (`prepare_x_avx2`), so one AND, one convert and one FMA per 8
-// weights add (code + 8) x. The + 8 comes off per group: each lane's sum starts from -8 times the
-// sum of the x values it will meet, so a group sums code * x: the AVX-512 kernel's value up to
-// float32 rounding (the two are not bit-equal; no test says they are). x 2^-p (p <= 24) is exact
-// for |x| >= 2^-118; smaller inputs round on the subnormal grid (an error below 2^-126 each, as
-// vdpbf16ps flushes subnormals to zero on the AVX-512 side). Each plane is decoded once for up to
-// 2 x rows (sums per weight row and x row: 4 x 2 chains fit AVX2's 16 registers). The AND,
-// convert and FMA per 8 weights bound it on the Zen 3 (~6.6 ns a plane of 4 rows from L1, ~225 us
-// for 896 -> 4864); two chains per sum at one x row (low and high words apart, 8 in all) measured
-// no faster, and at two x rows (two passes of 2 weight rows) 1.2-1.35x slower (2026-11-28).
+// AVX2 + FMA, and AVX-512 without BF16 (int4_dot4_avx2, issue 39): x, rounded to bfloat16 as
+// above, is held as int16 per plane of 32 inputs times a power of two (`Int4X`), and a plane's
+// codes multiply it by `_mm256_madd_epi16` (16 products a step, summed in pairs, exactly in
+// int32): per 16 weights a shift and a mask, one madd, one add; per plane and weight row one
+// convert and one FMA by the plane's scale. Each plane's sum is exact where its inputs lie
+// within 2^7 of its largest (smaller ones are rounded to 2^-15 of it: on heavy-tailed inputs an
+// output moves by up to 3e-5 of the largest, where the bfloat16 rounding of x moves it by 1e-3),
+// so the AVX2 and AVX-512 kernels agree to that, not bit for bit (no test says they do). The
+// float kernel before it (nibbles masked in place, converted, one FMA per 8 weights) ran
+// 1.2-1.26x slower at one x row on a Zen 4 with the AVX2 variants forced, 1.18x at 5 rows
+// (2026-11-28). Each plane is decoded once for up to 2 x rows (4 x 2 float chains).
 
 #include "gemv_common.h"
 
@@ -100,131 +96,168 @@ void int4_rows(int64_t mb, const uint8_t* wb, const uint16_t* x, int64_t Kp, con
 
 // ---------------------------------------------------------------- AVX2 ----------------
 
-// The AVX2 kernel's x: per row, Kp floats in the order its lanes meet them, and per group 8
-// lane sums. In chunk c, plane i and half h (words 16h .. 16h + 15), the 8 floats at
-// 128c + 32i + 16h + 8s are lane l = 0..7's input 128c + 32i + 16h + 2l + s (s = 0: the lane's
-// low word, 1: its high word), times the power of 16 its decode leaves out (`int4_lanes`);
-// corr[g * 8 + l] = -8 times the sum of group g's inputs in lane l (bf16-rounded, unscaled).
+// The AVX2 kernel's x, per row: each plane of 32 inputs (a group is whole planes) rounded to
+// bfloat16, then as int16 codes times a power of two, `scale` = 2^(E - 15) for the plane's
+// largest |x| < 2^E: every input within 2^7 of that largest is exact (its 8 significant bits
+// land on the integer grid) and a smaller one is rounded to it (an error below 2^-15 of the
+// largest). Codes + 8 times these integers sum exactly in int32 (at most 32 x 15 x 32640 <
+// 2^24), so a plane's sum converts to float exactly and times the scale exactly: each plane's
+// dot product is exact, where the float kernel rounded after every product. The weight codes
+// are q + 8: a group sums (q + 8) x exactly per plane, and `corr` per group, 8 times the sum of
+// its x (each plane's integers summed exactly, times its scale, in plane order), comes off once
+// at the end, per weight row times its scale. A plane holding a NaN or an infinity gets a NaN
+// scale (its sums are NaN); a plane whose largest |x| is below 2^-111 is zeros.
 struct Int4X {
-  const float* x;     // [M, Kp]
-  const float* corr;  // [M, G * 8]
+  const int16_t* x;    // [M, Kp]
+  const float* scale;  // [M, Kp / 32]
+  const float* corr;   // [M, G]
   int64_t G;
 };
 
-// What x is multiplied by for plane i (0..3) of a lane's low (s = 0) or high (s = 1) word: 1 /
-// what its decode multiplies the codes by (`int4_lanes`), a power of two: 2^-(4i + 16s), except
-// the high word's plane 3, decoded by a shift (times 1).
-constexpr float kXScale[4][2] = {{1.0f, 0x1p-16f}, {0x1p-4f, 0x1p-20f}, {0x1p-8f, 0x1p-24f}, {0x1p-12f, 1.0f}};
+// One plane: 32 floats (zero padded past K) -> codes and scale (the struct's comment); returns
+// the sum of the codes (exact).
+AVX2 inline int32_t prepare_plane_avx2(const float* v, int16_t* q, float* scale) {
+  const __m256i round = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+  __m256 b[4], top = _mm256_setzero_ps();
+  __m256i special = _mm256_setzero_si256();  // lanes holding a NaN or an infinity
+  UNROLL for (int i = 0; i < 4; ++i) {  // round to nearest even bfloat16 (c10::BFloat16's, finite x)
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(v + 8 * i));
+    special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(u, exponent), exponent));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    b[i] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(round, odd)), high));
+    top = _mm256_max_ps(top, _mm256_and_ps(b[i], magnitude));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float largest = 0.0f;
+  for (int l = 0; l < 8; ++l) largest = std::max(largest, lanes[l]);
+  const bool finite = _mm256_testz_si256(special, special) && std::isfinite(largest);  // rounding may overflow
+  int e = 0;
+  std::frexp(largest, &e);  // largest < 2^e
+  if (!finite || largest < 0x1p-111f) {
+    std::memset(q, 0, 32 * sizeof(int16_t));
+    *scale = finite ? 0.0f : std::nanf("");
+    return 0;
+  }
+  *scale = std::ldexp(1.0f, e - 15);
+  const __m256 up = _mm256_set1_ps(std::ldexp(1.0f, 15 - e));
+  __m256i w[4];
+  UNROLL for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtps_epi32(_mm256_mul_ps(b[i], up));  // nearest even
+  // packs interleaves 128-bit halves: [0-3, 8-11, 4-7, 12-15] -> permute back to 0..15
+  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[0], w[1]), 0xD8);
+  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[2], w[3]), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums),
+                     _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)));
+  return sums[0] + sums[1] + sums[2] + sums[3] + sums[4] + sums[5] + sums[6] + sums[7];
+}
 
-// One pass over x in 16-input halves of a plane (a group is whole planes, so a half never
-// straddles two): half `base` holds inputs base + 2l + s at base + 8s + l. (It ran per input
-// with divisions and an ldexp call: 130 us at K = 4,864 on the Zen 3, more than the weights.)
-void prepare_x_avx2(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t group, float* xs, float* corr) {
-  const int64_t G = (Kp + group - 1) / group;
+void prepare_x_avx2(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t group, int16_t* xq, float* scale,
+                    float* corr) {
+  const int64_t planes = Kp / 32, per_group = std::min(group, Kp) / 32, G = (planes + per_group - 1) / per_group;
+  float tail[32];
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
-    float* xm = xs + m * Kp;
-    for (int64_t base = 0; base < Kp; base += 16) {
-      const float* scale = kXScale[(base >> 5) & 3];
-      float* cg = corr + (m * G + base / group) * 8;
-      for (int64_t l = 0; l < 8; ++l) {
-        const int64_t k = base + 2 * l;
-        const float lo = k < K ? bf16_to_float(float_to_bf16(xr[k])) : 0.0f;
-        const float hi = k + 1 < K ? bf16_to_float(float_to_bf16(xr[k + 1])) : 0.0f;
-        xm[base + l] = lo * scale[0];
-        xm[base + 8 + l] = hi * scale[1];
-        cg[l] += lo;  // in input order: a fixed order
-        cg[l] += hi;
+    for (int64_t g = 0; g < G; ++g) corr[m * G + g] = 0.0f;
+    for (int64_t p = 0; p < planes; ++p) {
+      const float* v = xr + 32 * p;
+      if (32 * p + 32 > K) {  // the last, partial plane (or padding): zeros past K
+        for (int64_t j = 0; j < 32; ++j) tail[j] = 32 * p + j < K ? xr[32 * p + j] : 0.0f;
+        v = tail;
       }
+      float* sp = scale + m * planes + p;
+      const int32_t sum = prepare_plane_avx2(v, xq + m * Kp + 32 * p, sp);
+      corr[m * G + p / per_group] += 8.0f * float(sum) * *sp;  // 8 x the plane's sum: exact
     }
-    for (int64_t i = 0; i < G * 8; ++i) corr[m * G * 8 + i] *= -8.0f;
   }
 }
 
-// Plane I's codes + 8 of a lane's low (S = 0) and high (S = 1) word as floats, from the 32-bit
-// lanes v, masked in place: times 16^I (low word), 2^16 16^I (high word, I < 3); the high word's
-// plane 3 (bits 28-31, the sign bit) is shifted down instead: times 1 (`kXScale`).
-template <int I, int S>
-AVX2 inline __m256 int4_lanes(__m256i v) {
-  if constexpr (S == 1 && I == 3) return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
-  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * I + 16 * S))));
+// Plane I's codes + 8 of the 16 words of v, as int16 lanes.
+template <int I>
+AVX2 inline __m256i int4_codes(__m256i v) {
+  if constexpr (I == 0) return _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+  else if constexpr (I == 3) return _mm256_srli_epi16(v, 12);
+  else return _mm256_and_si256(_mm256_srli_epi16(v, 4 * I), _mm256_set1_epi16(0xF));
 }
 
-// One plane (I) of one chunk, for the 4 weight rows and MB x rows: acc[r][m] += (code + 8) * x,
-// halves h = 0, 1 in turn, each low words then high words; x loaded once for the 4 rows.
+// One plane (I) of one chunk, for the 4 weight rows and MB x rows: the plane's exact int32 sums
+// of codes (+ 8) times x, converted and scaled into acc[r][m]. Each plane is decoded
+// once for the MB x rows; each (r, m) runs the same operations whatever MB.
 template <int I, int MB>
-AVX2 inline void int4_plane_avx2(const uint8_t* chunk, const float* const* xc, __m256 (&acc)[4][MB]) {
-  UNROLL for (int h = 0; h < 2; ++h) {
-    __m256 xl[MB], xh[MB];
+AVX2 inline void int4_plane_avx2(const uint8_t* chunk, const Int4X& x, int64_t Kp, int64_t c, __m256 (&acc)[4][MB]) {
+  const int64_t planes = Kp / 32;
+  __m256i x0[MB], x1[MB];
+  UNROLL for (int m = 0; m < MB; ++m) {
+    const int16_t* xp = x.x + m * Kp + 32 * c;
+    x0[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+    x1[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16));
+  }
+  UNROLL for (int r = 0; r < 4; ++r) {
+    const __m256i w0 = int4_codes<I>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r)));
+    const __m256i w1 = int4_codes<I>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32)));
     UNROLL for (int m = 0; m < MB; ++m) {
-      xl[m] = _mm256_loadu_ps(xc[m] + 32 * I + 16 * h);
-      xh[m] = _mm256_loadu_ps(xc[m] + 32 * I + 16 * h + 8);
-    }
-    UNROLL for (int r = 0; r < 4; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32 * h));
-      const __m256 lo = int4_lanes<I, 0>(v), hi = int4_lanes<I, 1>(v);
-      UNROLL for (int m = 0; m < MB; ++m) {
-        acc[r][m] = _mm256_fmadd_ps(lo, xl[m], acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(hi, xh[m], acc[r][m]);
-      }
+      const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, x0[m]), _mm256_madd_epi16(w1, x1[m]));
+      acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(x.scale + m * planes + c), acc[r][m]);
     }
   }
-  // Each plane loads the chunk's words again: without this barrier GCC keeps all 8 loads of the
-  // 4 planes in registers, spills them, and runs ~15% slower.
-  asm volatile("" ::: "memory");
 }
 
-// After each plane: when a group ends there (`left` of its planes counted down to 0), acc,
-// scaled, is added into tot (in memory: AVX2's 16 registers hold the plane loop's) and restarts
-// from the next group's -8 x lane sums.
+// After each plane: when a group ends there (`left` of its planes counted down to 0), acc times
+// the group's scale is added into tot (in memory: the registers hold the plane loop's) and
+// restarts from zero.
 template <int MB>
 AVX2 inline void int4_group_end(int64_t& left, int64_t& g, int64_t per_group, const Int4X& x,
-                                const float* const* scales, __m256 (&acc)[4][MB], float (&tot)[4][MB][8]) {
+                                const float* const* scales, __m256 (&acc)[4][MB], float (&tot)[4][MB][8],
+                                float (&off)[4][MB]) {
   if (--left) return;
   left = per_group;
   UNROLL for (int r = 0; r < 4; ++r) {
     const __m256 s = _mm256_set1_ps(scales[r][g]);
     UNROLL for (int m = 0; m < MB; ++m) {
       _mm256_storeu_ps(tot[r][m], _mm256_fmadd_ps(acc[r][m], s, _mm256_loadu_ps(tot[r][m])));
-      acc[r][m] = _mm256_loadu_ps(x.corr + m * x.G * 8 + (g + 1) * 8);  // past the last group: padding
+      off[r][m] = std::fma(scales[r][g], x.corr[m * x.G + g], off[r][m]);
+      acc[r][m] = _mm256_setzero_ps();
     }
   }
   ++g;
 }
 
 // out[m * 4 + r] for a block of 4 weight rows and MB <= 2 rows of x (Int4X, from row 0); one
-// chain per (r, m), the same operations whatever MB. (Measured on the Zen 3, 896 -> 9728 from
-// memory: 1.4x one row's weights/s at MB = 2, no more at 3 or 4, whose sums spill.)
+// chain per (r, m), the same operations whatever MB.
 template <int MB>
 AVX2 void int4_dot4_avx2(const uint8_t* wb, const Int4X& x, int64_t Kp, const float* const* scales, int64_t group,
                          int64_t ahead, float* out) {
-  float tot[4][MB][8] = {};
+  float tot[4][MB][8] = {}, off[4][MB] = {};
   __m256 acc[4][MB];
   UNROLL for (int r = 0; r < 4; ++r)
-    UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_loadu_ps(x.corr + m * x.G * 8);
+    UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
   const int64_t per_group = std::min(group, Kp) / 32;  // the last group may be short (padding)
   int64_t left = per_group, g = 0;
   for (int64_t b = 0; b < Kp / 128; ++b) {
     const uint8_t* chunk = wb + b * 256;
     if (ahead)
       UNROLL for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(chunk + ahead + 64 * i), _MM_HINT_T0);
-    const float* xc[MB];
-    UNROLL for (int m = 0; m < MB; ++m) xc[m] = x.x + m * Kp + b * 128;
-    int4_plane_avx2<0, MB>(chunk, xc, acc);
-    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot);
-    int4_plane_avx2<1, MB>(chunk, xc, acc);
-    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot);
-    int4_plane_avx2<2, MB>(chunk, xc, acc);
-    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot);
-    int4_plane_avx2<3, MB>(chunk, xc, acc);
-    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot);
+    int4_plane_avx2<0, MB>(chunk, x, Kp, 4 * b, acc);
+    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot, off);
+    int4_plane_avx2<1, MB>(chunk, x, Kp, 4 * b + 1, acc);
+    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot, off);
+    int4_plane_avx2<2, MB>(chunk, x, Kp, 4 * b + 2, acc);
+    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot, off);
+    int4_plane_avx2<3, MB>(chunk, x, Kp, 4 * b + 3, acc);
+    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot, off);
   }
   if (left != per_group) {  // a last, short group (Kp not a multiple of the group)
     left = 1;
-    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot);
+    int4_group_end<MB>(left, g, per_group, x, scales, acc, tot, off);
   }
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = hsum256(_mm256_loadu_ps(tot[r][m]));
+    UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = hsum256(_mm256_loadu_ps(tot[r][m])) - off[r][m];
 }
 
 // ---------------------------------------------------------------- op ------------------
@@ -248,19 +281,22 @@ at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at:
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   const float* xs = xf.data_ptr<float>();
   const int64_t G = s.size(1);
-  // x rounded to bfloat16 and zero padded: bf16 codes for vdpbf16ps, or the AVX2 kernel's floats.
+  // x rounded to bfloat16 and zero padded: bf16 codes for vdpbf16ps, or the AVX2 kernel's int16
+  // planes (Int4X).
   const bool bf16 = avx512_bf16();
-  // (AVX2: x [M, Kp], then corr [M, G * 8] and 8 floats the kernel loads past the last group.)
-  at::Tensor xb_t = bf16 ? at::zeros({M, Kp}, at::kShort) : at::zeros({M * (Kp + G * 8) + 8}, at::kFloat);
-  uint16_t* xb = bf16 ? reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>()) : nullptr;
-  Int4X x2{nullptr, nullptr, G};
+  at::Tensor xb_t = at::zeros({bf16 ? M : 0, Kp}, at::kShort);
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
+  at::Tensor xq_t, xs_t, corr_t;
+  Int4X x2{nullptr, nullptr, nullptr, G};
   if (bf16) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xb[m * Kp + k] = float_to_bf16(xs[m * K + k]);
   } else {
-    float* xr = xb_t.data_ptr<float>();
-    prepare_x_avx2(xs, M, K, Kp, group, xr, xr + M * Kp);
-    x2 = Int4X{xr, xr + M * Kp, G};
+    xq_t = at::empty({M, Kp}, at::kShort);
+    xs_t = at::empty({M, Kp / 32}, at::kFloat);
+    corr_t = at::empty({M, G}, at::kFloat);
+    prepare_x_avx2(xs, M, K, Kp, group, xq_t.data_ptr<int16_t>(), xs_t.data_ptr<float>(), corr_t.data_ptr<float>());
+    x2 = Int4X{xq_t.data_ptr<int16_t>(), xs_t.data_ptr<float>(), corr_t.data_ptr<float>(), G};
   }
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
@@ -286,7 +322,7 @@ at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at:
             int4_rows<false>(mb, wb, x, Kp, sr, group, ahead, out);
         } else {
           for (int64_t m = 0; m < mb; m += 2) {  // pairs of x rows: 16 accumulators fit AVX2's registers
-            const Int4X xm{x2.x + (m0 + m) * Kp, x2.corr + (m0 + m) * G * 8, G};
+            const Int4X xm{x2.x + (m0 + m) * Kp, x2.scale + (m0 + m) * (Kp / 32), x2.corr + (m0 + m) * G, G};
             if (mb - m >= 2)
               int4_dot4_avx2<2>(wb, xm, Kp, sr, group, m == 0 ? ahead : 0, out + 4 * m);
             else
