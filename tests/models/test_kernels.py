@@ -109,6 +109,32 @@ def test_integer_kernels_equal_the_unpacking_fallback(bits, group, k, n, rows):
     assert (native - unpacked).abs().max() <= 0.02 * unpacked.abs().max()
 
 
+@needs_kernels
+@pytest.mark.parametrize(("group", "k", "n"), [(None, 896, 64), (64, 896, 40), (None, 4864, 24),
+                                               (None, 200, 9)])  # fmt: skip
+def test_int4_is_near_exact_on_heavy_tailed_inputs(group, k, n):
+    # The product with x rounded to bfloat16, in float64, against the kernel: the AVX-512 one
+    # sums exact products in float32; the AVX2 one sums each plane of 32 inputs exactly over x
+    # as int16 times a power of two, rounding inputs below 2^-7 of the plane's largest to 2^-15
+    # of it (csrc/gemv_int4.cpp). Inputs of widely different sizes (x e^N(0, 1) spans ~e^6):
+    # within 1e-4 of the largest output, where rounding x to bfloat16 moves them by ~1e-3. A
+    # NaN or an infinity in x makes none of its row's outputs a finite number (AVX2: NaN).
+    layer = _quantized(4, group, k, n)
+    assert layer.kernel == "int4gemv"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, k, generator=g) * torch.exp(torch.randn(3, k, generator=g))
+    x[2, 100:140] *= 1e-6  # a plane of tiny inputs beside normal ones
+    with torch.no_grad():
+        y = layer(x).double()
+        exact = x.bfloat16().double() @ layer.dequantized_weight(torch.float64).t() + layer.bias.double()
+        assert (y - exact).abs().max() <= 1e-4 * exact.abs().max()
+        for bad in (float("nan"), float("inf")):
+            x_bad = x.clone()
+            x_bad[1, k // 2] = bad
+            out = layer(x_bad)
+            assert not out[1].isfinite().any() and torch.equal(out[[0, 2]], layer(x[[0, 2]]))
+
+
 WEIGHTS = ["float32", "bfloat16", "int8 g32", "int8 channel", "int4 channel", "int4 g64",
            "int8 channel a8", "int8 g64 a8", "int4 channel a8", "int4 g32 a8"]
 
