@@ -384,3 +384,30 @@ def test_a_script_exits_cleanly_while_a_bucket_compiles(tmp_path):
     done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=600, check=False)  # fmt: skip
     assert (done.returncode, done.stderr, done.stdout.strip()) == (0, "", "compiling at exit")
+
+
+def test_a_model_with_biases_compiles_with_inductors_python_wrapper(sharp_lm, monkeypatch):
+    """torch 2.13's inductor C++ wrapper corrupted the heap around a decodekit op given a bias
+    (qwen2.5-0.5b's q/k/v biases, 16 layers, an AVX-512 CPU: lanes.py `has_biases`): a model
+    with biases compiles with the Python wrapper, one without keeps the C++ one. (The options
+    are recorded and the step runs uncompiled: an inductor compile of the biased model takes
+    ~40 s.)"""
+    from decodekit.engine import lanes
+    from decodekit.models.shapes import random_model
+
+    qwen = random_model("qwen2.5-0.5b", layers=1)  # q/k/v biases
+    assert lanes.has_biases(qwen) and not lanes.has_biases(sharp_lm)
+    assert "cpp_wrapper" not in lanes.compile_options("inductor", model=qwen)
+    assert lanes.compile_options("inductor", model=sharp_lm)["cpp_wrapper"] is True
+    seen = []
+
+    def record(step, **kwargs):
+        seen.append(kwargs["options"])
+        return step
+
+    monkeypatch.setattr(compiled, "BACKEND", "inductor")
+    monkeypatch.setattr(lanes.torch, "compile", record)
+    for model, wrapper in ((qwen, False), (fresh(sharp_lm), True)):
+        seen.clear()
+        run(model, PROMPTS[:1], True)
+        assert seen and all(options.get("cpp_wrapper", False) is wrapper for options in seen)

@@ -30,19 +30,32 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
-def compile_options(backend, cpp_wrapper: bool = True) -> dict:
+def compile_options(backend, cpp_wrapper: bool = True, model: NativeLM | None = None) -> dict:
     """torch.compile's options for a bucket's step (`cpp_wrapper=False`: inductor's Python
-    wrapper, for a step a CUDA graph replays: cuda_graphs.py)."""
+    wrapper, for a step a CUDA graph replays: cuda_graphs.py). A `model` with biased layers
+    gets the Python wrapper too (`has_biases`)."""
     # No guards on the model's modules: these steps belong to one model object and its
     # weights as they are (`lanes_for` builds new ones when they change), and checking each
     # parameter on every call cost 0.65 ms a token at 240M (int4, 16 layers).
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    if backend == "inductor" and cpp_wrapper:
+    if backend == "inductor" and cpp_wrapper and not (model is not None and has_biases(model)):
         # The graph's wrapper in C++, not Python: its ~50 buffer checks and each kernel's
         # call leave the interpreter (0.30 -> 0.25 ms a step of `shakespeare`, int8/int4
         # alike; a cold compile measured no longer, 18 s against 22 s).
         options["cpp_wrapper"] = True
     return options
+
+
+def has_biases(model: NativeLM) -> bool:
+    """Whether any layer of the model has a bias, which its linear op takes as an argument
+    (models/kernels.py, qlinear.py). torch 2.13's inductor C++ wrapper corrupts the heap around
+    such a call: `qwen2.5-0.5b` with 16 or more layers (its q/k/v biases), compiled on an
+    AVX-512 Zen 4, aborted in its first compiled step ("free(): invalid pointer", "corrupted
+    size vs. prev_size"), float32, int8 and int4 alike, while the same model without its
+    biases, with the Python wrapper, with the biases added outside the op, or with the kernels
+    off ran (2026-11-28, BENCHMARKS.md "A crash of the compiled step with biases"). Such a
+    model's steps take inductor's Python wrapper."""
+    return any(isinstance(getattr(module, "bias", None), torch.Tensor) for module in model.net.modules())
 
 
 def compile_step(model: NativeLM, name: str, prefixed: bool, example: tuple, backend, options: dict,
@@ -100,7 +113,7 @@ class CompiledLanes:
                 self._due[key] = (example, policy, None)
             return
         try:
-            options = compile_options(compiled.BACKEND)
+            options = compile_options(compiled.BACKEND, model=self.model)
             name = _step_name(key, self.span)
             job = CompileJob(self.model, name, prefixed, example, compiled.BACKEND, options, self.span)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
@@ -158,7 +171,7 @@ class CompiledLanes:
         size, prefixed = key
         start = time.perf_counter()
         try:
-            options = compile_options(compiled.BACKEND)
+            options = compile_options(compiled.BACKEND, model=self.model)
             step = compile_step(self.model, _step_name(key, self.span), prefixed, example, compiled.BACKEND,
                                 options, self.span)  # fmt: skip
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
