@@ -13,7 +13,7 @@
 //   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
 //                            scale per row or per group of `group` inputs): 4 rows' dot
 //                            products with x in f32, weights widened to f32 in registers,
-//                            8 KiB ahead prefetched (prefetch_ahead); bf16 weights with bf16
+//                            prefetched as one ascending stream per block of 4 rows, at least a block ahead; bf16 weights with bf16
 //                            x (a bfloat16 model) one row at a time by vdpbf16ps instead
 //                            (dot_bf16_avx512; AVX-512 only, the AVX2 variant widens x).
 //   (decodekit::linear_int4, the weight-only int4 op, is gemv_int4.cpp.)
@@ -77,24 +77,13 @@ AVX512 inline __m512 load16_mask(const void* p, int64_t k, __mmask16 m) {
 
 constexpr int64_t elem_bytes(WT T) { return T == WT::F32 ? 4 : T == WT::I8 ? 1 : 2; }
 
-// A row block's 4 rows are short streams (K elements each), too short for the hardware
-// prefetcher to ramp up on; each step therefore prefetches `ahead` bytes further on (the
-// same row further on, or a later block: the blocks lie one after another in memory).
-template <WT T>
-AVX512 inline void prefetch_ahead(const char* p, int64_t k, int64_t ahead) {
-  const char* a = p + k * elem_bytes(T) + ahead;
-  _mm_prefetch(a, _MM_HINT_T0);
-  if constexpr (T == WT::F32) _mm_prefetch(a + 64, _MM_HINT_T0);
-}
-
-
 // out[m * 4 + r] = sum_g scale[r, g] * (w[r, group g] . x[m, group g]) for a block of 4 weight
 // rows and MB <= 4 rows of x: each weight step is widened once and
 // used for every x row (rows past the block's end repeat its last row and are not stored by
 // the caller). Each (r, m) sum runs the same operations in the same order whatever MB, so a
 // row's result never depends on how many rows share the call. (A second accumulator for a lone
 // row, as the first kernels had, measured no faster once the prefetch reached 8 KiB ahead.)
-template <WT T, int MB>
+template <WT T, int MB, bool OneStream>
 AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
                         const float* const* scales, int64_t group, int64_t ahead, float* out) {
   __m512 tot[4][MB], acc[4][MB];
@@ -106,8 +95,16 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
       UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
+      if (OneStream && ahead) {  // one ascending stream over the block's 4 rows (dotr_avx2's comment)
+        const char* pf = w[0] + ahead + k * 4 * elem_bytes(T);
+        UNROLL for (int o = 0; o < 4 * 32 * elem_bytes(T); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+      }
       UNROLL for (int r = 0; r < 4; ++r) {
-        if (ahead) prefetch_ahead<T>(w[r], k, ahead);
+        if (!OneStream && ahead) {  // each row's own stream, `ahead` bytes on
+          const char* a = w[r] + k * elem_bytes(T) + ahead;
+          _mm_prefetch(a, _MM_HINT_T0);
+          if constexpr (T == WT::F32) _mm_prefetch(a + 64, _MM_HINT_T0);
+        }
         const __m512 w0 = load16<T>(w[r], k), w1 = load16<T>(w[r], k + 16);
         UNROLL for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * K + k;
@@ -136,6 +133,15 @@ AVX512 void dot4_avx512(const char* const* w, const float* x, int64_t K,
   }
   UNROLL for (int m = 0; m < MB; ++m)
     UNROLL for (int r = 0; r < 4; ++r) out[m * 4 + r] = _mm512_reduce_add_ps(tot[r][m]);
+}
+
+template <WT T, bool OneStream>
+void dot4_avx512_rows(int64_t mb, const char* const* w, const float* x, int64_t K, const float* const* scales,
+                      int64_t group, int64_t ahead, float* out) {
+  if (mb == 4) dot4_avx512<T, 4, OneStream>(w, x, K, scales, group, ahead, out);
+  else if (mb == 3) dot4_avx512<T, 3, OneStream>(w, x, K, scales, group, ahead, out);
+  else if (mb == 2) dot4_avx512<T, 2, OneStream>(w, x, K, scales, group, ahead, out);
+  else dot4_avx512<T, 1, OneStream>(w, x, K, scales, group, ahead, out);
 }
 
 // bfloat16 weights times bfloat16 x (a bfloat16 model's activations are bfloat16 already):
@@ -451,6 +457,11 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
         float out[16];
         const float* x = xp + m0 * K;
         const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
+        // AVX-512: rows under 2 KiB (int8 896 -> 9,728) prefetch as one stream a block or more
+        // ahead, longer ones a stream per row (on a Zen 4, int8 896 -> 4,864 ran 452-456 us
+        // with streams per row, 194-233 with one; 4,864 -> 896 335-337 against 357-380).
+        const bool short_rows = row_bytes < 2048;
+        const int64_t wide_ahead = ahead && short_rows ? std::max(ahead, 4 * row_bytes) : ahead;
         if (!wide)
           for (int64_t m = 0; m < mb; m += 2) {  // pairs of x rows (dot4_avx2)
             const float* xm = xp + (m0 + m) * K;
@@ -463,14 +474,10 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
             else
               dot4_avx2<T, 1>(w, xm, K, sc, group, first, out + 4 * m);
           }
-        else if (mb == 4)
-          dot4_avx512<T, 4>(w, x, K, sc, group, ahead, out);
-        else if (mb == 3)
-          dot4_avx512<T, 3>(w, x, K, sc, group, ahead, out);
-        else if (mb == 2)
-          dot4_avx512<T, 2>(w, x, K, sc, group, ahead, out);
+        else if (short_rows)
+          dot4_avx512_rows<T, true>(mb, w, x, K, sc, group, wide_ahead, out);
         else
-          dot4_avx512<T, 1>(w, x, K, sc, group, ahead, out);
+          dot4_avx512_rows<T, false>(mb, w, x, K, sc, group, wide_ahead, out);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t r = 0; r < rows; ++r) yp[(m0 + m) * N + n0 + r] = out[m * 4 + r];
       });
