@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 
@@ -54,18 +56,13 @@ def main() -> None:
         dk.generate(target, prompts, params)
         seconds.setdefault("plain", []).append(time.process_time() - start)
         for name, patch in configs.items():
-            saved = {key: getattr(speculation_gate, key) for key in patch or {}}
-            for key, value in (patch or {}).items():
-                setattr(speculation_gate, key, value)
-            try:
+            former = mock.patch.multiple(speculation_gate, **patch) if patch else nullcontext()
+            with former:
                 start = time.process_time()
                 result = speculative_generate(
                     target, drafter, prompts, params, 4, "block", fallback=patch is not None
                 )
                 seconds.setdefault(name, []).append(time.process_time() - start)
-            finally:
-                for key, value in saved.items():
-                    setattr(speculation_gate, key, value)
             assert [c[0].token_ids for c in result.completions] == want, "speculative greedy != plain greedy"
             plain_steps[name] = result.stats.plain_steps
     plain = min(seconds["plain"])

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 
@@ -42,8 +44,8 @@ def agreement(target_name: str, draft_name: str, prompts: int, tokens: int) -> l
         [completion] = dk.generate(target, prompt, bench_params(tokens, 0.0))
         continuation = list(completion.token_ids)
         with torch.inference_mode():
-            tokens = torch.tensor([ids + continuation], device=draft.device)
-            logits = draft.forward(tokens, draft.new_cache(1))[0]
+            sequence = torch.tensor([ids + continuation], device=draft.device)
+            logits = draft.forward(sequence, draft.new_cache(1))[0]
         predicted = logits.argmax(-1).tolist()
         out.append([predicted[len(ids) - 1 + j] == token for j, token in enumerate(continuation)])
     return out
@@ -70,10 +72,7 @@ def replay(accepts, c: float, gamma: int, tokens: int, gated: bool, rng: random.
 
 def kept(make_accepts, sources: int, c: float, gamma: int, tokens: int, repeats: int, params: dict) -> float:
     """The gate's tokens per cost over the better of always and never speculating."""
-    saved = {name: getattr(gate_module, name) for name in params}
-    for name, value in params.items():
-        setattr(gate_module, name, value)
-    try:
+    with mock.patch.multiple(gate_module, **params) if params else nullcontext():  # the former ones, or none
         rng = random.Random(0)
         totals = {True: [0.0, 0.0], False: [0.0, 0.0]}
         for source in range(sources):
@@ -85,9 +84,6 @@ def kept(make_accepts, sources: int, c: float, gamma: int, tokens: int, repeats:
         plain = 1.0 / (sum(NOISE) / 2)
         always = totals[False][0] / totals[False][1]
         return round(totals[True][0] / totals[True][1] / max(always, plain), 3)
-    finally:
-        for name, value in saved.items():
-            setattr(gate_module, name, value)
 
 
 def main() -> None:

@@ -170,8 +170,9 @@ class SpeculationGate:
 
     @property
     def optimistic_alpha(self) -> float:
-        """α plus `CONFIDENCE` standard deviations of its estimate over the decayed positions
-        examined (module docstring): the rate a row is judged by."""
+        """α plus `CONFIDENCE` standard deviations of a rate over the `seen` positions (with
+        the prior's, plus one), not the decayed ones (module docstring): the rate a row is
+        judged by."""
         alpha = self.alpha
         return min(1.0, alpha + CONFIDENCE * math.sqrt(alpha * (1.0 - alpha) / (PRIOR[1] + 1.0 + self.seen)))
 

@@ -13,7 +13,8 @@
 //   decodekit::linear_rows   row-major weights w [N, K] of f32, bf16, f16 or int8 (one f32
 //                            scale per row or per group of `group` inputs): 4 rows' dot
 //                            products with x in f32, weights widened to f32 in registers,
-//                            prefetched as one ascending stream per block of 4 rows, at least a block ahead; bf16 weights with bf16
+//                            short rows prefetched as one stream per block of 4 rows, long
+//                            ones a stream per row; bf16 weights with bf16
 //                            x (a bfloat16 model) one row at a time by vdpbf16ps instead
 //                            (dot_bf16_avx512; AVX-512 only, the AVX2 variant widens x).
 //   (decodekit::linear_int4, the weight-only int4 op, is gemv_int4.cpp.)

@@ -284,19 +284,20 @@ at::Tensor linear_int4_2d(const at::Tensor& x_in, const at::Tensor& w, const at:
   // x rounded to bfloat16 and zero padded: bf16 codes for vdpbf16ps, or the AVX2 kernel's int16
   // planes (Int4X).
   const bool bf16 = avx512_bf16();
-  at::Tensor xb_t = at::zeros({bf16 ? M : 0, Kp}, at::kShort);
-  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
-  at::Tensor xq_t, xs_t, corr_t;
+  at::Tensor xb_t;
+  uint16_t* xb = nullptr;
   Int4X x2{nullptr, nullptr, nullptr, G};
   if (bf16) {
+    xb_t = at::zeros({M, Kp}, at::kShort);
+    xb = reinterpret_cast<uint16_t*>(xb_t.data_ptr<int16_t>());
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xb[m * Kp + k] = float_to_bf16(xs[m * K + k]);
-  } else {
-    xq_t = at::empty({M, Kp}, at::kShort);
-    xs_t = at::empty({M, Kp / 32}, at::kFloat);
-    corr_t = at::empty({M, G}, at::kFloat);
-    prepare_x_avx2(xs, M, K, Kp, group, xq_t.data_ptr<int16_t>(), xs_t.data_ptr<float>(), corr_t.data_ptr<float>());
-    x2 = Int4X{xq_t.data_ptr<int16_t>(), xs_t.data_ptr<float>(), corr_t.data_ptr<float>(), G};
+  } else {  // one buffer: scales [M, Kp / 32], corr [M, G], then the int16 codes [M, Kp]
+    const int64_t floats = M * (Kp / 32) + M * G;
+    xb_t = at::empty({floats + (M * Kp + 1) / 2}, at::kFloat);
+    float* buf = xb_t.data_ptr<float>();
+    x2 = Int4X{reinterpret_cast<int16_t*>(buf + floats), buf, buf + M * (Kp / 32), G};
+    prepare_x_avx2(xs, M, K, Kp, group, const_cast<int16_t*>(x2.x), buf, buf + M * (Kp / 32));
   }
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
