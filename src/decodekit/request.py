@@ -380,18 +380,20 @@ def raw_entropy(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def drop_finished_rows(live: list[Row]) -> None:
-    """Shrink each request's sampler state to its rows that are still live."""
-    kept: dict[int, tuple[Request, list[int]]] = {}
-    local = 0
-    for i, row in enumerate(live):  # a request's rows are contiguous and in its state's order
-        local = local + 1 if i > 0 and live[i - 1].request is row.request else 0
-        _, rows = kept.setdefault(id(row.request), (row.request, []))
-        if row.finish_reason is None:
-            rows.append(local)
-    for request, rows in kept.values():
-        request.state.select_rows(rows)
-        if request.mask is not None:
-            request.mask.select_rows(rows)
+    """Shrink each request's sampler state to its rows that are still live (a request none
+    of whose rows ended keeps its state as it is)."""
+    start = 0
+    while start < len(live):  # a request's rows are contiguous and in its state's order
+        request = live[start].request
+        stop = start + 1
+        while stop < len(live) and live[stop].request is request:
+            stop += 1
+        rows = [i for i in range(stop - start) if live[start + i].finish_reason is None]
+        if len(rows) < stop - start:
+            request.state.select_rows(rows)
+            if request.mask is not None:
+                request.mask.select_rows(rows)
+        start = stop
 
 
 def to_completion(row: Row) -> Completion:
@@ -435,8 +437,14 @@ def cancel_rows(rows: list[Row]) -> list[Delta]:
 def emit(rows: list[Row], context: int) -> Iterator[Delta]:
     """After a step: end the rows whose context window is full; the deltas of `rows`."""
     for row in rows:
-        if row.finish_reason is None and len(row.request.prompt_ids) + len(row.token_ids) >= context:
-            row.finish_reason = "length"  # the context window is full
-        delta = next_delta(row)
-        if delta.text or delta.completion is not None:
+        delta = step_delta(row, context)
+        if delta is not None:
             yield delta
+
+
+def step_delta(row: Row, context: int) -> Delta | None:
+    """`emit` for one row: its delta after a step, or None when it has nothing to hand out."""
+    if row.finish_reason is None and len(row.request.prompt_ids) + len(row.text.ids) >= context:
+        row.finish_reason = "length"  # the context window is full
+    delta = next_delta(row)
+    return delta if delta.text or delta.completion is not None else None

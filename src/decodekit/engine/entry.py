@@ -20,7 +20,7 @@ from decodekit.engine.block_pool import BlockTable
 from decodekit.engine.members import ModelKV
 from decodekit.engine.program import Forward, Program, ProgramKV, Seq
 from decodekit.models.base import LanguageModel
-from decodekit.request import Delta, Request, cancel_rows, drop_finished_rows, emit
+from decodekit.request import Delta, Request, cancel_rows, drop_finished_rows, step_delta
 
 if TYPE_CHECKING:
     from decodekit.engine.members import Members
@@ -215,17 +215,21 @@ def finish_rows(step: Step, context: int, remove) -> list:
     removed (`remove`). Returns the readers to wake (handle.py `wake`)."""
     deltas: dict[int, list[Delta]] = {id(entry.request): [] for entry in step.sampled}
     for row in step.rows:
-        for delta in emit([row], context):
+        delta = step_delta(row, context)
+        if delta is not None:
             deltas[id(row.request)].append(delta)
     drop_finished_rows(step.rows)
     wakers = []
     for entry in step.sampled:
+        ended = False
         for seq in entry.seqs:
             seq.tokens.append(seq.row.token_ids[-1])
             if seq.row.finish_reason is not None:
                 seq.model_kv.close(seq)  # its KV stays cached
-        entry.seqs = [seq for seq in entry.seqs if seq.row.finish_reason is None]
-        if not entry.seqs:
-            remove(entry)  # no sample left to free
+                ended = True
+        if ended:
+            entry.seqs = [seq for seq in entry.seqs if seq.row.finish_reason is None]
+            if not entry.seqs:
+                remove(entry)  # no sample left to free
         wakers += entry.handle._push(deltas[id(entry.request)], finished=not entry.seqs)
     return wakers
