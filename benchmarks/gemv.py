@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from decodekit.models import kernels
-from decodekit.models.qlinear import QuantizedLinear, QuantSpec, torch_kernel
+from decodekit.models.qlinear import QuantizedLinear, torch_kernel
+from decodekit.models.quant_grid import QuantSpec
 
 K, N, COPIES = 896, 4864, 40
 

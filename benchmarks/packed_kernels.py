@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.models.qlinear import QuantizedLinear, QuantSpec
+from decodekit.models.qlinear import QuantizedLinear
+from decodekit.models.quant_grid import QuantSpec
 from decodekit.models.shapes import shape_config
 
 

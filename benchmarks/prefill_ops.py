@@ -31,13 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models import kernels
-from decodekit.models.qlinear import (
-    QuantizedLinear,
-    QuantSpec,
-    dequantize,
-    prefill_dtype,
-    quantize_activations,
-)
+from decodekit.models.qlinear import QuantizedLinear, prefill_dtype
+from decodekit.models.quant_grid import QuantSpec, dequantize, quantize_activations
 
 FORMATS = {  # name -> QuantSpec
     "w4a8": QuantSpec(4, None, activation_bits=8),

@@ -71,7 +71,8 @@ def one_round(model, rows: int, steps: int, params: dk.SamplingParams) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="probe", help="probe (tiny widths), a shape in models/shapes.py, or a model")
+    parser.add_argument("--model", default="probe",
+                        help="probe (tiny widths), a shape in models/shapes.py, or a model")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
@@ -85,8 +86,8 @@ def main() -> None:
         model = shapes.random_model(args.model, torch.float32)
     else:
         model = dk.load_model(args.model)
-    params = dk.SamplingParams(max_new_tokens=args.steps + 16, seed=0, ignore_eos=True, logprobs=args.logprobs,
-                               top_p=args.top_p, temperature=args.temperature)  # fmt: skip
+    params = dk.SamplingParams(max_new_tokens=args.steps + 16, seed=0, ignore_eos=True,
+                               logprobs=args.logprobs, top_p=args.top_p, temperature=args.temperature)
     one_round(model, 2, 4, params)  # warm-up
     for rows in (int(r) for r in args.rows.split(",")):
         rounds = [one_round(model, rows, args.steps, params) for _ in range(args.rounds)]

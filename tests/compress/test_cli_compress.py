@@ -98,7 +98,7 @@ def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys, 
     import torch
 
     from decodekit.models import dtype_probe
-    from decodekit.models.qlinear import QuantSpec, quantize_rtn
+    from decodekit.models.quant_grid import QuantSpec, quantize_rtn
 
     # The dtype probe's verdict pinned (bfloat16, as on AVX-512-BF16 CPUs): what "auto" makes of a
     # bfloat16 checkpoint is measured per CPU and load (tests/models/test_dtype.py covers both verdicts).

@@ -10,7 +10,8 @@ from isa_variants import on_one_and_two_threads, same_bits_per_isa
 from torch import nn
 
 from decodekit.models import kernels
-from decodekit.models.qlinear import PACKED_MAX_ROWS, QuantizedLinear, QuantSpec, quantize_activations
+from decodekit.models.qlinear import PACKED_MAX_ROWS, QuantizedLinear
+from decodekit.models.quant_grid import QuantSpec, quantize_activations
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
@@ -80,7 +81,8 @@ def test_prefill_rows_have_the_same_bits_on_avx512_and_avx2(tmp_path):
     script = "\n".join([
         "import sys, torch",
         "from decodekit.models import kernels as k",
-        "from decodekit.models.qlinear import QuantizedLinear, QuantSpec",
+        "from decodekit.models.qlinear import QuantizedLinear",
+        "from decodekit.models.quant_grid import QuantSpec",
         "assert k.status().reason == sys.argv[2], k.status().reason",
         "assert torch.ops.decodekit.a8_isa() == {'avx512': 2, 'avx2': 1}[sys.argv[2]], 'no VNNI'",
         "out = []",

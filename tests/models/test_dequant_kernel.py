@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from decodekit.models import kernels, qlinear
-from decodekit.models.qlinear import PACKED_MAX_ROWS, QuantizedLinear, QuantSpec, dequantize, pack_int4
+from decodekit.models.qlinear import PACKED_MAX_ROWS, QuantizedLinear
+from decodekit.models.quant_grid import QuantSpec, dequantize, pack_int4
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"

@@ -18,7 +18,8 @@ from torch import nn
 
 import decodekit as dk
 from decodekit.models import kernels
-from decodekit.models.qlinear import QuantizedLinear, QuantSpec, quantize_activations
+from decodekit.models.qlinear import QuantizedLinear
+from decodekit.models.quant_grid import QuantSpec, quantize_activations
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
@@ -236,7 +237,8 @@ def test_the_avx2_row_kernels_give_the_same_bits(tmp_path):
     script = "\n".join([
         "import sys, torch",
         "from decodekit.models import kernels as k",
-        "from decodekit.models.qlinear import QuantizedLinear, QuantSpec",
+        "from decodekit.models.qlinear import QuantizedLinear",
+        "from decodekit.models.quant_grid import QuantSpec",
         "assert k.status().reason == sys.argv[2], k.status().reason",
         "out = []",
         "for i, (m, kk, n) in enumerate([(1, 896, 37), (2, 45, 9), (3, 130, 13), (5, 4864, 6), (4, 23, 5)]):",
@@ -428,7 +430,8 @@ def test_activation_quantised_avx2_variant_gives_the_same_bits(tmp_path):
     script = "\n".join([
         "import sys, torch",
         "from decodekit.models import kernels as k",
-        "from decodekit.models.qlinear import QuantizedLinear, QuantSpec",
+        "from decodekit.models.qlinear import QuantizedLinear",
+        "from decodekit.models.quant_grid import QuantSpec",
         "assert k.status().reason == sys.argv[2], k.status().reason",
         "assert torch.ops.decodekit.a8_isa() == {'avx512': 2, 'avx2': 1}[sys.argv[2]], 'no VNNI'",
         "cases = [(8, None, 896, 13), (8, 32, 1184, 9), (8, 64, 64, 7), (4, None, 45, 7),",

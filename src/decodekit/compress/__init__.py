@@ -32,8 +32,8 @@ from decodekit.compress.prune import (
 from decodekit.compress.quantize import clip_round, gptq_quantize
 from decodekit.compress.recipe import CompressConfig, compress_lm, compress_to_dir
 from decodekit.models.compressed import load_compressed, load_compressed_dir, read_compression_config
-from decodekit.models.qlinear import (
-    QuantizedLinear,
+from decodekit.models.qlinear import QuantizedLinear
+from decodekit.models.quant_grid import (
     QuantSpec,
     absmax_scales,
     dequantize,

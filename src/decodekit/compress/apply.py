@@ -33,7 +33,8 @@ from torch import nn
 from decodekit.compress.hessian import HessianAccumulator
 from decodekit.compress.prune import parse_n_m, prune_magnitude, prune_sparsegpt
 from decodekit.compress.quantize import gptq_quantize
-from decodekit.models.qlinear import QuantizedLinear, QuantSpec, quantize_rtn
+from decodekit.models.qlinear import QuantizedLinear
+from decodekit.models.quant_grid import QuantSpec, quantize_rtn
 from decodekit.runtime import advance_to
 from decodekit.runtime import progress as progress_bar
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from decodekit.compress.hessian import dead_columns, inverse_hessian_cholesky
-from decodekit.models.qlinear import QuantSpec, absmax_scales, round_half_away, scale_from_absmax
+from decodekit.models.quant_grid import QuantSpec, absmax_scales, round_half_away, scale_from_absmax
 
 
 def clip_round(x: torch.Tensor, clip: float, step: float = 1.0) -> torch.Tensor:

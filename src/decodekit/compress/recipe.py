@@ -24,7 +24,7 @@ from decodekit.compress.apply import (
 )
 from decodekit.compress.prune import parse_n_m
 from decodekit.models.base import LanguageModel
-from decodekit.models.qlinear import check_activation_bits
+from decodekit.models.quant_grid import check_activation_bits
 from decodekit.models.registry import ASSETS
 
 METHODS = QUANT_METHODS + PRUNE_METHODS

@@ -18,17 +18,13 @@ if TYPE_CHECKING:
 def engine_stats(engine: Engine) -> dict:
     """The engine's state: requests, its pool's blocks, and every member pool's."""
     pool, scheduler, members = engine.pool, engine.scheduler, engine.members
-    cached = len(pool.cache) if pool.cache is not None else 0
     queued = [*engine.inbox.incoming, *scheduler.waiting]
     return {
         "running_requests": len(scheduler.running),
         "running_sequences": sum(len(e.seqs) for e in scheduler.running),
         "waiting_requests": len(queued),
-        "total_blocks": pool.num_blocks,
-        "used_blocks": pool.num_used,
-        "held_blocks": pool.held,
+        **_blocks(pool),
         "free_blocks": pool.num_free,
-        "cached_blocks": cached,
         "idle_cached_blocks": pool.cache.num_idle if pool.cache is not None else 0,
         "running_programs": Counter(e.kind for e in scheduler.running)["program"],
         "waiting_programs": Counter(e.kind for e in queued)["program"],
@@ -66,11 +62,14 @@ def _compiling(engine: Engine) -> list[str]:
 
 def _pool_stats(pool: BlockPool, idle: bool) -> dict:
     """A member pool's blocks and bytes."""
+    return {**_blocks(pool), "bytes": pool.nbytes, "idle": idle}
+
+
+def _blocks(pool: BlockPool) -> dict:
+    """A pool's blocks: in all, in use, held by running programs, in the prefix cache."""
     return {
+        "total_blocks": pool.num_blocks,
         "used_blocks": pool.num_used,
         "held_blocks": pool.held,
         "cached_blocks": len(pool.cache) if pool.cache is not None else 0,
-        "total_blocks": pool.num_blocks,
-        "bytes": pool.nbytes,
-        "idle": idle,
     }

@@ -212,8 +212,8 @@ def scratch(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """A quantised layer's weight [N, K] in float32 or bfloat16 for one prefill GEMM
-    (`decodekit::dequantize`, csrc/dequant.cpp: qlinear.dequantize's bits in one pass), from
-    int8 codes [N, K] or int4 ones packed two a byte (qlinear.pack_int4), written into this
+    (`decodekit::dequantize`, csrc/dequant.cpp: quant_grid.dequantize's bits in one pass), from
+    int8 codes [N, K] or int4 ones packed two a byte (quant_grid.pack_int4), written into this
     thread's `scratch`."""
     out = scratch(codes.shape[0], in_features, dtype)
     torch.ops.decodekit.dequantize(codes, scales, in_features, out)
