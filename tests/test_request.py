@@ -139,3 +139,29 @@ def test_truncate_prompt_tokens_refuses_what_vllm_refuses(value):
     with pytest.raises(ValueError, match=rule + str(value)):
         kept_tokens(value, 512)
     assert kept_tokens(-1, 512) == 512 and kept_tokens(7, 512) == 7 and kept_tokens(None, 512) is None
+
+
+def test_finished_rows_leave_the_state_and_the_others_keep_theirs():
+    """drop_finished_rows: a request none of whose rows ended keeps its state's histories as
+    they are (copying them every step made a step's cost grow with the generation's length);
+    one whose row ended keeps exactly its live rows' histories, in order."""
+    import torch
+
+    import decodekit as dk
+    from decodekit.request import drop_finished_rows, make_requests, sample_rows
+
+    model = dk.load_model("shakespeare-5gram")
+    params = dk.SamplingParams(seed=3, n=3, max_new_tokens=50, ignore_eos=True, repetition_penalty=1.2)
+    requests = make_requests(model, [[1, 2, 3], [4, 5]], [params, params.replace(seed=4)])
+    rows = [row for request in requests for row in request.rows]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        sample_rows(torch.randn(len(rows), model.vocab_size, generator=generator), rows)
+        drop_finished_rows(rows)
+    first, second = requests
+    histories = list(second.state.generated)
+    first.rows[1].finish_reason = "stop"
+    drop_finished_rows(rows)
+    assert first.state.generated == [first.rows[0].token_ids, first.rows[2].token_ids]
+    assert all(kept is before for kept, before in zip(second.state.generated, histories, strict=True))
+    assert [len(h) for h in second.state.generated] == [3, 3, 3]
