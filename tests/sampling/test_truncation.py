@@ -217,3 +217,47 @@ def test_rows_are_truncated_independently():
         [True, True, False, False, False],
         [False, False, False, True, True],
     ]
+
+
+def _full_sort_cutoffs(logits, p):
+    """top-p's and typical's cuts by sorting the whole vocabulary (the rule, written out)."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    nucleus = probs.sort(dim=-1, descending=True).values
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=-1, keepdim=True)
+    distance = (-log_probs - entropy).abs()
+    ordered, order = distance.sort(dim=-1)
+    typical = P._prefix_cutoff(ordered, probs.gather(-1, order), p)
+    return P._prefix_cutoff(nucleus, nucleus, p), typical, distance
+
+
+@pytest.mark.parametrize("vocab", [20_000, 151_936])
+def test_a_large_vocabulary_sorts_its_first_tokens_and_cuts_where_a_full_sort_does(vocab, monkeypatch):
+    """On the CPU, top-p and typical sort only their first SORTED_CANDIDATES tokens when
+    those hold the mass (module docstring): the cut equals the full sort's, bit for bit, for
+    peaked rows, ties at the cut, a mass equal to a prefix's running sum, and a flat row
+    beside them (which the full sort decides). The full sort is not called when the
+    candidates hold the mass."""
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(2, vocab, generator=generator) * 4
+    peaked[1, :40] = 9.0  # 40 tied logits at the top
+    flat = torch.randn(1, vocab, generator=generator) * 0.1  # its first 1,024 hold 1-6 % of the mass
+    probs = torch.softmax(peaked[:1].double(), dim=-1).sort(dim=-1, descending=True).values
+    exact = float(torch.cumsum(probs, dim=-1)[0, 5])  # a mass equal to a prefix's running sum
+    for logits in (peaked, torch.cat([peaked, flat])):
+        for p in (0.5, 0.9, exact, 0.999):
+            nucleus, typical, distance = _full_sort_cutoffs(logits, p)
+            probs = torch.softmax(logits.double(), dim=-1)
+            assert torch.equal(P._sorted_cutoff(probs, probs, p, descending=True), nucleus)
+            assert torch.equal(P.top_p(logits, p), P._remove(logits, probs < nucleus, 1))
+            assert torch.equal(P._sorted_cutoff(distance, probs, p, descending=False), typical)
+            assert torch.equal(P.typical(logits, p), P._remove(logits, distance > typical, 1, rank=-distance))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the full sort ran")
+
+    monkeypatch.setattr(torch.Tensor, "sort", refuse)
+    P.top_p(peaked, 0.9)  # the candidates hold 0.9 of every row
+    P.typical(peaked, 0.9)
+    with pytest.raises(AssertionError, match="the full sort ran"):
+        P.top_p(torch.cat([peaked, flat]), 0.9)
