@@ -258,6 +258,12 @@ def test_half_and_quantised_ggufs_load_onto_their_kernels(tensor_type, shakespea
         assert qkv.spec.bits == (8 if tensor_type == "q8_0" else 4)
         # 688 inputs are not a multiple of 32: stored as f16 (as llama.cpp falls back), loaded as float.
         assert type(model.net.layers[0].mlp.down_proj) is nn.Linear
+        # the tied embedding's grid is the output head (the file's codes); the lookup its float copy
+        head = model.net.lm_head
+        assert isinstance(head, QuantizedLinear) and head.spec == qkv.spec
+        assert torch.equal(head.dequantized_weight(), model.net.embed_tokens.weight.float())
+    else:
+        assert model.net.lm_head.weight is model.net.embed_tokens.weight  # tied: one tensor
     tokens = torch.tensor([shakespeare.encode("ROMEO:\nBut soft, what light")])
     ours = torch.log_softmax(model.forward(tokens, model.new_cache(1)), -1)
     theirs = torch.log_softmax(shakespeare.forward(tokens, shakespeare.new_cache(1)), -1)
