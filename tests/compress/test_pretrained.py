@@ -97,6 +97,42 @@ def test_tied_embeddings_survive_the_round_trip(tmp_path):
     assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
 
 
+@pytest.mark.parametrize("head_bits", [8, 4])
+def test_a_quantised_head_survives_the_round_trip_beside_its_tied_embedding(tmp_path, head_bits):
+    """CompressConfig(head_bits): the output head becomes a QuantizedLinear of those bits, one
+    scale per channel (RTN of the float head), while a tied embedding keeps its float weights
+    for the lookup; the directory reloads to the same logits, and without head_bits the head
+    stays float (the default)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decodekit.models.quant_grid import QuantSpec, dequantize, quantize_rtn
+
+    source = tmp_path / "tied"
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).save_pretrained(source)
+    model = load_model(source)
+    embedding = model.net.embed_tokens.weight.detach().clone()
+    summary = compress_lm(model, CompressConfig("rtn", bits=8, head_bits=head_bits))
+    assert summary.head_bits == head_bits and summary.layers[-1] == "lm_head"
+    head = model.net.lm_head
+    assert isinstance(head, QuantizedLinear) and head.spec == QuantSpec(head_bits)
+    codes, scales = quantize_rtn(embedding, QuantSpec(head_bits))
+    assert torch.equal(head.dequantized_weight(), dequantize(codes, scales))
+    assert torch.equal(model.net.embed_tokens.weight, embedding)  # the lookup's weights unchanged
+    loaded = load_model(save_compressed_dir(model, tmp_path / "c", source, summary))
+    assert isinstance(loaded.net.lm_head, QuantizedLinear)
+    assert torch.equal(loaded.net.embed_tokens.weight, embedding)
+    tokens = torch.tensor([[1, 7, 3, 9, 4]])
+    expected = model.forward(tokens, model.new_cache(1))
+    assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
+    plain = load_model(source)
+    compress_lm(plain, CompressConfig("rtn", bits=8))
+    assert type(plain.net.lm_head) is torch.nn.Linear
+
+
 def test_calibration_windows_are_token_segments(tiny_lm):
     ids = tiny_lm.encode(CALIB_TEXT)
     batches = calibration_batches(tiny_lm, CALIB_TEXT, windows=5, length=12, batch_size=2)
@@ -120,6 +156,8 @@ def test_calibration_windows_are_token_segments(tiny_lm):
         ({"method": "magnitude", "sparsity": 0.5, "n_m": "2:4"}, "sparsity or n_m, not both"),
         ({"method": "magnitude", "n_m": "4:2"}, "n_m needs 0 < n < m"),
         ({"method": "gptq", "calib_windows": 0}, "calib_windows must be >= 1, got 0"),
+        ({"method": "rtn", "head_bits": 3}, "head_bits must be 8, 4 or None"),
+        ({"method": "magnitude", "head_bits": 8}, "head_bits does not apply to method 'magnitude'"),
     ],
 )
 def test_bad_configs_name_the_value(kwargs, message):

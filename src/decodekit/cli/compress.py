@@ -26,6 +26,9 @@ def add_compress(sub) -> None:
                    help="8: also quantise each layer's input per block of 32 to int8 (W8A8/W4A8, "
                         "llama.cpp's q8_0/q4_0 numerics; faster on CPU, costs perplexity: "
                         "docs/compression.md); default: weight-only")  # fmt: skip
+    p.add_argument("--head-bits", type=int, default=None,
+                   help="8 or 4: quantise the output head too (RTN, one scale per channel); a real "
+                        "vocabulary makes it a small model's largest matrix; default: float")  # fmt: skip
     p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
     p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
     p.add_argument("--calib", type=int, default=None,
@@ -46,7 +49,7 @@ def run_compress(args) -> None:
     calibration = {"calib_windows": args.calib, "calib_length": args.calib_len}
     config = CompressConfig(
         args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
-        activation_bits=args.activation_bits,
+        activation_bits=args.activation_bits, head_bits=args.head_bits,
         sparsity=args.sparsity, n_m=args.n_m, **{k: v for k, v in calibration.items() if v is not None},
     )
     given = [flag for flag, value in (("--calib", args.calib), ("--calib-len", args.calib_len),

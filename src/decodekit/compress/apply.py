@@ -57,6 +57,7 @@ class CompressionSummary:
     sparsity: float | None = None
     n_m: tuple[int, int] | None = None
     calib_batches: int = 0
+    head_bits: int | None = None  # the output head's RTN grid, one scale per channel (`quantize_head`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +133,17 @@ def collect_hessians(
         if acc.count == 0:
             raise ValueError(f"layer {name!r} received no input while running the calibration data")
     return {name: acc.hessian for name, acc in accumulators.items()}
+
+
+def quantize_head(model: nn.Module, bits: int, name: str = "lm_head") -> None:
+    """The output head RTN-quantised to `bits`, one scale per output channel, in place. A real
+    vocabulary makes it a small model's largest matrix (Qwen2.5's 151,936 x 896: 40 ms a token
+    read in float32 on a Zen 4, 5.6 ms in int8); a tied embedding keeps its float weights for
+    the lookup, which reads one row a token."""
+    head = model.get_submodule(name)
+    if type(head) is not nn.Linear:
+        raise ValueError(f"the output head {name!r} is a {type(head).__name__}, not a float Linear")
+    replace_module(model, name, QuantizedLinear.from_linear(head, QuantSpec(bits)))
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:

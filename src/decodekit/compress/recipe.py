@@ -20,6 +20,7 @@ from decodekit.compress.apply import (
     QUANT_METHODS,
     CompressionSummary,
     prune_model,
+    quantize_head,
     quantize_model,
 )
 from decodekit.compress.prune import parse_n_m
@@ -45,6 +46,9 @@ class CompressConfig:
     # 8: the layers also quantise their inputs per block of 32 to int8 (W8A8 / W4A8, llama.cpp's
     # q8_0 / q4_0 numerics; models/qlinear.py); None: weight-only
     activation_bits: int | None = None
+    # the output head (skipped otherwise) RTN-quantised to these bits, one scale per channel
+    # (compress/apply.py `quantize_head`; llama.cpp's quantisers keep it at 6-8 bits); None: float
+    head_bits: int | None = None
     sparsity: float | None = None
     n_m: str | None = None  # "2:4": n zeros in every m consecutive weights
     calib_windows: int = 128
@@ -62,6 +66,7 @@ class CompressConfig:
             "group_size": self.group_size is not None and not quant,
             "act_order": self.act_order and self.method != "gptq",
             "activation_bits": self.activation_bits is not None and not quant,
+            "head_bits": self.head_bits is not None and not quant,
             "sparsity": self.sparsity is not None and quant,
             "n_m": self.n_m is not None and quant,
         }
@@ -72,6 +77,8 @@ class CompressConfig:
             raise ValueError(f"bits must be in 2..8, got {self.bits}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.head_bits is not None and (isinstance(self.head_bits, bool) or self.head_bits not in (4, 8)):
+            raise ValueError(f"head_bits must be 8, 4 or None (the head in float), got {self.head_bits!r}")
         check_activation_bits(self.activation_bits, self.group_size)
         if self.sparsity is not None and not 0 <= self.sparsity < 1:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity}")
@@ -96,7 +103,8 @@ class CompressConfig:
             bits = self.bits or DEFAULT_BITS[self.method]
             group = f"-g{self.group_size}" if self.group_size else ""
             a8 = f"-a{self.activation_bits}" if self.activation_bits else ""
-            return f"{self.method}-{bits}b{group}{'-act' if self.act_order else ''}{a8}"
+            head = f"-h{self.head_bits}" if self.head_bits else ""
+            return f"{self.method}-{bits}b{group}{'-act' if self.act_order else ''}{a8}{head}"
         if self.n_m is not None:
             return f"{self.method}-{self.n_m}"
         return f"{self.method}-{round(100 * (self.sparsity or DEFAULT_SPARSITY))}%"
@@ -158,6 +166,10 @@ def compress_lm(
             config.group_size, act_order=config.act_order, activation_bits=config.activation_bits,
             **calibration,
         )  # fmt: skip
+        if config.head_bits is not None:
+            quantize_head(lm.net, config.head_bits)
+            summary.head_bits = config.head_bits
+            summary.layers.append("lm_head")
     else:
         sparsity = DEFAULT_SPARSITY if config.sparsity is None else config.sparsity
         summary = prune_model(lm.net, config.method, sparsity, config.n_m, **calibration)
