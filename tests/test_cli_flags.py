@@ -311,6 +311,8 @@ ROWS = [
      "config.act_order", True),
     ("compress --activation-bits", ["compress", "m", "--method", "rtn", "--activation-bits", "8"],
      "compress_to_dir", "config.activation_bits", 8),
+    ("compress --head-bits", ["compress", "m", "--method", "rtn", "--head-bits", "8"],
+     "compress_to_dir", "config.head_bits", 8),
     ("compress --sparsity", ["compress", "m", "--method", "magnitude", "--sparsity", "0.3"],
      "compress_to_dir",
      "config.sparsity", 0.3),

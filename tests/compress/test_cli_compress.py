@@ -165,3 +165,14 @@ def test_activation_bits_are_stored_and_a_reloaded_model_computes_the_same(tiny_
     plain = weight_only.forward(tokens, weight_only.new_cache(1))
     assert not torch.allclose(quantised, plain, atol=1e-4)
     assert torch.allclose(quantised, plain, atol=0.1 * float(plain.abs().max()))
+
+
+def test_a_gguf_out_refuses_a_quantised_head(tiny_llama_dir, tmp_path, capsys):
+    """--head-bits quantises the head per channel, which no GGUF block type stores: refused in
+    one line, before anything is compressed or written."""
+    out = tmp_path / "m.gguf"
+    code = main(["compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "8", "--group", "32",
+                 "--head-bits", "8", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "head_bits applies to a directory out, not a GGUF file, got 8" in err
+    assert "Traceback" not in err and not out.exists()
