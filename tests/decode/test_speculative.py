@@ -418,7 +418,7 @@ def test_self_int4_draft_keeps_greedy_output(tiny_lm):
     assert result.stats.accepted_tokens > 0
     assert kernel_counts(tiny_lm.net) == {}  # the target was not touched
     drafter = self_draft(tiny_lm)
-    assert kernel_counts(drafter.model.net) == {"int4pack": 8}
+    assert kernel_counts(drafter.model.net) == {"int4pack": 8, "int8pack": 1}  # its head in int8
     assert drafter.model.net.embed_tokens.weight is tiny_lm.net.embed_tokens.weight  # shared
     # Sampling through the self-draft (exact for any draft: the tests above): seeded runs repeat
     # (without the fallback, whose switches follow the clock: speculation_gate.py).

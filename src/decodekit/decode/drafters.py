@@ -13,8 +13,10 @@ they were drawn from (REFERENCES.md, "Speculative decoding"):
   the cost of one, and the int4 copy runs its matmuls through the packed int4 kernel
   (models/qlinear.py), about 4x faster than float32 at real shapes; its distribution stays
   close to the target's, so acceptance is high. Round-to-nearest in groups of 32 needs no
-  calibration data and is built in a moment; pass any `CompressConfig` (GPTQ) to
-  `self_draft` for another copy.
+  calibration data and is built in a moment; its output head is int8 (one scale per channel):
+  at a real vocabulary the head is a small model's largest matrix, and in float it made the
+  draft's token cost most of the target's. Pass any `CompressConfig` (GPTQ) to `self_draft`
+  for another copy.
 - `PromptLookupDrafter`: the tokens that followed the most recent earlier occurrence of
   the context's final n-gram (HF prompt lookup, vLLM and llama.cpp n-gram drafting),
   with a one-hot q. Costs no model call.
@@ -212,7 +214,7 @@ def check_vocabulary(draft: LanguageModel, target: LanguageModel) -> None:
         )
 
 
-SELF_DRAFT = CompressConfig("rtn", bits=4, group_size=32)
+SELF_DRAFT = CompressConfig("rtn", bits=4, group_size=32, head_bits=8)
 
 
 def self_draft(target: LanguageModel, config: CompressConfig = SELF_DRAFT) -> ModelDrafter:
