@@ -181,8 +181,9 @@ def compress_lm(
 def quantized_copy(lm: Any, config: CompressConfig, calib_text: str | Sequence[int] | None = None) -> Any:
     """A compressed copy of the float NativeLM `lm` that shares its float tensors: the
     embedding, norms and (unless `config.head_bits` quantises it) output head are the same
-    tensors, only the compressed layers are new, so the copy costs the bytes of its codes. `lm` is left unchanged. Used as a
-    speculative drafter of its own original (decode/drafters.py, "self-int4")."""
+    tensors, only the compressed layers are new, so the copy costs the bytes of its codes.
+    `lm` is left unchanged. Used as a speculative drafter of its own original
+    (decode/drafters.py, "self-int4")."""
     import copy
 
     from decodekit.models.native import NativeLM
