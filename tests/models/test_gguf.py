@@ -258,10 +258,13 @@ def test_half_and_quantised_ggufs_load_onto_their_kernels(tensor_type, shakespea
         assert qkv.spec.bits == (8 if tensor_type == "q8_0" else 4)
         # 688 inputs are not a multiple of 32: stored as f16 (as llama.cpp falls back), loaded as float.
         assert type(model.net.layers[0].mlp.down_proj) is nn.Linear
-        # the tied embedding's grid is the output head (the file's codes); the lookup its float copy
+        # the tied embedding's grid is the output head (the file's codes), and the lookup reads its
+        # rows from them: the values a float copy of the file's embedding held, and no such copy
         head = model.net.lm_head
         assert isinstance(head, QuantizedLinear) and head.spec == qkv.spec
-        assert torch.equal(head.dequantized_weight(), model.net.embed_tokens.weight.float())
+        ids = torch.tensor([[0, 5, 2047], [17, 17, 1]])
+        assert torch.equal(model.net.embed_tokens(ids), head.dequantized_weight()[ids])
+        assert not any(p.shape[0] == model.vocab_size for p in model.net.parameters())
     else:
         assert model.net.lm_head.weight is model.net.embed_tokens.weight  # tied: one tensor
     tokens = torch.tensor([shakespeare.encode("ROMEO:\nBut soft, what light")])

@@ -43,7 +43,7 @@ from torch import nn
 from decodekit.models.families import FAMILIES
 from decodekit.models.gguf_tensors import FLOAT_TYPES, INTEGER_TYPES, Quantized, decode, unpermute_rope_rows
 from decodekit.models.native import LlamaNet, NativeConfig, NativeLM, transpose_weight_layout
-from decodekit.models.qlinear import QuantizedLinear
+from decodekit.models.qlinear import QuantizedEmbedding, QuantizedLinear
 
 MAGIC = b"GGUF"
 # GGUF tensor names (llama.cpp's gguf-py `TENSOR_NAMES`) -> NativeLM's, per layer.
@@ -348,18 +348,21 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
     hidden, q_width, kv_width = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     embedding = files.take("token_embd.weight", (c.vocab_size, hidden))
     # A tied embedding stored on a grid is the output head on that grid (`QuantizedLinear`: the
-    # file's codes, as llama.cpp's output matmul reads them), the lookup a float copy; a tied
-    # float32 one is the head itself, laid out as the head's weights are.
-    quantized_head = c.tie_word_embeddings and isinstance(embedding, Quantized)
-    transposed = c.tie_word_embeddings and dtype == torch.float32 and not quantized_head
-    net.embed_tokens.weight = nn.Parameter(float_weight([embedding], dtype, transposed), requires_grad=False)
+    # file's codes, as llama.cpp's output matmul reads them), and the lookup dequantises the rows
+    # it reads from them (`QuantizedEmbedding`: no float copy); a tied float32 one is the head
+    # itself, laid out as the head's weights are.
     net.norm.weight = files.float("output_norm.weight", (hidden,), dtype)
-    if quantized_head:
+    if c.tie_word_embeddings and isinstance(embedding, Quantized):
         net.lm_head = linear_layer(embedding, None, dtype)
-    elif c.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
+        net.embed_tokens = QuantizedEmbedding(net.lm_head, dtype)
     else:
-        net.lm_head = linear_layer(files.take("output.weight", (c.vocab_size, hidden)), None, dtype)
+        transposed = c.tie_word_embeddings and dtype == torch.float32
+        weight = float_weight([embedding], dtype, transposed)
+        net.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
+        if c.tie_word_embeddings:
+            net.lm_head.weight = net.embed_tokens.weight
+        else:
+            net.lm_head = linear_layer(files.take("output.weight", (c.vocab_size, hidden)), None, dtype)
     widths = {"attn_q": q_width, "attn_k": kv_width, "attn_v": kv_width, "attn_output": hidden,
               "ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size, "ffn_down": hidden}  # fmt: skip
     inputs = {"attn_output": q_width, "ffn_down": c.intermediate_size}

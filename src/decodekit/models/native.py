@@ -386,9 +386,17 @@ def transpose_weight_layout(net: nn.Module) -> None:
             weight = module.weight
             layout = weight.detach().t().contiguous().t()
             module.weight = nn.Parameter(layout, requires_grad=weight.requires_grad)
-            if isinstance(net, LlamaNet) and weight is net.embed_tokens.weight:
+            if isinstance(net, LlamaNet) and weight is getattr(net.embed_tokens, "weight", None):
                 net.embed_tokens.weight = module.weight  # keep the tie
     net.register_state_dict_post_hook(_contiguous_state)
+
+
+def _dtype_device(embedding: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The model's dtype and device, from its embedding: an nn.Embedding's weight, or a
+    `QuantizedEmbedding`'s (a GGUF's tied grid: models/qlinear.py) own."""
+    if isinstance(embedding, nn.Embedding):
+        return embedding.weight.dtype, embedding.weight.device
+    return embedding.dtype, embedding.device
 
 
 def _contiguous_state(module, state_dict, prefix, local_metadata) -> None:
@@ -423,8 +431,7 @@ class NativeLM(LanguageModel):
         self.max_context = config.context_length
         # Read by each forward and by each Engine when it is built (module docstring).
         self.batch_invariant = batch_invariant
-        self.dtype = net.embed_tokens.weight.dtype
-        self.device = net.embed_tokens.weight.device
+        self.dtype, self.device = _dtype_device(net.embed_tokens)
         self.rope = RotaryTables(config.rope, self.dtype, device=self.device)
 
     def to(self, device: str | torch.device) -> NativeLM:
@@ -433,7 +440,7 @@ class NativeLM(LanguageModel):
         transposed weight layout (`transpose_weight_layout`) and tied weights survive."""
         device = torch.device(device)
         self.net.to(device)
-        self.device = self.net.embed_tokens.weight.device
+        self.device = _dtype_device(self.net.embed_tokens)[1]
         self.rope = RotaryTables(self.config.rope, self.dtype, device=self.device)
         return self
 

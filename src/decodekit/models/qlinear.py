@@ -421,6 +421,35 @@ class QuantizedLinear(nn.Module):
         )
 
 
+class QuantizedEmbedding(nn.Module):
+    """An embedding lookup over a `QuantizedLinear`'s grid (a tied GGUF embedding whose grid is
+    also the output head: models/gguf_model.py): the rows looked up are dequantised, codes ·
+    scales (+ offsets), the values `dequantized_weight()` holds, so no float copy of the
+    vocabulary is kept (545 MB at Qwen2.5's 151,936 x 896 in float32). The head owns, and
+    moves, the tensors; this module only reads them."""
+
+    def __init__(self, grid: QuantizedLinear, dtype: torch.dtype):
+        super().__init__()
+        self._grid = (grid,)  # not a submodule: its tensors are the head's, in its state dict
+        self.dtype = dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._grid[0].scales.device
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        grid = self._grid[0]
+        flat = tokens.reshape(-1)
+        codes = grid.qweight[flat]
+        if grid.packed:
+            codes = unpack_int4(codes, grid.in_features)
+        weight = dequantize(codes, grid.scales[flat])  # [T, K] float32
+        if grid.offsets is not None:
+            n, k = weight.shape
+            weight = (weight.view(n, grid.offsets.shape[1], -1) + grid.offsets[flat][..., None]).view(n, k)
+        return weight.to(self.dtype).view(*tokens.shape, weight.shape[-1])
+
+
 def offset_term(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(Σ_group x) offsetsᵀ: what zero points [N, G] add to x [..., K] Ŵᵀ. Returns [..., N]
     in x's dtype, summed in float32."""
