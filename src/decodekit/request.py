@@ -269,12 +269,8 @@ def _batches(live: list[Row], with_hidden: bool) -> list[tuple[int, int, list[tu
     requests merged where their chains are the same row-wise function (`sample_rows`)."""
     runs: list[tuple[int, int, list[tuple[Request, int]]]] = []
     key_of_last = None
-    start = 0
-    while start < len(live):
+    for start, stop in request_runs(live):
         request = live[start].request
-        stop = start
-        while stop < len(live) and live[stop].request is request:
-            stop += 1
         key = getattr(request.chain, "rowwise_key", None)
         if request.mask is not None or (with_hidden and request.wants_hidden):
             key = None
@@ -284,8 +280,18 @@ def _batches(live: list[Row], with_hidden: bool) -> list[tuple[int, int, list[tu
         else:
             runs.append((start, stop, [(request, stop - start)]))
         key_of_last = key
-        start = stop
     return runs
+
+
+def request_runs(live: list[Row]) -> Iterator[tuple[int, int]]:
+    """(start, stop) of each request's rows in `live`, where a request's rows are contiguous."""
+    start = 0
+    while start < len(live):
+        stop = start + 1
+        while stop < len(live) and live[stop].request is live[start].request:
+            stop += 1
+        yield start, stop
+        start = stop
 
 
 def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tuple[torch.Tensor, ...]:
@@ -382,18 +388,13 @@ def raw_entropy(logprobs: torch.Tensor) -> torch.Tensor:
 def drop_finished_rows(live: list[Row]) -> None:
     """Shrink each request's sampler state to its rows that are still live (a request none
     of whose rows ended keeps its state as it is)."""
-    start = 0
-    while start < len(live):  # a request's rows are contiguous and in its state's order
+    for start, stop in request_runs(live):  # a request's rows, in its state's order
         request = live[start].request
-        stop = start + 1
-        while stop < len(live) and live[stop].request is request:
-            stop += 1
         rows = [i for i in range(stop - start) if live[start + i].finish_reason is None]
         if len(rows) < stop - start:
             request.state.select_rows(rows)
             if request.mask is not None:
                 request.mask.select_rows(rows)
-        start = stop
 
 
 def to_completion(row: Row) -> Completion:

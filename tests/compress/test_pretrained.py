@@ -79,15 +79,20 @@ def test_int8_directory_holds_fewer_bytes(tiny_llama_dir, tmp_path):
     assert float_bytes - model_nbytes(loaded.net) == 2 * (9216 * 3 - 256 * 4 - 256 * 2)
 
 
-def test_tied_embeddings_survive_the_round_trip(tmp_path):
+def tied_checkpoint(source):
+    """A random 1-layer Llama with tied embeddings (50 tokens), saved to `source`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    source = tmp_path / "tied"
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(3)
     LlamaForCausalLM(config).save_pretrained(source)
+    return source
+
+
+def test_tied_embeddings_survive_the_round_trip(tmp_path):
+    source = tied_checkpoint(tmp_path / "tied")
     model = load_model(source)
     compress_lm(model, CompressConfig("rtn", bits=8))
     loaded = load_model(save_compressed_dir(model, tmp_path / "c", source))
@@ -103,16 +108,9 @@ def test_a_quantised_head_survives_the_round_trip_beside_its_tied_embedding(tmp_
     scale per channel (RTN of the float head), while a tied embedding keeps its float weights
     for the lookup; the directory reloads to the same logits, and without head_bits the head
     stays float (the default)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from decodekit.models.quant_grid import QuantSpec, dequantize, quantize_rtn
 
-    source = tmp_path / "tied"
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(3)
-    LlamaForCausalLM(config).save_pretrained(source)
+    source = tied_checkpoint(tmp_path / "tied")
     model = load_model(source)
     embedding = model.net.embed_tokens.weight.detach().clone()
     summary = compress_lm(model, CompressConfig("rtn", bits=8, head_bits=head_bits))

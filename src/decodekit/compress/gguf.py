@@ -271,7 +271,7 @@ def compress_to_gguf(model: str | Path, config: Any, out: str | Path, calib_file
         if bits not in (4, 8) or config.group_size != 32:
             raise ValueError(f"GGUF stores 8- or 4-bit codes in groups of 32 (q8_0, q4_0): give bits 8 or 4 "
                              f"and group 32, got bits {bits} and group {config.group_size}")  # fmt: skip
-    if getattr(config, "head_bits", None) is not None:
+    if config.head_bits is not None:
         # its head is one scale per channel, which no GGUF block type stores
         raise ValueError(f"head_bits applies to a directory out, not a GGUF file, got {config.head_bits}")
     out = Path(out)

@@ -18,7 +18,8 @@ scales (and zero points where the type has minimums), so their packed kernels ru
 own numbers; other block types and quantised embeddings are dequantised once, at load. A tied
 embedding on one of those grids is also the output head on it (a real vocabulary's head is
 the largest matrix of a small model: Qwen2.5's 151,936 x 896 read in float32 took 40 ms a token
-on a Zen 4, on its q8_0 grid 5.6 ms); the lookup reads the float copy.
+on a Zen 4, on its q8_0 grid 5.6 ms), and the lookup dequantises the rows it reads from the
+same codes (`QuantizedEmbedding`), so no float copy of the vocabulary is held.
 Where the parts of a fused layer (q/k/v, gate/up) are stored on different grids (Q4_K_M
 keeps attn_v in Q6_K beside Q4_K q and k) the layer is a `ConcatLinear` of the parts, so no
 part loses its grid.

@@ -345,12 +345,18 @@ class QuantizedLinear(nn.Module):
         """Integer codes int8 [N, K]."""
         return unpack_int4(self.qweight, self.in_features) if self.packed else self.qweight
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Ŵ [N, K] in `dtype` (with the offsets, where the layer has them)."""
-        weight = dequantize(self.codes(), self.scales)
-        if self.offsets is not None:
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
+                           ) -> torch.Tensor:  # fmt: skip
+        """Ŵ [N, K] in `dtype` (with the offsets, where the layer has them); with `rows` [n], only
+        those rows, [n, K] (the same values: every step is row by row)."""
+        codes, scales, offsets = self.qweight, self.scales, self.offsets
+        if rows is not None:
+            codes, scales = codes[rows], scales[rows]
+            offsets = None if offsets is None else offsets[rows]
+        weight = dequantize(unpack_int4(codes, self.in_features) if self.packed else codes, scales)
+        if offsets is not None:
             n, k = weight.shape
-            weight = (weight.view(n, self.offsets.shape[1], -1) + self.offsets[..., None]).view(n, k)
+            weight = (weight.view(n, offsets.shape[1], -1) + offsets[..., None]).view(n, k)
         return weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -439,15 +445,8 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         grid = self._grid[0]
-        flat = tokens.reshape(-1)
-        codes = grid.qweight[flat]
-        if grid.packed:
-            codes = unpack_int4(codes, grid.in_features)
-        weight = dequantize(codes, grid.scales[flat])  # [T, K] float32
-        if grid.offsets is not None:
-            n, k = weight.shape
-            weight = (weight.view(n, grid.offsets.shape[1], -1) + grid.offsets[flat][..., None]).view(n, k)
-        return weight.to(self.dtype).view(*tokens.shape, weight.shape[-1])
+        rows = grid.dequantized_weight(self.dtype, rows=tokens.reshape(-1))  # [T, K]
+        return rows.view(*tokens.shape, grid.in_features)
 
 
 def offset_term(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
