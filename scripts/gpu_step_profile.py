@@ -4,7 +4,8 @@ replay of its CUDA graph, and the host's Python profile of the step.
     python scripts/gpu_step_profile.py --shape qwen2.5-0.5b --device cuda --dtype bfloat16
     python scripts/gpu_step_profile.py --model shakespeare            # the CPU, eager
 
-For each row count (1, and 64 requests with different prompts), after the prompts' steps: the
+For each row count (1, and 64 requests with different prompts) and on a GPU each attention
+form of the graphed step (`--attention`), after the prompts' steps: the
 median wall milliseconds of `Engine.step` (with the device synchronised), on a GPU the
 milliseconds one replay of the largest captured graph takes (CUDA events), and the
 functions that take most of the host's time over the same steps (cProfile, own time). A step
@@ -29,6 +30,7 @@ import decodekit as dk
 from decodekit.bench.decode import model_or_shape
 from decodekit.bench.engine import CONCURRENT, engine_config, prompts_from_text
 from decodekit.engine import Engine
+from decodekit.engine.cuda_graphs import GraphedLanes
 
 
 def timed_steps(engine: Engine, steps: int, synchronize) -> list[float]:
@@ -56,7 +58,7 @@ def replay_ms(engine: Engine, repeats: int = 20) -> float | None:
     return start.elapsed_time(end) / repeats
 
 
-def profile_rows(model, rows: int, steps: int, top: int) -> tuple[dict, str]:
+def profile_rows(model, rows: int, steps: int, top: int, fused: bool = True) -> tuple[dict, str]:
     cuda = model.device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     if rows == 1:
@@ -66,6 +68,8 @@ def profile_rows(model, rows: int, steps: int, top: int) -> tuple[dict, str]:
     temperature = 0 if rows == 1 else 1  # one greedy row; many sampled ones
     params = dk.SamplingParams(max_new_tokens=2 * steps + 8, seed=0, ignore_eos=True, temperature=temperature)
     engine = Engine(model, engine_config(None if cuda else False))
+    if cuda:  # the graphed step's attention form (engine/cuda_graphs.py)
+        engine.compiled.lanes = engine.lanes = GraphedLanes(model, fused_attention=fused)
     for prompt in prompts:
         engine.submit(prompt, params)
     for _ in range(6):  # the prompts, the first decode steps and their captures
@@ -80,7 +84,8 @@ def profile_rows(model, rows: int, steps: int, top: int) -> tuple[dict, str]:
         engine.step()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    result = {"rows": rows, "wall_ms_per_step": round(statistics.median(seconds) * 1e3, 3),
+    result = {"rows": rows, "attention": ("sdpa, writing" if fused else "written out") if cuda else "eager",
+              "wall_ms_per_step": round(statistics.median(seconds) * 1e3, 3),
               "graph_replay_gpu_ms": None if gpu is None else round(gpu, 3),
               "captures": getattr(engine.lanes, "captures", None)}  # fmt: skip
     return result, text.getvalue()
@@ -95,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,64", help="comma-separated row counts (default 1,64)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed, then profiled")
     parser.add_argument("--top", type=int, default=18, help="functions in the profile")
+    parser.add_argument("--attention", default="both", choices=("both", "sdpa", "written"),
+                        help="on a GPU, the graphed step's attention form(s) (default both, alternating)")
     args = parser.parse_args(argv)
     if (args.model is None) == (args.shape is None):
         parser.error("give one of --model NAME and --shape SHAPE")
@@ -104,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with model_or_shape(args.model, args.shape) as name:
         model = dk.load_model(name, dtype=args.dtype, device=args.device)
+        forms = {"both": (True, False), "sdpa": (True,), "written": (False,)}[args.attention]
         for count in rows:
-            result, profile = profile_rows(model, count, args.steps, args.top)
-            line = {"model": args.model or args.shape, "device": args.device, **result}
-            print(json.dumps(line), flush=True)
-            print(profile, flush=True)
+            for fused in forms if model.device.type == "cuda" else (True,):
+                result, profile = profile_rows(model, count, args.steps, args.top, fused)
+                line = {"model": args.model or args.shape, "device": args.device, **result}
+                print(json.dumps(line), flush=True)
+                print(profile, flush=True)
     return 0
 
 

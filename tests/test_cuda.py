@@ -80,10 +80,11 @@ def test_a_compressed_model_on_the_device(tmp_path):
     assert len(completion.token_ids) == 24
 
 
-def test_decode_steps_replayed_from_cuda_graphs_equal_the_eager_engine(pair):
+@pytest.mark.parametrize("fused", [True, False], ids=["writing-sdpa", "written-out"])
+def test_decode_steps_replayed_from_cuda_graphs_equal_the_eager_engine(pair, fused):
     """The engine's default on a GPU (engine/cuda_graphs.py): rows that end at different
     steps (padded buckets) and one past RunningKV's first 64 positions (captured again over
-    the grown rows); the same greedy tokens as the eager engine."""
+    the grown rows); the same greedy tokens as the eager engine, in both attention forms."""
     from decodekit.engine import Engine, EngineConfig
     from decodekit.engine.cuda_graphs import GraphedLanes
 
@@ -93,6 +94,8 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_the_eager_engine(pair):
     out = {}
     for mode in (False, None):
         engine = Engine(gpu, EngineConfig(compile=mode))
+        if mode is None:
+            engine.compiled.lanes = engine.lanes = GraphedLanes(gpu, fused_attention=fused)
         handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
         while engine.has_work():
             engine.step()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import warnings
 
 import engine_fixtures
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import decodekit as dk
 from decodekit.engine import compiled
@@ -23,12 +25,14 @@ one_thread, sharp_lm = engine_fixtures.one_thread, engine_fixtures.sharp_lm  # f
 PROMPTS = [[(5 * i + 7 * j) % 250 + 1 for i in range(4 + 6 * j)] for j in range(3)]
 
 
-def run(model, items, graphed: bool, inductor: bool = False):
+def run(model, items, graphed: bool, inductor: bool = False, fused: bool = True):
     """(prompt, params) items on a fresh engine, eager or through `GraphedLanes` (with the
-    compiled step: `inductor`); their token ids and logprobs, and the engine."""
+    compiled step: `inductor`; its attention form: `fused`); their token ids and logprobs,
+    and the engine."""
     engine = Engine(model, EngineConfig(compile=graphed or False, block_size=4, num_blocks=512))
     if graphed:
-        engine.compiled.lanes = engine.lanes = GraphedLanes(model, inductor=inductor, capture=False)
+        lanes = GraphedLanes(model, inductor=inductor, capture=False, fused_attention=fused)
+        engine.compiled.lanes = engine.lanes = lanes
     handles = [engine.submit(prompt, params) for prompt, params in items]
     while engine.has_work():
         engine.step()
@@ -37,19 +41,23 @@ def run(model, items, graphed: bool, inductor: bool = False):
     return [[(c.token_ids, c.logprobs) for c in r] for r in results], engine
 
 
-def test_graphed_steps_equal_the_eager_engine_as_rows_leave_and_grow(sharp_lm):
+@pytest.mark.parametrize("fused", [True, False], ids=["writing-sdpa", "written-out"])
+def test_graphed_steps_equal_the_eager_engine_as_rows_leave_and_grow(sharp_lm, fused):
     """Three requests that end at different steps (buckets 4, 2, 1: padded rows), one long
     enough that RunningKV doubles its positions (64 -> 128): the graphs are built again
-    over the new storage, and every token and logprob equals the eager engine's."""
+    over the new storage, and every token and logprob equals the eager engine's, in both
+    attention forms. The writing form stores each new key in the running rows: a graph built
+    while rows hold sequences must not store its placeholder keys there (it did: a wrong
+    token)."""
     greedy = dk.SamplingParams(temperature=0, ignore_eos=True)
     items = [(PROMPTS[0], greedy.replace(max_new_tokens=90)),
              (PROMPTS[1], greedy.replace(max_new_tokens=9)),
              (PROMPTS[2], dk.SamplingParams(temperature=1.0, top_k=20, seed=3, max_new_tokens=20))]
     want, _ = run(sharp_lm, items, False)
-    got, engine = run(sharp_lm, items, True)
+    got, engine = run(sharp_lm, items, True, fused=fused)
     assert [tokens for [(tokens, _)] in got] == [tokens for [(tokens, _)] in want]
-    # the graphed step attends in its written-out form over the rows' whole capacity
-    # (compiled.py): the same sums in another order
+    # the graphed step attends over the rows' whole capacity, masked (written out, or SDPA
+    # under an additive mask): the same sums in another order
     for [(_, ours)], [(_, eager)] in zip(got, want, strict=True):
         assert torch.allclose(torch.tensor(ours), torch.tensor(eager), atol=1e-5, rtol=0)
     lanes = engine.lanes
@@ -104,3 +112,46 @@ def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(sharp_lm, mon
     assert engine.compiled.steps == 0
     assert "stream is capturing" in engine.lanes.failed and not engine.lanes.ready
     assert sum("CUDA graph" in str(w.message) for w in caught) == 1
+
+
+class CountCalls(TorchDispatchMode):
+    """The ATen calls below it that are not views, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_writing_step_attends_with_one_sdpa_call_a_layer(sharp_lm):
+    """A replayed graph costs about its kernel count: the writing step's attention is two
+    index writes and one SDPA call a layer, no softmax or concatenation written out, and its
+    logits and new keys are the written-out step's; the rows hold the new keys after it."""
+    config = sharp_lm.config
+    shape = (config.num_layers, 2, config.num_kv_heads, 16, config.head_dim)
+    keys, values = torch.randn(shape), torch.randn(shape)
+    tokens, positions, stored = torch.tensor([[5], [9]]), torch.tensor([6, 3]), torch.tensor([6, 3])
+    counts, outs = {}, {}
+    for writes in (False, True):
+        step = compiled.lanes_step(sharp_lm, f"step_{writes}", writes=writes)
+        rows = (keys.clone(), values.clone())
+        with torch.no_grad(), CountCalls() as counter:
+            outs[writes] = step(tokens, positions, stored, *rows)
+        counts[writes] = counter.calls
+        if writes:
+            for row, position in enumerate(stored.tolist()):
+                assert torch.equal(rows[0][:, row, :, position], outs[writes][1][:, row])
+                assert torch.equal(rows[1][:, row, :, position], outs[writes][2][:, row])
+    sdpa = sum(n for name, n in counts[True].items() if "scaled_dot_product" in name)
+    assert sdpa == config.num_layers and "_softmax" not in counts[True] and "cat" not in counts[True]
+    assert counts[True]["index_put_"] == 2 * config.num_layers
+    saved = (sum(counts[False].values()) - sum(counts[True].values())) / config.num_layers
+    assert saved >= 10, (counts[False], counts[True])
+    for ours, written in zip(outs[True], outs[False], strict=True):  # the same sums in another order
+        assert torch.allclose(ours, written, atol=1e-4, rtol=0)
+    assert torch.equal(outs[True][1][0], outs[False][1][0])  # the first layer's keys: before any attention

@@ -87,9 +87,12 @@ class LaneAttention:
     token each over their RunningKV rows, and over a shared prefix for the rows that continue
     it (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, prefix=None):  # visible [B, 1, 1, C] bool
+    def __init__(self, keys, values, visible, prefix=None, places=None):  # visible [B, 1, 1, C]
         self.keys, self.values, self.visible = keys, values, visible
         self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and sees [B, 1, 1, P] bool
+        # None: the new keys attend beside the rows (written out, nothing mutated); else each
+        # row's index and stored length [B], where the step writes its new key (`lanes_step(writes=)`)
+        self.places = places
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
@@ -97,6 +100,14 @@ class LaneAttention:
         """q [B, T, H, D], k/v [B, T, H_kv, D] -> [B, T, H, D]; T > 1: a verification span
         (whose rows hold no shared prefix: they are gathered whole, rows.py)."""
         batch, count = q.shape[:2]
+        if self.places is not None:  # the new key into its row, then one SDPA kernel over the row
+            rows, stored = self.places
+            self.keys[layer, rows, :, stored] = k[:, 0]  # [B, H_kv, D]
+            self.values[layer, rows, :, stored] = v[:, 0]
+            self.new_keys.append(k[:, 0])
+            self.new_values.append(v[:, 0])
+            keys, values = self.keys[layer, :batch], self.values[layer, :batch]
+            return decode_attention(q, keys, values, self.visible, written_out=False)
         prefixes = ()
         if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
             keys, values, sees = self.prefix
@@ -110,7 +121,9 @@ class LaneAttention:
         return out
 
 
-def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = False, span: int = 1):
+def lanes_step(
+    model: NativeLM, name: str = "decode_step", prefixed: bool = False, span: int = 1, writes: bool = False
+):
     """step(tokens [B, 1], positions [B], stored [B], keys, values [N, R, H_kv, C, D]) ->
     logits [B, V] float32, new keys and values [N, B, H_kv, D] (module docstring). positions:
     each token's position in its sequence (RoPE); stored: the positions its row holds before
@@ -120,6 +133,13 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     `span` T > 1: a verification step, T tokens a row (tokens and positions [B, T]) attending
     causally among themselves (`decode_attention`'s T queries a row); logits [B, T, V], new keys
     and values [N, B, T, H_kv, D].
+    `writes` (one token a row, no prefix): the step writes each row's new key and value into
+    `keys` and `values` at its `stored` position and attends over the row with one fused SDPA
+    kernel under an additive mask built once for all layers, where the written-out form costs
+    some fifteen kernels a layer: a CUDA graph's step (cuda_graphs.py), whose kernels run back
+    to back, a few microseconds each however small. It returns the new keys and values all the
+    same (the engine writes them into the pool; its write into the rows is then the same values
+    again).
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -127,10 +147,18 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
     net, config = model.net, model.config
     cos_table, sin_table = model.rope.tables(model.max_context)
     masks = [(None, False)] * config.num_layers
+    assert not writes or (span == 1 and not prefixed), "a writing step decodes one token a row, no prefix"
 
     def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
         columns = torch.arange(keys.shape[3], device=keys.device)
-        visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
+        places = None
+        if writes:  # each row sees its stored positions and the new one: 0 or -inf, in the model's dtype
+            hidden = (columns[None, :] > stored[:, None])[:, None, None]  # [B, 1, 1, C]
+            visible = torch.zeros(hidden.shape, dtype=keys.dtype, device=keys.device)
+            visible = visible.masked_fill_(hidden, -torch.inf)
+            places = (torch.arange(tokens.shape[0], device=keys.device), stored)
+        else:
+            visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
         cos = cos_table.index_select(0, positions.reshape(-1)).view(*tokens.shape, 1, -1)  # [B, T, 1, D]
         sin = sin_table.index_select(0, positions.reshape(-1)).view(*tokens.shape, 1, -1)
         prefix = None
@@ -138,7 +166,7 @@ def lanes_step(model: NativeLM, name: str = "decode_step", prefixed: bool = Fals
             spans = torch.arange(prefix_keys.shape[3], device=keys.device)[None, :]  # [1, P]
             sees = (spans >= bounds[0][:, None]) & (spans < bounds[1][:, None])  # [B, P]
             prefix = (prefix_keys, prefix_values, sees[:, None, None])
-        cache = LaneAttention(keys, values, visible, prefix)
+        cache = LaneAttention(keys, values, visible, prefix, places)
         logits = net(tokens, cos, sin, cache, masks)  # [B, T, V]
         if span > 1:
             return logits, torch.stack(cache.new_keys), torch.stack(cache.new_values)

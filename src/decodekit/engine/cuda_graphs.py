@@ -13,6 +13,11 @@ written into the rows and the pool after it):
   first decode-only step), or compiled by inductor first (`compile=True`: fused kernels, a
   compilation of minutes at the first step: not finished in 110 s at qwen2.5-0.5b on an
   H200, so its speed is unmeasured).
+- Eager, the step writes each row's new key into its row and attends with one SDPA kernel
+  (`lanes_step(writes=True)`: 31 ATen calls a layer of qwen2.5-0.5b instead of the
+  written-out attention's 45, `benchmarks/graph_step_ops.py`), since a graph's kernels cost
+  a few microseconds each however small; `fused_attention=False` keeps the written-out form
+  (inductor's step always has it: it fuses it).
 - One graph per bucket of rows (compiled.BUCKETS; padded rows see only their own key and
   their output is dropped), captured against the RunningKV storage as it is: its keys and
   values at their full capacity, each row's stored positions masked (`visible`). When the
@@ -57,14 +62,16 @@ class _Graph:
 class GraphedLanes:
     """A model's decode steps on CUDA, one graph per bucket of rows (module docstring)."""
 
-    def __init__(self, model: NativeLM, inductor: bool = False, capture: bool = True):
+    def __init__(
+        self, model: NativeLM, inductor: bool = False, capture: bool = True, fused_attention: bool = True
+    ):
         self.model = model
         self.inductor = inductor
         self.capture = capture
         self.graphs: dict[int, _Graph] = {}
         self.failed: str | None = None
         self.captures = 0
-        self._step = lanes_step(model, "graphed_decode_step")
+        self._step = lanes_step(model, "graphed_decode_step", writes=fused_attention and not inductor)
         self._compiled = None  # the inductor-compiled step, once compiled
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # shared by the buckets' graphs
 
@@ -106,7 +113,7 @@ class GraphedLanes:
         inputs[1, :rows].copy_(positions)
         inputs[2, :rows].copy_(stored)
         if rows < size:
-            inputs[:, rows:].zero_()  # padded rows: token 0 at position 0, seeing only itself
+            inputs[:, rows:].zero_()  # padded rows (unused lanes): token 0 at position 0, seeing only itself
         logits, keys, values = graph.replay()
         return logits[:rows].clone(), keys[:, :rows], values[:, :rows]
 
@@ -129,8 +136,11 @@ class GraphedLanes:
         inputs = torch.zeros((3, size), dtype=torch.long, device=keys.device)
         args = (inputs[0][:, None], inputs[1], inputs[2], keys, values)
         step = self._step_function(args)
+        # runs before the real inputs (a warm-up, the first outputs) read a copy of the rows:
+        # the writing step would store its placeholder keys in the running sequences' rows
+        scratch = (*args[:3], keys[:, :size].clone(), values[:, :size].clone())
         if not self.capture:  # as a graph: the same output tensors, overwritten by each run
-            outputs = step(*args)
+            outputs = step(*scratch)
 
             def rerun():
                 for output, new in zip(outputs, step(*args), strict=True):
@@ -143,7 +153,7 @@ class GraphedLanes:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                step(*args)
+                step(*scratch)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA work (another engine, a server's tokenizer)
