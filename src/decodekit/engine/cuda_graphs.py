@@ -14,8 +14,8 @@ written into the rows and the pool after it):
   compilation of minutes at the first step: not finished in 110 s at qwen2.5-0.5b on an
   H200, so its speed is unmeasured).
 - Eager, the step writes each row's new key into its row and attends with one SDPA kernel
-  (`lanes_step(writes=True)`: 31 ATen calls a layer of qwen2.5-0.5b instead of the
-  written-out attention's 45, `benchmarks/graph_step_ops.py`), since a graph's kernels cost
+  (`lanes_step(writes=True)`: 19 ATen calls a layer of qwen2.5-0.5b instead of the
+  written-out attention's 31, `benchmarks/graph_step_ops.py`), since a graph's kernels cost
   a few microseconds each however small; `fused_attention=False` keeps the written-out form
   (inductor's step always has it: it fuses it).
 - One graph per bucket of rows (compiled.BUCKETS; padded rows see only their own key and

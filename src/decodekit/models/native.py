@@ -234,8 +234,9 @@ class RMSNorm(nn.Module):
             if weight.dtype == torch.float32 and x.is_cpu and kernels.eager_op(x, weight):
                 return torch.ops.decodekit.rms_norm(x, weight, self.eps)  # one op (csrc/norm.cpp)
             return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return weight * normed.to(x.dtype)
+        # normalised in float32 and rounded once to x's dtype inside rms_norm (its CPU form
+        # upcasts; CUDA's fused kernel accumulates in float32): no cast kernels of our own
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 class Attention(nn.Module):
