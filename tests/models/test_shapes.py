@@ -9,7 +9,8 @@ import torch
 
 import decodekit as dk
 from decodekit.models.base import prefill
-from decodekit.models.native import LlamaNet, NativeConfig, NativeLM
+from decodekit.models.native import LlamaNet, NativeLM
+from decodekit.models.native_config import NativeConfig
 from decodekit.models.registry import ASSETS
 from decodekit.models.shapes import (
     SHAPES,

@@ -188,7 +188,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     from decodekit.models.checkpoint import load_safetensors, read_config
     from decodekit.models.compressed import COMPRESSION_FILE
     from decodekit.models.families import FAMILIES
-    from decodekit.models.native import NativeConfig
+    from decodekit.models.native_config import NativeConfig
     from decodekit.optional import require
 
     gguf = require("gguf", "gguf", "writing GGUF files")

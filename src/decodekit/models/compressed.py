@@ -109,7 +109,8 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 def load_compressed_dir(path: str | Path, name: str | None = None) -> Any:
     """The NativeLM stored in a directory written by `save_compressed_dir`."""
     from decodekit.models.checkpoint import eos_token_ids, load_tokenizer, read_config
-    from decodekit.models.native import LlamaNet, NativeConfig, NativeLM, transpose_weight_layout
+    from decodekit.models.native import LlamaNet, NativeLM, transpose_weight_layout
+    from decodekit.models.native_config import NativeConfig
 
     path = Path(path)
     marker = read_marker(path)

@@ -42,7 +42,8 @@ def attention_shape(config: dict[str, Any]) -> dict[str, int]:
     """Layers, KV heads, head size and context of a config.json (NativeLM's reading where it
     supports the architecture: RoPE scaling stretches the context); another decoder's names
     through transformers' attribute map of its model_type (GPT-2's n_head, n_layer, n_embd)."""
-    from decodekit.models.native import NativeConfig, NativeLM
+    from decodekit.models.native import NativeLM
+    from decodekit.models.native_config import NativeConfig
 
     if NativeLM.supports(config):
         c = NativeConfig.from_dict(config)

@@ -43,7 +43,8 @@ from torch import nn
 
 from decodekit.models.families import FAMILIES
 from decodekit.models.gguf_tensors import FLOAT_TYPES, INTEGER_TYPES, Quantized, decode, unpermute_rope_rows
-from decodekit.models.native import LlamaNet, NativeConfig, NativeLM, transpose_weight_layout
+from decodekit.models.native import LlamaNet, NativeLM, transpose_weight_layout
+from decodekit.models.native_config import NativeConfig
 from decodekit.models.qlinear import QuantizedEmbedding, QuantizedLinear
 
 MAGIC = b"GGUF"

@@ -32,7 +32,6 @@ decodekit.bench.batch_invariant` (docs/ARCHITECTURE.md quotes a run).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,135 +43,10 @@ from decodekit.models import kernels
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.contiguous_kv import ContiguousKVCache, attention_mask
-from decodekit.models.families import FAMILIES
 from decodekit.models.half_linear import GEMV_DTYPES, one_row_gemv, widened_linear
+from decodekit.models.native_config import NativeConfig, unsupported_reason
 from decodekit.models.qlinear import prefill_dtype
-from decodekit.models.rope import ROPE_TYPES, RopeConfig, RotaryTables, apply_rope, rope_config
-from decodekit.models.rope import rope_parameters as read_rope_parameters
-
-
-def unsupported_reason(config: dict[str, Any]) -> str | None:
-    """Why NativeLM cannot run this config.json, or None if it can."""
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        return f"model_type must be one of {sorted(FAMILIES)}, got {model_type!r}"
-    classes = sorted({family.architecture for family in FAMILIES.values()})
-    unknown = [a for a in config.get("architectures") or [] if a not in classes]
-    if unknown:
-        return f"architectures must be among {classes}, got {unknown}"
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act must be 'silu', got {config.get('hidden_act')!r}"
-    rope = read_rope_parameters(config)
-    if rope["rope_type"] not in ROPE_TYPES:
-        return f"rope_type must be one of {ROPE_TYPES}, got {rope['rope_type']!r}"
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        return f"partial_rotary_factor must be 1.0, got {partial}"
-    if config.get("quantization_config"):
-        return "pre-quantised checkpoints (quantization_config) are not supported"
-    return None
-
-
-@dataclass(frozen=True)
-class NativeConfig:
-    """The fields of a config.json that the forward uses."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_positions: int
-    rope: RopeConfig
-    qkv_bias: bool = False
-    output_bias: bool = False  # o_proj
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3
-    tie_word_embeddings: bool = False
-    # Each layer's sliding window (None: full attention); () when no layer slides.
-    layer_windows: tuple[int | None, ...] = ()
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
-            )
-        if self.layer_windows and len(self.layer_windows) != self.num_layers:
-            raise ValueError(
-                f"layer_windows must have one entry per layer ({self.num_layers}), "
-                f"got {len(self.layer_windows)}"
-            )
-        bad = [w for w in self.layer_windows if w is not None and w < 1]
-        if bad:
-            raise ValueError(f"sliding_window must be >= 1, got {bad[0]}")
-
-    @property
-    def context_length(self) -> int:
-        """Positions the model can encode: max_position_embeddings, stretched by linear or
-        dynamic RoPE scaling (for these, transformers' docs say not to raise
-        max_position_embeddings to the new length; llama3 configs already state it)."""
-        if self.rope.kind in ("linear", "dynamic"):
-            return int(self.max_positions * max(self.rope.factor, 1.0))
-        return self.max_positions
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any], tie_default: bool = False) -> NativeConfig:
-        """Parse a config.json dict; `tie_default` applies when it has no tie_word_embeddings."""
-        reason = unsupported_reason(config)
-        if reason is not None:
-            raise ValueError(f"NativeLM cannot load this model: {reason}")
-        model_type = config["model_type"]
-        family = FAMILIES[model_type]
-        heads = int(config["num_attention_heads"])
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        # Which projections carry a bias differs by family (transformers modeling_*.py).
-        attention_bias = bool(config.get("attention_bias", False))
-        qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
-        output_bias = attention_bias and family.output_bias
-        return cls(
-            model_type=model_type,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_positions=int(config.get("max_position_embeddings", 2048)),
-            rope=rope_config(config, int(head_dim)),
-            qkv_bias=qkv_bias,
-            output_bias=output_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=family.qk_norm,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
-            layer_windows=_layer_windows(config, int(config["num_hidden_layers"])),
-        )
-
-
-def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window, as transformers' modeling_{mistral,qwen2,qwen3}.py."""
-    window = config.get("sliding_window")
-    sliding = FAMILIES[config["model_type"]].sliding
-    if window is None or sliding == "never":
-        return ()
-    layer_types = config.get("layer_types")
-    if layer_types is None and sliding == "use_sliding_window":
-        if not config.get("use_sliding_window", False):
-            return ()
-        first = int(config.get("max_window_layers", 28))
-        layer_types = ["sliding_attention" if i >= first else "full_attention"
-                       for i in range(num_layers)]  # fmt: skip
-    if layer_types is None:
-        return (int(window),) * num_layers  # sliding "every" (Mistral)
-    if "sliding_attention" not in layer_types:
-        return ()
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+from decodekit.models.rope import RotaryTables, apply_rope
 
 
 def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
