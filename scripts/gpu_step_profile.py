@@ -67,7 +67,7 @@ def profile_rows(model, rows: int, steps: int, top: int, fused: bool = True) -> 
         prompts = prompts_from_text(model, rows, CONCURRENT["prompt_lengths"])
     temperature = 0 if rows == 1 else 1  # one greedy row; many sampled ones
     params = dk.SamplingParams(max_new_tokens=2 * steps + 8, seed=0, ignore_eos=True, temperature=temperature)
-    engine = Engine(model, engine_config(None if cuda else False))
+    engine = Engine(model, engine_config(None if cuda else False, model))
     if cuda:  # the graphed step's attention form (engine/cuda_graphs.py)
         engine.compiled.lanes = engine.lanes = GraphedLanes(model, fused_attention=fused)
     for prompt in prompts:

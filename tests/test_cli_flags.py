@@ -236,6 +236,8 @@ ROWS = [
     # on a GPU the engine's CUDA graphs are bench engine's default (compile None); --eager: False
     ("bench --eager", ["bench", "engine", "--device", "cuda", "--eager"], "bench_engine", "compile", False),
     ("bench --gguf", ["bench", "packed", "--gguf", "m.gguf"], "bench_gguf", "files", ["m.gguf"]),
+    ("bench --gguf --compile", ["bench", "packed", "--gguf", "m.gguf", "--compile"], "bench_gguf", "compile",
+     True),
     ("bench --clients", ["bench", "server", "--clients", "2,4"], "bench_server", "levels", [2, 4]),
     ("bench --concurrent", ["bench", "speculative", "--concurrent", "3"], "bench_concurrent", "concurrent",
      3),
@@ -344,6 +346,7 @@ ROWS = [
     ("serve --device", ["serve", "--device", "cpu"], "load_served", "device", "cpu"),
     ("serve --api-key", ["serve", "--api-key", "k"], "Backend", "config.api_key", "k"),
     ("serve --max-body-mb", ["serve", "--max-body-mb", "1"], "Backend", "config.max_body_bytes", 2**20),
+    ("serve --kv-gib", ["serve", "--kv-gib", "0.5"], "Backend", "config.kv_bytes", 2**29),
     ("serve --allowed-hosts", ["serve", "--allowed-hosts", "a,b"], "Backend", "config.allowed_hosts", ("a",
      "b")),
     ("serve --cors-origin", ["serve", "--cors-origin", "http://x"], "Backend", "config.cors_origins",

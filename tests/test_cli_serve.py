@@ -26,6 +26,14 @@ def test_a_bad_port_exits_nonzero_with_one_line(capsys, port):
     assert f"must be a port number in 1-65535 (0: any free port), got {port!r}" in err
 
 
+@pytest.mark.parametrize("gib", ["0", "-2", "nan"])
+def test_a_bad_kv_bound_exits_nonzero_with_one_line(capsys, gib):
+    code = main(["serve", "--kv-gib", gib])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "--kv-gib must be a number of GiB > 0, got" in err
+
+
 def test_port_0_serves_on_the_printed_port_under_the_full_path_too(tiny_llama_dir):
     """The served directory answers by its name and by its full path (/v1/models and completions);
     the start-up log names both and the port uvicorn picked."""

@@ -206,6 +206,21 @@ def test_engine_config_is_validated():
     assert EngineConfig(num_blocks=7).num_blocks_for(10**9) == 7
 
 
+def test_an_unset_kv_bound_is_the_devices(monkeypatch):
+    """256 MiB on the CPU; on a GPU 40 % of its free memory when the pool is built (never below
+    the CPU's), so a server on a large GPU is not held to a laptop's cache; a set bound wins."""
+    from decodekit.engine import config as config_module
+
+    assert EngineConfig().kv_bytes_for("cpu") == 256 * 2**20
+    assert EngineConfig().num_blocks_for(2**20, "cpu") == 256
+    free = {"bytes": 100 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 141 * 2**30))
+    assert EngineConfig().kv_bytes_for("cuda") == int(config_module.GPU_KV_SHARE * 100 * 2**30) == 40 * 2**30
+    free["bytes"] = 2**20  # a nearly full GPU: the CPU's bound
+    assert EngineConfig().kv_bytes_for(torch.device("cuda", 0)) == 256 * 2**20
+    assert EngineConfig(max_kv_bytes=5 * 2**20).kv_bytes_for("cuda") == 5 * 2**20
+
+
 def test_reference_count_guards_raise_even_under_python_O(sharp_lm):
     """Guards of the KV's owners are raises (python -O strips asserts): a block released
     twice, handed out while referenced, or shared unreferenced without a prefix cache; a

@@ -77,8 +77,9 @@ def repack_for(path: Path, config: Any) -> str | None:
 
 
 def bench_gguf(files: list[str], new_tokens: int = 32, repeats: int = 3, prefill_tokens: int = 400,
-               threads: int = 1, peer: str | None = None) -> dict:  # fmt: skip
-    """The report of the module docstring, as a JSON-able dict."""
+               threads: int = 1, peer: str | None = None, compile: bool = False) -> dict:  # fmt: skip
+    """The report of the module docstring, as a JSON-able dict; `compile`: decodekit decodes
+    with the engine's compiled step (compiled in the warm-up round), as `bench packed --compile`."""
     from decodekit.bench.decode import machine
     from decodekit.compress.evaluate import TEST_TEXT
     from decodekit.models.qlinear import kernel_counts
@@ -94,7 +95,7 @@ def bench_gguf(files: list[str], new_tokens: int = 32, repeats: int = 3, prefill
         models = {name: load_model(str(path)) for name, path in paths.items()}
         first = next(iter(models.values()))
         ids = first.encode(TEST_TEXT.read_text())[:prefill_tokens]
-        timers = decode_timers(models, new_tokens, torch.tensor([ids]))
+        timers = decode_timers(models, new_tokens, torch.tensor([ids]), compile)
         rows = [{"file": name, "bytes": paths[name].stat().st_size, "kernels": kernel_counts(m.net),
                  "dtype": str(m.dtype).removeprefix("torch.")} for name, m in models.items()]  # fmt: skip
         with ExitStack() as stack:
@@ -129,6 +130,7 @@ def bench_gguf(files: list[str], new_tokens: int = 32, repeats: int = 3, prefill
     finally:
         torch.set_num_threads(previous)
     report = {"files": rows, "new_tokens": new_tokens, "prefill_tokens": len(ids), "repeats": repeats,
+              "compile": compile,
               "threads": threads, "clock": "wall" if wall else "process CPU time", "machine": machine()}
     if peer and found is None:
         report["peer"] = {peer: {"available": False, "reason": llamacpp.ABSENT}}

@@ -284,7 +284,8 @@ def run_bench(args) -> None:
         for path in args.gguf:
             if read_file("--gguf", path, head=4) != b"GGUF":
                 raise UsageError(f"--gguf {path}: not a GGUF file (it does not start with 'GGUF')")
-        result = bench_gguf(args.gguf, args.new_tokens, args.repeats, threads=threads or 1, peer=args.peer)
+        result = bench_gguf(args.gguf, args.new_tokens, args.repeats, threads=threads or 1, peer=args.peer,
+                            compile=args.compile)
     elif args.which == "packed":
         from decodekit.bench.packed import bench_packed
 

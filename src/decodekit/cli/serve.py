@@ -37,6 +37,9 @@ def add_serve(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=2048, help="bound on a request's max_tokens")
     p.add_argument("--max-n", type=int, default=64, help="bound on a request's n, best_of and num_beams")
     p.add_argument("--max-queued", type=int, default=256, help="queued requests per model before 503")
+    p.add_argument("--kv-gib", type=float, default=None, metavar="GIB",
+                   help="each model's KV cache bound in GiB (default: 0.25 on the CPU, 40%% of a GPU's "
+                   "free memory)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before 504")
     p.add_argument("--reward-model", action="append", default=[], help="scorer requests may name")
     add_dtype(p)
@@ -99,8 +102,12 @@ def run_serve(args) -> None:
     require("uvicorn", "server", "the server")
     if not 0 < args.max_body_mb < 2**30:
         raise ValueError(f"--max-body-mb must be a number of megabytes > 0, got {args.max_body_mb}")
+    if args.kv_gib is not None and not 0 < args.kv_gib < 2**20:
+        raise ValueError(f"--kv-gib must be a number of GiB > 0, got {args.kv_gib}")
+    kv_bytes = None if args.kv_gib is None else max(int(args.kv_gib * 2**30), 1)
     hosts = tuple(name.strip() for names in args.allowed_hosts for name in names.split(",") if name.strip())
     config = ServerConfig(max_tokens=args.max_tokens, max_n=args.max_n, max_queued=args.max_queued,
+                          kv_bytes=kv_bytes,
                           request_timeout=args.timeout, reward_models=tuple(args.reward_model),
                           api_key=args.api_key or os.environ.get("DECODEKIT_API_KEY") or None,
                           max_body_bytes=max(int(args.max_body_mb * 2**20), 1), allowed_hosts=hosts,

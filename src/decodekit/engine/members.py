@@ -142,7 +142,7 @@ def new_pool(model, config: EngineConfig) -> BlockPool:
     bytes_per_block = block_bytes(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
     return BlockPool(
         c.num_layers,
-        config.num_blocks_for(bytes_per_block),
+        config.num_blocks_for(bytes_per_block, model.device),
         config.block_size,
         c.num_kv_heads,
         c.head_dim,

@@ -43,8 +43,9 @@ class ServerConfig:
     max_n: the most samples per prompt (n, best_of, num_beams above it: 400).
     max_queued: requests queued per model before 503. request_timeout: seconds a request
     may take (then 504, or an error event in a stream). max_running: sequences an engine
-    decodes per step. kv_bytes: each engine's KV memory. reward_models: scorers a request
-    may name (`scorer`), loaded on first use. Access (server/guard.py): api_key (None: no
+    decodes per step. kv_bytes: each engine's KV memory bound (None: the device's, 256 MiB on
+    the CPU and 40 % of a GPU's free memory: engine/config.py `kv_bytes_for`). reward_models:
+    scorers a request may name (`scorer`), loaded on first use. Access (server/guard.py): api_key (None: no
     key), max_body_bytes (larger bodies: 413), allowed_hosts (`Host` names accepted besides
     the loopback ones; "*": any), cors_origins (browser origins allowed; none by default).
     What real clients send (as vLLM takes it): a body key the server does not know is ignored,
@@ -61,7 +62,7 @@ class ServerConfig:
     max_queued: int = 256
     request_timeout: float = 600.0
     max_running: int = 64
-    kv_bytes: int = 256 * 2**20
+    kv_bytes: int | None = None
     retry_after: int = 1
     reward_models: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)
@@ -76,6 +77,8 @@ class ServerConfig:
         for name in ("max_tokens", "max_n", "max_queued", "max_running", "kv_bytes", "retry_after",
                      "max_body_bytes"):
             value = getattr(self, name)
+            if name == "kv_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         timeout = self.request_timeout
