@@ -236,7 +236,7 @@ ROWS = [
     # on a GPU the engine's CUDA graphs are bench engine's default (compile None); --eager: False
     ("bench --eager", ["bench", "engine", "--device", "cuda", "--eager"], "bench_engine", "compile", False),
     ("bench --gguf", ["bench", "packed", "--gguf", "m.gguf"], "bench_gguf", "files", ["m.gguf"]),
-    ("bench --gguf --compile", ["bench", "packed", "--gguf", "m.gguf", "--compile"], "bench_gguf", "compile",
+    ("bench --compile", ["bench", "packed", "--gguf", "m.gguf", "--compile"], "bench_gguf", "compile",
      True),
     ("bench --clients", ["bench", "server", "--clients", "2,4"], "bench_server", "levels", [2, 4]),
     ("bench --concurrent", ["bench", "speculative", "--concurrent", "3"], "bench_concurrent", "concurrent",
