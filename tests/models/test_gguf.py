@@ -16,6 +16,7 @@ gguf = pytest.importorskip("gguf")
 
 import decodekit as dk  # noqa: E402
 from decodekit.compress.gguf import write_gguf  # noqa: E402
+from decodekit.models import kernels  # noqa: E402
 from decodekit.models.gguf_model import ConcatLinear, read_gguf  # noqa: E402
 from decodekit.models.gguf_tensors import decode  # noqa: E402
 from decodekit.models.qlinear import QuantizedLinear, set_kernels  # noqa: E402
@@ -253,11 +254,14 @@ def test_half_and_quantised_ggufs_load_onto_their_kernels(tensor_type, shakespea
     assert model.dtype == (torch.bfloat16 if tensor_type == "bf16" and model.dtype != torch.float32
                            else torch.float32)  # fmt: skip
     qkv = model.net.layers[0].self_attn.qkv_proj
+    half = torch.float16 if kernels.available() else torch.float32
     if tensor_type in ("q8_0", "q4_0"):
         assert isinstance(qkv, QuantizedLinear) and qkv.spec.group_size == 32
         assert qkv.spec.bits == (8 if tensor_type == "q8_0" else 4)
-        # 688 inputs are not a multiple of 32: stored as f16 (as llama.cpp falls back), loaded as float.
-        assert type(model.net.layers[0].mlp.down_proj) is nn.Linear
+        # 688 inputs are not a multiple of 32: stored as f16 (as llama.cpp falls back), loaded as a
+        # float layer keeping the file's f16 weight (registry.py `half_weights_dtype`)
+        down = model.net.layers[0].mlp.down_proj
+        assert isinstance(down, nn.Linear) and down.weight.dtype == half
         # the tied embedding's grid is the output head (the file's codes), and the lookup reads its
         # rows from them: the values a float copy of the file's embedding held, and no such copy
         head = model.net.lm_head
@@ -267,6 +271,9 @@ def test_half_and_quantised_ggufs_load_onto_their_kernels(tensor_type, shakespea
         assert not any(p.shape[0] == model.vocab_size for p in model.net.parameters())
     else:
         assert model.net.lm_head.weight is model.net.embed_tokens.weight  # tied: one tensor
+        if model.dtype == torch.float32:  # a half file run in float32 keeps its matrices as stored
+            stored = torch.float16 if tensor_type == "f16" else torch.bfloat16
+            assert qkv.weight.dtype == (stored if kernels.available() else torch.float32)
     tokens = torch.tensor([shakespeare.encode("ROMEO:\nBut soft, what light")])
     ours = torch.log_softmax(model.forward(tokens, model.new_cache(1)), -1)
     theirs = torch.log_softmax(shakespeare.forward(tokens, shakespeare.new_cache(1)), -1)

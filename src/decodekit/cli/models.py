@@ -47,5 +47,6 @@ def run_models(args) -> None:
     print(
         f"\n--dtype auto on this CPU: a bfloat16 checkpoint loads as {report['bfloat16_checkpoint']} "
         f"(bfloat16 decodes at {ratio['decode']}x float32, prefills at {ratio['prefill']}x; "
-        "decodekit models --dtype-report)"
+        "decodekit models --dtype-report); a half checkpoint run in float32 keeps its linear "
+        f"weights {report['half_checkpoint_weights']}"
     )

@@ -141,7 +141,7 @@ def quantize_head(model: nn.Module, bits: int, name: str = "lm_head") -> None:
     read in float32 on a Zen 4, 5.6 ms in int8); a tied embedding keeps its float weights for
     the lookup, which reads one row a token."""
     head = model.get_submodule(name)
-    if type(head) is not nn.Linear:
+    if not isinstance(head, nn.Linear):
         raise ValueError(f"the output head {name!r} is a {type(head).__name__}, not a float Linear")
     replace_module(model, name, QuantizedLinear.from_linear(head, QuantSpec(bits)))
 

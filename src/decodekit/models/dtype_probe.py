@@ -230,8 +230,12 @@ def dtype_report() -> dict[str, Any]:
     timings = found["timings"]
     ratio = {stage: round(timings[f"{stage}_float32"] / timings[f"{stage}_bfloat16"], 2)
              for stage in ("decode", "prefill") if f"{stage}_bfloat16" in timings}  # fmt: skip
+    from decodekit.models import kernels
+
     return {"bfloat16_checkpoint": str(found["dtype"]).removeprefix("torch."),
             "float16_checkpoint": "float32", "float32_checkpoint": "float32",
+            # a half checkpoint run in float32: its linear weights (registry.py `half_weights_dtype`)
+            "half_checkpoint_weights": "as stored" if kernels.available() else "float32",
             "bf16_speed_vs_float32": ratio, "rule": f"bfloat16 kept where its decode is >= "
             f"{BF16_KEEP_AT}x float32's (one thread, Qwen2.5-0.5B's MLP)",
             "bf16_flags": found["key"]["cpu"]["bf16_flags"], "timings_s": timings,

@@ -12,14 +12,16 @@ embeddings are a file without `output.weight`; q/k/v and o biases are tensors pr
 The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
 
 Tensors (gguf_tensors.py): f32/f16/bf16 become the model's dtype, copied once from the file's
-mapping into the layout the forward reads (`float_weight`); q8_0, q5_0, Q6_K, q4_0, Q4_K,
-q4_1 and q5_1 matrices become `QuantizedLinear` layers holding the blocks' integer codes and
-scales (and zero points where the type has minimums), so their packed kernels run the file's
-own numbers; other block types and quantised embeddings are dequantised once, at load. A tied
-embedding on one of those grids is also the output head on it (a real vocabulary's head is
-the largest matrix of a small model: Qwen2.5's 151,936 x 896 read in float32 took 40 ms a token
-on a Zen 4, on its q8_0 grid 5.6 ms), and the lookup dequantises the rows it reads from the
-same codes (`QuantizedEmbedding`), so no float copy of the vocabulary is held.
+mapping into the layout the forward reads (`float_weight`; a file whose matrices are f16 or bf16
+runs in float32 on the CPU with them kept as stored, registry.py `half_weights_dtype`); q8_0,
+q5_0, Q6_K, q4_0, Q4_K, q4_1 and q5_1 matrices become `QuantizedLinear` layers holding the
+blocks' integer codes and scales (and zero points where the type has minimums), so their packed
+kernels run the file's own numbers; other block types and quantised embeddings are
+dequantised once, at load. A tied embedding on one of those grids is also the output head on
+it (a real vocabulary's head is the largest matrix of a small model: Qwen2.5's 151,936 x 896
+read in float32 took 40 ms a token on a Zen 4, on its q8_0 grid 5.6 ms), and the lookup
+dequantises the rows it reads from the same codes (`QuantizedEmbedding`), so no float copy of
+the vocabulary is held.
 Where the parts of a fused layer (q/k/v, gate/up) are stored on different grids (Q4_K_M
 keeps attn_v in Q6_K beside Q4_K q and k) the layer is a `ConcatLinear` of the parts, so no
 part loses its grid.
@@ -314,7 +316,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
     """The NativeLM of a GGUF file (module docstring); `dtype` as `load_model`'s, "auto"
     starting from the file's float type (`stored_dtype`)."""
     from decodekit.models.gguf_tokenizer import build_tokenizer, eos_token_ids
-    from decodekit.models.registry import resolve_dtype
+    from decodekit.models.half_linear import keep_half_weights
+    from decodekit.models.registry import half_weights_dtype, resolve_dtype
 
     path = Path(path)
     where = str(path)
@@ -328,6 +331,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
         raise ValueError(f"{where}: {error}") from None
     tokenizer, eos = build_tokenizer(meta, where), eos_token_ids(meta)
     torch_dtype = resolve_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
+    half = half_weights_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
+    if any(t.tensor_type.name == "F32" for t in tensors.values() if len(t.shape) == 2):
+        half = None  # a float32 matrix beside the half ones: rounding it to half would change it
     files = _Tensors(tensors, where, parsed, meta["general.architecture"])
     net = _build_net(files, parsed, torch_dtype)
     unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight"})
@@ -335,6 +341,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
         raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
                          "NativeLM has no place for it")  # fmt: skip
     transpose_weight_layout(net)
+    if half is not None:  # the file's f16 / bf16 matrices kept as stored (half_linear.py)
+        keep_half_weights(net, half)
     del meta, tensors, files  # the last references to the file's mapping
     release_freed_memory()
     model_name = name or str(meta_name or path.stem)

@@ -1,7 +1,16 @@
 """Half-precision (bfloat16, float16) linear layers on CPU paths PyTorch serves slowly, for
 models/native.py's `_linear`: one row as a matrix-vector product (where decodekit's kernels
 are not built) and many rows of bfloat16 through a float32 GEMM (where the CPU has no native
-bfloat16 product)."""
+bfloat16 product).
+
+Half weights in a float32 model (`keep_half_weights`): a checkpoint stored in bfloat16 or
+float16 that runs in float32 on the CPU (registry.py `resolve_dtype`: float16 always, bfloat16
+where this CPU's bfloat16 arithmetic is slow) keeps its linear layers' weights as stored, and
+everything else (activations, norms, the KV cache, a tied embedding and output head) in
+float32. Widening a half value is exact, so the products are the float32 model's; the weights
+take half the memory, and decodekit's kernels read them as they are (a decode step streams half
+the bytes); past the kernels' rows, `widened_linear`. llama.cpp keeps a GGUF's f16 and bf16
+weights as stored too (and rounds the activations to them; here they stay float32)."""
 
 from __future__ import annotations
 
@@ -37,8 +46,51 @@ def widened_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight widened to float32 (exact) into this thread's scratch buffer and one float32 GEMM
     of the widened x, rounded back to bfloat16. PyTorch's bfloat16 GEMM emulates the product
     there: on the Zen 3 at 896 -> 4864, 9 / 16 / 64 / 200 rows ran at 1.3x / 2.1x / 4.4x / 6.1x
-    its speed this way (BENCHMARKS.md, 2026-11-28). Products exact, float32 sums, as it has."""
+    its speed this way (BENCHMARKS.md, 2026-11-28). Products exact, float32 sums, as it has.
+    Also a float32 model's half weights (`keep_half_weights`) wherever the kernels do not run:
+    off the CPU, or where autograd needs the weight, a widened copy instead of the scratch."""
     weight = layer.weight
-    wide = kernels.scratch(*weight.shape, torch.float32).copy_(weight)
+    if weight.is_cpu and kernels.no_grad_needed(weight, x):
+        wide = kernels.scratch(*weight.shape, torch.float32).copy_(weight)
+    else:
+        wide = weight.float()
     bias = None if layer.bias is None else layer.bias.float()
     return F.linear(x.float(), wide, bias).to(x.dtype)
+
+
+class HalfWeightLinear(nn.Linear):
+    """An nn.Linear of a float32 model whose weight is kept in bfloat16 or float16
+    (`keep_half_weights`). models/native.py's `_linear` runs it as a plain Linear (the kernels
+    read the half weight as it is; past their rows `widened_linear`); called itself (a layer
+    with hooks: compress's calibration) it widens its weight for the call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+# The layers `_linear` runs as plain Linears (their own forward is not needed).
+PLAIN_LINEARS = (nn.Linear, HalfWeightLinear)
+
+
+def keep_half_weights(net: nn.Module, dtype: torch.dtype) -> int:
+    """Store the linear layers' weights of a float32 `net` in `dtype` (bfloat16 or float16),
+    row-major, as `HalfWeightLinear`s, their biases and every other tensor left in float32
+    (module docstring); a weight shared with an embedding (a tied output head) stays float32, as
+    the lookup's rows are the activations. The values must be `dtype`'s (a checkpoint stored in
+    it): they are rounded to it. Returns the layers converted."""
+    if dtype not in GEMV_DTYPES:
+        raise ValueError(f"half weights must be bfloat16 or float16, got {dtype}")
+    shared = {id(m.weight) for m in net.modules() if isinstance(m, nn.Embedding)}
+    found = [(name, module) for name, module in net.named_modules()
+             if type(module) is nn.Linear and module.weight.dtype == torch.float32
+             and id(module.weight) not in shared]  # fmt: skip
+    for name, module in found:
+        with torch.device("meta"):
+            half = HalfWeightLinear(module.in_features, module.out_features, bias=module.bias is not None)
+        weight = module.weight
+        half.weight = nn.Parameter(weight.detach().to(dtype).contiguous(), requires_grad=weight.requires_grad)
+        half.bias = module.bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(net.get_submodule(parent_name) if parent_name else net, child, half)
+    return len(found)

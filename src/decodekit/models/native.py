@@ -43,7 +43,7 @@ from decodekit.models import kernels
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.contiguous_kv import ContiguousKVCache, attention_mask
-from decodekit.models.half_linear import GEMV_DTYPES, one_row_gemv, widened_linear
+from decodekit.models.half_linear import GEMV_DTYPES, PLAIN_LINEARS, one_row_gemv, widened_linear
 from decodekit.models.native_config import NativeConfig, unsupported_reason
 from decodekit.models.qlinear import prefill_dtype
 from decodekit.models.rope import RotaryTables, apply_rope
@@ -61,8 +61,8 @@ def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     (compress/'s quantised ones) is called once per token.
     """
     rows = x.reshape(-1, x.shape[-1])  # [N, in]
-    if type(layer) is nn.Linear:
-        weight = layer.weight.t()  # [in, out]
+    if type(layer) in PLAIN_LINEARS:
+        weight = layer.weight.t().to(rows.dtype)  # [in, out]; half weights of a float32 model widened
         out = torch.bmm(rows[:, None], weight.expand(rows.shape[0], *weight.shape))[:, 0]
         if layer.bias is not None:
             out = out + layer.bias
@@ -77,14 +77,18 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     # Anything but a plain Linear (QuantizedLinear, ConcatLinear: their own forward), or a layer
     # with hooks (compress's calibration), is called; a decode step makes ~100 such calls, so
     # this test comes first and costs two lookups.
-    if type(layer) is not nn.Linear or layer._forward_pre_hooks or layer._forward_hooks:
+    if type(layer) not in PLAIN_LINEARS or layer._forward_pre_hooks or layer._forward_hooks:
         return layer(x)
     weight = layer.weight
-    if (weight.is_cpu and x.dtype == weight.dtype
+    # x float32 over half weights: a float32 model keeping its checkpoint's half weights
+    # (half_linear.py `keep_half_weights`), which the kernels read as they are
+    if (weight.is_cpu and (x.dtype == weight.dtype or x.dtype == torch.float32)
             and weight.dtype in kernels.FLOAT_DTYPES
             and x.numel() <= kernels.max_rows(weight.dtype) * x.shape[-1]
             and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
         return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV / GEMM (models/kernels.py)
+    if x.dtype != weight.dtype:  # half weights, float32 x: one float32 GEMM over the weight widened
+        return widened_linear(layer, x)
     if (x.numel() == x.shape[-1] and weight.dtype in GEMV_DTYPES
             and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
         return one_row_gemv(layer, x)

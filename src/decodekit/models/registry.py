@@ -61,7 +61,8 @@ def resolve_dtype(
     float32 through decodekit's own linear path: on AMX machines (1.5x); on an AMD Zen 5
     with AVX-512-BF16 but no AMX with decodekit's GEMV kernels (1.4x), not on PyTorch's path
     alone (0.72-0.76x). `dtype_probe.dtype_report()` (and `decodekit models`) shows the
-    verdict and its timings.
+    verdict and its timings. Where a half checkpoint runs in float32 this way, its linear
+    weights stay as stored (`half_weights_dtype`).
     """
     if isinstance(dtype, str) and dtype == "auto":
         stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
@@ -79,6 +80,24 @@ def resolve_dtype(
         return DTYPES[dtype]
     names = ", ".join(repr(n) for n in ("auto", *DTYPES))
     raise ValueError(f"dtype must be one of {names} (or the torch dtype), got {dtype!r}")
+
+
+def half_weights_dtype(
+    dtype: str | torch.dtype, config: dict | None = None, device: str | torch.device = "cpu"
+) -> torch.dtype | None:
+    """Where "auto" runs a bfloat16 or float16 checkpoint in float32 on the CPU (`resolve_dtype`)
+    and decodekit's kernels are built: the dtype its linear layers' weights keep, as stored
+    (half_linear.py `keep_half_weights`: the float32 model's products, half its weight bytes, a
+    decode step streaming half as much); else None. An explicit "float32" widens every weight."""
+    if not (isinstance(dtype, str) and dtype == "auto") or torch.device(device).type != "cpu":
+        return None
+    stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
+    half = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+    if half not in (torch.bfloat16, torch.float16) or resolve_dtype(dtype, config, device) != torch.float32:
+        return None
+    from decodekit.models import kernels
+
+    return half if kernels.available() else None
 
 
 @cache
@@ -197,7 +216,13 @@ def load_model(
         except ImportError:
             NativeLM = None
         if NativeLM is not None and NativeLM.supports(config):
-            return NativeLM.from_pretrained(path, dtype=torch_dtype, name=name, device=torch_device)
+            model = NativeLM.from_pretrained(path, dtype=torch_dtype, name=name, device=torch_device)
+            half = half_weights_dtype(dtype, config, torch_device)
+            if half is not None:
+                from decodekit.models.half_linear import keep_half_weights
+
+                keep_half_weights(model.net, half)
+            return model
         if backend == "native":
             raise ValueError(
                 f"model {name!r} (model_type {config.get('model_type')!r}) is not supported by the "
