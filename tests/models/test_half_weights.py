@@ -93,3 +93,19 @@ def test_only_half_dtypes_are_kept(checkpoints):
     wide, _ = pair(checkpoints, torch.bfloat16, False)
     with pytest.raises(ValueError, match="half weights must be bfloat16 or float16, got torch.float32"):
         keep_half_weights(wide.net, torch.float32)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="half weights are kept only where the kernels read them")
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_memory_plan_counts_the_half_weights_it_keeps(checkpoints, tied):
+    """`decodekit plan` (models/footprint.py) sizes a float16 checkpoint's weights as they load
+    under "auto": the linear layers' float16, the rest float32."""
+    from decodekit.models.footprint import plan_memory
+
+    path = checkpoints[("float16", tied)]
+    model = dk.load_model(path)
+    held = sum(t.nbytes for t in model.net.state_dict().values() if t.is_floating_point())
+    held -= model.net.lm_head.weight.nbytes if tied else 0  # the state dict lists a tied weight twice
+    assert plan_memory(str(path), context=16)["weight_bytes"] == held
+    wide = plan_memory(str(path), context=16, dtype="float32")["weight_bytes"]
+    assert wide == sum(t.nbytes for t in dk.load_model(path, dtype="float32").net.parameters()) > held

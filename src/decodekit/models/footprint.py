@@ -80,8 +80,9 @@ def attribute_map(model_type: str | None) -> dict[str, str]:
         return {}
 
 
-def stored_tensors(path: Path) -> list[tuple[str, int]]:
-    """(safetensors dtype, element count) of every tensor of the directory's weights, headers only."""
+def stored_tensors(path: Path, names: bool = False) -> list[tuple]:
+    """(safetensors dtype, element count) of every tensor of the directory's weights, headers
+    only; `names`: (name, dtype, element count)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -99,8 +100,14 @@ def stored_tensors(path: Path) -> list[tuple[str, int]]:
                 count = 1
                 for size in piece.get_shape():
                     count *= size
-                tensors.append((piece.get_dtype(), count))
+                tensors.append((key, piece.get_dtype(), count) if names else (piece.get_dtype(), count))
     return tensors
+
+
+def is_linear_weight(name: str) -> bool:
+    """A checkpoint's linear layer weight (NativeLM's q/k/v/o, gate/up/down and output head):
+    what half weights keep in their stored type (half_linear.py `keep_half_weights`)."""
+    return name.endswith("_proj.weight") or name.endswith("lm_head.weight")
 
 
 def available_memory() -> tuple[int | None, str]:
@@ -128,13 +135,19 @@ def gguf_weights(path: Path, dtype: str) -> tuple[dict[str, Any], str, int, int 
     as integer codes of about their bytes in the file (int4 layers also hold the kernel's copy
     of theirs: models/gguf_model.py); a file with block types has no float parameter count."""
     from decodekit.models.gguf_model import gguf_config, read_gguf, stored_dtype
-    from decodekit.models.registry import resolve_dtype
+    from decodekit.models.registry import half_weights_dtype, resolve_dtype
 
     meta, tensors = read_gguf(path)
     weights_dtype = str(resolve_dtype(dtype, {"dtype": stored_dtype(tensors)})).removeprefix("torch.")
     floats = [int(t.n_elements) for t in tensors.values() if t.tensor_type.name in ("F32", "F16", "BF16")]
     blocks = [int(t.n_bytes) for t in tensors.values() if t.tensor_type.name not in ("F32", "F16", "BF16")]
     weight_bytes = sum(floats) * DTYPE_BYTES[weights_dtype] + sum(blocks)
+    if half_weights_dtype(dtype, {"dtype": stored_dtype(tensors)}) is not None and not any(
+            t.tensor_type.name == "F32" for t in tensors.values() if len(t.shape) == 2):  # fmt: skip
+        # the f16 / bf16 matrices but the embedding stay as stored (gguf_model.py `load_gguf`)
+        kept = sum(int(t.n_elements) for name, t in tensors.items() if len(t.shape) == 2
+                   and name != "token_embd.weight" and t.tensor_type.name in ("F16", "BF16"))  # fmt: skip
+        weight_bytes -= kept * (DTYPE_BYTES[weights_dtype] - 2)
     return gguf_config(meta, tensors, str(path)), weights_dtype, weight_bytes, None if blocks else sum(floats)
 
 
@@ -143,7 +156,7 @@ def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: 
     """Weight and KV-cache bytes of serving `batch_size` sequences of `context` positions, and
     whether they fit in the memory available now. kv_dtype "auto": the weights' dtype."""
     from decodekit.models.checkpoint import read_config
-    from decodekit.models.registry import resolve, resolve_dtype
+    from decodekit.models.registry import half_weights_dtype, resolve, resolve_dtype
 
     check_int("context", context, 1)
     check_int("batch_size", batch_size, 1)
@@ -172,6 +185,11 @@ def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: 
     else:
         weights_dtype = str(resolve_dtype(dtype, config)).removeprefix("torch.")
         weight_bytes = sum(count for _, count in tensors) * DTYPE_BYTES[weights_dtype]
+        if half_weights_dtype(dtype, config) is not None:  # linear weights kept as stored (2 bytes)
+            tied = config.get("tie_word_embeddings", False)  # a tied head is the float32 lookup's
+            kept = sum(count for name, _, count in stored_tensors(path, names=True)
+                       if is_linear_weight(name) and not (tied and name.endswith("lm_head.weight")))
+            weight_bytes -= kept * (DTYPE_BYTES[weights_dtype] - 2)
     kv_dtype = weights_dtype if kv_dtype == "auto" else kv_dtype
     kv_bytes = kv_cache_bytes(batch_size, context, shape["num_layers"], shape["num_kv_heads"],
                               shape["head_dim"], KV_BYTES[kv_dtype])
