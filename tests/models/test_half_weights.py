@@ -58,8 +58,10 @@ def test_half_weights_give_the_float32_models_logits(checkpoints, dtype, tied, m
     assert 2 * sum(w.nbytes for w in layers) == sum(w.nbytes for w in widened)
     assert all(isinstance(m, HalfWeightLinear) for m in half.net.layers.modules() if isinstance(m, nn.Linear))
     ids = [[(7 * i) % 200 + 1 for i in range(23)]]
-    want = prefill(wide, ids)[0]  # 23 rows: past the kernels' rows, the widened GEMM
+    want = prefill(wide, ids)[0]  # 23 rows: the kernels' rows
     torch.testing.assert_close(prefill(half, ids)[0], want, rtol=0, atol=2e-5)
+    long = [[(7 * i) % 200 + 1 for i in range(kernels.HALF_WEIGHT_MAX_ROWS + 12)]]  # the widened GEMM
+    torch.testing.assert_close(prefill(half, long)[0], prefill(wide, long)[0], rtol=0, atol=2e-5)
     for model in (wide, half):
         model.batch_invariant = True
     torch.testing.assert_close(prefill(half, ids)[0], prefill(wide, ids)[0], rtol=0, atol=2e-5)

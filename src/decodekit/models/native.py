@@ -84,7 +84,7 @@ def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     # (half_linear.py `keep_half_weights`), which the kernels read as they are
     if (weight.is_cpu and (x.dtype == weight.dtype or x.dtype == torch.float32)
             and weight.dtype in kernels.FLOAT_DTYPES
-            and x.numel() <= kernels.max_rows(weight.dtype) * x.shape[-1]
+            and x.numel() <= kernels.max_rows(weight.dtype, x.dtype) * x.shape[-1]
             and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
         return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV / GEMM (models/kernels.py)
     if x.dtype != weight.dtype:  # half weights, float32 x: one float32 GEMM over the weight widened
