@@ -31,6 +31,8 @@ from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
 from decodekit.engine.lanes import lanes_for
 from decodekit.engine.rows import GatheredRows
+from decodekit.models import kernels
+from decodekit.models.half_linear import keep_half_weights
 from decodekit.models.native import NativeLM
 from decodekit.request import make_requests
 
@@ -411,3 +413,17 @@ def test_a_model_with_biases_compiles_with_inductors_python_wrapper(sharp_lm, mo
         seen.clear()
         run(model, PROMPTS[:1], True)
         assert seen and all(options.get("cpp_wrapper", False) is wrapper for options in seen)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled step traces the kernels' op")
+def test_half_weights_compile_and_equal_the_eager_engine(sharp_lm):
+    """A float32 model keeping float16 linear weights (models/half_linear.py): the compiled
+    step traces the kernel over them as the eager step runs it."""
+    state = copy.deepcopy(sharp_lm.net).half().float().state_dict()  # values float16 holds
+    net = copy.deepcopy(sharp_lm.net)
+    net.load_state_dict(state)
+    model = NativeLM(net, sharp_lm.config, tokenizer=sharp_lm.tokenizer, name="half-weights")
+    assert keep_half_weights(model.net, torch.float16) > 0
+    want, _ = run(model, PROMPTS[:2], False)
+    got, engine = run(model, PROMPTS[:2], True)
+    assert got == want and engine.compiled.steps >= GREEDY.max_new_tokens - 2
