@@ -62,11 +62,11 @@ ISA_NAMES = {1: "avx2", 2: "avx512"}
 # Rows up to which the float kernels beat PyTorch's GEMM paths (BENCHMARKS.md, 2026-11-24, round 2:
 # at 8 rows f32 1,231 against 1,685 us, bf16 394 against 635; at 12 bf16 is even).
 GEMV_MAX_ROWS = 8
-# float32 x over half weights (half_linear.py `keep_half_weights`): the rows kernel against
-# widening the weight for one float32 GEMM, 896 -> 4864 on a Zen 4, one thread (BENCHMARKS.md,
-# 2026-11-29): faster at 1-512 rows with AVX-512 (within 8 % of the float32 model's GEMM from 256
-# rows), at 8-64 with AVX2, where widening wins from ~256 rows.
-HALF_WEIGHT_MAX_ROWS = 128
+# float32 x over half weights (half_linear.py `keep_half_weights`): rows up to which the rows
+# kernel beats widening the weight for one float32 GEMM, per instruction set. 896 -> 4864 on a
+# Zen 4, one thread (BENCHMARKS.md, 2026-11-29): with AVX-512 at every count measured, 1-512
+# rows (within 8 % of the float32 model's GEMM from 256), with AVX2 at 8-64, widening from ~256.
+HALF_WEIGHT_MAX_ROWS = {"avx512": 8192, "avx2": 128}
 # Float32 weights in the transposed layout run the GEMM of csrc/gemm.cpp from GEMM_MIN_ROWS rows
 # of the instruction set in use, where it catches up with linear_t's axpy kernel (the same sums,
 # so the switch changes no bit), up to 8,192 rows, the most measured. AVX-512 (Zen 5): from 2
@@ -81,6 +81,7 @@ LARGE_MATRIX = 1 << 18  # elements: 1 MiB of float32
 GEMM_MAX_ROWS = 8192
 # The loaded ISA's pair (`status` sets it): a module global, which a traced graph reads as a constant.
 _gemm_from = GEMM_MIN_ROWS["avx512"]
+_half_weight_rows = HALF_WEIGHT_MAX_ROWS["avx512"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -117,8 +118,9 @@ def status(build: bool = True) -> Status:
         return Status(False, f"failed to load {path.name}: {error}", path)
     if level not in ISA_NAMES:
         return Status(False, "this CPU lacks AVX2 + FMA", path)
-    global _gemm_from
+    global _gemm_from, _half_weight_rows
     _gemm_from = GEMM_MIN_ROWS[ISA_NAMES[level]]
+    _half_weight_rows = HALF_WEIGHT_MAX_ROWS[ISA_NAMES[level]]
     return Status(True, ISA_NAMES[level], path)
 
 
@@ -180,7 +182,7 @@ def max_rows(dtype: torch.dtype, x_dtype: torch.dtype | None = None) -> int:
     float32 x over half weights: the widened GEMM)."""
     if dtype == torch.float32:
         return GEMM_MAX_ROWS
-    return HALF_WEIGHT_MAX_ROWS if x_dtype == torch.float32 else GEMV_MAX_ROWS
+    return _half_weight_rows if x_dtype == torch.float32 else GEMV_MAX_ROWS
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
