@@ -147,6 +147,32 @@ def test_the_compiled_step_names_its_inputs_devices(models):
     assert got == want and steps > 0
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["writing-sdpa", "written-out"])
+def test_the_graphed_step_names_its_tensors_devices(models, fused):
+    """A GPU's decode step (engine/cuda_graphs.py `GraphedLanes`, eager capture) run on the CPU
+    as its graphs would (capture=False) under the guard: the step's mask, row indices and
+    copies of the rows name their device; its tokens equal the eager engine's."""
+    from decodekit.engine.cuda_graphs import GraphedLanes
+    from decodekit.engine.engine import Engine, EngineConfig
+
+    model = models["shakespeare"]
+    prompts = [model.encode("ROMEO:"), model.encode("JULIET: O Romeo")]
+
+    def run(graphed: bool):
+        engine = Engine(model, EngineConfig(compile=None if graphed else False, block_size=4, num_blocks=256))
+        if graphed:
+            engine.compiled.lanes = engine.lanes = GraphedLanes(model, capture=False, fused_attention=fused)
+        handles = [engine.submit(prompt, GREEDY) for prompt in prompts]
+        while engine.has_work():
+            engine.step()
+        return [h.result(0)[0].token_ids for h in handles], engine
+
+    want, _ = run(False)
+    with NamedDevices():
+        got, engine = run(True)
+    assert got == want and engine.compiled.steps > 0 and engine.lanes.captures > 0
+
+
 def test_the_guard_names_an_unnamed_factory_in_decodekit():
     from decodekit.models.base import left_pad
 
