@@ -103,11 +103,16 @@ def test_tied_embeddings_survive_the_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("head_bits", [8, 4])
-def test_a_quantised_head_survives_the_round_trip_beside_its_tied_embedding(tmp_path, head_bits):
+def test_a_quantised_head_survives_the_round_trip_with_its_tied_embedding_on_its_grid(tmp_path, head_bits):
     """CompressConfig(head_bits): the output head becomes a QuantizedLinear of those bits, one
-    scale per channel (RTN of the float head), while a tied embedding keeps its float weights
-    for the lookup; the directory reloads to the same logits, and without head_bits the head
-    stays float (the default)."""
+    scale per channel (RTN of the float head), and a tied embedding looks its rows up on that
+    grid (QuantizedEmbedding: no float copy of the vocabulary, in memory or in the file); the
+    directory reloads to the same logits, and without head_bits the head stays float (the
+    default)."""
+    import safetensors
+
+    from decodekit.models.compressed import WEIGHTS_FILE
+    from decodekit.models.qlinear import QuantizedEmbedding
     from decodekit.models.quant_grid import QuantSpec, dequantize, quantize_rtn
 
     source = tied_checkpoint(tmp_path / "tied")
@@ -119,11 +124,16 @@ def test_a_quantised_head_survives_the_round_trip_beside_its_tied_embedding(tmp_
     assert isinstance(head, QuantizedLinear) and head.spec == QuantSpec(head_bits)
     codes, scales = quantize_rtn(embedding, QuantSpec(head_bits))
     assert torch.equal(head.dequantized_weight(), dequantize(codes, scales))
-    assert torch.equal(model.net.embed_tokens.weight, embedding)  # the lookup's weights unchanged
-    loaded = load_model(save_compressed_dir(model, tmp_path / "c", source, summary))
-    assert isinstance(loaded.net.lm_head, QuantizedLinear)
-    assert torch.equal(loaded.net.embed_tokens.weight, embedding)
     tokens = torch.tensor([[1, 7, 3, 9, 4]])
+    assert isinstance(model.net.embed_tokens, QuantizedEmbedding)  # the lookup reads the head's values
+    assert torch.equal(model.net.embed_tokens(tokens), dequantize(codes, scales)[tokens])
+    assert not any(p.shape[0] == model.vocab_size for p in model.net.parameters())  # no float vocabulary
+    out = save_compressed_dir(model, tmp_path / "c", source, summary)
+    with safetensors.safe_open(str(out / WEIGHTS_FILE), "pt") as stored:
+        assert "embed_tokens.weight" not in stored.keys()  # noqa: SIM118
+    loaded = load_model(out)
+    assert isinstance(loaded.net.lm_head, QuantizedLinear)
+    assert isinstance(loaded.net.embed_tokens, QuantizedEmbedding)
     expected = model.forward(tokens, model.new_cache(1))
     assert torch.equal(loaded.forward(tokens, loaded.new_cache(1)), expected)
     plain = load_model(source)

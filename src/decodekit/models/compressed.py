@@ -42,7 +42,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from decodekit.models.qlinear import QuantizedLinear
+from decodekit.models.qlinear import QuantizedEmbedding, QuantizedLinear
 
 METADATA_KEY = "decodekit.compression"
 CHECKPOINT_FORMAT = 1
@@ -92,6 +92,12 @@ def load_compressed(model: nn.Module, path: str | Path) -> dict[str, Any] | None
                 activation_bits=spec.get("activation_bits"),  # absent from checkpoints before it: weight-only
             ),
         )
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, QuantizedLinear) and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        with safetensors.safe_open(str(path), "pt") as stored:
+            held = "embed_tokens.weight" in stored.keys()  # noqa: SIM118 (safe_open is no dict)
+        if not held:  # a tied embedding on the head's grid (compress/apply.py `quantize_head`)
+            model.embed_tokens = QuantizedEmbedding(head, model.embed_tokens.weight.dtype)
     missing, unexpected = safetensors.torch.load_model(model, str(path), strict=True)
     assert not missing and not unexpected
     return config
