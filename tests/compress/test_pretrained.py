@@ -79,11 +79,11 @@ def test_int8_directory_holds_fewer_bytes(tiny_llama_dir, tmp_path):
     assert float_bytes - model_nbytes(loaded.net) == 2 * (9216 * 3 - 256 * 4 - 256 * 2)
 
 
-def tied_checkpoint(source):
+def tied_checkpoint(source, vocab_size: int = 50):
     """A random 1-layer Llama with tied embeddings (50 tokens), saved to `source`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(3)
@@ -141,6 +141,28 @@ def test_a_quantised_head_survives_the_round_trip_with_its_tied_embedding_on_its
     assert type(plain.net.lm_head) is torch.nn.Linear
 
 
+def test_auto_quantises_the_head_of_a_real_vocabulary(tmp_path):
+    """head_bits "auto" (the default): 8 bits from 32,000 tokens (real tokenizers), a float head
+    below (the package's 2,048-token models), never for pruning; explicit settings win."""
+    from decodekit.compress.recipe import AUTO_HEAD_VOCAB
+    from decodekit.models.qlinear import QuantizedEmbedding
+
+    auto = CompressConfig("gptq", bits=4)
+    assert auto.head_bits == "auto" and auto.label() == "gptq-4b"
+    assert [auto.head_bits_for(v) for v in (2048, AUTO_HEAD_VOCAB, 151_936)] == [None, 8, 8]
+    assert CompressConfig("rtn", head_bits=None).head_bits_for(151_936) is None
+    assert CompressConfig("rtn", head_bits=4).head_bits_for(2048) == 4
+    assert CompressConfig("magnitude").head_bits_for(151_936) is None
+    source = tied_checkpoint(tmp_path / "real", vocab_size=AUTO_HEAD_VOCAB)
+    model = load_model(source)
+    summary = compress_lm(model, CompressConfig("rtn", bits=4))
+    assert summary.head_bits == 8 and isinstance(model.net.lm_head, QuantizedLinear)
+    assert isinstance(model.net.embed_tokens, QuantizedEmbedding)
+    small = load_model(tied_checkpoint(tmp_path / "small"))
+    compress_lm(small, CompressConfig("rtn", bits=4))
+    assert type(small.net.lm_head) is torch.nn.Linear
+
+
 def test_calibration_windows_are_token_segments(tiny_lm):
     ids = tiny_lm.encode(CALIB_TEXT)
     batches = calibration_batches(tiny_lm, CALIB_TEXT, windows=5, length=12, batch_size=2)
@@ -164,7 +186,8 @@ def test_calibration_windows_are_token_segments(tiny_lm):
         ({"method": "magnitude", "sparsity": 0.5, "n_m": "2:4"}, "sparsity or n_m, not both"),
         ({"method": "magnitude", "n_m": "4:2"}, "n_m needs 0 < n < m"),
         ({"method": "gptq", "calib_windows": 0}, "calib_windows must be >= 1, got 0"),
-        ({"method": "rtn", "head_bits": 3}, "head_bits must be 8, 4 or None"),
+        ({"method": "rtn", "head_bits": 3},
+         r"head_bits must be 8, 4, None \(the head in float\) or 'auto', got 3"),
         ({"method": "magnitude", "head_bits": 8}, "head_bits does not apply to method 'magnitude'"),
     ],
 )

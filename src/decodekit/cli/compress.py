@@ -26,9 +26,10 @@ def add_compress(sub) -> None:
                    help="8: also quantise each layer's input per block of 32 to int8 (W8A8/W4A8, "
                         "llama.cpp's q8_0/q4_0 numerics; faster on CPU, costs perplexity: "
                         "docs/compression.md); default: weight-only")  # fmt: skip
-    p.add_argument("--head-bits", type=int, default=None,
-                   help="8 or 4: quantise the output head too (RTN, one scale per channel); a real "
-                        "vocabulary makes it a small model's largest matrix; default: float")  # fmt: skip
+    p.add_argument("--head-bits", default="auto", metavar="8|4|none|auto",
+                   help="the output head's bits (RTN, one scale per channel), or none (float); default "
+                        "auto: 8 for a vocabulary of 32,000 tokens or more, where the head is among a "
+                        "small model's largest matrices, else float")  # fmt: skip
     p.add_argument("--sparsity", type=float, default=None, help="fraction pruned, [0, 1) (default 0.5)")
     p.add_argument("--n-m", default=None, help="semi-structured pruning, e.g. 2:4")
     p.add_argument("--calib", type=int, default=None,
@@ -47,9 +48,13 @@ def run_compress(args) -> None:
     from decodekit.compress.recipe import CompressConfig, compress_to_dir
 
     calibration = {"calib_windows": args.calib, "calib_length": args.calib_len}
+    names = {"8": 8, "4": 4, "none": None, "auto": "auto"}
+    head_bits = names.get(str(args.head_bits).lower(), args.head_bits)
+    if isinstance(head_bits, str) and head_bits != "auto":
+        raise UsageError(f"--head-bits must be 8, 4, none or auto, got {args.head_bits!r}")
     config = CompressConfig(
         args.method, bits=args.bits, group_size=args.group, act_order=args.act_order,
-        activation_bits=args.activation_bits, head_bits=args.head_bits,
+        activation_bits=args.activation_bits, head_bits=head_bits,
         sparsity=args.sparsity, n_m=args.n_m, **{k: v for k, v in calibration.items() if v is not None},
     )
     given = [flag for flag, value in (("--calib", args.calib), ("--calib-len", args.calib_len),

@@ -20,6 +20,7 @@ layers are stored as f32. Other grids raise ValueError naming the layer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -271,9 +272,10 @@ def compress_to_gguf(model: str | Path, config: Any, out: str | Path, calib_file
         if bits not in (4, 8) or config.group_size != 32:
             raise ValueError(f"GGUF stores 8- or 4-bit codes in groups of 32 (q8_0, q4_0): give bits 8 or 4 "
                              f"and group 32, got bits {bits} and group {config.group_size}")  # fmt: skip
-    if config.head_bits is not None:
+    if config.head_bits not in (None, "auto"):
         # its head is one scale per channel, which no GGUF block type stores
         raise ValueError(f"head_bits applies to a directory out, not a GGUF file, got {config.head_bits}")
+    config = dataclasses.replace(config, head_bits=None)  # "auto": the head as the writer stores it
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="decodekit-compress-") as folder:
         report = compress_to_dir(model, config, Path(folder) / "model", calib_file, progress)

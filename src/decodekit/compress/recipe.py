@@ -32,6 +32,9 @@ METHODS = QUANT_METHODS + PRUNE_METHODS
 CALIBRATION_TEXT = ASSETS / "data" / "shakespeare_val.txt"
 DEFAULT_BITS = {"rtn": 8, "gptq": 4}
 DEFAULT_SPARSITY = 0.5
+# head_bits "auto" quantises the output head from this many tokens: real tokenizers (Llama 2's
+# 32,000 on), not the package's 2,048-token models, whose tables keep a float head.
+AUTO_HEAD_VOCAB = 32_000
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,11 @@ class CompressConfig:
     # 8: the layers also quantise their inputs per block of 32 to int8 (W8A8 / W4A8, llama.cpp's
     # q8_0 / q4_0 numerics; models/qlinear.py); None: weight-only
     activation_bits: int | None = None
-    # the output head (skipped otherwise) RTN-quantised to these bits, one scale per channel
-    # (compress/apply.py `quantize_head`; llama.cpp's quantisers keep it at 6-8 bits); None: float
-    head_bits: int | None = None
+    # the output head RTN-quantised to these bits, one scale per channel (compress/apply.py
+    # `quantize_head`; llama.cpp's quantisers keep it at 6-8 bits); None: float; "auto": 8 where
+    # the quantised model's vocabulary is a real tokenizer's (`AUTO_HEAD_VOCAB` tokens or more),
+    # float for smaller ones (the package's 2,048-token models)
+    head_bits: int | str | None = "auto"
     sparsity: float | None = None
     n_m: str | None = None  # "2:4": n zeros in every m consecutive weights
     calib_windows: int = 128
@@ -66,7 +71,7 @@ class CompressConfig:
             "group_size": self.group_size is not None and not quant,
             "act_order": self.act_order and self.method != "gptq",
             "activation_bits": self.activation_bits is not None and not quant,
-            "head_bits": self.head_bits is not None and not quant,
+            "head_bits": self.head_bits not in (None, "auto") and not quant,
             "sparsity": self.sparsity is not None and quant,
             "n_m": self.n_m is not None and quant,
         }
@@ -77,8 +82,9 @@ class CompressConfig:
             raise ValueError(f"bits must be in 2..8, got {self.bits}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-        if self.head_bits is not None and (isinstance(self.head_bits, bool) or self.head_bits not in (4, 8)):
-            raise ValueError(f"head_bits must be 8, 4 or None (the head in float), got {self.head_bits!r}")
+        head = self.head_bits
+        if head not in (None, "auto") and (isinstance(head, bool) or head not in (4, 8)):
+            raise ValueError(f"head_bits must be 8, 4, None (the head in float) or 'auto', got {head!r}")
         check_activation_bits(self.activation_bits, self.group_size)
         if self.sparsity is not None and not 0 <= self.sparsity < 1:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity}")
@@ -93,6 +99,16 @@ class CompressConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
+    def head_bits_for(self, vocab_size: int) -> int | None:
+        """The output head's bits for a model of `vocab_size` tokens (None: float): "auto" is 8
+        from `AUTO_HEAD_VOCAB` tokens, where the head is among a small model's largest matrices
+        (Qwen2.5-0.5B's 151,936 x 896: a quarter of its weights, 545 MB a token in float32)."""
+        if self.method not in QUANT_METHODS:
+            return None
+        if self.head_bits == "auto":
+            return 8 if vocab_size >= AUTO_HEAD_VOCAB else None
+        return self.head_bits
+
     @property
     def needs_calibration(self) -> bool:
         return self.method in ("gptq", "sparsegpt")
@@ -103,7 +119,7 @@ class CompressConfig:
             bits = self.bits or DEFAULT_BITS[self.method]
             group = f"-g{self.group_size}" if self.group_size else ""
             a8 = f"-a{self.activation_bits}" if self.activation_bits else ""
-            head = f"-h{self.head_bits}" if self.head_bits else ""
+            head = f"-h{self.head_bits}" if isinstance(self.head_bits, int) else ""
             return f"{self.method}-{bits}b{group}{'-act' if self.act_order else ''}{a8}{head}"
         if self.n_m is not None:
             return f"{self.method}-{self.n_m}"
@@ -166,9 +182,10 @@ def compress_lm(
             config.group_size, act_order=config.act_order, activation_bits=config.activation_bits,
             **calibration,
         )  # fmt: skip
-        if config.head_bits is not None:
-            quantize_head(lm.net, config.head_bits)
-            summary.head_bits = config.head_bits
+        head_bits = config.head_bits_for(lm.vocab_size)
+        if head_bits is not None:
+            quantize_head(lm.net, head_bits)
+            summary.head_bits = head_bits
             summary.layers.append("lm_head")
     else:
         sparsity = DEFAULT_SPARSITY if config.sparsity is None else config.sparsity
