@@ -566,3 +566,17 @@ def test_plan_sizes_a_gguf_file(shakespeare, tmp_path):
     assert (plan["num_layers"], plan["num_kv_heads"], plan["head_dim"]) == (4, 2, 64)
     quantised = plan_memory(str(write_gguf(ASSETS / "shakespeare", tmp_path / "q.gguf", "q4_0")), context=512)
     assert quantised["parameters"] is None and quantised["weight_bytes"] < plan["weight_bytes"] / 2
+
+
+@pytest.mark.skipif(not kernels.available(), reason="half weights are kept only where the kernels read them")
+def test_an_f16_files_memory_plan_is_what_it_holds(tmp_path):
+    """An f16 file runs in float32 with its matrices, the tied embedding and head among them,
+    kept in float16 (half_linear.py): `decodekit plan` counts them at 2 bytes."""
+    from decodekit.models.footprint import plan_memory
+    from decodekit.models.half_linear import HalfEmbedding
+
+    path = write_gguf(ASSETS / "shakespeare", tmp_path / "s-f16.gguf", "f16")
+    model = load_model(str(path))
+    assert isinstance(model.net.embed_tokens, HalfEmbedding) and model.dtype == torch.float32
+    held = sum(p.nbytes for p in model.net.parameters())
+    assert plan_memory(str(path), context=16)["weight_bytes"] == held

@@ -13,7 +13,7 @@ from torch import nn
 import decodekit as dk
 from decodekit.models import kernels, registry, shapes
 from decodekit.models.base import prefill
-from decodekit.models.half_linear import HalfWeightLinear, keep_half_weights
+from decodekit.models.half_linear import HalfEmbedding, HalfWeightLinear, keep_half_weights
 
 HALVES = [torch.bfloat16, torch.float16]
 
@@ -50,8 +50,9 @@ def linear_weights(model) -> list[torch.Tensor]:
 def test_half_weights_give_the_float32_models_logits(checkpoints, dtype, tied, monkeypatch):
     wide, half = pair(checkpoints, dtype, tied)
     head = half.net.lm_head.weight
-    assert half.dtype == torch.float32 and (head.dtype == torch.float32) == tied
-    assert (head is half.net.embed_tokens.weight) == tied  # a tied head stays the lookup's weight
+    assert half.dtype == torch.float32 and head.dtype == dtype
+    assert (head is half.net.embed_tokens.weight) == tied  # a tied lookup reads the head's half weight
+    assert isinstance(half.net.embed_tokens, HalfEmbedding) == tied
     layers = [w for w in linear_weights(half) if w is not head]
     assert layers and all(w.dtype == dtype and w.is_contiguous() for w in layers)
     widened = [w for w in linear_weights(wide) if w is not wide.net.lm_head.weight]
@@ -107,8 +108,7 @@ def test_the_memory_plan_counts_the_half_weights_it_keeps(checkpoints, tied):
 
     path = checkpoints[("float16", tied)]
     model = dk.load_model(path)
-    held = sum(t.nbytes for t in model.net.state_dict().values() if t.is_floating_point())
-    held -= model.net.lm_head.weight.nbytes if tied else 0  # the state dict lists a tied weight twice
+    held = sum(t.nbytes for t in model.net.parameters())  # a tied weight once
     assert plan_memory(str(path), context=16)["weight_bytes"] == held
     wide = plan_memory(str(path), context=16, dtype="float32")["weight_bytes"]
     assert wide == sum(t.nbytes for t in dk.load_model(path, dtype="float32").net.parameters()) > held

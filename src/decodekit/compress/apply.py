@@ -148,11 +148,13 @@ def quantize_head(
     if not isinstance(head, nn.Linear):
         raise ValueError(f"the output head {name!r} is a {type(head).__name__}, not a float Linear")
     lookup = getattr(model, embedding, None)
-    tied = isinstance(lookup, nn.Embedding) and lookup.weight is head.weight
+    tied = lookup is not None and getattr(lookup, "weight", None) is head.weight
     grid = QuantizedLinear.from_linear(head, QuantSpec(bits))
     replace_module(model, name, grid)
-    if tied:
-        replace_module(model, embedding, QuantizedEmbedding(grid, lookup.weight.dtype))
+    if tied:  # an nn.Embedding, or a HalfEmbedding (models/half_linear.py) widening to its dtype
+        dtype = getattr(lookup, "dtype", None)
+        dtype = dtype if isinstance(dtype, torch.dtype) else lookup.weight.dtype
+        replace_module(model, embedding, QuantizedEmbedding(grid, dtype))
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -145,8 +145,10 @@ def gguf_weights(path: Path, dtype: str) -> tuple[dict[str, Any], str, int, int 
     if half_weights_dtype(dtype, {"dtype": stored_dtype(tensors)}) is not None and not any(
             t.tensor_type.name == "F32" for t in tensors.values() if len(t.shape) == 2):  # fmt: skip
         # the f16 / bf16 matrices but the embedding stay as stored (gguf_model.py `load_gguf`)
-        kept = sum(int(t.n_elements) for name, t in tensors.items() if len(t.shape) == 2
-                   and name != "token_embd.weight" and t.tensor_type.name in ("F16", "BF16"))  # fmt: skip
+        tied = "output.weight" not in tensors  # a tied embedding is the head's half weight too
+        kept = sum(int(t.n_elements) for name, t in tensors.items()
+                   if len(t.shape) == 2 and (tied or name != "token_embd.weight")
+                   and t.tensor_type.name in ("F16", "BF16"))  # fmt: skip
         weight_bytes -= kept * (DTYPE_BYTES[weights_dtype] - 2)
     return gguf_config(meta, tensors, str(path)), weights_dtype, weight_bytes, None if blocks else sum(floats)
 
@@ -186,9 +188,10 @@ def plan_memory(name_or_path: str, context: int, batch_size: int = 1, kv_dtype: 
         weights_dtype = str(resolve_dtype(dtype, config)).removeprefix("torch.")
         weight_bytes = sum(count for _, count in tensors) * DTYPE_BYTES[weights_dtype]
         if half_weights_dtype(dtype, config) is not None:  # linear weights kept as stored (2 bytes)
-            tied = config.get("tie_word_embeddings", False)  # a tied head is the float32 lookup's
+            tied = config.get("tie_word_embeddings", False)  # the lookup then reads the head's half weight
             kept = sum(count for name, _, count in stored_tensors(path, names=True)
-                       if is_linear_weight(name) and not (tied and name.endswith("lm_head.weight")))
+                       if (is_linear_weight(name) and not (tied and name.endswith("lm_head.weight")))
+                       or (tied and name.endswith("embed_tokens.weight")))
             weight_bytes -= kept * (DTYPE_BYTES[weights_dtype] - 2)
     kv_dtype = weights_dtype if kv_dtype == "auto" else kv_dtype
     kv_bytes = kv_cache_bytes(batch_size, context, shape["num_layers"], shape["num_kv_heads"],
