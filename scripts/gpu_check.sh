@@ -29,6 +29,7 @@ for shape in qwen2.5-0.5b llama-3.2-1b; do
     timeout 300 "$python" -c "import sys; from decodekit.cli import main; sys.exit(main(sys.argv[1:]))" \
         bench engine --device cuda --shape "$shape" --dtype "$dtype" --new-tokens 128 --repeats 2
 done
-# where a graphed step's time goes: GPU replay against the host (prepared 2026-11-28, not yet run on a GPU)
+# where a graphed step's time goes, for each attention form of the graph (2026-11-29: the writing
+# SDPA form and the written-out one): GPU replay against the host (not yet run on a GPU)
 echo "==> scripts/gpu_step_profile.py --shape qwen2.5-0.5b (a step's wall time, its graph's GPU time, the host's profile)"
-timeout 120 "$python" scripts/gpu_step_profile.py --shape qwen2.5-0.5b --device cuda --dtype "$dtype"
+timeout 180 "$python" scripts/gpu_step_profile.py --shape qwen2.5-0.5b --device cuda --dtype "$dtype" --attention both
