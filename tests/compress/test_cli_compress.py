@@ -129,6 +129,19 @@ def test_compress_reads_a_bfloat16_checkpoint(tiny_llama_dir, tmp_path, capsys, 
     assert completion["usage"]["completion_tokens"] >= 1
 
 
+def test_a_real_vocabularys_head_is_quantised_and_named_by_default(tmp_path, capsys):
+    """--head-bits auto (the default): 8 bits at 32,000 tokens or more, said in the report;
+    none keeps the head in float."""
+    from test_pretrained import tied_checkpoint
+
+    source = tied_checkpoint(tmp_path / "real", vocab_size=32_000)
+    rtn4 = ["compress", str(source), "--method", "rtn", "--bits", "4"]
+    assert main([*rtn4, "--out", str(tmp_path / "a")]) == 0
+    assert "output head: int8, one scale per channel (--head-bits auto;" in capsys.readouterr().out
+    assert main([*rtn4, "--head-bits", "none", "--out", str(tmp_path / "b")]) == 0
+    assert "output head" not in capsys.readouterr().out
+
+
 @pytest.mark.usefixtures("torch_kernels_only")  # names PyTorch's kernels
 def test_compress_text_report_names_the_kernels(tiny_llama_dir, tmp_path, capsys):
     assert main(["compress", str(tiny_llama_dir), "--method", "rtn", "--bits", "4", "--group", "32",

@@ -83,3 +83,7 @@ def run_compress(args) -> None:
     if report.get("kernels"):
         kernels = ", ".join(f"{count} {name}" for name, count in report["kernels"].items())
         print(f"matmul kernels of the quantised layers: {kernels}")
+    head_bits = (report.get("summary") or {}).get("head_bits")
+    if head_bits:  # "auto" quantises it only at a real vocabulary: say so
+        print(f"output head: int{head_bits}, one scale per channel (--head-bits {args.head_bits}; none keeps "
+              "it in float)")
