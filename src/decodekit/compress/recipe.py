@@ -39,8 +39,9 @@ AUTO_HEAD_VOCAB = 32_000
 
 @dataclass(frozen=True)
 class CompressConfig:
-    """What to do to every Linear layer but the output head. None means the method's default
-    (bits: 8 for rtn, 4 for gptq; sparsity 0.5); options of the other family are errors."""
+    """What to do to every Linear layer, and to the output head (`head_bits`: by default int8 at
+    a real vocabulary only). None means the method's default (bits: 8 for rtn, 4 for gptq;
+    sparsity 0.5); options of the other family are errors."""
 
     method: str
     bits: int | None = None
