@@ -33,6 +33,7 @@ from torch import nn
 from decodekit.compress.hessian import HessianAccumulator
 from decodekit.compress.prune import parse_n_m, prune_magnitude, prune_sparsegpt
 from decodekit.compress.quantize import gptq_quantize
+from decodekit.models.native import embedding_dtype_device
 from decodekit.models.qlinear import QuantizedEmbedding, QuantizedLinear
 from decodekit.models.quant_grid import QuantSpec, quantize_rtn
 from decodekit.runtime import advance_to
@@ -151,10 +152,8 @@ def quantize_head(
     tied = lookup is not None and getattr(lookup, "weight", None) is head.weight
     grid = QuantizedLinear.from_linear(head, QuantSpec(bits))
     replace_module(model, name, grid)
-    if tied:  # an nn.Embedding, or a HalfEmbedding (models/half_linear.py) widening to its dtype
-        dtype = getattr(lookup, "dtype", None)
-        dtype = dtype if isinstance(dtype, torch.dtype) else lookup.weight.dtype
-        replace_module(model, embedding, QuantizedEmbedding(grid, dtype))
+    if tied:  # an nn.Embedding, or a HalfEmbedding (models/half_linear.py): the rows' dtype
+        replace_module(model, embedding, QuantizedEmbedding(grid, embedding_dtype_device(lookup)[0]))
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -158,9 +158,10 @@ class CompiledDecode:
         if out is None:
             return None
         logits, keys, values = out  # [B, V], [N, B, H_kv, D]
-        rows = torch.arange(len(seqs), device=device)
-        running_kv.keys[:, rows, :, stored] = keys.transpose(0, 1)  # [B, N, H_kv, D]
-        running_kv.values[:, rows, :, stored] = values.transpose(0, 1)
+        if not self.lanes.writes_rows:  # a writing graph stored them in the rows (cuda_graphs.py)
+            rows = torch.arange(len(seqs), device=device)
+            running_kv.keys[:, rows, :, stored] = keys.transpose(0, 1)  # [B, N, H_kv, D]
+            running_kv.values[:, rows, :, stored] = values.transpose(0, 1)
         pool.write_layers(slots, keys.transpose(1, 2), values.transpose(1, 2))  # [N, H_kv, B, D]
         self.steps += 1
         return logits

@@ -138,8 +138,8 @@ def lanes_step(
     kernel under an additive mask built once for all layers, where the written-out form costs
     some fifteen kernels a layer: a CUDA graph's step (cuda_graphs.py), whose kernels run back
     to back, a few microseconds each however small. It returns the new keys and values all the
-    same (the engine writes them into the pool; its write into the rows is then the same values
-    again).
+    same: the engine writes them into the pool, and not again into the rows
+    (`GraphedLanes.writes_rows`).
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process

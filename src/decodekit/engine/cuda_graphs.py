@@ -6,7 +6,8 @@ the GPU (qwen2.5-0.5b in bfloat16 on an H100: ~550 kernel launches a token, the 
 with one launch. `GraphedLanes` is the CUDA counterpart of lanes.py's `CompiledLanes`, with
 the interface `CompiledDecode` (compile_policy.py) drives, so the engine's decode-only steps
 take the same path on both devices (the step's inputs built once, its new keys and values
-written into the rows and the pool after it):
+written into the pool after it, and into the rows unless the graph stored them there,
+`writes_rows`):
 
 - The step is compiled.py's `lanes_step`, the one the CPU compiles: eager (the engine's
   default, `compile=None`: a capture costs a few steps, so every bucket is captured at its
@@ -71,7 +72,9 @@ class GraphedLanes:
         self.graphs: dict[int, _Graph] = {}
         self.failed: str | None = None
         self.captures = 0
-        self._step = lanes_step(model, "graphed_decode_step", writes=fused_attention and not inductor)
+        # the writing step stores each row's new key and value itself: the engine then writes the pool only
+        self.writes_rows = fused_attention and not inductor
+        self._step = lanes_step(model, "graphed_decode_step", writes=self.writes_rows)
         self._compiled = None  # the inductor-compiled step, once compiled
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # shared by the buckets' graphs
 

@@ -88,6 +88,7 @@ class CompiledLanes:
     span: int = 1  # tokens a row: 1 decodes, T > 1 verifies T tokens (compiled.py `lanes_step`)
     ready: dict[tuple[int, bool], object] = field(default_factory=dict)  # (bucket, prefixed) -> step
     failed: str | None = None
+    writes_rows: bool = False  # its steps leave the rows to the engine (cuda_graphs.py's may not)
     load_seconds: list[float] = field(default_factory=list)  # each in-process compilation's time
     _pending: set[tuple[int, bool]] = field(default_factory=set)
     _jobs: dict = field(default_factory=dict)  # key -> (CompileJob, example, policy): in a child

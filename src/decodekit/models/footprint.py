@@ -134,16 +134,15 @@ def gguf_weights(path: Path, dtype: str) -> tuple[dict[str, Any], str, int, int 
     float tensors load in the weights' dtype ("auto" from the file's float type), block types
     as integer codes of about their bytes in the file (int4 layers also hold the kernel's copy
     of theirs: models/gguf_model.py); a file with block types has no float parameter count."""
-    from decodekit.models.gguf_model import gguf_config, read_gguf, stored_dtype
-    from decodekit.models.registry import half_weights_dtype, resolve_dtype
+    from decodekit.models.gguf_model import gguf_config, half_weights, read_gguf, stored_dtype
+    from decodekit.models.registry import resolve_dtype
 
     meta, tensors = read_gguf(path)
     weights_dtype = str(resolve_dtype(dtype, {"dtype": stored_dtype(tensors)})).removeprefix("torch.")
     floats = [int(t.n_elements) for t in tensors.values() if t.tensor_type.name in ("F32", "F16", "BF16")]
     blocks = [int(t.n_bytes) for t in tensors.values() if t.tensor_type.name not in ("F32", "F16", "BF16")]
     weight_bytes = sum(floats) * DTYPE_BYTES[weights_dtype] + sum(blocks)
-    if half_weights_dtype(dtype, {"dtype": stored_dtype(tensors)}) is not None and not any(
-            t.tensor_type.name == "F32" for t in tensors.values() if len(t.shape) == 2):  # fmt: skip
+    if half_weights(dtype, tensors) is not None:
         # the f16 / bf16 matrices but the embedding stay as stored (gguf_model.py `load_gguf`)
         tied = "output.weight" not in tensors  # a tied embedding is the head's half weight too
         kept = sum(int(t.n_elements) for name, t in tensors.items()

@@ -170,6 +170,18 @@ def stored_dtype(tensors: dict[str, Any]) -> str:
     return "bfloat16" if "BF16" in names else "float16" if "F16" in names else "float32"
 
 
+def half_weights(dtype: str | torch.dtype, tensors: dict[str, Any], device: str | torch.device = "cpu"
+                 ) -> torch.dtype | None:  # fmt: skip
+    """The type the file's float matrices keep in a float32 model (registry.py
+    `half_weights_dtype` of its stored type), or None: also where a float32 matrix sits beside
+    the half ones (rounding it to half would change it)."""
+    from decodekit.models.registry import half_weights_dtype
+
+    if any(t.tensor_type.name == "F32" for t in tensors.values() if len(t.shape) == 2):
+        return None
+    return half_weights_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
+
+
 def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's `malloc_trim(0)`; a no-op
     elsewhere). Loading frees many tensor-sized temporaries (a block type's unpacked codes, a
@@ -317,7 +329,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
     starting from the file's float type (`stored_dtype`)."""
     from decodekit.models.gguf_tokenizer import build_tokenizer, eos_token_ids
     from decodekit.models.half_linear import keep_half_weights
-    from decodekit.models.registry import half_weights_dtype, resolve_dtype
+    from decodekit.models.registry import resolve_dtype
 
     path = Path(path)
     where = str(path)
@@ -331,9 +343,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
         raise ValueError(f"{where}: {error}") from None
     tokenizer, eos = build_tokenizer(meta, where), eos_token_ids(meta)
     torch_dtype = resolve_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
-    half = half_weights_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
-    if any(t.tensor_type.name == "F32" for t in tensors.values() if len(t.shape) == 2):
-        half = None  # a float32 matrix beside the half ones: rounding it to half would change it
+    half = half_weights(dtype, tensors, device)
     files = _Tensors(tensors, where, parsed, meta["general.architecture"])
     net = _build_net(files, parsed, torch_dtype)
     unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight"})

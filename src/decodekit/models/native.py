@@ -270,9 +270,10 @@ def transpose_weight_layout(net: nn.Module) -> None:
     net.register_state_dict_post_hook(_contiguous_state)
 
 
-def _dtype_device(embedding: nn.Module) -> tuple[torch.dtype, torch.device]:
-    """The model's dtype and device, from its embedding: an nn.Embedding's weight, or a
-    `QuantizedEmbedding`'s (a GGUF's tied grid: models/qlinear.py) own."""
+def embedding_dtype_device(embedding: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The model's dtype and device, from its embedding: an nn.Embedding's weight, or the own
+    of a lookup over another tensor (qlinear.py `QuantizedEmbedding`, half_linear.py
+    `HalfEmbedding`)."""
     if isinstance(embedding, nn.Embedding):
         return embedding.weight.dtype, embedding.weight.device
     return embedding.dtype, embedding.device
@@ -310,7 +311,7 @@ class NativeLM(LanguageModel):
         self.max_context = config.context_length
         # Read by each forward and by each Engine when it is built (module docstring).
         self.batch_invariant = batch_invariant
-        self.dtype, self.device = _dtype_device(net.embed_tokens)
+        self.dtype, self.device = embedding_dtype_device(net.embed_tokens)
         self.rope = RotaryTables(config.rope, self.dtype, device=self.device)
 
     def to(self, device: str | torch.device) -> NativeLM:
@@ -319,7 +320,7 @@ class NativeLM(LanguageModel):
         transposed weight layout (`transpose_weight_layout`) and tied weights survive."""
         device = torch.device(device)
         self.net.to(device)
-        self.device = _dtype_device(self.net.embed_tokens)[1]
+        self.device = embedding_dtype_device(self.net.embed_tokens)[1]
         self.rope = RotaryTables(self.config.rope, self.dtype, device=self.device)
         return self
 

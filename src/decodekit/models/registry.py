@@ -65,8 +65,7 @@ def resolve_dtype(
     weights stay as stored (`half_weights_dtype`).
     """
     if isinstance(dtype, str) and dtype == "auto":
-        stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
-        chosen = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+        chosen = config_dtype(config)
         if torch.device(device).type != "cpu" or chosen == torch.float32:
             return chosen
         if chosen == torch.float16:
@@ -82,6 +81,12 @@ def resolve_dtype(
     raise ValueError(f"dtype must be one of {names} (or the torch dtype), got {dtype!r}")
 
 
+def config_dtype(config: dict | None) -> torch.dtype:
+    """A config.json's `dtype` / `torch_dtype` (float32 where it names none or an unknown one)."""
+    stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
+    return DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+
+
 def half_weights_dtype(
     dtype: str | torch.dtype, config: dict | None = None, device: str | torch.device = "cpu"
 ) -> torch.dtype | None:
@@ -91,8 +96,7 @@ def half_weights_dtype(
     decode step streaming half as much); else None. An explicit "float32" widens every weight."""
     if not (isinstance(dtype, str) and dtype == "auto") or torch.device(device).type != "cpu":
         return None
-    stored = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
-    half = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+    half = config_dtype(config)
     if half not in (torch.bfloat16, torch.float16) or resolve_dtype(dtype, config, device) != torch.float32:
         return None
     from decodekit.models import kernels

@@ -67,14 +67,16 @@ def _probs64(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.double(), dim=-1)
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Mass strictly before each position of a row (monotone, unlike cumsum(x) - x)."""
-    return torch.nn.functional.pad(torch.cumsum(x, dim=-1)[..., :-1], (1, 0))
-
-
 def _prefix_cutoff(sorted_key: torch.Tensor, sorted_probs: torch.Tensor, mass: float):
     """Key value of the last element of the shortest sorted prefix whose mass >= `mass`."""
-    num_kept = (_exclusive_cumsum(sorted_probs) < mass).sum(dim=-1, keepdim=True)  # >= 1
+    return _running_cutoff(sorted_key, torch.cumsum(sorted_probs, dim=-1), mass)
+
+
+def _running_cutoff(sorted_key: torch.Tensor, running: torch.Tensor, mass: float):
+    """`_prefix_cutoff` from the sorted probabilities' running sums: the mass strictly before
+    each position (monotone, unlike cumsum(x) - x) is the previous running sum."""
+    exclusive = torch.nn.functional.pad(running[..., :-1], (1, 0))
+    num_kept = (exclusive < mass).sum(dim=-1, keepdim=True)  # >= 1
     return sorted_key.gather(-1, num_kept - 1)  # [R, 1]
 
 
@@ -93,10 +95,11 @@ def _sorted_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
         return _full_sort_cutoff(key, probs, mass, descending)
     sorted_key, order = key.topk(SORTED_CANDIDATES, dim=-1, largest=descending)  # sorted
     sorted_probs = sorted_key if probs is key else probs.gather(-1, order)
-    cutoff = _prefix_cutoff(sorted_key, sorted_probs, mass)
+    running = torch.cumsum(sorted_probs, dim=-1)
+    cutoff = _running_cutoff(sorted_key, running, mass)
     # the last running sum is the candidates' whole mass: every later token's exclusive sum
     # is at least it, so where it reaches `mass` no later token is kept
-    short = torch.cumsum(sorted_probs, dim=-1)[..., -1] < mass  # [R]
+    short = running[..., -1] < mass  # [R]
     if bool(short.any()):
         rows = short.nonzero()[:, 0]
         keys = key[rows]
