@@ -119,8 +119,8 @@ def engine_config(compile: bool | None, model=None):
         return config
     c = model.config
     positions = max(CONCURRENT["prompt_lengths"]) + CONCURRENT["new_tokens"]
-    blocks = CONCURRENT["requests"] * (-(-positions // config.block_size) + 1)
-    needed = blocks * block_bytes(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype)
+    block = block_bytes(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype)
+    needed = config.blocks_holding(CONCURRENT["requests"], positions) * block
     return dataclasses.replace(config, max_kv_bytes=max(needed, config.kv_bytes_for(model.device)))
 
 

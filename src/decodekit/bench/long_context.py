@@ -59,7 +59,7 @@ def context_engine_config(concurrent: int, positions: int, block_size: int = 16)
     kept when idle (idle_member_bytes), so its prefix cache serves the next timed run too. The
     eager step (compile=False): a background compilation would run during the timed runs,
     and for plain decoding only (verification steps are not decode-only)."""
-    blocks = math.ceil(1.25 * concurrent * (math.ceil(positions / block_size) + 1))
+    blocks = math.ceil(1.25 * EngineConfig(block_size=block_size).blocks_holding(concurrent, positions))
     return EngineConfig(block_size=block_size, num_blocks=blocks, max_running=max(concurrent, 1024),
                         compile=False, idle_member_bytes=2**50)  # fmt: skip
 

@@ -89,6 +89,11 @@ class EngineConfig:
                              "bytes")
         return blocks
 
+    def blocks_holding(self, sequences: int, positions: int) -> int:
+        """Blocks that hold `sequences` sequences of up to `positions` positions each running
+        at once, each with its partial block."""
+        return sequences * (-(-positions // self.block_size) + 1)
+
     def kv_bytes_for(self, device: str | torch.device = "cpu") -> int:
         """The pool's bound in bytes: `max_kv_bytes`, or unset the device's (module docstring)."""
         if self.max_kv_bytes is not None:
