@@ -106,6 +106,33 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_the_eager_engine(pair, fus
     assert lanes.captures >= 4 and engine.compiled.steps >= 85
 
 
+def test_samples_read_their_shared_prompt_in_the_graphs_as_the_eager_engine(pair):
+    """n samples of a prompt keep it once on a GPU too (engine/rows.py `add_shared`) and their
+    graphed steps read it from the prefix buffer (engine/cuda_graphs.py); a second request's
+    samples of a 93-token prompt join later (the buffer grows: the prefixed graphs captured
+    again). Greedy, so every sample's tokens are the eager engine's and the CPU's."""
+    from decodekit.engine import Engine, EngineConfig
+
+    cpu, gpu = pair
+    long = "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. " * 3
+    out = {}
+    for model, mode in ((gpu, False), (gpu, None), (cpu, False)):
+        engine = Engine(model, EngineConfig(compile=mode))
+        handles = [engine.submit("ROMEO:", GREEDY.replace(n=3, max_new_tokens=40))]
+        for _ in range(4):
+            engine.step()
+        assert sum(p is not None for p in engine.running_kv.prefixes) == 3
+        handles.append(engine.submit(long, GREEDY.replace(n=2, max_new_tokens=12)))
+        while engine.has_work():
+            engine.step()
+        out[model.device.type, mode] = [[c.token_ids for c in h.result(0)] for h in handles]
+        if mode is None:
+            lanes = engine.lanes
+            assert lanes.failed is None and lanes.prefix_buffer[0].shape[3] >= 128
+            assert any(prefixed for _, prefixed in lanes.graphs) and engine.compiled.steps >= 35
+    assert out["cuda", None] == out["cuda", False] == out["cpu", False]
+
+
 def test_a_decode_step_synchronises_the_host_at_most_twice(pair):
     """Counted by CUDA's sync debug mode (bench/engine.py `host_syncs_per_step`): the
     step's inputs go up asynchronously, and its tokens come down once."""

@@ -62,9 +62,55 @@ def test_graphed_steps_equal_the_eager_engine_as_rows_leave_and_grow(sharp_lm, f
         assert torch.allclose(torch.tensor(ours), torch.tensor(eager), atol=1e-5, rtol=0)
     lanes = engine.lanes
     assert engine.compiled.steps >= 85  # every decode-only step but the prompts'
-    assert set(lanes.graphs) == {bucket(1)}  # the buckets of 4 and 2 were dropped when the rows grew
+    assert set(lanes.graphs) == {(bucket(1), False)}  # the buckets of 4 and 2 were dropped when the rows grew
     assert lanes.captures >= 4 and lanes.failed is None  # 4, 2, 1 rows, and 1 again over 128 positions
-    assert lanes.graphs[1].keys is engine.running_kv.keys
+    assert lanes.graphs[(1, False)].keys is engine.running_kv.keys
+
+
+def run_joining(model, graphed: bool, inductor: bool = False, fused: bool = True):
+    """Four seeded samples of a short prompt and a greedy request; after five steps three
+    samples of a 70-token prompt join, and the greedy request ends first. Their tokens and
+    logprobs, and the engine."""
+    engine = Engine(model, EngineConfig(compile=graphed or False, block_size=4, num_blocks=512))
+    if graphed:
+        lanes = GraphedLanes(model, inductor=inductor, capture=False, fused_attention=fused)
+        engine.compiled.lanes = engine.lanes = lanes
+    sampled = dk.SamplingParams(n=4, temperature=1.0, top_k=20, seed=5, max_new_tokens=40, ignore_eos=True)
+    greedy = dk.SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=12)
+    handles = [engine.submit(PROMPTS[1], sampled), engine.submit(PROMPTS[0], greedy)]
+    shares = []
+    for _ in range(5):
+        engine.step()
+        shares.append(sum(prefix is not None for prefix in engine.running_kv.prefixes))
+    long = [(3 * i) % 250 + 1 for i in range(70)]
+    handles.append(engine.submit(long, sampled.replace(n=3, seed=7, max_new_tokens=20)))
+    while engine.has_work():
+        engine.step()
+        shares.append(sum(prefix is not None for prefix in engine.running_kv.prefixes))
+    engine.check()
+    results = [[(c.token_ids, c.logprobs) for c in h.result(0)] for h in handles]
+    return results, engine, shares
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["writing-sdpa", "written-out"])
+def test_graphed_steps_read_shared_prefixes_as_the_eager_engine(sharp_lm, fused):
+    """n samples of a prompt keep it once (rows.py `add_shared`) on a GPU too: their graphed
+    steps read the prompt's keys from one prefix buffer, each row its span of it. Requests
+    join (the 70-token prompt outgrows the buffer's first 64 positions: a new buffer, the
+    prefixed graphs captured again) and leave (the prefixes copied again), and every token
+    and logprob equals the eager engine's, whose rows merge the prefix by its log-sum-exp."""
+    want, _, eager_shares = run_joining(sharp_lm, False)
+    got, engine, shares = run_joining(sharp_lm, True, fused=fused)
+    assert shares == eager_shares and max(shares) == 7  # 4 + 3 rows continue a prefix at once
+    for ours, eager in zip(got, want, strict=True):
+        assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in eager]
+        for (_, a), (_, b) in zip(ours, eager, strict=True):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    lanes = engine.lanes
+    assert lanes.failed is None and lanes.prefix_buffer[0].shape[3] == 128
+    assert any(prefixed for _, prefixed in lanes.graphs)
+    assert all(graph.prefix_keys is lanes.prefix_buffer[0] for (_, p), graph in lanes.graphs.items() if p)
+    assert engine.compiled.steps >= 35  # the decode-only steps ran graphed, with and without a prefix
 
 
 def test_the_compiled_step_in_the_graph_equals_the_eager_engine(sharp_lm, monkeypatch):
@@ -76,7 +122,12 @@ def test_the_compiled_step_in_the_graph_equals_the_eager_engine(sharp_lm, monkey
     want, _ = run(sharp_lm, items, False)
     got, engine = run(sharp_lm, items, True, inductor=True)
     assert [tokens for [(tokens, _)] in got] == [tokens for [(tokens, _)] in want]
-    assert engine.lanes._compiled is not None and engine.lanes.captures >= 3 and engine.compiled.steps >= 65
+    assert engine.lanes._compiled and engine.lanes.captures >= 3 and engine.compiled.steps >= 65
+    # and its prefixed step, over the samples' shared prompts
+    want, _, _ = run_joining(sharp_lm, False)
+    got, engine, _ = run_joining(sharp_lm, True, inductor=True)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
+    assert True in engine.lanes._compiled  # every decode-only step there has a prefixed row
 
 
 def test_a_graphs_logits_are_copied_out(sharp_lm):
@@ -91,9 +142,9 @@ def test_a_graphs_logits_are_copied_out(sharp_lm):
     with torch.inference_mode():  # as in an engine step
         logits = lanes.run(1, *first, kv)[0]
         kept = logits.clone()
-        graph = lanes.graphs[1]
+        graph = lanes.graphs[(1, False)]
         other = lanes.run(1, *torch.tensor([[40], [0], [0]]), kv)[0]  # another token, seeing nothing
-    assert lanes.graphs[1] is graph and not torch.equal(other, kept)
+    assert lanes.graphs[(1, False)] is graph and not torch.equal(other, kept)
     assert torch.equal(logits, kept)
 
 
@@ -101,7 +152,7 @@ def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(sharp_lm, mon
     greedy = dk.SamplingParams(temperature=0, max_new_tokens=6)
     want, _ = run(sharp_lm, [(PROMPTS[0], greedy)], False)
 
-    def broken(self, size, keys, values):
+    def broken(self, size, keys, values, prefix=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(GraphedLanes, "_new_graph", broken)

@@ -107,7 +107,13 @@ class LaneAttention:
             self.new_keys.append(k[:, 0])
             self.new_values.append(v[:, 0])
             keys, values = self.keys[layer, :batch], self.values[layer, :batch]
-            return decode_attention(q, keys, values, self.visible, written_out=False)
+            if self.prefix is None:
+                return decode_attention(q, keys, values, self.visible, written_out=False)
+            # and a shared prefix: one softmax over [its span, the row], written out (SDPA
+            # does not return the log-sum-exp that merging two parts would need)
+            prefix_keys, prefix_values, sees = self.prefix
+            prefixes = (SharedKV(prefix_keys[layer], prefix_values[layer], sees=sees),)
+            return decode_attention(q, keys, values, self.visible, prefixes=prefixes, written_out=True)
         prefixes = ()
         if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
             keys, values, sees = self.prefix
@@ -133,13 +139,14 @@ def lanes_step(
     `span` T > 1: a verification step, T tokens a row (tokens and positions [B, T]) attending
     causally among themselves (`decode_attention`'s T queries a row); logits [B, T, V], new keys
     and values [N, B, T, H_kv, D].
-    `writes` (one token a row, no prefix): the step writes each row's new key and value into
-    `keys` and `values` at its `stored` position and attends over the row with one fused SDPA
-    kernel under an additive mask built once for all layers, where the written-out form costs
-    some fifteen kernels a layer: a CUDA graph's step (cuda_graphs.py), whose kernels run back
-    to back, a few microseconds each however small. It returns the new keys and values all the
-    same: the engine writes them into the pool, and not again into the rows
-    (`GraphedLanes.writes_rows`).
+    `writes` (one token a row): the step writes each row's new key and value into `keys` and
+    `values` at its `stored` position and attends over the row with one fused SDPA kernel
+    under an additive mask built once for all layers, where the written-out form costs some
+    fifteen kernels a layer: a CUDA graph's step (cuda_graphs.py), whose kernels run back to
+    back, a few microseconds each however small. With a prefix, its attention over [the
+    prefix, the row] is written out (one softmax), the new key already in the row. It returns
+    the new keys and values all the same: the engine writes them into the pool, and not again
+    into the rows (`GraphedLanes.writes_rows`).
 
     Each call returns a function with its own code object, called `name`: dynamo keeps its
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
@@ -147,7 +154,7 @@ def lanes_step(
     net, config = model.net, model.config
     cos_table, sin_table = model.rope.tables(model.max_context)
     masks = [(None, False)] * config.num_layers
-    assert not writes or (span == 1 and not prefixed), "a writing step decodes one token a row, no prefix"
+    assert not writes or span == 1, "a writing step decodes one token a row"
 
     def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
         columns = torch.arange(keys.shape[3], device=keys.device)

@@ -26,8 +26,13 @@ written into the pool after it, and into the rows unless the graph stored them t
   sequence's life.
 - Its inputs (tokens, positions, stored lengths) are copied into the graph's own tensors;
   its logits are copied out (the next replay overwrites the graph's).
-- No shared-prefix variant: on CUDA every row holds its whole sequence (rows.py: the
-  prefix merge is the CPU's log-sum-exp kernel).
+- Rows that continue a shared prefix (the n samples of a prompt: rows.py keeps the prompt's
+  keys once and each row only its own positions) run a prefixed graph of their bucket: the
+  step's prefixes (lanes.py `PrefixKV`) are copied into one static buffer when they change
+  (a request joins or leaves, not every step) and each row sees its span [start, end) of it
+  (two more input rows); the buffer's capacity doubles as the prefixes grow, and the
+  prefixed graphs are captured again. The prefix's keys are read once a step for all rows
+  that continue it, with one softmax over [its span, the row] written out.
 - A capture that fails leaves the engine eager with one warning; a request never fails
   for it.
 
@@ -38,6 +43,7 @@ CPU's tests check everything here but the capture.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -52,12 +58,14 @@ WARMUP_RUNS = 2  # runs on a side stream before a capture: lazy initialisation (
 
 @dataclass
 class _Graph:
-    """One bucket's captured step: its input tensors [3, size] (tokens, positions, stored),
-    the RunningKV storage it reads, and what a replay returns."""
+    """One bucket's captured step: its input tensors [3, size] (tokens, positions, stored; a
+    prefixed graph's [5, size]: and each row's prefix span, start and end), the RunningKV
+    storage and the prefix buffer it reads, and what a replay returns."""
 
     inputs: torch.Tensor
     keys: torch.Tensor
     replay: object  # () -> (logits [size, V], new keys, new values [N, size, H_kv, D])
+    prefix_keys: torch.Tensor | None = None
 
 
 class GraphedLanes:
@@ -69,19 +77,23 @@ class GraphedLanes:
         self.model = model
         self.inductor = inductor
         self.capture = capture
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, bool], _Graph] = {}  # (rows, prefixed) -> its graph
         self.failed: str | None = None
         self.captures = 0
         # the writing step stores each row's new key and value itself: the engine then writes the pool only
         self.writes_rows = fused_attention and not inductor
-        self._step = lanes_step(model, "graphed_decode_step", writes=self.writes_rows)
-        self._compiled = None  # the inductor-compiled step, once compiled
+        self._steps = {prefixed: lanes_step(model, "graphed_decode_step" + ("_prefixed" if prefixed else ""),
+                                            prefixed, writes=self.writes_rows)
+                       for prefixed in (False, True)}  # fmt: skip
+        self._compiled: dict[bool, object] = {}  # the inductor-compiled steps, once compiled
+        self.prefix_buffer: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values [N, 1, H_kv, P, D]
+        self._copied = None  # the PrefixKV whose keys the buffer holds
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # shared by the buckets' graphs
 
     @property
     def ready(self) -> dict[tuple[int, bool], bool]:
-        """Every bucket without a shared prefix: a missing graph is captured by `run`."""
-        return {} if self.failed else {(size, False): True for size in BUCKETS}
+        """Every bucket, with and without a shared prefix: a missing graph is captured by `run`."""
+        return {} if self.failed else dict.fromkeys(itertools.product(BUCKETS, (False, True)), True)
 
     @property
     def compiling(self) -> list[str]:
@@ -103,45 +115,75 @@ class GraphedLanes:
         """`CompiledLanes.run`'s contract: logits [rows, V], new keys/values [N, rows, H_kv,
         D], or None (the step stays eager) when a capture failed."""
         size = bucket(rows)
-        if size is None or prefix is not None or self.failed:
+        if size is None or self.failed:
             return None
         running_kv.reserve_rows(size)
-        graph = self.graphs.get(size)
-        if graph is None or graph.keys is not running_kv.keys:
-            graph = self._capture_bucket(size, running_kv)
+        prefixed = prefix is not None
+        if prefixed:
+            self._hold_prefix(prefix)
+        graph = self.graphs.get((size, prefixed))
+        if graph is None or self._stale(graph, running_kv):
+            graph = self._capture_bucket(size, running_kv, prefixed)
             if graph is None:
                 return None
         inputs = graph.inputs
         inputs[0, :rows].copy_(tokens)
         inputs[1, :rows].copy_(positions)
         inputs[2, :rows].copy_(stored)
+        if prefixed:
+            inputs[3:, :rows].copy_(bounds)
         if rows < size:
-            inputs[:, rows:].zero_()  # padded rows (unused lanes): token 0 at position 0, seeing only itself
+            # padded rows (unused lanes): token 0 at position 0, seeing only itself (no prefix)
+            inputs[:, rows:].zero_()
         logits, keys, values = graph.replay()
         return logits[:rows].clone(), keys[:, :rows], values[:, :rows]
 
-    def _capture_bucket(self, size: int, running_kv) -> _Graph | None:
-        stale = [key for key, graph in self.graphs.items() if graph.keys is not running_kv.keys]
-        for key in stale:  # the rows grew: graphs over their old storage read freed memory
+    def _stale(self, graph: _Graph, running_kv) -> bool:
+        """Whether the rows or the prefix buffer grew since the graph was captured: it reads
+        their old storage, freed memory."""
+        return graph.keys is not running_kv.keys or (
+            graph.prefix_keys is not None and graph.prefix_keys is not self.prefix_buffer[0])  # fmt: skip
+
+    def _hold_prefix(self, prefix) -> None:
+        """The step's prefixes (a PrefixKV) in the buffer the prefixed graphs read: copied
+        when they changed, into a new buffer of twice the capacity when they do not fit."""
+        if prefix is self._copied:
+            return
+        length = prefix.keys.shape[3]
+        if self.prefix_buffer is None or self.prefix_buffer[0].shape[3] < length:
+            capacity = max(64, 1 << (length - 1).bit_length())
+            shape = (*prefix.keys.shape[:3], capacity, prefix.keys.shape[4])
+            # zeros, not empty: positions no row sees still meet a zero weight in a matmul (0 * nan)
+            self.prefix_buffer = (prefix.keys.new_zeros(shape), prefix.values.new_zeros(shape))
+        self.prefix_buffer[0][:, :, :, :length].copy_(prefix.keys)
+        self.prefix_buffer[1][:, :, :, :length].copy_(prefix.values)
+        self._copied = prefix
+
+    def _capture_bucket(self, size: int, running_kv, prefixed: bool) -> _Graph | None:
+        for key in [key for key, graph in self.graphs.items() if self._stale(graph, running_kv)]:
             del self.graphs[key]
         try:
-            graph = self._new_graph(size, running_kv.keys, running_kv.values)
+            prefix = self.prefix_buffer if prefixed else None
+            graph = self._new_graph(size, running_kv.keys, running_kv.values, prefix)
         except Exception as error:  # noqa: BLE001 -- the engine stays eager, the request is fine
             self.failed = f"{type(error).__name__}: {error}"
             message = f"the CUDA graph of the decode step failed; the engine stays eager ({self.failed:.200})"
             warnings.warn(message, RuntimeWarning, stacklevel=4)
             return None
-        self.graphs[size] = graph
+        self.graphs[(size, prefixed)] = graph
         self.captures += 1
         return graph
 
-    def _new_graph(self, size: int, keys: torch.Tensor, values: torch.Tensor) -> _Graph:
-        inputs = torch.zeros((3, size), dtype=torch.long, device=keys.device)
+    def _new_graph(self, size: int, keys: torch.Tensor, values: torch.Tensor, prefix=None) -> _Graph:
+        inputs = torch.zeros((3 if prefix is None else 5, size), dtype=torch.long, device=keys.device)
         args = (inputs[0][:, None], inputs[1], inputs[2], keys, values)
-        step = self._step_function(args)
+        extra = () if prefix is None else (*prefix, inputs[3:])  # the buffer and the rows' spans [2, size]
+        step = self._step_function((*args, *extra), prefix is not None)
         # runs before the real inputs (a warm-up, the first outputs) read a copy of the rows:
         # the writing step would store its placeholder keys in the running sequences' rows
-        scratch = (*args[:3], keys[:, :size].clone(), values[:, :size].clone())
+        scratch = (*args[:3], keys[:, :size].clone(), values[:, :size].clone(), *extra)
+        args = (*args, *extra)
+        prefix_keys = None if prefix is None else prefix[0]
         if not self.capture:  # as a graph: the same output tensors, overwritten by each run
             outputs = step(*scratch)
 
@@ -150,7 +192,7 @@ class GraphedLanes:
                     output.copy_(new)
                 return outputs
 
-            return _Graph(inputs, keys, rerun)
+            return _Graph(inputs, keys, rerun, prefix_keys)
         device = keys.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -168,18 +210,19 @@ class GraphedLanes:
             graph.replay()
             return outputs
 
-        return _Graph(inputs, keys, replay)
+        return _Graph(inputs, keys, replay, prefix_keys)
 
-    def _step_function(self, example: tuple):
+    def _step_function(self, example: tuple, prefixed: bool):
         """The step a graph records: eager, or inductor's, compiled on `example` at first use."""
         if not self.inductor:
-            return self._step
-        if self._compiled is None:
+            return self._steps[prefixed]
+        if prefixed not in self._compiled:
             from decodekit.engine.lanes import compile_options, compile_step
 
             # no C++ wrapper: a replayed graph has no wrapper to speed up
             options = compile_options(compiled.BACKEND, cpp_wrapper=False)
-            name = "graphed_compiled_step"
-            self._compiled = compile_step(self.model, name, False, example, compiled.BACKEND, options)
-        return self._compiled
+            name = "graphed_compiled_step" + ("_prefixed" if prefixed else "")
+            step = compile_step(self.model, name, prefixed, example, compiled.BACKEND, options)
+            self._compiled[prefixed] = step
+        return self._compiled[prefixed]
 

@@ -17,7 +17,9 @@ The n samples of one prompt share it (`add_shared`): the prompt's KV is kept onc
 `SharedPrefix` and each sample's row holds only the positions after it. Attention then
 reads the prefix once per step for all n samples and merges it with each row's own part
 by their log-sum-exps (cascade / bifurcated attention: Hydragen, Juravsky et al. 2024;
-FlashInfer's cascade inference), instead of reading n copies of the prompt (batch.py).
+FlashInfer's cascade inference), instead of reading n copies of the prompt (batch.py), on a
+GPU too (its graphed step: cuda_graphs.py); a GPU's rows then hold only the samples' own
+tokens, not n copies of the prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from decodekit.engine.block_pool import BlockPool
-from decodekit.models.attention import LSE_KERNEL  # SDPA with the log-sum-exp (or None)
 
 
 @dataclass(eq=False)
@@ -60,8 +61,9 @@ class RunningKV:
         self.owners: list[object] = []  # the sequence in each used row
         self.lengths: list[int] = []  # positions stored in each used row (after its prefix)
         self.prefixes: list[SharedPrefix | None] = []  # the shared prefix each row continues
-        # The log-sum-exp kernel that merges a shared prefix's attention is the CPU's own.
-        self.share_prefixes = share_prefixes and LSE_KERNEL is not None and pool.keys.is_cpu
+        # On every device: the CPU's eager step merges the prefix's attention by its log-sum-exp
+        # kernel, a GPU's (and a compiled step) by one softmax written out (models/attention.py).
+        self.share_prefixes = share_prefixes
 
     def __len__(self) -> int:
         return len(self.owners)
