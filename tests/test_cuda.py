@@ -106,13 +106,15 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_the_eager_engine(pair, fus
     assert lanes.captures >= 4 and engine.compiled.steps >= 85
 
 
-def test_samples_read_their_shared_prompt_in_the_graphs_as_the_eager_engine(pair):
-    """n samples of a prompt keep it once on a GPU too (engine/rows.py `add_shared`) and their
-    graphed steps read it from the prefix buffer (engine/cuda_graphs.py); a second request's
-    samples of a 93-token prompt join later (the buffer grows: the prefixed graphs captured
-    again). Greedy, so every sample's tokens are the eager engine's and the CPU's."""
-    from decodekit.engine import Engine, EngineConfig
+def test_samples_read_their_shared_prompt_in_the_graphs_as_the_eager_engine(pair, monkeypatch):
+    """n samples of a prompt keep it once on a GPU too (engine/rows.py `add_shared`; here at
+    any size: `shares`' threshold at 0) and their graphed steps read it from the prefix
+    buffer (engine/cuda_graphs.py); a second request's samples of a 93-token prompt join
+    later (the buffer grows: the prefixed graphs captured again). Greedy, so every sample's
+    tokens are the eager engine's and the CPU's."""
+    from decodekit.engine import Engine, EngineConfig, rows
 
+    monkeypatch.setattr(rows, "GPU_SHARE_MIN_BYTES", 0)
     cpu, gpu = pair
     long = "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. " * 3
     out = {}

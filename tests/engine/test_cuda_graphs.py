@@ -11,9 +11,9 @@ import warnings
 import engine_fixtures
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import decodekit as dk
+from decodekit.bench.aten_calls import CountCalls
 from decodekit.engine import compiled
 from decodekit.engine.compiled import bucket
 from decodekit.engine.config import EngineConfig
@@ -163,20 +163,6 @@ def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(sharp_lm, mon
     assert engine.compiled.steps == 0
     assert "stream is capturing" in engine.lanes.failed and not engine.lanes.ready
     assert sum("CUDA graph" in str(w.message) for w in caught) == 1
-
-
-class CountCalls(TorchDispatchMode):
-    """The ATen calls below it that are not views, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            name = func.overloadpacket.__name__
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_writing_step_attends_with_one_sdpa_call_a_layer(sharp_lm):

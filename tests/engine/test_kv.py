@@ -243,3 +243,25 @@ def test_reference_count_guards_raise_even_under_python_O(sharp_lm):
     slots = manager.reserve(table, 1)
     with pytest.raises(PoolCorrupted, match="RunningKV row 0 holds 5 positions and feeds 1 tokens"):
         build_batch(pool, [(table, TOKENS[:6], slots)], running)
+
+
+def test_a_gpus_samples_share_their_prompt_where_the_copies_would_cost_more_than_its_kernels():
+    """rows.py `shares`: on the CPU n samples always share their prompt's KV; on a GPU (a
+    meta pool stands in: neither device's rule is the CPU's) only where the n - 1 copies
+    would read at least GPU_SHARE_MIN_BYTES a layer each step, and never with sharing off
+    (the batch-invariant mode, sliding windows)."""
+    from decodekit.engine.rows import GPU_SHARE_MIN_BYTES
+
+    def running(device, kv_heads, head_dim, share=True):
+        pool = BlockPool(1, 8, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+        return RunningKV(pool, share_prefixes=share)
+
+    qwen, llama = running("meta", 2, 64), running("meta", 8, 128)  # 512 B and 4 KiB a position and layer
+    assert not qwen.shares(16, 512)  # the GPU benchmark's 16 samples of 512 tokens: 3.75 MiB of copies
+    assert qwen.shares(64, 8_000) and llama.shares(16, 2_200) and not llama.shares(16, 2_000)
+    least = GPU_SHARE_MIN_BYTES // 4096  # two samples: the one copy of keys and values
+    assert llama.shares(2, least) and not llama.shares(2, least - 1)
+    cpu = running("cpu", 2, 64)
+    assert cpu.shares(2, 1) and cpu.shares(16, 512)
+    assert not running("cpu", 2, 64, share=False).shares(16, 512)
+    assert not running("meta", 8, 128, share=False).shares(64, 8_000)

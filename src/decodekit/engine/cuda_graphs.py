@@ -26,8 +26,9 @@ written into the pool after it, and into the rows unless the graph stored them t
   sequence's life.
 - Its inputs (tokens, positions, stored lengths) are copied into the graph's own tensors;
   its logits are copied out (the next replay overwrites the graph's).
-- Rows that continue a shared prefix (the n samples of a prompt: rows.py keeps the prompt's
-  keys once and each row only its own positions) run a prefixed graph of their bucket: the
+- Rows that continue a shared prefix (the n samples of a prompt where sharing pays on a GPU,
+  rows.py `shares`: the prompt's keys kept once, each row only its own positions; some 16
+  more kernels a layer, so only for large n x prompt) run a prefixed graph of their bucket: the
   step's prefixes (lanes.py `PrefixKV`) are copied into one static buffer when they change
   (a request joins or leaves, not every step) and each row sees its span [start, end) of it
   (two more input rows); the buffer's capacity doubles as the prefixes grow, and the

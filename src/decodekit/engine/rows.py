@@ -18,8 +18,8 @@ The n samples of one prompt share it (`add_shared`): the prompt's KV is kept onc
 reads the prefix once per step for all n samples and merges it with each row's own part
 by their log-sum-exps (cascade / bifurcated attention: Hydragen, Juravsky et al. 2024;
 FlashInfer's cascade inference), instead of reading n copies of the prompt (batch.py), on a
-GPU too (its graphed step: cuda_graphs.py); a GPU's rows then hold only the samples' own
-tokens, not n copies of the prompt.
+GPU too (its graphed step: cuda_graphs.py) where it pays (`shares`): a GPU's rows then hold
+only the samples' own tokens, not n copies of the prompt.
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from decodekit.engine.block_pool import BlockPool
+
+# On a GPU a step over shared prefixes costs ~16 more kernels a layer than one over whole rows
+# (its attention over [prefix, row] written out instead of one SDPA kernel: 33-35 ATen calls a
+# layer of qwen2.5-0.5b against 19, benchmarks/graph_step_ops.py), ~40 us a layer at ~2.5 us
+# a replayed kernel, the time an H200 takes to read ~150 MB. Sharing pays there when the
+# copies of the prompt it saves would read more than this each step, a layer (16 samples of
+# a 512-token prompt at qwen2.5-0.5b's 512 bytes a position and layer: 4 MB, so not shared;
+# 64 samples of 8,000 tokens at Llama-3-8B's 4 KiB: 2 GB). An estimate from kernel counts and
+# bandwidth, not yet timed on a GPU (scripts/gpu_check.sh). The CPU always shares (its eager
+# merge is one more kernel; measured: BENCHMARKS.md).
+GPU_SHARE_MIN_BYTES = 128 * 2**20
 
 
 @dataclass(eq=False)
@@ -83,12 +94,24 @@ class RunningKV:
     def add_shared(self, owners: list, blocks: list[int], length: int) -> list[int]:
         """Rows for samples that all continue positions [0, length) of these blocks: the
         prefix is read once and shared, and each row starts empty."""
-        if not self.share_prefixes:
+        if not self.shares(len(owners), length):
             first = self.add(owners[0], blocks, length)
             return [first] + [self.copy(owner, first) for owner in owners[1:]]
         keys, values = self._gather(blocks, length)  # [N, H_kv, P, D]
         prefix = SharedPrefix(keys[:, None].clone(), values[:, None].clone())
         return [self._new_row(owner, 0, prefix) for owner in owners]
+
+    def shares(self, samples: int, length: int) -> bool:
+        """Whether `samples` rows that continue `length` positions share them (module
+        docstring): always on the CPU; on a GPU when the copies it saves would read at
+        least GPU_SHARE_MIN_BYTES a layer each step."""
+        if not self.share_prefixes:
+            return False
+        if self.keys.is_cpu:
+            return True
+        _, _, kv_heads, _, head_dim = self.keys.shape
+        copies = 2 * (samples - 1) * length * kv_heads * head_dim * self.keys.element_size()  # keys, values
+        return copies >= GPU_SHARE_MIN_BYTES
 
     def total_length(self, row: int) -> int:
         """Positions a row's sequence attends to: its shared prefix and its own."""
