@@ -30,6 +30,9 @@ for shape in qwen2.5-0.5b llama-3.2-1b; do
         bench engine --device cuda --shape "$shape" --dtype "$dtype" --new-tokens 128 --repeats 2
 done
 # where a graphed step's time goes, for each attention form of the graph (2026-11-29: the writing
-# SDPA form and the written-out one): GPU replay against the host (not yet run on a GPU)
+# SDPA form and the written-out one): GPU replay against the host; and n samples of one prompt
+# with its KV shared (the prefixed graphs) and not, where engine/rows.py's GPU_SHARE_MIN_BYTES
+# (an estimate) says 16 x 512 does not pay and 64 x 8192 does (none of it yet run on a GPU)
 echo "==> scripts/gpu_step_profile.py --shape qwen2.5-0.5b (a step's wall time, its graph's GPU time, the host's profile)"
-timeout 180 "$python" scripts/gpu_step_profile.py --shape qwen2.5-0.5b --device cuda --dtype "$dtype" --attention both
+timeout 240 "$python" scripts/gpu_step_profile.py --shape qwen2.5-0.5b --device cuda --dtype "$dtype" \
+    --attention both --shared 16:512,64:8192

@@ -11,6 +11,12 @@ milliseconds one replay of the largest captured graph takes (CUDA events), and t
 functions that take most of the host's time over the same steps (cProfile, own time). A step
 much longer than its graph's replay is bound by the host. Prints one JSON line per row count,
 then the profile.
+
+`--shared N:P[,N:P...]` also times N seeded samples of one P-token prompt with the prompt's KV
+shared (engine/rows.py: on a GPU the prefixed graph, forced here whatever `shares` says) and
+with every row holding its whole sequence, alternating, median wall milliseconds a decode
+step: where on this device sharing starts to pay (rows.py GPU_SHARE_MIN_BYTES, an estimate
+until such a run).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import decodekit as dk
 from decodekit.bench.decode import model_or_shape
 from decodekit.bench.engine import CONCURRENT, engine_config, prompts_from_text
 from decodekit.engine import Engine
+from decodekit.engine import rows as engine_rows
 from decodekit.engine.cuda_graphs import GraphedLanes
 
 
@@ -91,6 +98,31 @@ def profile_rows(model, rows: int, steps: int, top: int, fused: bool = True) -> 
     return result, text.getvalue()
 
 
+def shared_prefix_ms(model, samples: int, length: int, steps: int, rounds: int = 2) -> dict:
+    """Median wall milliseconds of a decode step of `samples` samples of one `length`-token
+    prompt, its KV shared and not (module docstring)."""
+    cuda = model.device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    [prompt] = prompts_from_text(model, 1, [length])
+    params = dk.SamplingParams(n=samples, max_new_tokens=steps + 8, seed=0, ignore_eos=True, temperature=1)
+    times: dict[str, list[float]] = {"shared": [], "whole rows": []}
+    threshold = engine_rows.GPU_SHARE_MIN_BYTES
+    try:
+        for _ in range(rounds):
+            for form, seconds in times.items():
+                engine_rows.GPU_SHARE_MIN_BYTES = 0  # a GPU shares whatever the size; the CPU always does
+                engine = Engine(model, engine_config(None if cuda else False, model))
+                engine.running_kv.share_prefixes = form == "shared"
+                engine.submit(prompt, params)
+                for _ in range(4):  # the prompt, the first decode steps and their captures
+                    engine.step()
+                assert (engine.running_kv.prefixes[0] is not None) == (form == "shared")
+                seconds += timed_steps(engine, steps, synchronize)
+    finally:
+        engine_rows.GPU_SHARE_MIN_BYTES = threshold
+    return {form: round(statistics.median(s) * 1e3, 3) for form, s in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="an embedded model's name or a checkpoint directory")
@@ -102,22 +134,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=18, help="functions in the profile")
     parser.add_argument("--attention", default="both", choices=("both", "sdpa", "written"),
                         help="on a GPU, the graphed step's attention form(s) (default both, alternating)")
+    parser.add_argument("--shared", default="", metavar="N:P[,N:P...]",
+                        help="also time N samples of a P-token prompt, its KV shared and not")
     args = parser.parse_args(argv)
     if (args.model is None) == (args.shape is None):
         parser.error("give one of --model NAME and --shape SHAPE")
-    rows = [int(r) for r in args.rows.split(",") if r.strip()]
-    if not rows or min(rows) < 1 or args.steps < 1:
+    counts = [int(r) for r in args.rows.split(",") if r.strip()]
+    if not counts or min(counts) < 1 or args.steps < 1:
         parser.error(f"--rows must be positive counts and --steps >= 1, got {args.rows!r} and {args.steps}")
+    try:
+        shared = [tuple(int(x) for x in item.split(":")) for item in args.shared.split(",") if item.strip()]
+    except ValueError:
+        shared = [()]
+    if any(len(item) != 2 or min(item) < 2 for item in shared):
+        parser.error(f"--shared must be N:P pairs of at least 2 samples and 2 tokens, got {args.shared!r}")
     torch.set_num_threads(1)
     with model_or_shape(args.model, args.shape) as name:
         model = dk.load_model(name, dtype=args.dtype, device=args.device)
         forms = {"both": (True, False), "sdpa": (True,), "written": (False,)}[args.attention]
-        for count in rows:
+        for count in counts:
             for fused in forms if model.device.type == "cuda" else (True,):
                 result, profile = profile_rows(model, count, args.steps, args.top, fused)
                 line = {"model": args.model or args.shape, "device": args.device, **result}
                 print(json.dumps(line), flush=True)
                 print(profile, flush=True)
+        for samples, length in shared:
+            ms = shared_prefix_ms(model, samples, length, args.steps)
+            print(json.dumps({"model": args.model or args.shape, "device": args.device, "samples": samples,
+                              "prompt_tokens": length, "wall_ms_per_step": ms,
+                              "shared_over_whole": round(ms["shared"] / ms["whole rows"], 3)}), flush=True)
     return 0
 
 

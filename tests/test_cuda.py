@@ -156,11 +156,14 @@ def both(tmp_path_factory):
     from decodekit.meta.tasks.arith import load_orm, load_prm
     from decodekit.models.registry import ASSETS
 
+    half_checkpoint = _test_devices().half_checkpoint
     path = tmp_path_factory.mktemp("cuda")
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=8), path / "int8")
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, group_size=32), path / "int4")
+    compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, head_bits=8), path / "int4-head8")
     where = {"shakespeare": "shakespeare", "draft": "shakespeare-draft", "arith": "arith",
-             "int8": path / "int8", "int4": path / "int4"}  # fmt: skip
+             "int8": path / "int8", "int4": path / "int4", "int4-head8": path / "int4-head8",
+             "half": half_checkpoint(path / "half")}  # fmt: skip
     try:
         from decodekit.compress.gguf import write_gguf
 
@@ -193,27 +196,34 @@ def _tokens(result) -> list:
     return repr(result)
 
 
-def _runs():
-    """test_devices.py's RUNS, each skipped where its optional package is missing."""
+def _test_devices():
+    """tests/test_devices.py, the strategies' runs and models."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_devices import RUNS, skip_without_its_package
+    import test_devices
+
+    return test_devices
+
+
+def _runs():
+    """test_devices.py's RUNS, each skipped where its optional package is missing."""
+    devices = _test_devices()
 
     def checked(name):
         def run(models):
-            skip_without_its_package(name)
-            return RUNS[name](models)
+            devices.skip_without_its_package(name)
+            return devices.RUNS[name](models)
 
         return run
 
-    return {name: checked(name) for name in RUNS}
+    return {name: checked(name) for name in devices.RUNS}
 
 
 GREEDY_RUNS = ["greedy", "short-prompts-together", "stream", "beam", "speculative-draft",
                "speculative-self-int4", "contrastive", "contrastive-window", "constrained"]  # fmt: skip
-ROUNDED = ["int8", "int4", "gguf"]  # compressed: the CPU's packed kernels round x to bfloat16
+ROUNDED = ["int8", "int4", "int4-head8", "gguf"]  # compressed: the CPU's packed kernels round x to bfloat16
 
 
 @pytest.mark.parametrize("name", GREEDY_RUNS)

@@ -31,7 +31,10 @@ def models(tmp_path_factory):
     path = tmp_path_factory.mktemp("devices")
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=8), path / "int8")
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, group_size=32), path / "int4")
-    names = {"int8": path / "int8", "int4": path / "int4"}
+    # an int8 head, and the tied embedding's lookup on its codes (models/qlinear.py QuantizedEmbedding)
+    compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, head_bits=8), path / "int4-head8")
+    names = {"int8": path / "int8", "int4": path / "int4", "int4-head8": path / "int4-head8",
+             "half": half_checkpoint(path / "half")}  # fmt: skip
     try:  # the gguf package (the dev extra) writes the file
         from decodekit.compress.gguf import write_gguf
 
@@ -44,6 +47,18 @@ def models(tmp_path_factory):
     return {"shakespeare": dk.load_model("shakespeare"), "draft": dk.load_model("shakespeare-draft"),
             "arith": dk.load_model("arith"), "orm": load_orm("arith-hf-orm"), "prm": load_prm("arith-hf-prm"),
             **loaded}  # fmt: skip
+
+
+def half_checkpoint(path):
+    """A float16 checkpoint (Qwen2.5's architecture at tiny widths, tied): "auto" runs it in
+    float32 on the CPU with its linear layers' weights kept in float16 (models/half_linear.py),
+    on a GPU in float16."""
+    from decodekit.models import shapes
+
+    config = shapes.shape_config("qwen2.5-0.5b", "float16")
+    config.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_hidden_layers=2, tie_word_embeddings=True)  # fmt: skip
+    return shapes.save_checkpoint(config, path)
 
 
 def _arith(models, method):
@@ -87,6 +102,8 @@ RUNS = {
     "int8": lambda m: dk.generate(m["int8"], ["ROMEO:", "JU"], SEEDED),
     "int4": lambda m: dk.generate(m["int4"], ["ROMEO:", "JU"], SEEDED),
     "gguf": lambda m: dk.generate(m["gguf"], ["ROMEO:", "JU"], GREEDY),
+    "int4-head8": lambda m: dk.generate(m["int4-head8"], ["ROMEO:", "JU"], SEEDED),
+    "half-weights": lambda m: dk.generate(m["half"], ["ROMEO:", "JU"], SEEDED.replace(n=2)),
 }
 # the optional package each run needs (a GPU machine may lack the extras: test_cuda.py)
 NEEDS = {"gguf": "gguf", "constrained": "llguidance", "healing": "llguidance"}
