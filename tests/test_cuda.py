@@ -182,20 +182,6 @@ def both(tmp_path_factory):
     return out
 
 
-def _tokens(result) -> list:
-    """Comparable token ids of a run's result: completions (nested), a stream's deltas, a
-    speculative result or a meta-generator's result."""
-    if hasattr(result, "completions"):
-        return _tokens(result.completions)
-    if hasattr(result, "candidates"):  # a meta-generator's: its candidates' texts and the answer
-        return [[getattr(c, "text", None) for c in result.candidates], repr(getattr(result, "answer", None))]
-    if hasattr(result, "token_ids"):
-        return list(result.token_ids)
-    if isinstance(result, list | tuple):
-        return [_tokens(item) for item in result]
-    return repr(result)
-
-
 def _test_devices():
     """tests/test_devices.py, the strategies' runs and models."""
     import sys
@@ -229,14 +215,14 @@ ROUNDED = ["int8", "int4", "int4-head8", "gguf"]  # compressed: the CPU's packed
 @pytest.mark.parametrize("name", GREEDY_RUNS)
 def test_greedy_strategies_on_the_device_give_the_cpus_tokens(both, name):
     run = _runs()[name]
-    assert _tokens(run(both["cuda"])) == _tokens(run(both["cpu"]))
+    assert _test_devices().tokens(run(both["cuda"])) == _test_devices().tokens(run(both["cpu"]))
 
 
 @pytest.mark.parametrize("name", sorted(set(_runs()) - set(GREEDY_RUNS)))
 def test_seeded_strategies_on_the_device_repeat_themselves(both, name):
     run = _runs()[name]
-    first = _tokens(run(both["cuda"]))
-    assert first == _tokens(run(both["cuda"]))
+    first = _test_devices().tokens(run(both["cuda"]))
+    assert first == _test_devices().tokens(run(both["cuda"]))
 
 
 @pytest.mark.parametrize("name", ROUNDED)
@@ -245,4 +231,4 @@ def test_compressed_models_on_the_device_give_the_cpus_unpack_tokens(both, name)
         pytest.skip("needs the gguf package")
     model = {"cpu": both["cpu"][name], "cuda": both["cuda"][name]}
     cpu, gpu = (dk.generate(model[d], ["ROMEO:", "JU"], GREEDY) for d in ("cpu", "cuda"))
-    assert _tokens(gpu) == _tokens(cpu)
+    assert _test_devices().tokens(gpu) == _test_devices().tokens(cpu)

@@ -116,12 +116,63 @@ def skip_without_its_package(name: str) -> None:
         pytest.skip(f"needs the {NEEDS[name]} package")
 
 
+def tokens(result) -> list:
+    """Comparable token ids of a run's result: completions (nested), a stream's deltas, a
+    speculative result or a meta-generator's result."""
+    if hasattr(result, "completions"):
+        return tokens(result.completions)
+    if hasattr(result, "candidates"):  # a meta-generator's: its candidates' texts and the answer
+        return [[getattr(c, "text", None) for c in result.candidates], repr(getattr(result, "answer", None))]
+    if hasattr(result, "token_ids"):
+        return list(result.token_ids)
+    if isinstance(result, list | tuple):
+        return [tokens(item) for item in result]
+    return repr(result)
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_strategy_names_its_tensors_devices(models, name):
     skip_without_its_package(name)
     with NamedDevices():
         out = RUNS[name](models)
     assert out  # each run returns its completions (or a search's result)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_strategy_through_a_gpus_graphed_step_gives_the_cpus_tokens(models, name, monkeypatch):
+    """On a GPU the engine's decode-only steps replay CUDA graphs (engine/cuda_graphs.py
+    `GraphedLanes`), the steps that every strategy's requests and programs run on there. Here
+    the same bookkeeping on the CPU (`capture=False`: the step called on the graphs' own input
+    tensors and the rows' storage, their outputs copied out, the rows written inside the
+    step), for every engine the run builds: the tokens equal the CPU path's."""
+    skip_without_its_package(name)
+    from decodekit.engine import compile_policy
+    from decodekit.engine.cuda_graphs import GraphedLanes
+    from decodekit.engine.engine import forget_engine
+
+    want = tokens(RUNS[name](models))
+    original, replayed = compile_policy.CompiledDecode.__init__, []
+
+    def graphed(self, model, mode, span=1):
+        original(self, model, mode, span)
+        if span == 1:
+            self.lanes = GraphedLanes(model, capture=False)
+            run = self.lanes.run
+            self.lanes.run = lambda *args, **kwargs: replayed.append(out := run(*args, **kwargs)) or out
+
+    for model in models.values():  # persistent engines built before the patch
+        forget_engine(model)
+    monkeypatch.setattr(compile_policy.CompiledDecode, "__init__", graphed)
+    try:
+        got = tokens(RUNS[name](models))
+    finally:
+        for model in models.values():
+            forget_engine(model)
+    assert got == want
+    # every run but two has one-token steps over RunningKV rows or a draft's gathered rows
+    # (prompt lookup only verifies spans; a windowed amateur attends over its window eagerly)
+    ran = any(out is not None for out in replayed)
+    assert ran == (name not in ("speculative-prompt-lookup", "contrastive-window")), replayed
 
 
 def test_the_compiled_step_names_its_inputs_devices(models):
