@@ -165,3 +165,43 @@ def test_finished_rows_leave_the_state_and_the_others_keep_theirs():
     assert first.state.generated == [first.rows[0].token_ids, first.rows[2].token_ids]
     assert all(kept is before for kept, before in zip(second.state.generated, histories, strict=True))
     assert [len(h) for h in second.state.generated] == [3, 3, 3]
+
+
+def test_plain_greedy_skips_the_one_hot_and_gives_its_tokens_and_logprobs():
+    """A greedy request with no other adapter (chain.py `argmax_only`) takes the raw logits'
+    argmax and a processed logprob of 0 without building the temperature-0 adapter's one-hot
+    (an argmax, a scatter and a log-softmax over the vocabulary fewer): the same tokens and
+    logprobs as through the adapter, alone, in a batch of greedy requests, and beside a
+    seeded one (where the one-hot is built for the batch's processed logits)."""
+    import torch
+
+    import decodekit as dk
+    from decodekit.bench.aten_calls import CountCalls
+    from decodekit.request import make_requests, sample_rows
+
+    model = dk.load_model("shakespeare-5gram")
+    greedy = dk.SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    seeded = dk.SamplingParams(temperature=0.8, top_k=20, seed=1, max_new_tokens=50, ignore_eos=True)
+    layouts = {"alone": [greedy], "greedy batch": [greedy, greedy.replace(n=2)], "mixed": [greedy, seeded]}
+    generator = torch.Generator().manual_seed(0)
+    for layout, params in layouts.items():
+        prompts = [[1 + i, 2, 3] for i in range(len(params))]
+        runs = {}
+        for fast in (True, False):
+            requests = make_requests(model, prompts, params)
+            assert requests[0].chain.argmax_only
+            for request in requests:
+                request.chain.argmax_only &= fast  # through the adapter: the one-hot built
+            runs[fast] = [row for request in requests for row in request.rows]
+        for _ in range(5):
+            logits = torch.randn(len(runs[True]), model.vocab_size, generator=generator) * 3
+            with torch.inference_mode(), CountCalls() as counter:
+                fast_tokens = sample_rows(logits, runs[True])
+            slow_tokens = sample_rows(logits, runs[False])
+            assert fast_tokens.tolist() == slow_tokens.tolist(), layout
+            if layout != "mixed":
+                assert counter.calls["log_softmax"] == 1 and "scatter" not in counter.calls, counter.calls
+        for mine, theirs in zip(*runs.values(), strict=True):
+            assert mine.token_ids == theirs.token_ids and mine.logprobs == theirs.logprobs, layout
+            assert mine.processed_logprobs == theirs.processed_logprobs, layout
+        assert all(lp == 0.0 for lp in runs[True][0].processed_logprobs)

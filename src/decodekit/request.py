@@ -258,7 +258,8 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         else:
             [(request, _)] = requests
             processed, chosen = _sample_request(raw, request, None if hidden is None else hidden[start:stop])
-        processed_all[start:stop] = processed
+        # plain greedy's processed logits: the argmax's one-hot, as the temperature-0 adapter gives
+        processed_all[start:stop] = processed if processed is not None else one_hot(raw, chosen)
         tokens[start:stop] = chosen
     record(live, logits, processed_all, tokens, [pair for _, _, requests in batches for pair in requests])
     return tokens
@@ -298,6 +299,8 @@ def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tup
     """Several requests' rows [R, V] through their common row-wise chain: processed logits
     and tokens [R] (`record` advances each request's state)."""
     first = requests[0][0]
+    if getattr(first.chain, "argmax_only", False):  # plain greedy: no processed logits (`record`)
+        return None, raw.argmax(dim=-1)
     processed = raw if first.chain.identity else first.chain(raw, first.state)
     if first.params.greedy:
         chosen = processed.argmax(dim=-1)
@@ -313,6 +316,8 @@ def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | 
     """One request's rows [r, V] (hidden [r, H] or None): processed logits and tokens [r]
     (`record` advances its state and mask). A chain without adapters samples from the raw
     logits themselves."""
+    if request.mask is None and not request.wants_hidden and getattr(request.chain, "argmax_only", False):
+        return None, raw.argmax(dim=-1)  # plain greedy: no processed logits (`record`)
     # The token mask comes first, so the chain renormalises over the allowed tokens.
     allowed = raw if request.mask is None else request.mask.apply(raw)
     request.state.hidden = hidden if hidden is not None and request.wants_hidden else None
@@ -322,20 +327,29 @@ def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | 
     return processed, chosen
 
 
-def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor,
+def one_hot(raw: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[R, V]: each row's chosen logit, -inf elsewhere (what the temperature-0 adapter makes)."""
+    index = chosen[:, None]
+    return torch.full_like(raw, float("-inf")).scatter_(-1, index, raw.gather(-1, index))
+
+
+def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, chosen: torch.Tensor,
            accepting: list[tuple[Request, int]] = ()):  # fmt: skip
     """Append each row's token and logprobs, and end the rows it finishes. The rows may
     belong to several requests (each request's rows contiguous, in its state's order); the
-    log-softmaxes run once over the whole batch. accepting: (request, rows) in the rows'
+    log-softmaxes run once over the whole batch. processed None: plain greedy, the chosen
+    tokens' one-hot (a processed logprob of 0). accepting: (request, rows) in the rows'
     order whose state and mask accept the tokens here, from the one host read of the step
     (a caller that accepted them itself passes none)."""
     raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
-    processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     # One read of the step's numbers on the host (a device synchronisation): each row's
-    # token, its two logprobs and, when asked, its entropy and top logprobs, as float64
-    # (ids are exact).
-    columns = [index[:, 0], raw_lp.gather(-1, index)[:, 0], processed_lp.gather(-1, index)[:, 0]]
+    # token, its two logprobs (a one-hot's is 0: not read) and, when asked, its entropy and
+    # top logprobs, as float64 (ids are exact).
+    columns = [index[:, 0], raw_lp.gather(-1, index)[:, 0]]
+    if processed is not None:
+        processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
+        columns.append(processed_lp.gather(-1, index)[:, 0])
     entropy_at = len(columns)
     if any(row.request.params.entropies for row in rows):
         columns.append(raw_entropy(raw_lp))
@@ -345,11 +359,13 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor, chosen: 
         values, ids = raw_lp.topk(top, dim=-1)  # [R, k]
         columns += [*ids.T, *values.T]
     host = torch.stack([column.double() for column in columns]).tolist()  # [C, R]
-    tokens, raw_chosen, processed_chosen = [int(t) for t in host[0]], host[1], host[2]
+    tokens, raw_chosen = [int(t) for t in host[0]], host[1]
+    processed_chosen = host[2] if processed is not None else [0.0] * len(tokens)
     entropies = host[entropy_at] if top_at > entropy_at else None
     at = 0
     for request, count in accepting:
-        request.state.accept(tokens[at : at + count], processed[at : at + count])
+        drawn_from = None if processed is None else processed[at : at + count]
+        request.state.accept(tokens[at : at + count], drawn_from)
         if request.mask is not None:
             request.mask.accept(tokens[at : at + count])
         at += count

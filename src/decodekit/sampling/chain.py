@@ -82,9 +82,10 @@ class SamplerState:
         """Prompt + generated tokens of every row."""
         return [self.prompt_ids + row for row in self.generated]
 
-    def accept(self, tokens: torch.Tensor | Sequence[int], processed_logits: torch.Tensor) -> None:
+    def accept(self, tokens: torch.Tensor | Sequence[int], processed_logits: torch.Tensor | None) -> None:
         """Record the chosen tokens [R] (a tensor, or ints already read on the host) drawn from
-        `processed_logits` [R, V]."""
+        `processed_logits` [R, V] (None: plain greedy's one-hot, request.py; mirostat, the one
+        reader, is never plain greedy)."""
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         assert len(ids) == self.num_rows, (len(ids), self.num_rows)
         for row, token in enumerate(ids):
@@ -125,6 +126,10 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     # logits and reads one log-softmax for both).
     chain.identity = not active
     chain.rowwise_key = rowwise_key(params, [name for name, _ in stages]) if first is None else None
+    # Plain greedy (temperature 0, no other adapter): its processed logits are the raw argmax's
+    # one-hot, so request.py takes the argmax of the raw logits and a processed logprob of 0
+    # without building them (two argmaxes and two log-softmaxes over the vocabulary, one each).
+    chain.argmax_only = first is None and [name for name, _ in stages] == ["temperature"] and params.greedy
     return chain
 
 
