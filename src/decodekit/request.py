@@ -27,7 +27,7 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
-from decodekit.sampling.select import draw_rows
+from decodekit.sampling.select import chosen_logprobs, draw_logits_rows
 from decodekit.text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -305,8 +305,7 @@ def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tup
     if first.params.greedy:
         chosen = processed.argmax(dim=-1)
     else:
-        probs = torch.softmax(processed.double(), dim=-1)
-        chosen = draw_rows(probs, [(request.state.generator, rows) for request, rows in requests])
+        chosen = draw_logits_rows(processed, [(request.state.generator, rows) for request, rows in requests])
     for request, _ in requests:
         request.state.hidden = None
     return processed, chosen
@@ -341,19 +340,22 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
     tokens' one-hot (a processed logprob of 0). accepting: (request, rows) in the rows'
     order whose state and mask accept the tokens here, from the one host read of the step
     (a caller that accepted them itself passes none)."""
-    raw_lp = torch.log_softmax(raw, dim=-1)  # [R, V]
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
+    entropies_asked = any(row.request.params.entropies for row in rows)
+    top = min(max(row.request.params.logprobs or 0 for row in rows), raw.shape[-1])
+    # the rows' whole log-softmax [R, V] only where entropies or top logprobs read it
+    raw_lp = torch.log_softmax(raw, dim=-1) if entropies_asked or top else None
     # One read of the step's numbers on the host (a device synchronisation): each row's
     # token, its two logprobs (a one-hot's is 0: not read) and, when asked, its entropy and
     # top logprobs, as float64 (ids are exact).
-    columns = [index[:, 0], raw_lp.gather(-1, index)[:, 0]]
-    if processed is not None:
-        processed_lp = raw_lp if processed is raw else torch.log_softmax(processed, dim=-1)
-        columns.append(processed_lp.gather(-1, index)[:, 0])
+    columns = [index[:, 0], chosen_logprobs(raw, index) if raw_lp is None else raw_lp.gather(-1, index)[:, 0]]
+    if processed is raw:
+        columns.append(columns[1])
+    elif processed is not None:
+        columns.append(chosen_logprobs(processed, index))
     entropy_at = len(columns)
-    if any(row.request.params.entropies for row in rows):
+    if entropies_asked:
         columns.append(raw_entropy(raw_lp))
-    top = min(max(row.request.params.logprobs or 0 for row in rows), raw_lp.shape[-1])
     top_at = len(columns)
     if top:
         values, ids = raw_lp.topk(top, dim=-1)  # [R, k]

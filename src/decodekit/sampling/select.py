@@ -1,6 +1,17 @@
-"""Selectors: turn processed logits into token ids, and logprob helpers."""
+"""Selectors: turn processed logits into token ids, and logprob helpers.
+
+On the CPU the draws from logits and the chosen tokens' logprobs (`draw_logits_rows`,
+`chosen_logprobs`) of large rows work in one scratch buffer per thread and dtype, kept
+between calls (`_scratch`), instead of [R, V] temporaries made and freed at every decode step:
+at a real vocabulary those are large enough (~310 MB at 64 rows of 151,936 tokens) that glibc
+unmapped them when freed and every step faulted their pages in again (BENCHMARKS.md, "Page
+faults of a decode step"). Small rows (under SCRATCH_MIN_BYTES: the package's 2,048 tokens)
+take the plain ops, fewer calls; a GPU's caching allocator keeps its temporaries, so there too.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -17,6 +28,8 @@ def select_tokens(processed_logits: torch.Tensor, state: SamplerState) -> torch.
 
 def sample_categorical(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row of softmax(logits) [R, V]: tokens [R] long (see `draw`)."""
+    if logits.dim() == 2:
+        return draw_logits_rows(logits, [(generator, logits.shape[0])])
     return draw(torch.softmax(logits.double(), dim=-1), generator)
 
 
@@ -24,8 +37,58 @@ def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]
     """`draw` for the rows of several requests at once, probs [R, V]: each request's
     (generator, rows) in order draws its uniforms as `draw` would, so every row's token is
     the one it gets alone."""
-    u = torch.cat([torch.rand(n, generator=g, dtype=torch.float64, device="cpu") for g, n in generators])
-    return _invert(probs, u)
+    return _invert(probs, _uniforms(generators))
+
+
+def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
+    """`draw_rows` of softmax(logits) [R, V] in float64: the same uniforms and inverse CDF,
+    summed from the unnormalised exp(l - max) (the total scales u, as `draw` allows weights
+    that do not sum to 1), so a draw differs from the normalised one's only where u falls
+    within a rounding of a boundary. On the CPU in the thread's scratch buffer (module
+    docstring)."""
+    u = _uniforms(generators)
+    if not _scratched(logits, torch.float64):
+        return _invert(torch.softmax(logits, dim=-1, dtype=torch.float64), u)
+    cdf = _scratch(logits.shape, torch.float64).copy_(logits)  # [R, V]
+    cdf.sub_(cdf.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
+    return _search(cdf, u)
+
+
+def chosen_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[r, index[r]] of logits [R, V] and index [R, 1]: [R]; large rows on
+    the CPU without the whole rows' log-softmax (exp summed in the thread's scratch buffer)."""
+    if not _scratched(logits, logits.dtype):
+        return torch.log_softmax(logits, dim=-1).gather(-1, index)[:, 0]
+    chosen = logits.gather(-1, index)[:, 0]
+    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
+    spread = _scratch(logits.shape, logits.dtype).copy_(logits).sub_(top).exp_()
+    return chosen - (spread.sum(dim=-1).log_() + top[:, 0])
+
+
+def _uniforms(generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
+    return torch.cat([torch.rand(n, generator=g, dtype=torch.float64, device="cpu") for g, n in generators])
+
+
+_SCRATCH = threading.local()
+# [R, V] work below this stays in plain ops (a few calls fewer; glibc keeps small blocks)
+SCRATCH_MIN_BYTES = 4 * 2**20
+
+
+def _scratched(logits: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether [R, V] work of `logits` in `dtype` runs in the scratch buffer (module docstring)."""
+    return logits.is_cpu and logits.numel() * dtype.itemsize >= SCRATCH_MIN_BYTES
+
+
+def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `shape` for one call's work, from this thread's buffer of `dtype`,
+    grown (doubling) when too small and kept for the next call; its contents are garbage."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    numel = shape.numel()
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(max(numel, 2 * (0 if buffer is None else buffer.numel())),
+                                              dtype=dtype)  # fmt: skip
+    return buffer[:numel].view(shape)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -43,12 +106,16 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 
 def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first index i of each row of probs [..., V] with cdf[i] > u * total, u [...]."""
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [..., V]
+    return _search(torch.cumsum(probs.double(), dim=-1), u)
+
+
+def _search(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index i of each row of cdf [..., V] with cdf[i] > u * cdf[-1], u [...]."""
     # to a GPU asynchronously, from pinned memory: no synchronisation of the host
     u = u.pin_memory().to(cdf.device, non_blocking=True) if cdf.is_cuda else u.to(cdf.device)
     target = u[..., None] * cdf[..., -1:]
     tokens = torch.searchsorted(cdf, target, right=True)[..., 0]
-    return tokens.clamp(max=probs.shape[-1] - 1)
+    return tokens.clamp(max=cdf.shape[-1] - 1)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
