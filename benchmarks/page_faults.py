@@ -13,10 +13,12 @@ load (mallopt: no mmap, a trim threshold of 1 GiB, one arena), the experiment of
 faults cost. Prints one JSON
 line per (rows, malloc, round): the median step, its faults and the resident size after.
 
-A sampled step's temporaries at R rows and V tokens: the logits and their log-softmax [R, V]
-float32, the float64 probabilities and their running sums [R, V] (sampling/select.py), and the
-float64 copy softmax is taken of: ~310 MB at 64 rows. glibc serves blocks of more than 32 MB
-with mmap and unmaps them on free, and trims the top of its heap past a threshold.
+A sampled step's temporaries at R rows and V tokens were the logits and their log-softmax
+[R, V] float32, the float64 probabilities and their running sums [R, V], and the float64 copy
+softmax was taken of: ~310 MB at 64 rows. glibc serves blocks of more than 32 MB with mmap and
+unmaps them on free, and trims the top of its heap past a threshold, so each step faulted
+them in again. sampling/select.py now works in a scratch buffer kept between steps; the
+logits (the model's output) are still made each step.
 """
 
 from __future__ import annotations
