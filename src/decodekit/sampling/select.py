@@ -1,8 +1,9 @@
 """Selectors: turn processed logits into token ids, and logprob helpers.
 
 On the CPU the draws from logits and the chosen tokens' logprobs (`draw_logits_rows`,
-`chosen_logprobs`) of large rows work in one scratch buffer per thread and dtype, kept
-between calls (`_scratch`), instead of [R, V] temporaries made and freed at every decode step:
+`chosen_logprobs`) of large rows write the same kernels' outputs (softmax, running sums,
+log-softmax: the same numbers, bit for bit) into scratch buffers kept per thread between calls
+(`_scratch`), instead of [R, V] temporaries made and freed at every decode step:
 at a real vocabulary those are large enough (~310 MB at 64 rows of 151,936 tokens) that glibc
 unmapped them when freed and every step faulted their pages in again (BENCHMARKS.md, "Page
 faults of a decode step"). Small rows (under SCRATCH_MIN_BYTES: the package's 2,048 tokens)
@@ -41,28 +42,23 @@ def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]
 
 
 def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
-    """`draw_rows` of softmax(logits) [R, V] in float64: the same uniforms and inverse CDF,
-    summed from the unnormalised exp(l - max) (the total scales u, as `draw` allows weights
-    that do not sum to 1), so a draw differs from the normalised one's only where u falls
-    within a rounding of a boundary. On the CPU in the thread's scratch buffer (module
-    docstring)."""
+    """`draw_rows(softmax(logits.double()), generators)` for logits [R, V], bit for bit; large
+    rows on the CPU in the thread's scratch buffers (module docstring)."""
     u = _uniforms(generators)
     if not _scratched(logits, torch.float64):
         return _invert(torch.softmax(logits, dim=-1, dtype=torch.float64), u)
-    cdf = _scratch(logits.shape, torch.float64).copy_(logits)  # [R, V]
-    cdf.sub_(cdf.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
-    return _search(cdf, u)
+    wide = _scratch(logits.shape, torch.float64, 0).copy_(logits)  # [R, V]
+    probs = torch.ops.aten._softmax.out(wide, -1, False, out=_scratch(logits.shape, torch.float64, 1))
+    return _search(torch.cumsum(probs, dim=-1, out=wide), u)
 
 
 def chosen_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[r, index[r]] of logits [R, V] and index [R, 1]: [R]; large rows on
-    the CPU without the whole rows' log-softmax (exp summed in the thread's scratch buffer)."""
-    if not _scratched(logits, logits.dtype):
-        return torch.log_softmax(logits, dim=-1).gather(-1, index)[:, 0]
-    chosen = logits.gather(-1, index)[:, 0]
-    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
-    spread = _scratch(logits.shape, logits.dtype).copy_(logits).sub_(top).exp_()
-    return chosen - (spread.sum(dim=-1).log_() + top[:, 0])
+    the CPU in the thread's scratch buffer (module docstring)."""
+    out = _scratch(logits.shape, logits.dtype) if _scratched(logits, logits.dtype) else None
+    log_probs = torch.log_softmax(logits, dim=-1) if out is None else (
+        torch.ops.aten._log_softmax.out(logits, -1, False, out=out))  # fmt: skip
+    return log_probs.gather(-1, index)[:, 0]
 
 
 def _uniforms(generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
@@ -79,15 +75,16 @@ def _scratched(logits: torch.Tensor, dtype: torch.dtype) -> bool:
     return logits.is_cpu and logits.numel() * dtype.itemsize >= SCRATCH_MIN_BYTES
 
 
-def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of `shape` for one call's work, from this thread's buffer of `dtype`,
-    grown (doubling) when too small and kept for the next call; its contents are garbage."""
+def _scratch(shape: torch.Size, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
+    """A CPU tensor of `shape` for one call's work, from this thread's buffer `slot` of
+    `dtype`, grown (doubling) when too small and kept for the next call; its contents are
+    garbage."""
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     numel = shape.numel()
-    buffer = buffers.get(dtype)
+    buffer = buffers.get((dtype, slot))
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[dtype] = torch.empty(max(numel, 2 * (0 if buffer is None else buffer.numel())),
-                                              dtype=dtype)  # fmt: skip
+        grown = max(numel, 2 * (0 if buffer is None else buffer.numel()))
+        buffer = buffers[(dtype, slot)] = torch.empty(grown, dtype=dtype)
     return buffer[:numel].view(shape)
 
 
