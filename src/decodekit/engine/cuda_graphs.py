@@ -31,8 +31,8 @@ written into the pool after it, and into the rows unless the graph stored them t
   more kernels a layer, so only for large n x prompt) run a prefixed graph of their bucket: the
   step's prefixes (lanes.py `PrefixKV`) are copied into one static buffer when they change
   (a request joins or leaves, not every step) and each row sees its span [start, end) of it
-  (two more input rows); the buffer's capacity doubles as the prefixes grow, and the
-  prefixed graphs are captured again. The prefix's keys are read once a step for all rows
+  (two more input rows); the buffer grows to the next power of two when the prefixes outgrow
+  it, and the prefixed graphs are captured again. The prefix's keys are read once a step for all rows
   that continue it, with one softmax over [its span, the row] written out.
 - A capture that fails leaves the engine eager with one warning; a request never fails
   for it.
@@ -147,7 +147,8 @@ class GraphedLanes:
 
     def _hold_prefix(self, prefix) -> None:
         """The step's prefixes (a PrefixKV) in the buffer the prefixed graphs read: copied
-        when they changed, into a new buffer of twice the capacity when they do not fit."""
+        when they changed, into a new buffer (the next power of two of their length, at least
+        64 positions) when they do not fit."""
         if prefix is self._copied:
             return
         length = prefix.keys.shape[3]
