@@ -27,7 +27,7 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
-from decodekit.sampling.select import chosen_logprobs, draw_logits_rows
+from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
 from decodekit.text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -343,8 +343,9 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     entropies_asked = any(row.request.params.entropies for row in rows)
     top = min(max(row.request.params.logprobs or 0 for row in rows), raw.shape[-1])
-    # the rows' whole log-softmax [R, V] only where entropies or top logprobs read it
-    raw_lp = torch.log_softmax(raw, dim=-1) if entropies_asked or top else None
+    # the rows' whole log-softmax [R, V] only where entropies or top logprobs read it (a scratch
+    # slot of its own: `chosen_logprobs` below uses slot 0; read here only, the final row copied)
+    raw_lp = scratch_log_softmax(raw, slot=1) if entropies_asked or top else None
     # One read of the step's numbers on the host (a device synchronisation): each row's
     # token, its two logprobs (a one-hot's is 0: not read) and, when asked, its entropy and
     # top logprobs, as float64 (ids are exact).

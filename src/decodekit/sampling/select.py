@@ -55,10 +55,16 @@ def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generato
 def chosen_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[r, index[r]] of logits [R, V] and index [R, 1]: [R]; large rows on
     the CPU in the thread's scratch buffer (module docstring)."""
-    out = _scratch(logits.shape, logits.dtype) if _scratched(logits, logits.dtype) else None
-    log_probs = torch.log_softmax(logits, dim=-1) if out is None else (
-        torch.ops.aten._log_softmax.out(logits, -1, False, out=out))  # fmt: skip
-    return log_probs.gather(-1, index)[:, 0]
+    return scratch_log_softmax(logits).gather(-1, index)[:, 0]
+
+
+def scratch_log_softmax(logits: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    """log_softmax(logits, -1) of logits [R, V], bit for bit; for large rows on the CPU a view
+    of the thread's scratch buffer `slot` (module docstring), valid until that slot's next use
+    in this thread: read it before, copy what is kept."""
+    if not _scratched(logits, logits.dtype):
+        return torch.log_softmax(logits, dim=-1)
+    return torch.ops.aten._log_softmax.out(logits, -1, False, out=_scratch(logits.shape, logits.dtype, slot))
 
 
 def _uniforms(generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
