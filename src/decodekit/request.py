@@ -344,8 +344,8 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
     entropies_asked = any(row.request.params.entropies for row in rows)
     top = min(max(row.request.params.logprobs or 0 for row in rows), raw.shape[-1])
     # the rows' whole log-softmax [R, V] only where entropies or top logprobs read it (a scratch
-    # slot of its own: `chosen_logprobs` below uses slot 0; read here only, the final row copied)
-    raw_lp = scratch_log_softmax(raw, slot=1) if entropies_asked or top else None
+    # slot of its own, not `chosen_logprobs`' below; read here only, the final row copied)
+    raw_lp = scratch_log_softmax(raw, "whole logprobs") if entropies_asked or top else None
     # One read of the step's numbers on the host (a device synchronisation): each row's
     # token, its two logprobs (a one-hot's is 0: not read) and, when asked, its entropy and
     # top logprobs, as float64 (ids are exact).

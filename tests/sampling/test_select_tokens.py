@@ -156,23 +156,27 @@ def test_scratch_draws_follow_the_distribution_and_equal_the_plain_ones(monkeypa
 
 
 def test_large_rows_reuse_one_buffer_and_fault_no_pages():
-    """The scratch buffer is kept between calls: drawing 16 rows of 151,936 logits again
+    """The scratch buffers are kept between calls: drawing 16 rows of 151,936 logits again
     touches no new memory (the plain path's [R, V] float64 temporaries were unmapped when freed
-    and faulted in again at every call: ~9,500 pages)."""
+    and faulted in again at every call: ~9,500 pages). A buffer made under inference mode is a
+    normal tensor: the next call outside it writes into it (it raised)."""
     import resource
 
     from decodekit.sampling import select
+    from decodekit.scratch import scratch
 
     logits = torch.randn(16, 151_936)
     generator = torch.Generator().manual_seed(0)
-    select.draw_logits_rows(logits, [(generator, 16)])
-    select.chosen_logprobs(logits, torch.zeros(16, 1, dtype=torch.long))
-    buffer = select._scratch(logits.shape, torch.float64)
+    index = torch.zeros(16, 1, dtype=torch.long)
+    with torch.inference_mode():  # as an engine step runs
+        select.draw_logits_rows(logits, [(generator, 16)])
+        select.chosen_logprobs(logits, index)
+    buffer = scratch(logits.shape, torch.float64, "sampled rows")
     faults = []
     for _ in range(3):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         select.draw_logits_rows(logits, [(generator, 16)])
-        select.chosen_logprobs(logits, torch.zeros(16, 1, dtype=torch.long))
+        select.chosen_logprobs(logits, index)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    assert select._scratch(logits.shape, torch.float64).data_ptr() == buffer.data_ptr()
+    assert scratch(logits.shape, torch.float64, "sampled rows").data_ptr() == buffer.data_ptr()
     assert max(faults) < 100, faults

@@ -49,13 +49,13 @@ import argparse
 import functools
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from decodekit.models import kernel_build
+from decodekit.scratch import scratch as thread_scratch
 
 DISABLE_ENV = "DECODEKIT_KERNELS"  # "0" disables the kernels (the pure-torch paths run)
 ISA_NAMES = {1: "avx2", 2: "avx512"}
@@ -198,25 +198,14 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.decodekit.linear(x, weight, bias)
 
 
-_scratch = threading.local()
-
-
 def scratch(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU [rows, columns] buffer this thread reuses, valid until its next call: a prefill's
     weight made for one GEMM (`dequantize`, models/native.py `widened_linear`). A fresh one of
     a large layer's size was page-faulted in on every call: 4.6 ms to allocate and fill 17 MB
     against 1.1 ms to refill (Zen 3). It keeps the largest such weight per dtype and thread that
-    prefilled, memory each call allocated and freed before. Callers use it at once and never
-    where autograd would save it (`eager_op`, `no_grad_needed`)."""
-    numel = rows * columns
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    # A normal tensor, not an inference one: a call under torch.inference_mode and a later
-    # one outside it both write into it.
-    with torch.inference_mode(False):
-        buffer = buffers.get(dtype)
-        if buffer is None or buffer.numel() < numel:
-            buffer = buffers[dtype] = torch.empty(numel, dtype=dtype, device="cpu")
-        return buffer[:numel].view(rows, columns)
+    prefilled, memory each call allocated and freed before (decodekit/scratch.py). Callers use
+    it at once and never where autograd would save it (`eager_op`, `no_grad_needed`)."""
+    return thread_scratch((rows, columns), dtype, "widened weight")
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,

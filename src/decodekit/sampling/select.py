@@ -3,7 +3,7 @@
 On the CPU the draws from logits and the chosen tokens' logprobs (`draw_logits_rows`,
 `chosen_logprobs`) of large rows write the same kernels' outputs (softmax, running sums,
 log-softmax: the same numbers, bit for bit) into scratch buffers kept per thread between calls
-(`_scratch`), instead of [R, V] temporaries made and freed at every decode step:
+(decodekit/scratch.py), instead of [R, V] temporaries made and freed at every decode step:
 at a real vocabulary those are large enough (~310 MB at 64 rows of 151,936 tokens) that glibc
 unmapped them when freed and every step faulted their pages in again (BENCHMARKS.md, "Page
 faults of a decode step"). Small rows (under SCRATCH_MIN_BYTES: the package's 2,048 tokens)
@@ -12,11 +12,10 @@ take the plain ops, fewer calls; a GPU's caching allocator keeps its temporaries
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from decodekit.sampling.chain import SamplerState
+from decodekit.scratch import scratch
 
 
 def select_tokens(processed_logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
@@ -47,8 +46,9 @@ def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generato
     u = _uniforms(generators)
     if not _scratched(logits, torch.float64):
         return _invert(torch.softmax(logits, dim=-1, dtype=torch.float64), u)
-    wide = _scratch(logits.shape, torch.float64, 0).copy_(logits)  # [R, V]
-    probs = torch.ops.aten._softmax.out(wide, -1, False, out=_scratch(logits.shape, torch.float64, 1))
+    wide = scratch(logits.shape, torch.float64, "sampled rows").copy_(logits)  # [R, V]
+    probs = scratch(logits.shape, torch.float64, "probabilities")
+    torch.ops.aten._softmax.out(wide, -1, False, out=probs)
     return _search(torch.cumsum(probs, dim=-1, out=wide), u)
 
 
@@ -58,40 +58,26 @@ def chosen_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return scratch_log_softmax(logits).gather(-1, index)[:, 0]
 
 
-def scratch_log_softmax(logits: torch.Tensor, slot: int = 0) -> torch.Tensor:
+def scratch_log_softmax(logits: torch.Tensor, slot: str = "chosen logprobs") -> torch.Tensor:
     """log_softmax(logits, -1) of logits [R, V], bit for bit; for large rows on the CPU a view
     of the thread's scratch buffer `slot` (module docstring), valid until that slot's next use
     in this thread: read it before, copy what is kept."""
     if not _scratched(logits, logits.dtype):
         return torch.log_softmax(logits, dim=-1)
-    return torch.ops.aten._log_softmax.out(logits, -1, False, out=_scratch(logits.shape, logits.dtype, slot))
+    return torch.ops.aten._log_softmax.out(logits, -1, False, out=scratch(logits.shape, logits.dtype, slot))
 
 
 def _uniforms(generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
     return torch.cat([torch.rand(n, generator=g, dtype=torch.float64, device="cpu") for g, n in generators])
 
 
-_SCRATCH = threading.local()
 # [R, V] work below this stays in plain ops (a few calls fewer; glibc keeps small blocks)
 SCRATCH_MIN_BYTES = 4 * 2**20
 
 
 def _scratched(logits: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether [R, V] work of `logits` in `dtype` runs in the scratch buffer (module docstring)."""
+    """Whether [R, V] work of `logits` in `dtype` runs in scratch buffers (module docstring)."""
     return logits.is_cpu and logits.numel() * dtype.itemsize >= SCRATCH_MIN_BYTES
-
-
-def _scratch(shape: torch.Size, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
-    """A CPU tensor of `shape` for one call's work, from this thread's buffer `slot` of
-    `dtype`, grown (doubling) when too small and kept for the next call; its contents are
-    garbage."""
-    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-    numel = shape.numel()
-    buffer = buffers.get((dtype, slot))
-    if buffer is None or buffer.numel() < numel:
-        grown = max(numel, 2 * (0 if buffer is None else buffer.numel()))
-        buffer = buffers[(dtype, slot)] = torch.empty(grown, dtype=dtype)
-    return buffer[:numel].view(shape)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
