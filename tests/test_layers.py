@@ -19,7 +19,8 @@ ROOT = "decodekit"  # the package's __init__.py
 # Bottom first, as docs/ARCHITECTURE.md states them. A unit imports only units of its own
 # layer or of layers below; within a layer, the cycle check keeps imports one-way.
 LAYERS = [
-    {"validate", "params", "completion", "optional", "runtime", "text", "cache_dir"},  # params: validate only
+    # params imports validate only
+    {"validate", "params", "completion", "optional", "runtime", "text", "cache_dir", "scratch"},
     {"models", "sampling"},  # the LanguageModel contract and models; sampling adapters
     {"compress", "request"},  # compression of models; the request model of every decoder
     {"engine"},  # paged KV, prefix cache, scheduler: runs requests
