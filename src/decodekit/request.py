@@ -27,6 +27,7 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
+from decodekit.sampling.processors import temperature
 from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
 from decodekit.text import TextTracker
 
@@ -258,8 +259,8 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         else:
             [(request, _)] = requests
             processed, chosen = _sample_request(raw, request, None if hidden is None else hidden[start:stop])
-        # plain greedy's processed logits: the argmax's one-hot, as the temperature-0 adapter gives
-        processed_all[start:stop] = processed if processed is not None else one_hot(raw, chosen)
+        # plain greedy's processed logits: the temperature-0 adapter's one-hot of the argmax
+        processed_all[start:stop] = processed if processed is not None else temperature(raw, 0.0)
         tokens[start:stop] = chosen
     record(live, logits, processed_all, tokens, [pair for _, _, requests in batches for pair in requests])
     return tokens
@@ -315,7 +316,7 @@ def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | 
     """One request's rows [r, V] (hidden [r, H] or None): processed logits and tokens [r]
     (`record` advances its state and mask). A chain without adapters samples from the raw
     logits themselves."""
-    if request.mask is None and not request.wants_hidden and getattr(request.chain, "argmax_only", False):
+    if request.mask is None and getattr(request.chain, "argmax_only", False):
         return None, raw.argmax(dim=-1)  # plain greedy: no processed logits (`record`)
     # The token mask comes first, so the chain renormalises over the allowed tokens.
     allowed = raw if request.mask is None else request.mask.apply(raw)
@@ -324,12 +325,6 @@ def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | 
     processed = allowed if identity else request.chain(allowed, request.state)
     chosen = select_tokens(processed, request.state)  # [r]
     return processed, chosen
-
-
-def one_hot(raw: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """[R, V]: each row's chosen logit, -inf elsewhere (what the temperature-0 adapter makes)."""
-    index = chosen[:, None]
-    return torch.full_like(raw, float("-inf")).scatter_(-1, index, raw.gather(-1, index))
 
 
 def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, chosen: torch.Tensor,

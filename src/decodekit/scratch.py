@@ -12,6 +12,7 @@ same thread, so callers read it at once and copy what they keep.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -22,9 +23,7 @@ _BUFFERS = threading.local()
 def scratch(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, slot: str) -> torch.Tensor:
     """A CPU tensor of `shape` from this thread's buffer `slot` of `dtype`; its contents are
     garbage (module docstring)."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     buffers = _BUFFERS.__dict__.setdefault("buffers", {})
     # A normal tensor, not an inference one: a call under torch.inference_mode and a later one
     # outside it both write into it.

@@ -100,6 +100,10 @@ class LaneAttention:
         """q [B, T, H, D], k/v [B, T, H_kv, D] -> [B, T, H, D]; T > 1: a verification span
         (whose rows hold no shared prefix: they are gathered whole, rows.py)."""
         batch, count = q.shape[:2]
+        prefixes = ()
+        if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
+            keys, values, sees = self.prefix
+            prefixes = (SharedKV(keys[layer], values[layer], sees=sees),)
         if self.places is not None:  # the new key into its row, then one SDPA kernel over the row
             rows, stored = self.places
             self.keys[layer, rows, :, stored] = k[:, 0]  # [B, H_kv, D]
@@ -107,17 +111,10 @@ class LaneAttention:
             self.new_keys.append(k[:, 0])
             self.new_values.append(v[:, 0])
             keys, values = self.keys[layer, :batch], self.values[layer, :batch]
-            if self.prefix is None:
-                return decode_attention(q, keys, values, self.visible, written_out=False)
-            # and a shared prefix: one softmax over [its span, the row], written out (SDPA
-            # does not return the log-sum-exp that merging two parts would need)
-            prefix_keys, prefix_values, sees = self.prefix
-            prefixes = (SharedKV(prefix_keys[layer], prefix_values[layer], sees=sees),)
-            return decode_attention(q, keys, values, self.visible, prefixes=prefixes, written_out=True)
-        prefixes = ()
-        if self.prefix is not None:  # the step's prefixes, joined: each row sees its span
-            keys, values, sees = self.prefix
-            prefixes = (SharedKV(keys[layer], values[layer], sees=sees),)
+            # with a shared prefix one softmax over [its span, the row], written out (SDPA does
+            # not return the log-sum-exp that merging two parts would need)
+            written_out = bool(prefixes)
+            return decode_attention(q, keys, values, self.visible, prefixes=prefixes, written_out=written_out)
         # written out (models/attention.py) as dynamo traces it, also when a CUDA graph records
         # it eager: the eager kernels' form would copy every row's keys to append the new one
         out = decode_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.visible,

@@ -43,9 +43,9 @@ def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]
 def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
     """`draw_rows(softmax(logits.double()), generators)` for logits [R, V], bit for bit; large
     rows on the CPU in the thread's scratch buffers (module docstring)."""
-    u = _uniforms(generators)
     if not _scratched(logits, torch.float64):
-        return _invert(torch.softmax(logits, dim=-1, dtype=torch.float64), u)
+        return draw_rows(torch.softmax(logits, dim=-1, dtype=torch.float64), generators)
+    u = _uniforms(generators)
     wide = scratch(logits.shape, torch.float64, "sampled rows").copy_(logits)  # [R, V]
     probs = scratch(logits.shape, torch.float64, "probabilities")
     torch.ops.aten._softmax.out(wide, -1, False, out=probs)
