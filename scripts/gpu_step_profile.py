@@ -107,10 +107,10 @@ def shared_prefix_ms(model, samples: int, length: int, steps: int, rounds: int =
     params = dk.SamplingParams(n=samples, max_new_tokens=steps + 8, seed=0, ignore_eos=True, temperature=1)
     times: dict[str, list[float]] = {"shared": [], "whole rows": []}
     threshold = engine_rows.GPU_SHARE_MIN_BYTES
+    engine_rows.GPU_SHARE_MIN_BYTES = 0  # a GPU shares whatever the size; the CPU always does
     try:
         for _ in range(rounds):
             for form, seconds in times.items():
-                engine_rows.GPU_SHARE_MIN_BYTES = 0  # a GPU shares whatever the size; the CPU always does
                 engine = Engine(model, engine_config(None if cuda else False, model))
                 engine.running_kv.share_prefixes = form == "shared"
                 engine.submit(prompt, params)
