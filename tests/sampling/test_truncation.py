@@ -253,11 +253,51 @@ def test_a_large_vocabulary_sorts_its_first_tokens_and_cuts_where_a_full_sort_do
             assert torch.equal(P._sorted_cutoff(distance, probs, p, descending=False), typical)
             assert torch.equal(P.typical(logits, p), P._remove(logits, distance > typical, 1, rank=-distance))
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the full sort ran")
+    sorted_sizes = []
+    sort = torch.Tensor.sort
 
-    monkeypatch.setattr(torch.Tensor, "sort", refuse)
+    def recorded(self, *args, **kwargs):
+        sorted_sizes.append(self.shape[-1])
+        return sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", recorded)
     P.top_p(peaked, 0.9)  # the candidates hold 0.9 of every row
     P.typical(peaked, 0.9)
-    with pytest.raises(AssertionError, match="the full sort ran"):
-        P.top_p(torch.cat([peaked, flat]), 0.9)
+    assert sorted_sizes == []
+    P.top_p(torch.cat([peaked, flat]), 0.9)
+    P.typical(torch.cat([peaked, flat]), 0.9)
+    assert len(sorted_sizes) == 2 and max(sorted_sizes) < vocab // 20  # the flat row's boundary bin
+
+
+def _zipf_rows(rows, vocab, exponent, generator):
+    """Logits of rows ranking the vocabulary at random, rank r at -s log r plus noise."""
+    ranks = torch.stack([torch.randperm(vocab, generator=generator) for _ in range(rows)]) + 1
+    return -exponent * ranks.double().log().float() + 0.5 * torch.randn(rows, vocab, generator=generator)
+
+
+def test_binned_cutoffs_are_the_full_sorts():
+    """The binned cut (flat rows of a large vocabulary) equals the full sort's for top-p's and
+    typical's keys: Zipf rows from flat to peaked, masses up to 1 - 1e-5, ties at the cut,
+    keys spanning more than the bins' 64 octaves (the rest share the last bin), and a mass
+    the bins never reach (every token kept). Fails when a bin's running sums do not start
+    from the mass before it, or when the bins do not follow the key's order."""
+    generator = torch.Generator().manual_seed(1)
+    rows = [_zipf_rows(4, 151_936, exponent, generator) for exponent in (0.8, 1.1, 1.5)]
+    tied = _zipf_rows(1, 151_936, 0.9, generator)
+    tied[0, 5_000:25_000] = tied[0, 5_000]  # 20,000 tied logits
+    tied_probs = torch.softmax(tied.double(), dim=-1)[0]
+    above = float(tied_probs[tied_probs > tied_probs[5_000]].sum())
+    straddle = above + 10_000 * float(tied_probs[5_000])  # a cut halfway through the tied block
+    wide = torch.randn(1, 151_936, generator=generator)
+    wide[0, ::2] -= 200.0  # half the keys ~2**-288 of the others': beyond the 64 octaves
+    logits = torch.cat([*rows, tied, wide])
+    nucleus_sorted = torch.softmax(logits.double(), dim=-1).sort(dim=-1, descending=True).values
+    for p in (0.3, straddle, 0.9, 0.95, 0.99999, float(nucleus_sorted[-1].sum()) + 1e-9):
+        nucleus, typical, distance = _full_sort_cutoffs(logits, p)
+        probs = torch.softmax(logits.double(), dim=-1)
+        assert torch.equal(P._binned_cutoff(probs, probs, p, descending=True), nucleus), p
+        assert torch.equal(P._binned_cutoff(distance, probs, p, descending=False), typical), p
+    # the cut falls inside the tied block: all 20,000 are kept, and nothing below them
+    kept = torch.isfinite(P.top_p(tied, straddle))[0]
+    assert bool(kept[5_000:25_000].all())
+    assert int(kept.sum()) == int((tied_probs >= tied_probs[5_000]).sum())
