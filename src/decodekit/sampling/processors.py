@@ -102,18 +102,30 @@ def _sorted_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
     would wait for the device, and a GPU sorts the vocabulary fast."""
     if not (key.is_cpu and key.shape[-1] > 4 * SORTED_CANDIDATES):
         return _full_sort_cutoff(key, probs, mass, descending)
-    sorted_key, order = key.topk(SORTED_CANDIDATES, dim=-1, largest=descending)  # sorted
-    sorted_probs = sorted_key if probs is key else probs.gather(-1, order)
-    running = torch.cumsum(sorted_probs, dim=-1)
-    cutoff = _running_cutoff(sorted_key, running, mass)
-    # the last running sum is the candidates' whole mass: every later token's exclusive sum
-    # is at least it, so where it reaches `mass` no later token is kept
-    short = running[..., -1] < mass  # [R]
-    if bool(short.any()):
-        rows = short.nonzero()[:, 0]
-        keys = key[rows]
-        cutoff[rows] = _binned_cutoff(keys, keys if probs is key else probs[rows], mass, descending)
+    cutoff = key.new_empty(key.shape[0], 1)
+    # any SORTED_CANDIDATES tokens hold at most that many times the largest probability, so
+    # a row where that falls short of `mass` goes to its bins without the partial sort
+    short = probs.amax(dim=-1) * SORTED_CANDIDATES < mass  # [R]
+    tried = (~short).nonzero()[:, 0]
+    if len(tried):
+        keys = _rows(key, tried)
+        sorted_key, order = keys.topk(SORTED_CANDIDATES, dim=-1, largest=descending)  # sorted
+        sorted_probs = sorted_key if probs is key else _rows(probs, tried).gather(-1, order)
+        running = torch.cumsum(sorted_probs, dim=-1)
+        cutoff[tried] = _running_cutoff(sorted_key, running, mass)
+        # the last running sum is the candidates' whole mass: every later token's exclusive
+        # sum is at least it, so where it reaches `mass` no later token is kept
+        short[tried] = running[..., -1] < mass
+    rows = short.nonzero()[:, 0]
+    if len(rows):
+        keys = _rows(key, rows)
+        cutoff[rows] = _binned_cutoff(keys, keys if probs is key else _rows(probs, rows), mass, descending)
     return cutoff
+
+
+def _rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor[rows], without the copy when `rows` are all of them (in order)."""
+    return tensor if len(rows) == tensor.shape[0] else tensor[rows]
 
 
 def _full_sort_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descending: bool):
@@ -128,8 +140,12 @@ def _binned_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
     masses are summed in the key's order, and only the bin where the running mass reaches
     `mass` is sorted, its running sums continuing the bins' before it. A row whose bins never
     reach `mass` (float64 rounding of a mass of ~1) keeps every token, as the full sort does."""
-    bits = key.float().view(torch.int32) >> (23 - BIN_BITS)  # monotone for keys >= 0
-    bins = bits.amax(dim=-1, keepdim=True) - bits if descending else bits - bits.amin(dim=-1, keepdim=True)
+    bins = key.float().view(torch.int32)  # in place from here: [R, V] temporaries are costly
+    bins >>= 23 - BIN_BITS  # monotone for keys >= 0
+    if descending:
+        torch.sub(bins.amax(dim=-1, keepdim=True), bins, out=bins)
+    else:
+        bins -= bins.amin(dim=-1, keepdim=True)
     bins = bins.clamp_(max=BINS - 1).long()
     running = torch.zeros(key.shape[0], BINS, dtype=probs.dtype).scatter_add_(1, bins, probs).cumsum(-1)
     boundary = (running < mass).sum(dim=-1, keepdim=True)  # [R, 1]: the first bin reaching `mass`
