@@ -76,7 +76,7 @@ def find_llamacpp(module: str = "llama_cpp") -> LlamaCpp | None:
 
 
 def run_worker(peer: LlamaCpp, task: dict) -> dict:
-    """One task of bench/llamacpp_worker.py (`quantize`) in the peer's Python."""
+    """One task of bench/llamacpp_worker.py (`quantize`, `samplers`) in the peer's Python."""
     done = subprocess.run([str(peer.python), str(WORKER)], input=json.dumps(task), capture_output=True,
                           text=True)  # fmt: skip
     if done.returncode:

@@ -18,6 +18,12 @@ decodekit), by file path (bench/llamacpp.py drives it):
   {"do": "info"}: {"system_info": str}.
   The caller times rounds of these interleaved with its own (bench/packed.py), so a change of
   load on a shared machine moves both alike.
+- `samplers`: {"op": "samplers", "logits": path of raw float32 [rows, vocab], "rows": R,
+  "chains": {name: [[sampler, args...], ...]}, "calls": n}: each chain of llama.cpp's
+  samplers (temp, top_k, top_p, min_p, typical; then dist, seeded, or greedy alone) applied
+  to every row's logits, `calls` times after one untimed call, the candidates' array filled
+  from the logits each time as `llama_sampler_sample` fills it; answered with {name: median
+  wall ms of one call over all rows}. benchmarks/sampling_vocab.py compares its own.
 - `answer`: {"op": "answer", "gguf": GGUF, "prompt": str, "new_tokens": n, "context": n,
   "threads": t}: load the model, tokenise the prompt, n greedy tokens, their text; answered
   with {"text": str, "tokens": [ids]}. bench/startup.py times the whole process: a user's
@@ -174,6 +180,50 @@ class Session:
         return list(out[:count])
 
 
+SAMPLERS = {
+    "temp": lambda t: llama_cpp.llama_sampler_init_temp(t),
+    "top_k": lambda k: llama_cpp.llama_sampler_init_top_k(k),
+    "top_p": lambda p: llama_cpp.llama_sampler_init_top_p(p, 1),
+    "min_p": lambda p: llama_cpp.llama_sampler_init_min_p(p, 1),
+    "typical": lambda p: llama_cpp.llama_sampler_init_typical(p, 1),
+    "dist": lambda seed: llama_cpp.llama_sampler_init_dist(seed),
+    "greedy": lambda: llama_cpp.llama_sampler_init_greedy(),
+}
+
+
+def samplers(task: dict) -> dict:
+    """Median wall ms of each chain over all rows (module docstring)."""
+    import numpy as np
+
+    logits = np.fromfile(task["logits"], dtype=np.float32).reshape(task["rows"], -1)
+    vocab = logits.shape[1]
+    data = (llama_cpp.llama_token_data * vocab)()
+    fields = np.ctypeslib.as_array(data)  # a structured view: id, logit, p
+    ids = np.arange(vocab, dtype=np.int32)
+    out = {}
+    for name, links in task["chains"].items():
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        for sampler, *args in links:
+            llama_cpp.llama_sampler_chain_add(chain, SAMPLERS[sampler](*args))
+
+        def call(chain=chain) -> None:
+            for row in logits:
+                fields["id"], fields["logit"], fields["p"] = ids, row, 0.0
+                candidates = llama_cpp.llama_token_data_array(data, vocab, -1, False)
+                llama_cpp.llama_sampler_apply(chain, ctypes.byref(candidates))
+                assert 0 <= candidates.selected < candidates.size
+
+        call()
+        times = []
+        for _ in range(task["calls"]):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        llama_cpp.llama_sampler_free(chain)
+        out[name] = round(sorted(times)[len(times) // 2] * 1e3, 3)
+    return out
+
+
 def timed(fn) -> dict:
     """CPU (this process) and wall seconds of `fn()`."""
     cpu, wall = time.process_time(), time.perf_counter()
@@ -218,5 +268,7 @@ if __name__ == "__main__":
         serve(request)
     elif request["op"] == "answer":
         print(json.dumps(answer_once(request)))
+    elif request["op"] == "samplers":
+        print(json.dumps(samplers(request)))
     else:
         print(json.dumps(quantize(request["source"], request["out"], request["ftype"])))
