@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--exponents", default="1.5,1.1")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--settings", default=";".join(SETTINGS), help="names of SETTINGS, separated by ;")
     parser.add_argument("--peer", choices=["llamacpp"], default=None)
     args = parser.parse_args()
     peer = None
@@ -94,6 +95,8 @@ def main() -> None:
             logits = zipf_logits(rows, args.vocab, exponent, generator)
             peer_ms = peer_timings(peer, logits, args.calls) if peer else {}
             for name, fields in SETTINGS.items():
+                if name not in args.settings.split(";"):
+                    continue
                 params = dk.SamplingParams(seed=1, max_new_tokens=10**6, ignore_eos=True, **fields)
                 requests = make_requests(model, [[1, 2]] * rows, params)
                 for request in requests:

@@ -253,6 +253,14 @@ def test_a_large_vocabulary_sorts_its_first_tokens_and_cuts_where_a_full_sort_do
             assert torch.equal(P._sorted_cutoff(distance, probs, p, descending=False), typical)
             assert torch.equal(P.typical(logits, p), P._remove(logits, distance > typical, 1, rank=-distance))
 
+    # every prefix's running sum as the mass: sums taken in another order (the bins') would
+    # miss most of these cuts by an ulp (439 of 600 did when the bins decided peaked rows)
+    probs = torch.softmax(peaked.double(), dim=-1)
+    ordered = probs.sort(dim=-1, descending=True).values
+    for mass in torch.cumsum(ordered, dim=-1)[:, :60].flatten().tolist():
+        want = P._prefix_cutoff(ordered, ordered, mass)
+        assert torch.equal(P._sorted_cutoff(probs, probs, mass, True), want)
+
     sorted_sizes = []
     sort = torch.Tensor.sort
 

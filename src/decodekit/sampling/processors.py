@@ -140,17 +140,21 @@ def _binned_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
     masses are summed in the key's order, and only the bin where the running mass reaches
     `mass` is sorted, its running sums continuing the bins' before it. A row whose bins never
     reach `mass` (float64 rounding of a mass of ~1) keeps every token, as the full sort does."""
+    rows = key.shape[0]
     bins = key.float().view(torch.int32)  # in place from here: [R, V] temporaries are costly
     bins >>= 23 - BIN_BITS  # monotone for keys >= 0
     if descending:
         torch.sub(bins.amax(dim=-1, keepdim=True), bins, out=bins)
     else:
         bins -= bins.amin(dim=-1, keepdim=True)
-    bins = bins.clamp_(max=BINS - 1).long()
-    running = torch.zeros(key.shape[0], BINS, dtype=probs.dtype).scatter_add_(1, bins, probs).cumsum(-1)
+    bins.clamp_(max=BINS - 1)
+    offsets = torch.arange(0, rows * BINS, BINS, dtype=torch.int32)[:, None]
+    bins += offsets  # each row's bins apart, counted in one call
+    masses = torch.bincount(bins.view(-1), weights=probs.reshape(-1), minlength=rows * BINS)
+    running = masses.view(rows, BINS).cumsum(-1)
     boundary = (running < mass).sum(dim=-1, keepdim=True)  # [R, 1]: the first bin reaching `mass`
     before = torch.nn.functional.pad(running, (1, 0)).gather(-1, boundary.clamp(max=BINS - 1))
-    members = bins == boundary
+    members = bins == boundary + offsets
     columns = members.nonzero()[:, 1].split(members.sum(dim=-1).tolist())
     cutoff = key.new_empty(key.shape[0], 1)
     for row, (columns_r, bin_r) in enumerate(zip(columns, boundary[:, 0].tolist())):
