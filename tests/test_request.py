@@ -209,31 +209,35 @@ def test_plain_greedy_skips_the_one_hot_and_gives_its_tokens_and_logprobs():
 
 def test_rows_recorded_in_scratch_buffers_equal_the_plain_path(monkeypatch):
     """sampling/select.py's scratch buffers (large CPU rows: draws, the chosen logprobs, the
-    whole log-softmax that top logprobs and entropies read) give every recorded number of the
-    plain ops bit for bit: seeded sampling with top-k, top logprobs and entropies, and greedy,
-    recorded once with every row in the buffers (size bound 0) and once with none."""
+    whole log-softmax that top logprobs and entropies read) and the truncation adapters'
+    probabilities in them (processors.py `probs64`) give every recorded number of the
+    plain ops bit for bit: seeded sampling with top-k, top logprobs and entropies, greedy,
+    and top-p, min-p and epsilon in one chain, recorded once with every row in the buffers
+    (size bound 0) and once with none."""
     import torch
 
     import decodekit as dk
+    from decodekit import scratch
     from decodekit.request import make_requests, sample_rows
-    from decodekit.sampling import select
 
     model = dk.load_model("shakespeare-5gram")
     params = [dk.SamplingParams(temperature=0.8, top_k=40, seed=3, n=2, logprobs=3, entropies=True,
                                 max_new_tokens=50, ignore_eos=True),
-              dk.SamplingParams(temperature=0.0, logprobs=2, max_new_tokens=50, ignore_eos=True)]  # fmt: skip
+              dk.SamplingParams(temperature=0.0, logprobs=2, max_new_tokens=50, ignore_eos=True),
+              dk.SamplingParams(top_p=0.9, min_p=0.02, epsilon=1e-4, seed=5, n=2, logprobs=1,
+                                max_new_tokens=50, ignore_eos=True)]  # fmt: skip
     generator = torch.Generator().manual_seed(0)
-    steps = [torch.randn(3, model.vocab_size, generator=generator) * 3 for _ in range(4)]
+    steps = [torch.randn(5, model.vocab_size, generator=generator) * 3 for _ in range(4)]
     runs = []
     for bound in (0, 1 << 62):
-        monkeypatch.setattr(select, "SCRATCH_MIN_BYTES", bound)
-        requests = make_requests(model, [[1, 2, 3], [4, 5]], params)
+        monkeypatch.setattr(scratch, "MIN_BYTES", bound)
+        requests = make_requests(model, [[1, 2, 3], [4, 5], [6, 7]], params)
         rows = [row for request in requests for row in request.rows]
         for logits in steps:
             sample_rows(logits, rows)
         runs.append(rows)
-    for scratch, plain in zip(*runs, strict=True):
-        assert scratch.token_ids == plain.token_ids and scratch.logprobs == plain.logprobs
-        assert scratch.processed_logprobs == plain.processed_logprobs
-        assert scratch.top_logprobs == plain.top_logprobs and scratch.entropies == plain.entropies
+    for in_buffers, plain in zip(*runs, strict=True):
+        assert in_buffers.token_ids == plain.token_ids and in_buffers.logprobs == plain.logprobs
+        assert in_buffers.processed_logprobs == plain.processed_logprobs
+        assert in_buffers.top_logprobs == plain.top_logprobs and in_buffers.entropies == plain.entropies
     assert runs[0][0].top_logprobs and runs[0][0].entropies  # asked, and recorded

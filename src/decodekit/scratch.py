@@ -7,7 +7,9 @@ float64 probabilities and log-softmax at a real vocabulary (sampling/select.py: 
 faults a step at 64 rows of 151,936 tokens). `scratch` keeps one buffer per thread, dtype and
 `slot` (each caller names its own, so two uses alive at once never share one), grown to the
 largest request, and hands out a view of it: valid until the same slot's next use in the
-same thread, so callers read it at once and copy what they keep.
+same thread, so callers read it at once and copy what they keep. `worth_scratch` says where
+buffers pay: large work on the CPU (small blocks glibc keeps anyway; a GPU's caching
+allocator keeps its temporaries).
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ import threading
 import torch
 
 _BUFFERS = threading.local()
+# Work below this stays in plain ops (a few calls fewer; glibc keeps small blocks).
+MIN_BYTES = 4 * 2**20
+
+
+def worth_scratch(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether work of `tensor`'s shape in `dtype` takes scratch buffers (module docstring)."""
+    return tensor.is_cpu and tensor.numel() * dtype.itemsize >= MIN_BYTES
 
 
 def scratch(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, slot: str) -> torch.Tensor:

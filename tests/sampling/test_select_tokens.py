@@ -133,17 +133,18 @@ def test_scratch_draws_follow_the_distribution_and_equal_the_plain_ones(monkeypa
     at 0, and token for token the plain path's (softmax, then the running sums) for the same
     uniforms at Qwen2.5's vocabulary, where rows take the buffers by size; the chosen tokens'
     logprobs are the whole rows' log-softmax's, bit for bit."""
+    from decodekit import scratch
     from decodekit.sampling import select
 
     rows = 20_000
-    monkeypatch.setattr(select, "SCRATCH_MIN_BYTES", 0)
+    monkeypatch.setattr(scratch, "MIN_BYTES", 0)
     generator = torch.Generator().manual_seed(0)
     tokens = select.draw_logits_rows(LOGITS.repeat(rows, 1), [(generator, rows)])
     assert chi_square(torch.bincount(tokens, minlength=5).tolist(), PROBS) < 18.47  # p = 0.001, 4 dof
     monkeypatch.undo()
 
     logits = torch.randn(16, 151_936, generator=torch.Generator().manual_seed(1)) * 4  # 9.7 MB
-    assert select._scratched(logits, torch.float64) and select._scratched(logits, torch.float32)
+    assert scratch.worth_scratch(logits, torch.float64) and scratch.worth_scratch(logits, torch.float32)
     index = None
     for seed in range(5):
         ours = select.draw_logits_rows(logits, [(torch.Generator().manual_seed(seed), 16)])
@@ -162,7 +163,7 @@ def test_large_rows_reuse_one_buffer_and_fault_no_pages():
     normal tensor: the next call outside it writes into it (it raised)."""
     import resource
 
-    from decodekit.sampling import select
+    from decodekit.sampling import processors, select
     from decodekit.scratch import scratch
 
     logits = torch.randn(16, 151_936)
@@ -171,12 +172,12 @@ def test_large_rows_reuse_one_buffer_and_fault_no_pages():
     with torch.inference_mode():  # as an engine step runs
         select.draw_logits_rows(logits, [(generator, 16)])
         select.chosen_logprobs(logits, index)
-    buffer = scratch(logits.shape, torch.float64, "sampled rows")
+    buffer = scratch(logits.shape, torch.float64, processors.FLOAT64_ROWS)
     faults = []
     for _ in range(3):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         select.draw_logits_rows(logits, [(generator, 16)])
         select.chosen_logprobs(logits, index)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    assert scratch(logits.shape, torch.float64, "sampled rows").data_ptr() == buffer.data_ptr()
+    assert scratch(logits.shape, torch.float64, processors.FLOAT64_ROWS).data_ptr() == buffer.data_ptr()
     assert max(faults) < 100, faults

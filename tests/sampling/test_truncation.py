@@ -309,3 +309,29 @@ def test_binned_cutoffs_are_the_full_sorts():
     kept = torch.isfinite(P.top_p(tied, straddle))[0]
     assert bool(kept[5_000:25_000].all())
     assert int(kept.sum()) == int((tied_probs >= tied_probs[5_000]).sum())
+
+
+def test_adapters_with_probabilities_in_scratch_buffers_equal_the_plain_ops(monkeypatch):
+    """probs64 (the truncation adapters' float64 softmax) in the thread's scratch slot equals
+    softmax(logits.double()) bit for bit, and so does every adapter that reads it, alone and
+    chained (each one's probabilities overwrite the last one's slot), with the size bound at 0
+    and at infinity."""
+    from decodekit import scratch
+
+    logits = _zipf_rows(3, 5_000, 1.2, torch.Generator().manual_seed(2))
+
+    def chain(x):
+        return P.epsilon(P.min_p(P.top_p(x, 0.8), 0.01), 1e-5)
+
+    adapters = {"top_p": lambda x: P.top_p(x, 0.9), "min_p": lambda x: P.min_p(x, 0.05),
+                "epsilon": lambda x: P.epsilon(x, 1e-4), "eta": lambda x: P.eta(x, 1e-3),
+                "xtc": lambda x: P.xtc(x, 0.01, 1.0, torch.Generator().manual_seed(0)),
+                "chain": chain}  # fmt: skip
+    outputs = {}
+    for bound in (0, 1 << 62):
+        monkeypatch.setattr(scratch, "MIN_BYTES", bound)
+        assert torch.equal(P.probs64(logits), torch.softmax(logits.double(), dim=-1))
+        outputs[bound] = {name: adapter(logits) for name, adapter in adapters.items()}
+    for name in adapters:
+        assert torch.equal(outputs[0][name], outputs[1 << 62][name]), name
+        assert torch.isinf(outputs[0][name]).any(), name  # each one truncated something

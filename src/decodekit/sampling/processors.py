@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from decodekit.scratch import scratch, worth_scratch
+
 NEG_INF = float("-inf")
 _LOG_FLOAT_MAX = 88.7228391  # log(float32 max): caps DRY's exponent, as llama.cpp does
 
@@ -65,10 +67,22 @@ def _remove(
     return logits.masked_fill(remove, NEG_INF)
 
 
-def _probs64(logits: torch.Tensor) -> torch.Tensor:
-    # Thresholds and cumulative sums in float64, so a hand-computed boundary is not
-    # decided by float32 rounding.
-    return torch.softmax(logits.double(), dim=-1)
+# The float64 slots of `probs64`: its copy of the logits and their softmax.
+FLOAT64_ROWS, FLOAT64_PROBS = "float64 rows", "float64 probabilities"
+
+
+def probs64(logits: torch.Tensor) -> torch.Tensor:
+    """softmax(logits.double(), -1) of logits [R, V]: thresholds and cumulative sums in
+    float64, so a hand-computed boundary is not decided by float32 rounding. For large rows
+    on the CPU a view of the thread's FLOAT64_PROBS scratch slot (decodekit/scratch.py: the
+    same numbers, without [R, V] temporaries faulted in at every step), valid until the
+    slot's next use in this thread (the next adapter's or the draw's, select.py): read it
+    before, copy what is kept."""
+    if not worth_scratch(logits, torch.float64):
+        return torch.softmax(logits, dim=-1, dtype=torch.float64)
+    wide = scratch(logits.shape, torch.float64, FLOAT64_ROWS).copy_(logits)  # [R, V]
+    probs = scratch(logits.shape, torch.float64, FLOAT64_PROBS)
+    return torch.ops.aten._softmax.out(wide, -1, False, out=probs)
 
 
 def _prefix_cutoff(sorted_key: torch.Tensor, sorted_probs: torch.Tensor, mass: float):
@@ -211,14 +225,14 @@ def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
     """Nucleus: the smallest set of most probable tokens with mass >= p (plus ties)."""
     if p >= 1.0:
         return logits.clone()
-    probs = _probs64(logits)
+    probs = probs64(logits)
     cutoff = _sorted_cutoff(probs, probs, p, descending=True)
     return _remove(logits, probs < cutoff, min_keep)
 
 
 def min_p(logits: torch.Tensor, p_base: float, min_keep: int = 1) -> torch.Tensor:
     """Keep p_i >= p_base * max p."""
-    probs = _probs64(logits)
+    probs = probs64(logits)
     threshold = p_base * probs.max(dim=-1, keepdim=True).values
     return _remove(logits, probs < threshold, min_keep)
 
@@ -240,12 +254,12 @@ def typical(logits: torch.Tensor, mass: float, min_keep: int = 1) -> torch.Tenso
 
 def epsilon(logits: torch.Tensor, eps: float, min_keep: int = 1) -> torch.Tensor:
     """Epsilon sampling (Hewitt et al. 2022): drop p_i < eps."""
-    return _remove(logits, _probs64(logits) < eps, min_keep)
+    return _remove(logits, probs64(logits) < eps, min_keep)
 
 
 def eta(logits: torch.Tensor, eta_value: float, min_keep: int = 1) -> torch.Tensor:
     """Eta sampling (Hewitt et al. 2022): drop p_i < min(eta, sqrt(eta) * exp(-H))."""
-    probs = _probs64(logits)
+    probs = probs64(logits)
     entropy = -torch.special.xlogy(probs, probs).sum(dim=-1, keepdim=True)
     threshold = torch.clamp(math.sqrt(eta_value) * torch.exp(-entropy), max=eta_value)
     return _remove(logits, probs < threshold, min_keep)
@@ -280,7 +294,7 @@ def xtc(
         return logits.clone()
     draw = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device="cpu")
     applies = (draw < probability).to(logits.device)[:, None]  # [R, 1]
-    probs = _probs64(logits)
+    probs = probs64(logits)
     above = probs >= threshold
     least = torch.where(above, probs, math.inf).min(dim=-1, keepdim=True).values
     remove = above & (probs > least)

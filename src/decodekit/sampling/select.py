@@ -6,8 +6,10 @@ log-softmax: the same numbers, bit for bit) into scratch buffers kept per thread
 (decodekit/scratch.py), instead of [R, V] temporaries made and freed at every decode step:
 at a real vocabulary those are large enough (~310 MB at 64 rows of 151,936 tokens) that glibc
 unmapped them when freed and every step faulted their pages in again (BENCHMARKS.md, "Page
-faults of a decode step"). Small rows (under SCRATCH_MIN_BYTES: the package's 2,048 tokens)
+faults of a decode step"). Small rows (under scratch.MIN_BYTES: the package's 2,048 tokens)
 take the plain ops, fewer calls; a GPU's caching allocator keeps its temporaries, so there too.
+The draw's float64 softmax is the truncation adapters' (processors.py `probs64`), in the
+same slots: an adapter reads its probabilities and drops them before the draw.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from decodekit.sampling.chain import SamplerState
-from decodekit.scratch import scratch
+from decodekit.sampling.processors import FLOAT64_ROWS, probs64
+from decodekit.scratch import scratch, worth_scratch
 
 
 def select_tokens(processed_logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
@@ -43,13 +46,11 @@ def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]
 def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
     """`draw_rows(softmax(logits.double()), generators)` for logits [R, V], bit for bit; large
     rows on the CPU in the thread's scratch buffers (module docstring)."""
-    if not _scratched(logits, torch.float64):
+    if not worth_scratch(logits, torch.float64):
         return draw_rows(torch.softmax(logits, dim=-1, dtype=torch.float64), generators)
     u = _uniforms(generators)
-    wide = scratch(logits.shape, torch.float64, "sampled rows").copy_(logits)  # [R, V]
-    probs = scratch(logits.shape, torch.float64, "probabilities")
-    torch.ops.aten._softmax.out(wide, -1, False, out=probs)
-    return _search(torch.cumsum(probs, dim=-1, out=wide), u)
+    probs = probs64(logits)
+    return _search(torch.cumsum(probs, dim=-1, out=scratch(logits.shape, torch.float64, FLOAT64_ROWS)), u)
 
 
 def chosen_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -62,22 +63,13 @@ def scratch_log_softmax(logits: torch.Tensor, slot: str = "chosen logprobs") -> 
     """log_softmax(logits, -1) of logits [R, V], bit for bit; for large rows on the CPU a view
     of the thread's scratch buffer `slot` (module docstring), valid until that slot's next use
     in this thread: read it before, copy what is kept."""
-    if not _scratched(logits, logits.dtype):
+    if not worth_scratch(logits, logits.dtype):
         return torch.log_softmax(logits, dim=-1)
     return torch.ops.aten._log_softmax.out(logits, -1, False, out=scratch(logits.shape, logits.dtype, slot))
 
 
 def _uniforms(generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
     return torch.cat([torch.rand(n, generator=g, dtype=torch.float64, device="cpu") for g, n in generators])
-
-
-# [R, V] work below this stays in plain ops (a few calls fewer; glibc keeps small blocks)
-SCRATCH_MIN_BYTES = 4 * 2**20
-
-
-def _scratched(logits: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether [R, V] work of `logits` in `dtype` runs in scratch buffers (module docstring)."""
-    return logits.is_cpu and logits.numel() * dtype.itemsize >= SCRATCH_MIN_BYTES
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
