@@ -335,3 +335,28 @@ def test_adapters_with_probabilities_in_scratch_buffers_equal_the_plain_ops(monk
     for name in adapters:
         assert torch.equal(outputs[0][name], outputs[1 << 62][name]), name
         assert torch.isinf(outputs[0][name]).any(), name  # each one truncated something
+
+
+def test_adapters_that_keep_their_first_token_skip_the_min_keep_test_with_the_same_result():
+    """top-k, top-p, min-p and typical never remove the first token of their order, so with
+    min_keep 1 they skip `_remove`'s test (keeps_first): the outputs equal the guarded
+    `_remove`'s on rows with ties at the top, one finite logit, all logits equal, and noise."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 300, generator=generator) * 3
+    rows[1, :5] = rows[1].max() + 1  # five tied at the top
+    rows[2, 1:] = P.NEG_INF  # one finite logit
+    rows[3] = 0.7  # all equal
+    rows[4, ::2] = P.NEG_INF
+    probs = torch.softmax(rows.double(), dim=-1)
+    log_probs = torch.log_softmax(rows.double(), dim=-1)
+    entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=-1, keepdim=True)
+    distance = (-log_probs - entropy).abs()
+    for p in (0.05, 0.5, 0.95):
+        nucleus = P._sorted_cutoff(probs, probs, p, descending=True)
+        assert torch.equal(P.top_p(rows, p), P._remove(rows, probs < nucleus, 1))
+        typical = P._sorted_cutoff(distance, probs, p, descending=False)
+        assert torch.equal(P.typical(rows, p), P._remove(rows, distance > typical, 1, rank=-distance))
+        threshold = p * probs.max(dim=-1, keepdim=True).values
+        assert torch.equal(P.min_p(rows, p), P._remove(rows, probs < threshold, 1))
+    for k in (1, 3, 50):
+        assert torch.equal(P.top_k(rows, k), P._remove(rows, rows < P._kth_largest(rows, k), 1))

@@ -58,10 +58,19 @@ def _kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _remove(
-    logits: torch.Tensor, remove: torch.Tensor, min_keep: int, rank: torch.Tensor | None = None
+    logits: torch.Tensor,
+    remove: torch.Tensor,
+    min_keep: int,
+    rank: torch.Tensor | None = None,
+    keeps_first: bool = False,
 ) -> torch.Tensor:
     """-inf where `remove` [R, V] is true, except for the `min_keep` tokens (and ties) that
-    rank highest: by logit, or by `rank` [R, V] for adapters with their own order."""
+    rank highest: by logit, or by `rank` [R, V] for adapters with their own order.
+    keeps_first: the adapter's rule never removes the first token of its order (its cut is
+    that token's value or below it), so a min_keep of 1 needs no test: three passes over
+    [R, V] fewer (~0.1 ms a row at a 151,936-token vocabulary)."""
+    if keeps_first and min_keep <= 1:
+        return logits.masked_fill(remove, NEG_INF)
     rank = logits if rank is None else rank
     remove = remove & (rank < _kth_largest(rank, min_keep))
     return logits.masked_fill(remove, NEG_INF)
@@ -218,7 +227,7 @@ def top_k(logits: torch.Tensor, k: int, min_keep: int = 1) -> torch.Tensor:
     """Keep the k largest logits and every token tied with the k-th; k >= V keeps all."""
     if k >= logits.shape[-1]:
         return logits.clone()
-    return _remove(logits, logits < _kth_largest(logits, k), min_keep)
+    return _remove(logits, logits < _kth_largest(logits, k), min_keep, keeps_first=True)
 
 
 def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
@@ -227,14 +236,14 @@ def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
         return logits.clone()
     probs = probs64(logits)
     cutoff = _sorted_cutoff(probs, probs, p, descending=True)
-    return _remove(logits, probs < cutoff, min_keep)
+    return _remove(logits, probs < cutoff, min_keep, keeps_first=True)
 
 
 def min_p(logits: torch.Tensor, p_base: float, min_keep: int = 1) -> torch.Tensor:
     """Keep p_i >= p_base * max p."""
     probs = probs64(logits)
     threshold = p_base * probs.max(dim=-1, keepdim=True).values
-    return _remove(logits, probs < threshold, min_keep)
+    return _remove(logits, probs < threshold, min_keep, keeps_first=True)  # min_p <= 1
 
 
 def typical(logits: torch.Tensor, mass: float, min_keep: int = 1) -> torch.Tensor:
@@ -249,7 +258,7 @@ def typical(logits: torch.Tensor, mass: float, min_keep: int = 1) -> torch.Tenso
     entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=-1, keepdim=True)
     distance = (-log_probs - entropy).abs()  # inf for removed tokens
     cutoff = _sorted_cutoff(distance, probs, mass, descending=False)
-    return _remove(logits, distance > cutoff, min_keep, rank=-distance)
+    return _remove(logits, distance > cutoff, min_keep, rank=-distance, keeps_first=True)
 
 
 def epsilon(logits: torch.Tensor, eps: float, min_keep: int = 1) -> torch.Tensor:
