@@ -27,7 +27,7 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
-from decodekit.sampling.processors import temperature
+from decodekit.sampling.processors import argmax_rows, temperature
 from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
 from decodekit.text import TextTracker
 
@@ -301,10 +301,10 @@ def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tup
     and tokens [R] (`record` advances each request's state)."""
     first = requests[0][0]
     if getattr(first.chain, "argmax_only", False):  # plain greedy: no processed logits (`record`)
-        return None, raw.argmax(dim=-1)
+        return None, argmax_rows(raw)
     processed = raw if first.chain.identity else first.chain(raw, first.state)
     if first.params.greedy:
-        chosen = processed.argmax(dim=-1)
+        chosen = argmax_rows(processed)
     else:
         chosen = draw_logits_rows(processed, [(request.state.generator, rows) for request, rows in requests])
     for request, _ in requests:
@@ -317,7 +317,7 @@ def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | 
     (`record` advances its state and mask). A chain without adapters samples from the raw
     logits themselves."""
     if request.mask is None and getattr(request.chain, "argmax_only", False):
-        return None, raw.argmax(dim=-1)  # plain greedy: no processed logits (`record`)
+        return None, argmax_rows(raw)  # plain greedy: no processed logits (`record`)
     # The token mask comes first, so the chain renormalises over the allowed tokens.
     allowed = raw if request.mask is None else request.mask.apply(raw)
     request.state.hidden = hidden if hidden is not None and request.wants_hidden else None

@@ -254,11 +254,14 @@ def test_a_large_vocabulary_sorts_its_first_tokens_and_cuts_where_a_full_sort_do
             assert torch.equal(P.typical(logits, p), P._remove(logits, distance > typical, 1, rank=-distance))
 
     # every prefix's running sum as the mass: sums taken in another order (the bins') would
-    # miss most of these cuts by an ulp (439 of 600 did when the bins decided peaked rows)
+    # miss most of these cuts by an ulp (439 of the first 600 did when the bins decided peaked rows)
     probs = torch.softmax(peaked.double(), dim=-1)
     ordered = probs.sort(dim=-1, descending=True).values
-    for mass in torch.cumsum(ordered, dim=-1)[:, :60].flatten().tolist():
-        want = P._prefix_cutoff(ordered, ordered, mass)
+    running = torch.cumsum(ordered, dim=-1)[:, :4096]  # every cut below lies in these
+    masses = running[:, :300:5].flatten()
+    assert bool((masses.max() <= running[:, -1]).all())
+    for mass in masses.tolist():
+        want = P._running_cutoff(ordered[:, :4096], running, mass)
         assert torch.equal(P._sorted_cutoff(probs, probs, mass, True), want)
 
     sorted_sizes = []
@@ -287,10 +290,10 @@ def test_binned_cutoffs_are_the_full_sorts():
     """The binned cut (flat rows of a large vocabulary) equals the full sort's for top-p's and
     typical's keys: Zipf rows from flat to peaked, masses up to 1 - 1e-5, ties at the cut,
     keys spanning more than the bins' 64 octaves (the rest share the last bin), and a mass
-    the bins never reach (every token kept). Fails when a bin's running sums do not start
+    the bins never reach (the row sorted whole). Fails when a bin's running sums do not start
     from the mass before it, or when the bins do not follow the key's order."""
     generator = torch.Generator().manual_seed(1)
-    rows = [_zipf_rows(4, 151_936, exponent, generator) for exponent in (0.8, 1.1, 1.5)]
+    rows = [_zipf_rows(2, 151_936, exponent, generator) for exponent in (0.8, 1.1, 1.5)]
     tied = _zipf_rows(1, 151_936, 0.9, generator)
     tied[0, 5_000:25_000] = tied[0, 5_000]  # 20,000 tied logits
     tied_probs = torch.softmax(tied.double(), dim=-1)[0]
@@ -299,11 +302,15 @@ def test_binned_cutoffs_are_the_full_sorts():
     wide = torch.randn(1, 151_936, generator=generator)
     wide[0, ::2] -= 200.0  # half the keys ~2**-288 of the others': beyond the 64 octaves
     logits = torch.cat([*rows, tied, wide])
-    nucleus_sorted = torch.softmax(logits.double(), dim=-1).sort(dim=-1, descending=True).values
+    probs = torch.softmax(logits.double(), dim=-1)
+    _, _, distance = _full_sort_cutoffs(logits, 0.5)
+    nucleus_sorted = probs.sort(dim=-1, descending=True).values  # the full sorts, once
+    typical_sorted, order = distance.sort(dim=-1)
+    typical_probs = probs.gather(-1, order)
     for p in (0.3, straddle, 0.9, 0.95, 0.99999, float(nucleus_sorted[-1].sum()) + 1e-9):
-        nucleus, typical, distance = _full_sort_cutoffs(logits, p)
-        probs = torch.softmax(logits.double(), dim=-1)
+        nucleus = P._prefix_cutoff(nucleus_sorted, nucleus_sorted, p)
         assert torch.equal(P._binned_cutoff(probs, probs, p, descending=True), nucleus), p
+        typical = P._prefix_cutoff(typical_sorted, typical_probs, p)
         assert torch.equal(P._binned_cutoff(distance, probs, p, descending=False), typical), p
     # the cut falls inside the tied block: all 20,000 are kept, and nothing below them
     kept = torch.isfinite(P.top_p(tied, straddle))[0]
@@ -360,3 +367,26 @@ def test_adapters_that_keep_their_first_token_skip_the_min_keep_test_with_the_sa
         assert torch.equal(P.min_p(rows, p), P._remove(rows, probs < threshold, 1))
     for k in (1, 3, 50):
         assert torch.equal(P.top_k(rows, k), P._remove(rows, rows < P._kth_largest(rows, k), 1))
+
+
+@pytest.mark.parametrize("vocab", [151_936, 32_064, 50_257, 2_048])
+def test_argmax_rows_is_torchs_argmax(vocab):
+    """argmax_rows (chunks of 128, 64 or 32 on long CPU rows; torch's argmax otherwise: 50,257
+    has no such divisor, 2,048 is short) returns torch's index: the first of tied maxima, also
+    when they lie in different chunks, at a chunk's edges, at either end of the row, a row of
+    one finite logit, a NaN (torch counts it the largest), [V] and [R, 1, V] shapes."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(9, vocab, generator=generator)
+    x[1, [5, 1000, vocab - 1]] = 50.0  # ties in three chunks: the first one wins
+    x[2, [127, 128]] = 50.0  # across a chunk edge
+    x[3, 0], x[4, vocab - 1] = 50.0, 50.0
+    x[5] = P.NEG_INF
+    x[5, vocab // 2 + 1] = -3.0
+    x[6] = 1.0  # all tied: index 0
+    x[7, [40, 1900]] = math.nan
+    x[8, [200, 300]] = 7.0
+    x[8, 260] = math.nan  # a NaN between two tied maxima
+    assert torch.equal(P.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(P.argmax_rows(x[1]), x[1].argmax(dim=-1))
+    assert torch.equal(P.argmax_rows(x[:, None]), x[:, None].argmax(dim=-1))
+    assert torch.equal(P.argmax_rows(x[:0]), x[:0].argmax(dim=-1))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from decodekit.sampling import draw
+from decodekit.sampling.processors import argmax_rows
 
 # (p [γ+1, V], q [γ, V], draft [γ] long, generator) -> (τ accepted draft tokens, extra token y)
 VerifyRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
@@ -93,7 +94,7 @@ def uniforms(count: int, generator: torch.Generator, device: torch.device) -> to
 
 def greedy_verify(p: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:
     """Temperature 0: τ = how many x_i equal the target's argmax; y = the next argmax."""
-    best = p.argmax(dim=-1)  # [γ + 1]
+    best = argmax_rows(p)  # [γ + 1]
     tau = int((draft == best[: len(draft)]).long().cumprod(0).sum()) if len(draft) else 0
     return tau, int(best[tau])
 

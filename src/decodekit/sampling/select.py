@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from decodekit.sampling.chain import SamplerState
-from decodekit.sampling.processors import FLOAT64_ROWS, probs64
+from decodekit.sampling.processors import FLOAT64_ROWS, argmax_rows, probs64
 from decodekit.scratch import scratch, worth_scratch
 
 
@@ -25,7 +25,7 @@ def select_tokens(processed_logits: torch.Tensor, state: SamplerState) -> torch.
     """Tokens [R] long from processed logits [R, V]: argmax when the request is greedy
     (temperature 0), else one categorical draw per row from the request's generator."""
     if state.params.greedy:
-        return processed_logits.argmax(dim=-1)
+        return argmax_rows(processed_logits)
     return sample_categorical(processed_logits, state.generator)
 
 
