@@ -87,7 +87,7 @@ def contrastive_scores(
     # p_e(x) >= alpha * max p_e  <=>  z_x - max z >= log alpha (the normaliser cancels), tested
     # on the logits in float64 so that the boundary is not decided by rounding; alpha = 0
     # keeps every token the expert gives nonzero probability.
-    relative = expert - expert.max(dim=-1, keepdim=True).values
+    relative = expert - expert.amax(dim=-1, keepdim=True)
     head = (relative >= (math.log(alpha) if alpha > 0 else NEG_INF)) & (relative > NEG_INF)
     scores = expert_lp - amateur_weight * amateur_lp.clamp(min=MIN_AMATEUR_LOGPROB)
     return scores.masked_fill(~head, NEG_INF).float()

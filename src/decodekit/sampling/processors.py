@@ -263,7 +263,7 @@ def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
 def min_p(logits: torch.Tensor, p_base: float, min_keep: int = 1) -> torch.Tensor:
     """Keep p_i >= p_base * max p."""
     probs = probs64(logits)
-    threshold = p_base * probs.max(dim=-1, keepdim=True).values
+    threshold = p_base * probs.amax(dim=-1, keepdim=True)
     return _remove(logits, probs < threshold, min_keep, keeps_first=True)  # min_p <= 1
 
 
@@ -303,7 +303,7 @@ def top_n_sigma(logits: torch.Tensor, n: float, min_keep: int = 1) -> torch.Tens
     mean = values.sum(dim=-1, keepdim=True) / count
     var = (torch.where(finite, values - mean, 0.0) ** 2).sum(dim=-1, keepdim=True) / count
     spread = n * var.sqrt() if math.isfinite(n) else torch.full_like(var, math.inf)
-    threshold = logits.double().max(dim=-1, keepdim=True).values - spread
+    threshold = logits.double().amax(dim=-1, keepdim=True) - spread
     return _remove(logits, logits.double() < threshold, min_keep)
 
 
@@ -326,7 +326,7 @@ def xtc(
     applies = (draw < probability).to(logits.device)[:, None]  # [R, 1]
     probs = probs64(logits)
     above = probs >= threshold
-    least = torch.where(above, probs, math.inf).min(dim=-1, keepdim=True).values
+    least = torch.where(above, probs, math.inf).amin(dim=-1, keepdim=True)
     remove = above & (probs > least)
     remaining = (probs > 0).sum(-1, keepdim=True) - remove.sum(-1, keepdim=True)
     ok = applies & (above.sum(-1, keepdim=True) >= 2) & (remaining >= min_keep)
