@@ -45,6 +45,7 @@ PEER_CHAINS = {
     "top_k 50": [["top_k", 50], ["dist", 1]],
     "min_p 0.05": [["min_p", 0.05], ["dist", 1]],
     "typical 0.9": [["typical", 0.9], ["dist", 1]],
+    "llama.cpp's defaults": [["top_k", 40], ["top_p", 0.95], ["min_p", 0.05], ["temp", 0.8], ["dist", 1]],
 }
 SETTINGS = {
     "temperature 1": {},
@@ -54,6 +55,9 @@ SETTINGS = {
     "top_k 50": {"top_k": 50},
     "min_p 0.05": {"min_p": 0.05},
     "typical 0.9": {"typical_p": 0.9},
+    # llama.cpp's default chain (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8), its order
+    "llama.cpp's defaults": {"top_k": 40, "top_p": 0.95, "min_p": 0.05, "temperature": 0.8,
+                             "order": ("top_k", "top_p", "min_p", "temperature")},
 }
 
 

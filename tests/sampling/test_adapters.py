@@ -65,6 +65,17 @@ def check_declaration(adapter: type[Adapter], on: dict) -> None:
     assert adapter.reads_history == history_matters, (
         f"{adapter.name}: reads_history={adapter.reads_history}, but the history "
         f"{'changes' if history_matters else 'does not change'} its output")
+    # index-free: tokens at -inf between the others leave the others' output be (with and
+    # without the history, whose token ids a history reader acts on)
+    padded = torch.full((2, 2 * V + 1), float("-inf"))
+    padded[:, 1::2] = LOGITS  # [-inf, l0, -inf, l1, ..., -inf]
+    blind = True
+    for history, plain in (((), fresh), (HISTORY, later)):
+        spread = run(padded, state(params, history))
+        blind &= torch.equal(spread[:, 1::2], plain) and bool(torch.isneginf(spread[:, ::2]).all())
+    assert adapter.index_free == blind, (
+        f"{adapter.name}: index_free={adapter.index_free}, but tokens at -inf between the others "
+        f"{'leave its output be' if blind else 'change its output'}")
     if adapter.rowwise:
         reseeded = run(LOGITS, state(params, HISTORY, seed=1))
         assert torch.equal(fresh, reseeded), f"{adapter.name} is declared row-wise but reads its state"
@@ -81,6 +92,7 @@ def test_every_adapter_in_the_default_order_declares_all_its_properties():
     for name, adapter in ADAPTERS.items():
         assert adapter.name == name and issubclass(adapter, Adapter)
         assert isinstance(adapter.reads_history, bool) and isinstance(adapter.rowwise, bool), name
+        assert isinstance(adapter.index_free, bool), name
         assert not (adapter.reads_history and adapter.rowwise), name
         assert adapter.fields and set(adapter.fields) <= names, (name, adapter.fields)
         for field in adapter.fields:

@@ -172,3 +172,98 @@ def test_top_k_minus_one_is_off_as_in_vllm():
 def test_wrong_types_are_type_errors_naming_the_field(field, value):
     with pytest.raises((TypeError, ValueError), match=field):
         SamplingParams(**{field: value})
+
+
+def _zipf_logits(rows, vocab, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ranks = torch.stack([torch.randperm(vocab, generator=generator) for _ in range(rows)]) + 1
+    return -1.3 * ranks.double().log().float() + 0.5 * torch.randn(rows, vocab, generator=generator)
+
+
+@pytest.mark.parametrize("fields", [
+    {"top_k": 40, "top_p": 0.95, "min_p": 0.05, "temperature": 0.8,
+     "order": ("top_k", "top_p", "min_p", "temperature")},  # llama.cpp's defaults
+    {"top_k": 50, "typical_p": 0.9, "epsilon": 1e-3},
+    {"top_k": 5, "min_tokens_to_keep": 9, "top_p": 0.5, "eta": 1e-3},  # min_keep past k
+    {"top_k": 30, "temperature": 0.0, "order": ("top_k", "temperature")},  # greedy among them
+])  # fmt: skip
+def test_a_chain_after_a_top_k_runs_on_its_kept_tokens_with_the_same_result(fields):
+    """At a large vocabulary on the CPU a chain goes on from a top-k with its kept tokens
+    alone (chain.py `_compaction`, processors.py `top_k_kept`): the processed logits equal
+    the adapters run one by one over the whole vocabulary, on Zipf rows, rows tied at the
+    k-th within and past TIES_LOOKED_AT places (the second falls back to the whole row), a
+    row with fewer finite logits than it keeps, and rows tied at the maximum; the output
+    carries the kept tokens for the draw only when every row could be compacted."""
+    from decodekit.sampling import processors as P
+    from decodekit.sampling.chain import chain_stages
+
+    params = SamplingParams(seed=0, **fields)
+    logits = _zipf_logits(4, 151_936, 0)
+    logits[1, :12] = logits[1].max() + 1.0  # 12 tied at the top
+    tied_past = _zipf_logits(1, 151_936, 1)
+    order = tied_past[0].argsort(descending=True)
+    tied_past[0, order[:200]] = 5.0  # 200 tied at the top: past the window for any k < 184
+    few = torch.full((1, 151_936), P.NEG_INF)
+    few[0, :3] = torch.tensor([1.0, 3.0, 2.0])
+    for rows, compacts in ((logits, True), (torch.cat([logits, tied_past]), False), (few, False)):
+        state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
+        out = build_chain(params)(rows, state)
+        want = rows
+        for _, adapter in chain_stages(params):
+            want = adapter(want, state)
+        assert torch.equal(out, want)
+        assert hasattr(out, "kept") == compacts
+        if compacts:  # the kept tokens are the output's finite ones, with their values
+            values, ids = out.kept
+            assert torch.equal(P.expand_kept(rows, values, ids), out)
+
+
+def test_a_top_k_followed_by_an_adapter_that_reads_token_ids_is_not_compacted():
+    """logit_bias after top_k reads token ids (not index-free): the chain runs over the
+    whole vocabulary (its output carries no kept tokens), and equals the adapters run one
+    by one."""
+    from decodekit.sampling.chain import chain_stages
+
+    params = SamplingParams(top_k=20, logit_bias={7: 30.0}, order=("top_k", "logit_bias"))
+    logits = _zipf_logits(2, 151_936, 2)
+    state = SamplerState(params, (1,), 2, logits.shape[-1])
+    out = build_chain(params)(logits, state)
+    want = logits
+    for _, adapter in chain_stages(params):
+        want = adapter(want, state)
+    assert torch.equal(out, want) and not hasattr(out, "kept")
+
+
+def test_draws_among_a_top_ks_kept_tokens_follow_the_distribution_and_the_whole_rows_tokens(monkeypatch):
+    """The draw from a compacted chain's output (select.py `draw_logits_rows` with `kept`)
+    follows softmax over the kept tokens (hand-computed: top-3 of a 40-token distribution,
+    renormalised), and gives the tokens the whole-vocabulary draw gives for the same seeds at
+    151,936 tokens."""
+    from decodekit.sampling import chain as chain_module
+    from decodekit.sampling import select
+    from decodekit.sampling.select import draw_logits_rows
+
+    probs = [0.3, 0.2, 0.1] + [0.4 / 37] * 37
+    logits = torch.tensor([[math.log(p) for p in probs]]).repeat(20_000, 1)
+    monkeypatch.setattr(chain_module, "COMPACT_MIN_VOCAB", 0)
+    params = SamplingParams(top_k=3)
+    out = build_chain(params)(logits, SamplerState(params, (1,), 20_000, 40))
+    assert hasattr(out, "kept")
+    tokens = draw_logits_rows(out, [(torch.Generator().manual_seed(0), 20_000)])
+    counts = torch.bincount(tokens, minlength=40).tolist()
+    assert sum(counts[3:]) == 0
+    for count, p in zip(counts[:3], [0.5, 1 / 3, 1 / 6]):  # within 4.5 standard errors
+        assert abs(count / 20_000 - p) < 4.5 * math.sqrt(p * (1 - p) / 20_000), (counts[:3], p)
+    monkeypatch.undo()
+
+    params = SamplingParams(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8,
+                            order=("top_k", "top_p", "min_p", "temperature"))  # fmt: skip
+    rows = _zipf_logits(16, 151_936, 3)
+    out = build_chain(params)(rows, SamplerState(params, (1,), 16, rows.shape[-1]))
+    whole = out.clone()  # the same logits without `kept`
+    assert hasattr(out, "kept") and not hasattr(whole, "kept")
+    for seed in range(5):
+        ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 16)])
+        whole_probs = torch.softmax(whole.double(), dim=-1)
+        plain = select.draw_rows(whole_probs, [(torch.Generator().manual_seed(seed), 16)])
+        assert torch.equal(ours, plain)

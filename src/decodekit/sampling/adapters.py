@@ -11,6 +11,10 @@ editor shows them, and the row-wise key compares them), and two properties:
   against behaviour).
 - `rowwise`: a function of each row's logits and its `fields` alone (no history, no random
   draw), so requests with equal settings share one chain call (chain.py `rowwise_key`).
+- `index_free`: blind to which tokens the logits belong to beyond their order, and to tokens
+  at -inf: tokens at -inf inserted anywhere into a row leave the other tokens' output as it
+  was (and stay at -inf). The chain then runs it on the few tokens a top-k keeps, in the
+  vocabulary's order, rather than on the whole vocabulary (chain.py `build_chain`).
 
 `active(params)` says whether the request's values switch it on (off values leave it out of
 the chain); an instance, built once per request, is `(logits [R, V], state) -> logits`. The
@@ -40,6 +44,7 @@ class Adapter(ABC):
     fields: ClassVar[tuple[str, ...]]
     reads_history: ClassVar[bool] = False
     rowwise: ClassVar[bool] = False
+    index_free: ClassVar[bool] = False
 
     def __init__(self, params: SamplingParams, tokenizer: Any = None):
         self.params = params
@@ -138,6 +143,7 @@ class Dry(Adapter):
 
 class Temperature(Adapter):
     name, fields, rowwise = "temperature", ("temperature",), True
+    index_free = True
     active = staticmethod(lambda p: p.temperature != 1.0)
 
     def __call__(self, logits, state):
@@ -146,6 +152,7 @@ class Temperature(Adapter):
 
 class TopK(Adapter):
     name, fields, rowwise = "top_k", ("top_k",), True
+    index_free = True
     active = staticmethod(lambda p: p.top_k > 0)
 
     def __call__(self, logits, state):
@@ -154,6 +161,7 @@ class TopK(Adapter):
 
 class TopP(Adapter):
     name, fields, rowwise = "top_p", ("top_p",), True
+    index_free = True
     active = staticmethod(lambda p: p.top_p < 1.0)
 
     def __call__(self, logits, state):
@@ -162,6 +170,7 @@ class TopP(Adapter):
 
 class MinP(Adapter):
     name, fields, rowwise = "min_p", ("min_p",), True
+    index_free = True
     active = staticmethod(lambda p: p.min_p > 0.0)
 
     def __call__(self, logits, state):
@@ -170,6 +179,7 @@ class MinP(Adapter):
 
 class Typical(Adapter):
     name, fields, rowwise = "typical", ("typical_p",), True
+    index_free = True
     active = staticmethod(lambda p: p.typical_p < 1.0)
 
     def __call__(self, logits, state):
@@ -178,6 +188,7 @@ class Typical(Adapter):
 
 class Epsilon(Adapter):
     name, fields, rowwise = "epsilon", ("epsilon",), True
+    index_free = True
     active = staticmethod(lambda p: p.epsilon > 0.0)
 
     def __call__(self, logits, state):
@@ -186,6 +197,7 @@ class Epsilon(Adapter):
 
 class Eta(Adapter):
     name, fields, rowwise = "eta", ("eta",), True
+    index_free = True
     active = staticmethod(lambda p: p.eta > 0.0)
 
     def __call__(self, logits, state):
@@ -194,6 +206,7 @@ class Eta(Adapter):
 
 class TopNSigma(Adapter):
     name, fields, rowwise = "top_n_sigma", ("top_n_sigma",), True
+    index_free = True
     active = staticmethod(lambda p: p.top_n_sigma is not None)
 
     def __call__(self, logits, state):
@@ -204,6 +217,7 @@ class Xtc(Adapter):
     # Draws from the request's generator: not row-wise, but one draw per row whatever the
     # history, so a block's positions may run at once (they draw in the same order).
     name, fields = "xtc", ("xtc_threshold", "xtc_probability")
+    index_free = True
     active = staticmethod(lambda p: p.xtc_probability > 0.0)
 
     def __call__(self, logits, state):
@@ -214,6 +228,7 @@ class Xtc(Adapter):
 class Mirostat(Adapter):
     # Its target mu moves with every accepted token (SamplerState.accept).
     name, fields, reads_history = "mirostat", ("mirostat_tau", "mirostat_eta"), True
+    index_free = True
     active = staticmethod(lambda p: p.mirostat_tau is not None)
 
     def __call__(self, logits, state):

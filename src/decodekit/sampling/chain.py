@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from decodekit.params import SamplingParams
+from decodekit.sampling import processors as P
 from decodekit.sampling.adapters import ADAPTERS, active_adapters
 
 Chain = Callable[[torch.Tensor, "SamplerState"], torch.Tensor]
@@ -116,9 +117,19 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     active = [adapter for _, adapter in stages]
     if first is not None:
         active.insert(0, first)
+    compact_at = _compaction(active)
 
     def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
-        for adapter in active:
+        for at, adapter in enumerate(active):
+            if at == compact_at and logits.is_cpu and logits.shape[-1] >= COMPACT_MIN_VOCAB:
+                kept = P.top_k_kept(logits, params.top_k, params.min_tokens_to_keep)
+                if kept is not None:  # the rest of the chain on the kept tokens alone
+                    values, ids = kept
+                    for later in active[at + 1 :]:
+                        values = later(values, state)
+                    out = P.expand_kept(logits, values, ids)
+                    out.kept = (values, ids)  # for the draw (select.py `draw_logits_rows`)
+                    return out
             logits = adapter(logits, state)
         return logits if active else logits.clone()
 
@@ -131,6 +142,23 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     # without building them (two argmaxes and two log-softmaxes over the vocabulary, one each).
     chain.argmax_only = first is None and [name for name, _ in stages] == ["temperature"] and params.greedy
     return chain
+
+
+# From this vocabulary on, a CPU chain runs the adapters after a top-k on its kept tokens.
+COMPACT_MIN_VOCAB = 16384
+
+
+def _compaction(active: list) -> int | None:
+    """Where the chain may go on with a top-k's kept tokens only (`P.top_k_kept`): the top-k's
+    place, when every adapter after it is index-free (adapters.py), else None. A top-k at
+    151,936 tokens keeps ~40, and llama.cpp's default chain (top-k 40, top-p 0.95, min-p
+    0.05, temperature 0.8) then runs its three other adapters on those: 5.0 -> ~1 ms a row
+    (BENCHMARKS.md, "Sampling a real vocabulary against llama.cpp's samplers")."""
+    for at, adapter in enumerate(active):
+        if getattr(adapter, "name", None) == "top_k":
+            later = active[at + 1 :]
+            return at if all(getattr(a, "index_free", False) for a in later) else None
+    return None
 
 
 # Adapters that read only the logits and the params, row by row (no history, state or random

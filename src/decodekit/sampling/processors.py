@@ -251,6 +251,34 @@ def top_k(logits: torch.Tensor, k: int, min_keep: int = 1) -> torch.Tensor:
     return _remove(logits, logits < _kth_largest(logits, k), min_keep, keeps_first=True)
 
 
+# `top_k_kept` looks this many places past the k-th for tokens tied with it.
+TIES_LOOKED_AT = 16
+
+
+def top_k_kept(logits: torch.Tensor, k: int, min_keep: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tokens `top_k` keeps in each row of logits [R, V], as (logits [R, K], token ids
+    [R, K]) in the vocabulary's order, -inf where a row keeps fewer than K: scattered into a
+    row of -inf (`expand_kept`) they are `top_k`'s output, value for value. None where ties
+    with the k-th reach TIES_LOOKED_AT places past it, or a row has fewer finite logits than
+    it keeps (then the caller runs `top_k`). One `topk` of k + TIES_LOOKED_AT and a few ops
+    on those, not the masks over the vocabulary."""
+    keep = max(k, min_keep)  # min_keep's largest tokens (and ties) survive any truncation
+    if keep + TIES_LOOKED_AT >= logits.shape[-1]:
+        return None
+    values, ids = logits.topk(keep + TIES_LOOKED_AT, dim=-1)  # sorted, descending
+    kth = values[:, keep - 1 : keep]  # [R, 1]
+    if not bool((values[:, -1:] < kth).all()):  # ties may go on past the window (or -inf)
+        return None
+    ids, order = ids.sort(dim=-1)  # the vocabulary's order, as the whole row's
+    values = values.gather(-1, order)
+    return values.masked_fill(values < kth, NEG_INF), ids
+
+
+def expand_kept(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A row of -inf like logits [R, V] with `values` [R, K] at `ids` [R, K] (`top_k_kept`)."""
+    return torch.full_like(logits, NEG_INF).scatter_(-1, ids, values)
+
+
 def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
     """Nucleus: the smallest set of most probable tokens with mass >= p (plus ties)."""
     if p >= 1.0:
