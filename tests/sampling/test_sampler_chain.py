@@ -267,3 +267,31 @@ def test_draws_among_a_top_ks_kept_tokens_follow_the_distribution_and_the_whole_
         whole_probs = torch.softmax(whole.double(), dim=-1)
         plain = select.draw_rows(whole_probs, [(torch.Generator().manual_seed(seed), 16)])
         assert torch.equal(ours, plain)
+
+
+def test_a_chain_after_a_top_p_runs_on_its_kept_tokens_where_rows_are_peaked():
+    """A top-p keeps the tokens of its partial sort where every row is peaked (processors.py
+    `top_p_kept`): the chain goes on with those, its output equal to the adapters run one by
+    one and its draws to the whole row's for the same seeds; a flat row in the batch (its
+    first 1,024 tokens short of p) sends the whole batch over the vocabulary, with the same
+    result. Ties at the cut are kept together."""
+    from decodekit.sampling.chain import chain_stages
+    from decodekit.sampling.select import draw_logits_rows, draw_rows
+
+    params = SamplingParams(top_p=0.8, temperature=0.7, min_p=0.02, order=("top_p", "temperature", "min_p"))
+    peaked = _zipf_logits(6, 151_936, 4) * 1.3
+    peaked[2, :30] = peaked[2].max() + 0.5  # 30 tied at the top, holding more than p
+    flat = torch.randn(1, 151_936, generator=torch.Generator().manual_seed(5)) * 0.1
+    for rows, compacts in ((peaked, True), (torch.cat([peaked, flat]), False)):
+        state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
+        out = build_chain(params)(rows, state)
+        want = rows
+        for _, adapter in chain_stages(params):
+            want = adapter(want, state)
+        assert torch.equal(out, want) and hasattr(out, "kept") == compacts
+    assert bool(torch.isfinite(want[2, :30]).all())  # the tied tokens, all kept
+    out = build_chain(params)(peaked, SamplerState(params, (1,), 6, peaked.shape[-1]))
+    for seed in range(5):
+        ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 6)])
+        whole = draw_rows(torch.softmax(out.double(), dim=-1), [(torch.Generator().manual_seed(seed), 6)])
+        assert torch.equal(ours, whole)

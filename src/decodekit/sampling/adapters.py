@@ -13,8 +13,10 @@ editor shows them, and the row-wise key compares them), and two properties:
   draw), so requests with equal settings share one chain call (chain.py `rowwise_key`).
 - `index_free`: blind to which tokens the logits belong to beyond their order, and to tokens
   at -inf: tokens at -inf inserted anywhere into a row leave the other tokens' output as it
-  was (and stay at -inf). The chain then runs it on the few tokens a top-k keeps, in the
-  vocabulary's order, rather than on the whole vocabulary (chain.py `build_chain`).
+  was (and stay at -inf). The chain then runs it on the few tokens a top-k or top-p before
+  it keeps (their `truncate(logits)`: those tokens' logits and ids where every row can say
+  cheaply, else the adapter's output itself), in the vocabulary's order, rather than on the
+  whole vocabulary (chain.py `build_chain`).
 
 `active(params)` says whether the request's values switch it on (off values leave it out of
 the chain); an instance, built once per request, is `(logits [R, V], state) -> logits`. The
@@ -158,6 +160,9 @@ class TopK(Adapter):
     def __call__(self, logits, state):
         return P.top_k(logits, self.params.top_k, self.params.min_tokens_to_keep)
 
+    def truncate(self, logits):
+        return P.top_k_kept(logits, self.params.top_k, self.params.min_tokens_to_keep)
+
 
 class TopP(Adapter):
     name, fields, rowwise = "top_p", ("top_p",), True
@@ -166,6 +171,9 @@ class TopP(Adapter):
 
     def __call__(self, logits, state):
         return P.top_p(logits, self.params.top_p, self.params.min_tokens_to_keep)
+
+    def truncate(self, logits):
+        return P.top_p_kept(logits, self.params.top_p, self.params.min_tokens_to_keep)
 
 
 class MinP(Adapter):

@@ -122,14 +122,16 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
         for at, adapter in enumerate(active):
             if at == compact_at and logits.is_cpu and logits.shape[-1] >= COMPACT_MIN_VOCAB:
-                kept = P.top_k_kept(logits, params.top_k, params.min_tokens_to_keep)
-                if kept is not None:  # the rest of the chain on the kept tokens alone
-                    values, ids = kept
+                truncated = adapter.truncate(logits)
+                if isinstance(truncated, tuple):  # the rest of the chain on the kept tokens alone
+                    values, ids = truncated
                     for later in active[at + 1 :]:
                         values = later(values, state)
                     out = P.expand_kept(logits, values, ids)
                     out.kept = (values, ids)  # for the draw (select.py `draw_logits_rows`)
                     return out
+                logits = truncated  # the adapter's output over the whole vocabulary
+                continue
             logits = adapter(logits, state)
         return logits if active else logits.clone()
 
@@ -149,13 +151,14 @@ COMPACT_MIN_VOCAB = 16384
 
 
 def _compaction(active: list) -> int | None:
-    """Where the chain may go on with a top-k's kept tokens only (`P.top_k_kept`): the top-k's
-    place, when every adapter after it is index-free (adapters.py), else None. A top-k at
-    151,936 tokens keeps ~40, and llama.cpp's default chain (top-k 40, top-p 0.95, min-p
-    0.05, temperature 0.8) then runs its three other adapters on those: 5.0 -> ~1 ms a row
-    (BENCHMARKS.md, "Sampling a real vocabulary against llama.cpp's samplers")."""
+    """Where the chain may go on with the tokens a truncation keeps (a top-k's or a top-p's:
+    adapters.py `truncate`): the first such adapter's place, when every adapter after it is
+    index-free, else None. A top-k at 151,936 tokens keeps ~40, and llama.cpp's default chain
+    (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) then runs its other adapters and
+    the draw on those: 5.0 -> 0.7 ms a row (BENCHMARKS.md, "Sampling a real vocabulary
+    against llama.cpp's samplers")."""
     for at, adapter in enumerate(active):
-        if getattr(adapter, "name", None) == "top_k":
+        if hasattr(adapter, "truncate"):
             later = active[at + 1 :]
             return at if all(getattr(a, "index_free", False) for a in later) else None
     return None

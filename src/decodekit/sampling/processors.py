@@ -125,25 +125,47 @@ def _sorted_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
     would wait for the device, and a GPU sorts the vocabulary fast."""
     if not (key.is_cpu and key.shape[-1] > 4 * SORTED_CANDIDATES):
         return _full_sort_cutoff(key, probs, mass, descending)
+    cutoff, short, _ = _candidate_cutoff(key, probs, mass, descending)
+    return _cut_short_rows(key, probs, mass, descending, cutoff, short)
+
+
+def _candidate_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descending: bool) -> tuple:
+    """`_sorted_cutoff`'s partial sort: (cutoff [R, 1], short [R]: the rows whose first tokens
+    do not hold `mass`, their cutoffs left for `_cut_short_rows`, and the first tokens'
+    (sorted keys, ids) [R, SORTED_CANDIDATES] when every row was sorted, else None)."""
     cutoff = key.new_empty(key.shape[0], 1)
     # any SORTED_CANDIDATES tokens hold at most that many times the largest probability, so
     # a row where that falls short of `mass` goes to its bins without the partial sort
     short = probs.amax(dim=-1) * SORTED_CANDIDATES < mass  # [R]
     tried = (~short).nonzero()[:, 0]
+    first = None
     if len(tried):
         keys = _rows(key, tried)
-        sorted_key, order = keys.topk(SORTED_CANDIDATES, dim=-1, largest=descending)  # sorted
-        sorted_probs = sorted_key if probs is key else _rows(probs, tried).gather(-1, order)
-        running = torch.cumsum(sorted_probs, dim=-1)
+        weights = keys if probs is key else _rows(probs, tried)
+        sorted_key, ids, running = _first_tokens(keys, weights, descending)
         cutoff[tried] = _running_cutoff(sorted_key, running, mass)
         # the last running sum is the candidates' whole mass: every later token's exclusive
         # sum is at least it, so where it reaches `mass` no later token is kept
         short[tried] = running[..., -1] < mass
+        first = (sorted_key, ids) if len(tried) == key.shape[0] else None
+    return cutoff, short, first
+
+
+def _cut_short_rows(key, probs, mass: float, descending: bool, cutoff: torch.Tensor, short: torch.Tensor):
+    """`cutoff` [R, 1] with the `short` rows' cuts from their bins (`_binned_cutoff`)."""
     rows = short.nonzero()[:, 0]
     if len(rows):
         keys = _rows(key, rows)
         cutoff[rows] = _binned_cutoff(keys, keys if probs is key else _rows(probs, rows), mass, descending)
     return cutoff
+
+
+def _first_tokens(key: torch.Tensor, probs: torch.Tensor, descending: bool) -> tuple[torch.Tensor, ...]:
+    """The first SORTED_CANDIDATES tokens of each row in `key`'s order: their keys (sorted),
+    ids and the running sums of their probs [R, SORTED_CANDIDATES] (a partial `topk`)."""
+    sorted_key, order = key.topk(SORTED_CANDIDATES, dim=-1, largest=descending)  # sorted
+    sorted_probs = sorted_key if probs is key else probs.gather(-1, order)
+    return sorted_key, order, torch.cumsum(sorted_probs, dim=-1)
 
 
 def _rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -255,23 +277,50 @@ def top_k(logits: torch.Tensor, k: int, min_keep: int = 1) -> torch.Tensor:
 TIES_LOOKED_AT = 16
 
 
-def top_k_kept(logits: torch.Tensor, k: int, min_keep: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+def top_k_kept(
+    logits: torch.Tensor, k: int, min_keep: int = 1
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """The tokens `top_k` keeps in each row of logits [R, V], as (logits [R, K], token ids
     [R, K]) in the vocabulary's order, -inf where a row keeps fewer than K: scattered into a
-    row of -inf (`expand_kept`) they are `top_k`'s output, value for value. None where ties
+    row of -inf (`expand_kept`) they are `top_k`'s output, value for value. One `topk` of
+    k + TIES_LOOKED_AT and a few ops on those, not the masks over the vocabulary. Where ties
     with the k-th reach TIES_LOOKED_AT places past it, or a row has fewer finite logits than
-    it keeps (then the caller runs `top_k`). One `topk` of k + TIES_LOOKED_AT and a few ops
-    on those, not the masks over the vocabulary."""
+    it keeps: `top_k`'s output itself."""
     keep = max(k, min_keep)  # min_keep's largest tokens (and ties) survive any truncation
     if keep + TIES_LOOKED_AT >= logits.shape[-1]:
-        return None
+        return top_k(logits, k, min_keep)
     values, ids = logits.topk(keep + TIES_LOOKED_AT, dim=-1)  # sorted, descending
     kth = values[:, keep - 1 : keep]  # [R, 1]
     if not bool((values[:, -1:] < kth).all()):  # ties may go on past the window (or -inf)
-        return None
-    ids, order = ids.sort(dim=-1)  # the vocabulary's order, as the whole row's
-    values = values.gather(-1, order)
-    return values.masked_fill(values < kth, NEG_INF), ids
+        return top_k(logits, k, min_keep)
+    return _in_vocabulary_order(values.masked_fill(values < kth, NEG_INF), ids)
+
+
+def top_p_kept(
+    logits: torch.Tensor, p: float, min_keep: int = 1
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """The tokens `top_p` keeps, as `top_k_kept` gives top-k's, from the partial sort of the
+    first SORTED_CANDIDATES tokens (`_sorted_cutoff`): where in every row those hold the
+    mass (peaked rows) and no token past them ties with the cut, on the CPU, at min_keep 1.
+    Elsewhere `top_p`'s output, from the same probabilities."""
+    if p >= 1.0 or min_keep > 1 or not (logits.is_cpu and logits.shape[-1] > 4 * SORTED_CANDIDATES):
+        return top_p(logits, p, min_keep)
+    probs = probs64(logits)
+    cutoff, short, first = _candidate_cutoff(probs, probs, p, descending=True)
+    if first is not None and not bool(short.any()):
+        sorted_probs, ids = first
+        if bool((sorted_probs[:, -1:] < cutoff).all()):  # no tie with the cut past them
+            kept = logits.gather(-1, ids).masked_fill(sorted_probs < cutoff, NEG_INF)
+            return _in_vocabulary_order(kept, ids)
+    cutoff = _cut_short_rows(probs, probs, p, True, cutoff, short)
+    return _remove(logits, probs < cutoff, min_keep, keeps_first=True)
+
+
+def _in_vocabulary_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [R, K] reordered by id: the whole row's order, which the draw's running
+    sums and a first-of-ties argmax follow."""
+    ids, order = ids.sort(dim=-1)
+    return values.gather(-1, order), ids
 
 
 def expand_kept(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
