@@ -2,7 +2,7 @@
 
 An adapter class names itself (`name`, its place in `params.DEFAULT_ORDER`), the
 SamplingParams fields it reads (`fields`, every one besides `min_tokens_to_keep`: the lab's
-editor shows them, and the row-wise key compares them), and two properties:
+editor shows them, and the row-wise key compares them), and three properties:
 
 - `reads_history`: its output depends on the rows' tokens so far or on state updated by
   `SamplerState.accept` (mirostat's mu). Speculative decoding then processes a block's

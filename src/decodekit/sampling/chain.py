@@ -146,7 +146,8 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     return chain
 
 
-# From this vocabulary on, a CPU chain runs the adapters after a top-k on its kept tokens.
+# From this vocabulary on, a CPU chain runs the adapters after a top-k or top-p on its kept
+# tokens (`_compaction`).
 COMPACT_MIN_VOCAB = 16384
 
 
