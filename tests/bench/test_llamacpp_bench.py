@@ -201,3 +201,20 @@ def test_llama_cpp_greedy_equals_decodekit_greedy_on_shakespeare(one_thread, tmp
         assert len(q4.ask({"do": "greedy", "prompts": prompts[:1], "new_tokens": 24})["greedy"][0]) == 24
         timed = q4.ask({"do": "decode", "prompt": prompts[0], "new_tokens": 24})  # the repacked layout runs
         assert timed["cpu_s"] > 0 and timed["wall_s"] > 0
+
+
+@pytest.mark.peer
+@pytest.mark.skipif(PEER is None, reason="no llama-cpp-python build: bash scripts/peers.sh")
+def test_llama_cpps_samplers_run_on_the_logits_given(tmp_path):
+    """bench/llamacpp_worker.py `samplers` (benchmarks/sampling_vocab.py's peer): llama.cpp's
+    greedy picks each row's argmax and top-k 1 the same token, so the candidates are filled
+    from the rows given; timings are positive."""
+    logits = torch.randn(3, 5_000, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "logits.f32"
+    logits.numpy().tofile(path)
+    chains = {"greedy": [["greedy"]], "top_k 1": [["top_k", 1], ["dist", 7]]}
+    done = llamacpp.run_worker(PEER, {"op": "samplers", "logits": str(path), "rows": 3, "calls": 2,
+                                      "chains": chains})  # fmt: skip
+    want = logits.argmax(dim=-1).tolist()
+    assert done["tokens"] == {"greedy": want, "top_k 1": want}
+    assert all(ms > 0 for ms in done["ms"].values())

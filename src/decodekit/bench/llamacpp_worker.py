@@ -22,8 +22,9 @@ decodekit), by file path (bench/llamacpp.py drives it):
   "chains": {name: [[sampler, args...], ...]}, "calls": n}: each chain of llama.cpp's
   samplers (temp, top_k, top_p, min_p, typical; then dist, seeded, or greedy alone) applied
   to every row's logits, `calls` times after one untimed call, the candidates' array filled
-  from the logits each time as `llama_sampler_sample` fills it; answered with {name: median
-  wall ms of one call over all rows}. benchmarks/sampling_vocab.py compares its own.
+  from the logits each time as `llama_sampler_sample` fills it; answered with {"ms": {name:
+  median wall ms of one call over all rows}, "tokens": {name: each row's token at the last
+  call}}. benchmarks/sampling_vocab.py compares its own.
 - `answer`: {"op": "answer", "gguf": GGUF, "prompt": str, "new_tokens": n, "context": n,
   "threads": t}: load the model, tokenise the prompt, n greedy tokens, their text; answered
   with {"text": str, "tokens": [ids]}. bench/startup.py times the whole process: a user's
@@ -200,18 +201,20 @@ def samplers(task: dict) -> dict:
     data = (llama_cpp.llama_token_data * vocab)()
     fields = np.ctypeslib.as_array(data)  # a structured view: id, logit, p
     ids = np.arange(vocab, dtype=np.int32)
-    out = {}
+    out, tokens = {}, {}
     for name, links in task["chains"].items():
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         for sampler, *args in links:
             llama_cpp.llama_sampler_chain_add(chain, SAMPLERS[sampler](*args))
 
-        def call(chain=chain) -> None:
+        def call(chain=chain, name=name) -> None:
+            tokens[name] = []
             for row in logits:
                 fields["id"], fields["logit"], fields["p"] = ids, row, 0.0
                 candidates = llama_cpp.llama_token_data_array(data, vocab, -1, False)
                 llama_cpp.llama_sampler_apply(chain, ctypes.byref(candidates))
                 assert 0 <= candidates.selected < candidates.size
+                tokens[name].append(int(fields["id"][candidates.selected]))
 
         call()
         times = []
@@ -221,7 +224,7 @@ def samplers(task: dict) -> dict:
             times.append(time.perf_counter() - start)
         llama_cpp.llama_sampler_free(chain)
         out[name] = round(sorted(times)[len(times) // 2] * 1e3, 3)
-    return out
+    return {"ms": out, "tokens": tokens}
 
 
 def timed(fn) -> dict:
