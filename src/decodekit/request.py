@@ -27,7 +27,7 @@ from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain
-from decodekit.sampling.processors import argmax_rows, temperature
+from decodekit.sampling.processors import argmax_rows, temperature, topk_rows
 from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
 from decodekit.text import TextTracker
 
@@ -354,7 +354,7 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
         columns.append(raw_entropy(raw_lp))
     top_at = len(columns)
     if top:
-        values, ids = raw_lp.topk(top, dim=-1)  # [R, k]
+        values, ids = topk_rows(raw_lp, top)  # [R, k]
         columns += [*ids.T, *values.T]
     host = torch.stack([column.double() for column in columns]).tolist()  # [C, R]
     tokens, raw_chosen = [int(t) for t in host[0]], host[1]

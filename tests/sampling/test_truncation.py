@@ -390,3 +390,26 @@ def test_argmax_rows_is_torchs_argmax(vocab):
     assert torch.equal(P.argmax_rows(x[1]), x[1].argmax(dim=-1))
     assert torch.equal(P.argmax_rows(x[:, None]), x[:, None].argmax(dim=-1))
     assert torch.equal(P.argmax_rows(x[:0]), x[:0].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [151_936, 50_257])
+def test_topk_rows_finds_torchs_top_values(vocab):
+    """topk_rows (the k chunks with the largest maxima, then a topk over them; torch's topk
+    where the 50,257 tokens have no chunk size, or k > 256) returns torch's values, sorted,
+    and k different ids holding them: for k of 1-256 and 300, a row whose top values crowd
+    into one chunk, every chunk's maximum tied (and the top values past them in one chunk),
+    a row mostly -inf, and a non-contiguous input. Fails when fewer chunks are searched."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(6, vocab, generator=generator)
+    x[1, 1000:1100] += 20.0  # the top 100 in one or two chunks
+    x[2, ::128] = 9.0  # every chunk's maximum tied ...
+    x[2, 129:160] = torch.linspace(9.5, 9.1, 31)  # ... but one chunk's 31 above them
+    x[3] = P.NEG_INF
+    x[3, :300] = torch.randn(300, generator=generator)
+    x[4, 7::500] = 5.0 + torch.arange(len(range(7, vocab, 500)), dtype=torch.float32) / 1000
+    for k in (1, 5, 40, 56, 256, 300):
+        for rows in (x, x[:, None, :].expand(6, 2, vocab)[:, 1]):
+            values, ids = P.topk_rows(rows, k)
+            assert torch.equal(values, rows.topk(k, dim=-1).values), k
+            assert torch.equal(rows.gather(-1, ids), values), k
+            assert all(len(set(row)) == k for row in ids.tolist())  # k different tokens

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from decodekit.sampling.chain import SamplerState
-from decodekit.sampling.processors import FLOAT64_ROWS, argmax_rows, probs64
+from decodekit.sampling.processors import FLOAT64_ROWS, argmax_rows, probs64, topk_rows
 from decodekit.scratch import scratch, worth_scratch
 
 
@@ -118,5 +118,5 @@ def top_logprobs(logits: torch.Tensor, k: int) -> list[dict[int, float]]:
     """The k most likely tokens of each row of logits [R, V] with their log-probabilities."""
     if k <= 0:
         return [{} for _ in range(logits.shape[0])]
-    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]))
+    values, ids = topk_rows(torch.log_softmax(logits.float(), dim=-1), min(k, logits.shape[-1]))
     return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
