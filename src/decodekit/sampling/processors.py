@@ -17,15 +17,17 @@ Conventions shared by the truncation adapters (top_k ... mirostat):
 - Only top-p and typical sort the vocabulary (typical by its own key); every other
   truncation is a threshold test or a partial `topk`, so a step sorts the vocabulary
   by probability at most once however many truncations the chain holds. On the CPU they
-  first sort only the `SORTED_CANDIDATES` first tokens of their order (a partial `topk`):
-  in a row where those hold the mass asked for, the kept prefix lies among them and the
-  cut is the one a full sort gives, bit for bit (the prefix's running sums are the same
-  sequential sums). A flatter row is not sorted whole: its tokens are binned by their key's
+  first sort only the `SORTED_CANDIDATES` first tokens of their order (a partial `topk`;
+  top-p its first `FIRST_CANDIDATES` before them, by `topk_rows`' chunks): in a row where
+  those hold the mass asked for, the kept prefix lies among them and the cut is the one a
+  full sort gives, bit for bit (the prefix's running sums are the same sequential sums).
+  A flatter row is not sorted whole: its tokens are binned by their key's
   leading bits (`_binned_cutoff`: 32 bins an octave), the bins' masses summed, and only the
   bin where the running mass reaches the mass asked for is sorted. Its cut is the full
   sort's unless a running sum lies within float64 rounding of that mass (the sums are taken
   in another order). A full sort of a 151,936-token vocabulary took 12-15 ms of one core, the
-  partial one 0.7-0.9 ms, the binned one 0.6-1.0 ms (AMD EPYC Zen 4, no AMX, 2026-11-29).
+  partial one 0.7-0.9 ms (of 256 tokens by chunks 0.1-0.2), the binned one 0.6-1.0 ms (AMD
+  EPYC Zen 4, no AMX, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def _running_cutoff(sorted_key: torch.Tensor, running: torch.Tensor, mass: float
 
 
 # Tokens top-p and typical sort first on the CPU (module docstring); vocabularies up to four
-# times this are sorted whole.
+# times this are sorted whole. Top-p tries its first FIRST_CANDIDATES before.
 SORTED_CANDIDATES = 1024
+FIRST_CANDIDATES = 256
 # `_binned_cutoff`'s bins: a float32 key's exponent and its first BIN_BITS mantissa bits,
 # so 2**BIN_BITS bins an octave; BINS of them from the row's first key (64 octaves), the
 # rest in the last bin.
@@ -132,22 +135,34 @@ def _sorted_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
 def _candidate_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descending: bool) -> tuple:
     """`_sorted_cutoff`'s partial sort: (cutoff [R, 1], short [R]: the rows whose first tokens
     do not hold `mass`, their cutoffs left for `_cut_short_rows`, and the first tokens'
-    (sorted keys, ids) [R, SORTED_CANDIDATES] when every row was sorted, else None)."""
-    cutoff = key.new_empty(key.shape[0], 1)
-    # any SORTED_CANDIDATES tokens hold at most that many times the largest probability, so
-    # a row where that falls short of `mass` goes to its bins without the partial sort
-    short = probs.amax(dim=-1) * SORTED_CANDIDATES < mass  # [R]
-    tried = (~short).nonzero()[:, 0]
+    (sorted keys, ids) [R, n] when every row was held by the same first n, else None). A
+    descending key (top-p's) tries its first FIRST_CANDIDATES tokens before
+    SORTED_CANDIDATES: a peaked row's mass lies in those, found by `topk_rows`' chunks."""
+    rows = key.shape[0]
+    cutoff = key.new_empty(rows, 1)
+    short = torch.ones(rows, dtype=torch.bool, device=key.device)
+    # The most the first `count` tokens of a row can hold: `count` times its largest
+    # probability; once its first `seen` are summed (a key that is the probability itself),
+    # their mass plus the rest at the last one's probability.
+    held, below, seen = probs.new_zeros(rows), probs.amax(dim=-1), torch.zeros_like(probs[:, 0])
     first = None
-    if len(tried):
+    for count in (FIRST_CANDIDATES, SORTED_CANDIDATES) if descending else (SORTED_CANDIDATES,):
+        # rows that cannot reach `mass` are not tried (at the last count: they go to their bins)
+        tried = (short & (held + (count - seen) * below >= mass)).nonzero()[:, 0]
+        if not len(tried):
+            continue
         keys = _rows(key, tried)
         weights = keys if probs is key else _rows(probs, tried)
-        sorted_key, ids, running = _first_tokens(keys, weights, descending)
+        sorted_key, ids, running = _first_tokens(keys, weights, descending, count)
         cutoff[tried] = _running_cutoff(sorted_key, running, mass)
         # the last running sum is the candidates' whole mass: every later token's exclusive
         # sum is at least it, so where it reaches `mass` no later token is kept
-        short[tried] = running[..., -1] < mass
-        first = (sorted_key, ids) if len(tried) == key.shape[0] else None
+        now_held = running[..., -1] >= mass
+        short[tried] = ~now_held
+        if probs is key:
+            held[tried], below[tried], seen[tried] = running[..., -1], sorted_key[..., -1], count
+        if first is None and len(tried) == rows and bool(now_held.all()):
+            first = (sorted_key, ids)
     return cutoff, short, first
 
 
@@ -160,10 +175,13 @@ def _cut_short_rows(key, probs, mass: float, descending: bool, cutoff: torch.Ten
     return cutoff
 
 
-def _first_tokens(key: torch.Tensor, probs: torch.Tensor, descending: bool) -> tuple[torch.Tensor, ...]:
-    """The first SORTED_CANDIDATES tokens of each row in `key`'s order: their keys (sorted),
-    ids and the running sums of their probs [R, SORTED_CANDIDATES] (a partial `topk`)."""
-    sorted_key, order = key.topk(SORTED_CANDIDATES, dim=-1, largest=descending)  # sorted
+def _first_tokens(key: torch.Tensor, probs: torch.Tensor, descending: bool, count: int) -> tuple:
+    """The first `count` tokens of each row in `key`'s order: their keys (sorted), ids and the
+    running sums of their probs [R, count] (a partial sort)."""
+    if descending:
+        sorted_key, order = topk_rows(key, count)
+    else:
+        sorted_key, order = key.topk(count, dim=-1, largest=False)  # sorted
     sorted_probs = sorted_key if probs is key else probs.gather(-1, order)
     return sorted_key, order, torch.cumsum(sorted_probs, dim=-1)
 
@@ -267,9 +285,10 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     the k chunks with the largest maxima hold the top k values: a value above the k-th
     largest maximum t lies in a chunk whose maximum is above t, all of which are among those
     k, and each of them whose maximum is t holds a t. A topk over those chunks finds them:
-    23-87 us a row."""
+    23-87 us a row for k up to 56 (chunks of 128), 105-190 for 256 (of 32; torch 290-306)."""
     vocab = x.shape[-1]
-    chunk = next((c for c in (128, 64, 32) if vocab % c == 0), None)
+    sizes = (128, 64, 32) if k <= 64 else (32, 64, 128)  # larger k: smaller chunks pay
+    chunk = next((c for c in sizes if vocab % c == 0), None)
     if not (x.is_cpu and x.dim() == 2 and k <= TOPK_CHUNKED_MAX and vocab >= ARGMAX_CHUNKED_MIN and chunk):
         return x.topk(k, dim=-1)
     rows, blocks = x.shape[0], x.reshape(x.shape[0], vocab // chunk, chunk)
@@ -325,8 +344,9 @@ def top_p_kept(
     logits: torch.Tensor, p: float, min_keep: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """The tokens `top_p` keeps, as `top_k_kept` gives top-k's, from the partial sort of the
-    first SORTED_CANDIDATES tokens (`_sorted_cutoff`): where in every row those hold the
-    mass (peaked rows) and no token past them ties with the cut, on the CPU, at min_keep 1.
+    first FIRST_CANDIDATES or SORTED_CANDIDATES tokens (`_sorted_cutoff`): where in every row
+    the same first tokens hold the mass (peaked rows) and no token past them ties with the
+    cut, on the CPU, at min_keep 1.
     Elsewhere `top_p`'s output, from the same probabilities."""
     if p >= 1.0 or min_keep > 1 or not (logits.is_cpu and logits.shape[-1] > 4 * SORTED_CANDIDATES):
         return top_p(logits, p, min_keep)
