@@ -295,3 +295,35 @@ def test_a_chain_after_a_top_p_runs_on_its_kept_tokens_where_rows_are_peaked():
         ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 6)])
         whole = draw_rows(torch.softmax(out.double(), dim=-1), [(torch.Generator().manual_seed(seed), 6)])
         assert torch.equal(ours, whole)
+
+
+def test_a_chain_after_a_min_p_runs_on_its_kept_tokens_where_few_can_pass():
+    """A min-p keeps at most 1 / threshold tokens a row, so where that is at most 256 its
+    chain goes on with the `topk_rows` of that many (processors.py `min_p_kept`): the output
+    equals the adapters run one by one, with ties at the maximum and a row keeping 101 tokens
+    (1 / t = 111), and draws equal the whole row's; a row where too many could pass (a flat
+    one) sends the batch over the whole vocabulary, with the same output. Fails when fewer
+    than 1 / t tokens are searched."""
+    from decodekit.sampling.chain import chain_stages
+    from decodekit.sampling.select import draw_logits_rows, draw_rows
+
+    params = SamplingParams(min_p=0.1, temperature=0.8, top_p=0.9, order=("min_p", "temperature", "top_p"))
+    peaked = _zipf_logits(5, 151_936, 6) * 1.5
+    top = peaked[3].max()
+    peaked[3, :4] = top  # four at the maximum
+    peaked[3, 10:13] = top + math.log(0.1)  # three exactly at a tenth of it (in float32)
+    peaked[4] = -40.0  # a row keeping near 1 / t tokens, the bound min-p's search relies on:
+    peaked[4, 0], peaked[4, 100:300:2] = 0.0, math.log(0.1) + 1e-3  # one, and 100 just above a tenth
+    flat = torch.randn(1, 151_936, generator=torch.Generator().manual_seed(7)) * 0.1
+    for rows, compacts in ((peaked, True), (torch.cat([peaked, flat]), False)):
+        state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
+        out = build_chain(params)(rows, state)
+        want = rows
+        for _, adapter in chain_stages(params):
+            want = adapter(want, state)
+        assert torch.equal(out, want) and hasattr(out, "kept") == compacts
+    out = build_chain(params)(peaked, SamplerState(params, (1,), 5, peaked.shape[-1]))
+    for seed in range(5):
+        ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 5)])
+        whole = draw_rows(torch.softmax(out.double(), dim=-1), [(torch.Generator().manual_seed(seed), 5)])
+        assert torch.equal(ours, whole)

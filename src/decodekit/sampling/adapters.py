@@ -13,10 +13,10 @@ editor shows them, and the row-wise key compares them), and three properties:
   draw), so requests with equal settings share one chain call (chain.py `rowwise_key`).
 - `index_free`: blind to which tokens the logits belong to beyond their order, and to tokens
   at -inf: tokens at -inf inserted anywhere into a row leave the other tokens' output as it
-  was (and stay at -inf). The chain then runs it on the few tokens a top-k or top-p before
-  it keeps (their `truncate(logits)`: those tokens' logits and ids where every row can say
-  cheaply, else the adapter's output itself), in the vocabulary's order, rather than on the
-  whole vocabulary (chain.py `build_chain`).
+  was (and stay at -inf). The chain then runs it on the few tokens a top-k, top-p or min-p
+  before it keeps (their `truncate(logits)`: those tokens' logits and ids where every row
+  can say cheaply, else the adapter's output itself), in the vocabulary's order, rather than
+  on the whole vocabulary (chain.py `build_chain`).
 
 `active(params)` says whether the request's values switch it on (off values leave it out of
 the chain); an instance, built once per request, is `(logits [R, V], state) -> logits`. The
@@ -183,6 +183,9 @@ class MinP(Adapter):
 
     def __call__(self, logits, state):
         return P.min_p(logits, self.params.min_p, self.params.min_tokens_to_keep)
+
+    def truncate(self, logits):
+        return P.min_p_kept(logits, self.params.min_p, self.params.min_tokens_to_keep)
 
 
 class Typical(Adapter):

@@ -146,14 +146,14 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     return chain
 
 
-# From this vocabulary on, a CPU chain runs the adapters after a top-k or top-p on its kept
-# tokens (`_compaction`).
+# From this vocabulary on, a CPU chain runs the adapters after a top-k, top-p or min-p on its
+# kept tokens (`_compaction`).
 COMPACT_MIN_VOCAB = 16384
 
 
 def _compaction(active: list) -> int | None:
-    """Where the chain may go on with the tokens a truncation keeps (a top-k's or a top-p's:
-    adapters.py `truncate`): the first such adapter's place, when every adapter after it is
+    """Where the chain may go on with the tokens a truncation keeps (a top-k's, top-p's or
+    min-p's: adapters.py `truncate`): the first such adapter's place, when every adapter after it is
     index-free, else None. A top-k at 151,936 tokens keeps ~40, and llama.cpp's default chain
     (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) then runs its other adapters and
     the draw on those: 5.0 -> 0.7 ms a row (BENCHMARKS.md, "Sampling a real vocabulary

@@ -389,6 +389,25 @@ def min_p(logits: torch.Tensor, p_base: float, min_keep: int = 1) -> torch.Tenso
     return _remove(logits, probs < threshold, min_keep, keeps_first=True)  # min_p <= 1
 
 
+def min_p_kept(
+    logits: torch.Tensor, p_base: float, min_keep: int = 1
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """The tokens `min_p` keeps, as `top_k_kept` gives top-k's: each has probability at least
+    the threshold t, so a row keeps at most 1 / t of them, and the `topk_rows` of that many
+    holds them all. Where that is more than TOPK_CHUNKED_MAX in some row (a flat one), off
+    the CPU, or at min_keep > 1: `min_p`'s output, from the same probabilities."""
+    if min_keep > 1 or not logits.is_cpu:
+        return min_p(logits, p_base, min_keep)
+    probs = probs64(logits)
+    threshold = p_base * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+    least = float(threshold.min())
+    most = int(1.0 / least) + 1 if least > 0 else logits.shape[-1]  # + 1: the sums' rounding
+    if most > TOPK_CHUNKED_MAX or most >= logits.shape[-1]:
+        return _remove(logits, probs < threshold, min_keep, keeps_first=True)
+    values, ids = topk_rows(probs, most)
+    return _in_vocabulary_order(logits.gather(-1, ids).masked_fill(values < threshold, NEG_INF), ids)
+
+
 def typical(logits: torch.Tensor, mass: float, min_keep: int = 1) -> torch.Tensor:
     """Locally typical sampling (Meister et al. 2022, HF's rule).
 

@@ -46,7 +46,7 @@ def draw_rows(probs: torch.Tensor, generators: list[tuple[torch.Generator, int]]
 def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generator, int]]) -> torch.Tensor:
     """`draw_rows(softmax(logits.double()), generators)` for logits [R, V], bit for bit; large
     rows on the CPU in the thread's scratch buffers (module docstring). Processed logits that
-    a chain made from a top-k's or top-p's kept tokens (chain.py) carry them (`kept`: their
+    a chain made from a truncation's kept tokens (chain.py) carry them (`kept`: their
     logits [R, K] and ids, in the vocabulary's order): the draw is then among those alone,
     the same running sums without the vocabulary's zeros between them (the same token but
     where a sum's last bit decides it)."""
