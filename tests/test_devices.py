@@ -272,3 +272,31 @@ def test_a_decode_step_reads_the_host_once(models, name):
     with HostReads() as shorter:
         HOST_READ_RUNS[name](model, 9)
     assert (longer.total - shorter.total) / 8 <= 1, sorted((longer.counts - shorter.counts).items())
+
+
+def test_sampling_at_a_real_vocabulary_names_its_devices():
+    """The CPU's real-vocabulary sampling paths (chunked argmax and topk, top-p's candidate
+    stages and bins, the compacted chains of top-k, top-p and min-p, the draw among kept
+    tokens, the scratch buffers) run under `NamedDevices`: none of their tensor factories
+    is left to the default device."""
+    import decodekit as dk
+    from decodekit.request import make_requests, sample_rows
+
+    generator = torch.Generator().manual_seed(0)
+    ranks = torch.stack([torch.randperm(151_936, generator=generator) for _ in range(3)]) + 1
+    peaked = -1.5 * ranks.double().log().float()
+    flat = torch.randn(1, 151_936, generator=generator) * 0.1
+    logits = torch.cat([peaked, flat])
+    model = dk.load_model("shakespeare-5gram")
+    model.decode = lambda ids, *args, **kwargs: "x" * len(ids)  # ids past its 2,048 tokens
+    settings = [dict(temperature=0.0), dict(top_p=0.9), dict(typical_p=0.9), dict(min_p=0.05),
+                dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, logprobs=3)]  # fmt: skip
+    with NamedDevices():
+        for fields in settings:
+            for rows in (peaked, logits):
+                params = dk.SamplingParams(seed=1, max_new_tokens=8, ignore_eos=True, **fields)
+                requests = make_requests(model, [[1, 2]] * rows.shape[0], params)
+                for request in requests:
+                    request.state.vocab_size = rows.shape[-1]
+                tokens = sample_rows(rows, [row for request in requests for row in request.rows])
+                assert tokens.shape == (rows.shape[0],)

@@ -211,7 +211,7 @@ def _binned_cutoff(key: torch.Tensor, probs: torch.Tensor, mass: float, descendi
     else:
         bins -= bins.amin(dim=-1, keepdim=True)
     bins.clamp_(max=BINS - 1)
-    offsets = torch.arange(0, rows * BINS, BINS, dtype=torch.int32)[:, None]
+    offsets = torch.arange(0, rows * BINS, BINS, dtype=torch.int32, device=key.device)[:, None]
     bins += offsets  # each row's bins apart, counted in one call
     masses = torch.bincount(bins.view(-1), weights=probs.reshape(-1), minlength=rows * BINS)
     running = masses.view(rows, BINS).cumsum(-1)
@@ -269,7 +269,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     rows = x.reshape(-1, vocab // chunk, chunk)  # [R, V / c, c]
     first = rows.amax(dim=-1).argmax(dim=-1)  # [R]: the first chunk holding the maximum
-    within = rows[torch.arange(rows.shape[0]), first].argmax(dim=-1)
+    within = rows[torch.arange(rows.shape[0], device=x.device), first].argmax(dim=-1)
     return (first * chunk + within).view(x.shape[:-1])
 
 
