@@ -233,11 +233,11 @@ def _full_sort_cutoffs(logits, p):
 
 @pytest.mark.parametrize("vocab", [20_000, 151_936])
 def test_a_large_vocabulary_sorts_its_first_tokens_and_cuts_where_a_full_sort_does(vocab, monkeypatch):
-    """On the CPU, top-p and typical sort only their first SORTED_CANDIDATES tokens when
-    those hold the mass (module docstring): the cut equals the full sort's, bit for bit, for
-    peaked rows, ties at the cut, a mass equal to a prefix's running sum, and a flat row
-    beside them (which the full sort decides). The full sort is not called when the
-    candidates hold the mass."""
+    """On the CPU, top-p and typical sort only their first tokens (top-p 256, then 1,024;
+    typical 1,024) when those hold the mass (module docstring): the cut equals the full
+    sort's, bit for bit, for peaked rows, ties at the cut, and every 5th of the first 300
+    running sums as the mass, beside a flat row (decided by its bins). Nothing is sorted
+    whole: peaked rows sort nothing, the flat row one bin."""
     generator = torch.Generator().manual_seed(0)
     peaked = torch.randn(2, vocab, generator=generator) * 4
     peaked[1, :40] = 9.0  # 40 tied logits at the top
