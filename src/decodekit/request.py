@@ -26,7 +26,7 @@ from decodekit.completion import Completion, Usage
 from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
-from decodekit.sampling.chain import Chain
+from decodekit.sampling.chain import COMPACT_MIN_VOCAB, Chain
 from decodekit.sampling.processors import argmax_rows, temperature, topk_rows
 from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
 from decodekit.text import TextTracker
@@ -238,14 +238,17 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     Neighbouring requests whose chains compute the same row-wise function (chain.py
     `rowwise_key`: equal settings, no history or state read) run as one batch: one chain call,
     one softmax and one search, each request's uniforms from its own generator, so every row
-    gets the token it would get alone (tests/test_request.py)."""
+    gets the token it would get alone (tests/test_request.py). Not chains that may go on
+    with a truncation's kept tokens at this vocabulary (chain.py `compacts`): whether they can
+    depends on all the rows of the call."""
     if len(live) == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device)
     if live[0].request is live[-1].request:  # one request's rows (contiguous): no copies
         processed, chosen = _sample_request(logits, live[0].request, hidden)
         record(live, logits, processed, chosen, [(live[0].request, len(live))])
         return chosen
-    batches = _batches(live, hidden is not None)
+    compacting = logits.is_cpu and logits.shape[-1] >= COMPACT_MIN_VOCAB
+    batches = _batches(live, hidden is not None, compacting)
     if len(batches) == 1:  # one batch of several requests: no copies
         processed, chosen = _sample_batch(logits, batches[0][2])
         record(live, logits, processed, chosen, batches[0][2])
@@ -266,15 +269,20 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     return tokens
 
 
-def _batches(live: list[Row], with_hidden: bool) -> list[tuple[int, int, list[tuple[Request, int]]]]:
+def _batches(
+    live: list[Row], with_hidden: bool, compacting: bool = False
+) -> list[tuple[int, int, list[tuple[Request, int]]]]:
     """(start, stop, [(request, rows)]) runs of `live`: each request's rows, and neighbouring
-    requests merged where their chains are the same row-wise function (`sample_rows`)."""
+    requests merged where their chains are the same row-wise function (`sample_rows`), but
+    not chains that compact when `compacting` (a large CPU vocabulary)."""
     runs: list[tuple[int, int, list[tuple[Request, int]]]] = []
     key_of_last = None
     for start, stop in request_runs(live):
         request = live[start].request
         key = getattr(request.chain, "rowwise_key", None)
         if request.mask is not None or (with_hidden and request.wants_hidden):
+            key = None
+        if compacting and getattr(request.chain, "compacts", False):
             key = None
         if key is not None and key == key_of_last:
             first, _, members = runs[-1]

@@ -138,6 +138,10 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     # No adapter: the processed logits equal the raw ones (request.py samples from the raw
     # logits and reads one log-softmax for both).
     chain.identity = not active
+    # Whether a call at a large CPU vocabulary may go on with a truncation's kept tokens: its
+    # rows together decide whether they can (`truncate`), so request.py samples such a
+    # request's rows apart from other requests' (a row then gets what it gets alone).
+    chain.compacts = compact_at is not None
     chain.rowwise_key = rowwise_key(params, [name for name, _ in stages]) if first is None else None
     # Plain greedy (temperature 0, no other adapter): its processed logits are the raw argmax's
     # one-hot, so request.py takes the argmax of the raw logits and a processed logprob of 0
