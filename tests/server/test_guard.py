@@ -20,7 +20,8 @@ from decodekit.server.app import ServerThread
 from decodekit.server.backend import Backend, ServerConfig
 from decodekit.server.guard import host_name, host_policy
 
-OK = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 2}
+# seeded: an unseeded draw ended with EOS first now and then, leaving no text to check
+OK = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 2, "seed": 0}
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GOOD_ORIGIN = "http://good.example"
