@@ -180,6 +180,31 @@ def _zipf_logits(rows, vocab, seed):
     return -1.3 * ranks.double().log().float() + 0.5 * torch.randn(rows, vocab, generator=generator)
 
 
+def _chain_and_one_by_one(params, rows):
+    """The chain's output for rows [R, V], and the adapters' run one by one over the whole
+    vocabulary (chain_stages), each from a fresh state."""
+    from decodekit.sampling.chain import chain_stages
+
+    out = build_chain(params)(rows, SamplerState(params, (1,), rows.shape[0], rows.shape[-1]))
+    state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
+    want = rows
+    for _, adapter in chain_stages(params):
+        want = adapter(want, state)
+    return out, want
+
+
+def _draws_equal_the_whole_rows(out, seeds=5):
+    """Draws from a chain's output (among its kept tokens where it carries them) equal the
+    whole-vocabulary draw's for the same seeds."""
+    from decodekit.sampling.select import draw_logits_rows, draw_rows
+
+    rows = out.shape[0]
+    whole = torch.softmax(out.double(), dim=-1)
+    return all(torch.equal(draw_logits_rows(out, [(torch.Generator().manual_seed(seed), rows)]),
+                           draw_rows(whole, [(torch.Generator().manual_seed(seed), rows)]))
+               for seed in range(seeds))  # fmt: skip
+
+
 @pytest.mark.parametrize("fields", [
     {"top_k": 40, "top_p": 0.95, "min_p": 0.05, "temperature": 0.8,
      "order": ("top_k", "top_p", "min_p", "temperature")},  # llama.cpp's defaults
@@ -195,7 +220,6 @@ def test_a_chain_after_a_top_k_runs_on_its_kept_tokens_with_the_same_result(fiel
     row with fewer finite logits than it keeps, and rows tied at the maximum; the output
     carries the kept tokens for the draw only when every row could be compacted."""
     from decodekit.sampling import processors as P
-    from decodekit.sampling.chain import chain_stages
 
     params = SamplingParams(seed=0, **fields)
     logits = _zipf_logits(4, 151_936, 0)
@@ -206,11 +230,7 @@ def test_a_chain_after_a_top_k_runs_on_its_kept_tokens_with_the_same_result(fiel
     few = torch.full((1, 151_936), P.NEG_INF)
     few[0, :3] = torch.tensor([1.0, 3.0, 2.0])
     for rows, compacts in ((logits, True), (torch.cat([logits, tied_past]), False), (few, False)):
-        state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
-        out = build_chain(params)(rows, state)
-        want = rows
-        for _, adapter in chain_stages(params):
-            want = adapter(want, state)
+        out, want = _chain_and_one_by_one(params, rows)
         assert torch.equal(out, want)
         assert hasattr(out, "kept") == compacts
         if compacts:  # the kept tokens are the output's finite ones, with their values
@@ -222,15 +242,8 @@ def test_a_top_k_followed_by_an_adapter_that_reads_token_ids_is_not_compacted():
     """logit_bias after top_k reads token ids (not index-free): the chain runs over the
     whole vocabulary (its output carries no kept tokens), and equals the adapters run one
     by one."""
-    from decodekit.sampling.chain import chain_stages
-
     params = SamplingParams(top_k=20, logit_bias={7: 30.0}, order=("top_k", "logit_bias"))
-    logits = _zipf_logits(2, 151_936, 2)
-    state = SamplerState(params, (1,), 2, logits.shape[-1])
-    out = build_chain(params)(logits, state)
-    want = logits
-    for _, adapter in chain_stages(params):
-        want = adapter(want, state)
+    out, want = _chain_and_one_by_one(params, _zipf_logits(2, 151_936, 2))
     assert torch.equal(out, want) and not hasattr(out, "kept")
 
 
@@ -240,7 +253,6 @@ def test_draws_among_a_top_ks_kept_tokens_follow_the_distribution_and_the_whole_
     renormalised), and gives the tokens the whole-vocabulary draw gives for the same seeds at
     151,936 tokens."""
     from decodekit.sampling import chain as chain_module
-    from decodekit.sampling import select
     from decodekit.sampling.select import draw_logits_rows
 
     probs = [0.3, 0.2, 0.1] + [0.4 / 37] * 37
@@ -260,13 +272,8 @@ def test_draws_among_a_top_ks_kept_tokens_follow_the_distribution_and_the_whole_
                             order=("top_k", "top_p", "min_p", "temperature"))  # fmt: skip
     rows = _zipf_logits(16, 151_936, 3)
     out = build_chain(params)(rows, SamplerState(params, (1,), 16, rows.shape[-1]))
-    whole = out.clone()  # the same logits without `kept`
-    assert hasattr(out, "kept") and not hasattr(whole, "kept")
-    for seed in range(5):
-        ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 16)])
-        whole_probs = torch.softmax(whole.double(), dim=-1)
-        plain = select.draw_rows(whole_probs, [(torch.Generator().manual_seed(seed), 16)])
-        assert torch.equal(ours, plain)
+    assert hasattr(out, "kept")
+    assert _draws_equal_the_whole_rows(out)
 
 
 def test_a_chain_after_a_top_p_runs_on_its_kept_tokens_where_rows_are_peaked():
@@ -275,26 +282,15 @@ def test_a_chain_after_a_top_p_runs_on_its_kept_tokens_where_rows_are_peaked():
     one and its draws to the whole row's for the same seeds; a flat row in the batch (its
     first 1,024 tokens short of p) sends the whole batch over the vocabulary, with the same
     result. Ties at the cut are kept together."""
-    from decodekit.sampling.chain import chain_stages
-    from decodekit.sampling.select import draw_logits_rows, draw_rows
-
     params = SamplingParams(top_p=0.8, temperature=0.7, min_p=0.02, order=("top_p", "temperature", "min_p"))
     peaked = _zipf_logits(6, 151_936, 4) * 1.3
     peaked[2, :30] = peaked[2].max() + 0.5  # 30 tied at the top, holding more than p
     flat = torch.randn(1, 151_936, generator=torch.Generator().manual_seed(5)) * 0.1
-    for rows, compacts in ((peaked, True), (torch.cat([peaked, flat]), False)):
-        state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
-        out = build_chain(params)(rows, state)
-        want = rows
-        for _, adapter in chain_stages(params):
-            want = adapter(want, state)
+    for rows, compacts in ((torch.cat([peaked, flat]), False), (peaked, True)):
+        out, want = _chain_and_one_by_one(params, rows)
         assert torch.equal(out, want) and hasattr(out, "kept") == compacts
     assert bool(torch.isfinite(want[2, :30]).all())  # the tied tokens, all kept
-    out = build_chain(params)(peaked, SamplerState(params, (1,), 6, peaked.shape[-1]))
-    for seed in range(5):
-        ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 6)])
-        whole = draw_rows(torch.softmax(out.double(), dim=-1), [(torch.Generator().manual_seed(seed), 6)])
-        assert torch.equal(ours, whole)
+    assert _draws_equal_the_whole_rows(out)  # the peaked rows' compacted output
 
 
 def test_a_chain_after_a_min_p_runs_on_its_kept_tokens_where_few_can_pass():
@@ -304,9 +300,6 @@ def test_a_chain_after_a_min_p_runs_on_its_kept_tokens_where_few_can_pass():
     (1 / t = 111), and draws equal the whole row's; a row where too many could pass (a flat
     one) sends the batch over the whole vocabulary, with the same output. Fails when fewer
     than 1 / t tokens are searched."""
-    from decodekit.sampling.chain import chain_stages
-    from decodekit.sampling.select import draw_logits_rows, draw_rows
-
     params = SamplingParams(min_p=0.1, temperature=0.8, top_p=0.9, order=("min_p", "temperature", "top_p"))
     peaked = _zipf_logits(5, 151_936, 6) * 1.5
     top = peaked[3].max()
@@ -315,15 +308,7 @@ def test_a_chain_after_a_min_p_runs_on_its_kept_tokens_where_few_can_pass():
     peaked[4] = -40.0  # a row keeping near 1 / t tokens, the bound min-p's search relies on:
     peaked[4, 0], peaked[4, 100:300:2] = 0.0, math.log(0.1) + 1e-3  # one, and 100 just above a tenth
     flat = torch.randn(1, 151_936, generator=torch.Generator().manual_seed(7)) * 0.1
-    for rows, compacts in ((peaked, True), (torch.cat([peaked, flat]), False)):
-        state = SamplerState(params, (1,), rows.shape[0], rows.shape[-1])
-        out = build_chain(params)(rows, state)
-        want = rows
-        for _, adapter in chain_stages(params):
-            want = adapter(want, state)
+    for rows, compacts in ((torch.cat([peaked, flat]), False), (peaked, True)):
+        out, want = _chain_and_one_by_one(params, rows)
         assert torch.equal(out, want) and hasattr(out, "kept") == compacts
-    out = build_chain(params)(peaked, SamplerState(params, (1,), 5, peaked.shape[-1]))
-    for seed in range(5):
-        ours = draw_logits_rows(out, [(torch.Generator().manual_seed(seed), 5)])
-        whole = draw_rows(torch.softmax(out.double(), dim=-1), [(torch.Generator().manual_seed(seed), 5)])
-        assert torch.equal(ours, whole)
+    assert _draws_equal_the_whole_rows(out)  # the peaked rows' compacted output
