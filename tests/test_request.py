@@ -61,7 +61,7 @@ def test_requests_whose_chains_compact_are_sampled_apart_at_a_large_vocabulary()
     for params, large, runs in ((truncating, True, 2), (truncating, False, 1), (plain, True, 1)):
         requests = make_requests(model, [[1, 2], [3, 4]], [params.replace(seed=2), params])
         rows = [row for request in requests for row in request.rows]
-        assert len(_batches(rows, False, compacting=large)) == runs, (params, large)
+        assert len(_batches(rows, False, compact_apart=large)) == runs, (params, large)
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 151_936, generator=generator) * 3

@@ -26,7 +26,7 @@ from decodekit.completion import Completion, Usage
 from decodekit.models.base import LanguageModel
 from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
-from decodekit.sampling.chain import COMPACT_MIN_VOCAB, Chain
+from decodekit.sampling.chain import Chain, compacting
 from decodekit.sampling.processors import argmax_rows, temperature, topk_rows
 from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
 from decodekit.text import TextTracker
@@ -247,8 +247,7 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         processed, chosen = _sample_request(logits, live[0].request, hidden)
         record(live, logits, processed, chosen, [(live[0].request, len(live))])
         return chosen
-    compacting = logits.is_cpu and logits.shape[-1] >= COMPACT_MIN_VOCAB
-    batches = _batches(live, hidden is not None, compacting)
+    batches = _batches(live, hidden is not None, compacting(logits))
     if len(batches) == 1:  # one batch of several requests: no copies
         processed, chosen = _sample_batch(logits, batches[0][2])
         record(live, logits, processed, chosen, batches[0][2])
@@ -270,11 +269,11 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
 
 
 def _batches(
-    live: list[Row], with_hidden: bool, compacting: bool = False
+    live: list[Row], with_hidden: bool, compact_apart: bool = False
 ) -> list[tuple[int, int, list[tuple[Request, int]]]]:
     """(start, stop, [(request, rows)]) runs of `live`: each request's rows, and neighbouring
     requests merged where their chains are the same row-wise function (`sample_rows`), but
-    not chains that compact when `compacting` (a large CPU vocabulary)."""
+    not chains that compact when `compact_apart` (rows chain.py `compacting` accepts)."""
     runs: list[tuple[int, int, list[tuple[Request, int]]]] = []
     key_of_last = None
     for start, stop in request_runs(live):
@@ -282,7 +281,7 @@ def _batches(
         key = getattr(request.chain, "rowwise_key", None)
         if request.mask is not None or (with_hidden and request.wants_hidden):
             key = None
-        if compacting and getattr(request.chain, "compacts", False):
+        if compact_apart and getattr(request.chain, "compacts", False):
             key = None
         if key is not None and key == key_of_last:
             first, _, members = runs[-1]

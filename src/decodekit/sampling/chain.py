@@ -121,7 +121,7 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
 
     def chain(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:  # [R, V] -> [R, V]
         for at, adapter in enumerate(active):
-            if at == compact_at and logits.is_cpu and logits.shape[-1] >= COMPACT_MIN_VOCAB:
+            if at == compact_at and compacting(logits):
                 truncated = adapter.truncate(logits)
                 if isinstance(truncated, tuple):  # the rest of the chain on the kept tokens alone
                     values, ids = truncated
@@ -153,6 +153,11 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
 # From this vocabulary on, a CPU chain runs the adapters after a top-k, top-p or min-p on its
 # kept tokens (`_compaction`).
 COMPACT_MIN_VOCAB = 16384
+
+
+def compacting(logits: torch.Tensor) -> bool:
+    """Whether chains that compact (`chain.compacts`) do so on rows like logits [R, V]."""
+    return logits.is_cpu and logits.shape[-1] >= COMPACT_MIN_VOCAB
 
 
 def _compaction(active: list) -> int | None:

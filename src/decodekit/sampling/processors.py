@@ -252,8 +252,17 @@ def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     return out
 
 
-# Rows at least this long, on the CPU, take `argmax_rows`' chunked search.
-ARGMAX_CHUNKED_MIN = 16384
+# Rows at least this long, on the CPU, take `argmax_rows`' and `topk_rows`' chunked searches.
+CHUNKED_MIN_VOCAB = 16384
+
+
+def _chunk(x: torch.Tensor, sizes: tuple[int, ...] = (128, 64, 32)) -> int | None:
+    """The chunk the chunked searches cut x [..., V] into: the first of `sizes` dividing a long
+    CPU row; None where torch's own op runs (a GPU, a short row, no such divisor)."""
+    vocab = x.shape[-1]
+    if not (x.is_cpu and vocab >= CHUNKED_MIN_VOCAB):
+        return None
+    return next((c for c in sizes if vocab % c == 0), None)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -263,11 +272,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     are cut into chunks of 128 (64, 32: a power of two dividing V); the first chunk holding
     the row's maximum (argmax over the chunks' `amax`) holds its first maximum, found by
     argmax within that chunk: 20-50 us a row, the same index."""
-    vocab = x.shape[-1]
-    chunk = next((c for c in (128, 64, 32) if vocab % c == 0), None)
-    if not (x.is_cpu and vocab >= ARGMAX_CHUNKED_MIN and chunk):
+    chunk = _chunk(x)
+    if chunk is None:
         return x.argmax(dim=-1)
-    rows = x.reshape(-1, vocab // chunk, chunk)  # [R, V / c, c]
+    rows = x.reshape(-1, x.shape[-1] // chunk, chunk)  # [R, V / c, c]
     first = rows.amax(dim=-1).argmax(dim=-1)  # [R]: the first chunk holding the maximum
     within = rows[torch.arange(rows.shape[0], device=x.device), first].argmax(dim=-1)
     return (first * chunk + within).view(x.shape[:-1])
@@ -286,12 +294,10 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     largest maximum t lies in a chunk whose maximum is above t, all of which are among those
     k, and each of them whose maximum is t holds a t. A topk over those chunks finds them:
     23-87 us a row for k up to 56 (chunks of 128), 105-190 for 256 (of 32; torch 290-306)."""
-    vocab = x.shape[-1]
-    sizes = (128, 64, 32) if k <= 64 else (32, 64, 128)  # larger k: smaller chunks pay
-    chunk = next((c for c in sizes if vocab % c == 0), None)
-    if not (x.is_cpu and x.dim() == 2 and k <= TOPK_CHUNKED_MAX and vocab >= ARGMAX_CHUNKED_MIN and chunk):
+    chunk = _chunk(x, (128, 64, 32) if k <= 64 else (32, 64, 128))  # larger k: smaller chunks pay
+    if chunk is None or x.dim() != 2 or k > TOPK_CHUNKED_MAX:
         return x.topk(k, dim=-1)
-    rows, blocks = x.shape[0], x.reshape(x.shape[0], vocab // chunk, chunk)
+    rows, blocks = x.shape[0], x.reshape(x.shape[0], x.shape[-1] // chunk, chunk)
     wanted = min(k, blocks.shape[1])
     chosen = blocks.amax(dim=-1).topk(wanted, dim=-1).indices  # [R, wanted]
     cells = blocks.gather(1, chosen[:, :, None].expand(rows, wanted, chunk)).view(rows, -1)
