@@ -45,6 +45,7 @@ except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
 from decodekit.completion import Completion, Usage
+from decodekit.decode.tool_calls import ToolCallStream
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta
 from decodekit.server import protocol, responses
@@ -311,14 +312,29 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
             return sse(responses.chat_chunk(plan, rid, created, index, delta, completion, logprobs))
         return sse(responses.completion_chunk(plan, rid, created, index, text, completion, logprobs))
 
+    calls: dict[int, ToolCallStream] = {}  # choice -> its answer read for tool calls
+
     def delta_chunk(i: int, delta: Delta) -> str:
         index = i * plan.n + delta.sample_index
-        if plan.logprobs is None:
-            return chunk(index, delta.text, delta.completion)
-        before = sent.setdefault(index, [])
-        logprobs = responses.delta_logprobs(plan, model, i, delta, before)
-        before += delta.token_ids
-        return chunk(index, delta.text, delta.completion, logprobs=logprobs)
+        logprobs = None
+        if plan.logprobs is not None:
+            before = sent.setdefault(index, [])
+            logprobs = responses.delta_logprobs(plan, model, i, delta, before)
+            before += delta.token_ids
+        if not responses.reads_calls(plan):
+            return chunk(index, delta.text, delta.completion, logprobs=logprobs)
+        reader = calls.get(index) or calls.setdefault(
+            index, ToolCallStream(plan.tools.tools, plan.tools.format, plan.tools.forced))
+        text = reader.feed(delta.text)
+        if delta.completion is None:
+            return chunk(index, text, logprobs=logprobs) if text or logprobs is not None else ""
+        rest, made = reader.finish()
+        if not made:
+            return chunk(index, text + rest, delta.completion, logprobs=logprobs)
+        out = chunk(index, text + rest, logprobs=logprobs) if text + rest or logprobs is not None else ""
+        tool_delta = protocol.ChatDelta(tool_calls=responses.tool_calls_out(made, delta=True))
+        return out + sse(responses.chat_chunk(plan, rid, created, index, tool_delta, delta.completion,
+                                              reason="tool_calls"))
 
     drawn: list[list[Completion]] = [[] for _ in jobs]
     deadline = asyncio.get_running_loop().time() + backend.config.request_timeout

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from decodekit.server.extensions import EXTENSIONS, RENAMED, Integer, SamplingFields, allowed, sampling_name
 
-# OpenAI fields this server does not implement: a clear 400 rather than silence.
+# OpenAI fields this server does not implement: a clear 400 rather than silence (the tool
+# fields are a chat request's own fields, so only a completions request sending them meets this).
 UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call", "audio", "modalities",
                "prediction", "parallel_tool_calls", "web_search_options")
 
@@ -152,10 +153,25 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI's responses carry it
+
+
+class ToolCallParam(_Strict):
+    """A call an earlier assistant turn made (decode/tool_calls.py)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -165,11 +181,36 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # accepted; arguments are always valid under a forced call's schema
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Integer | None = None
     logprobs: bool = False
     top_logprobs: Integer | None = None
+    # tool calls (decode/tool_calls.py); without tools, tool_choice is refused as OpenAI does
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 def parse_request(cls: type[GenerationRequest], body: bytes) -> GenerationRequest:
@@ -257,9 +298,25 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str = "function"
+    function: CalledFunctionOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int  # the call's place among the choice's calls (a stream's deltas add up by it)
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -284,6 +341,7 @@ class ChatResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

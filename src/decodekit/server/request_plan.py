@@ -17,6 +17,7 @@ to generate (`Plan.dropped`: the tokens cut).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,19 @@ from typing import Any
 from decodekit.decode.beam import Beam
 from decodekit.decode.sample import Sample, UnsupportedField
 from decodekit.decode.speculative import Speculative
+from decodekit.decode.tool_calls import (
+    NO_ARGUMENTS,
+    Tool,
+    ToolCall,
+    ToolFormat,
+    call_text,
+    check_choice,
+    check_tools,
+    template_takes_tools,
+    tool_constraint,
+    tool_format,
+    tools_instruction,
+)
 from decodekit.models.base import LanguageModel
 from decodekit.params import SamplingParams, preset_values
 from decodekit.server.backend import Backend, Job
@@ -80,6 +94,7 @@ class Plan:
     score_only: bool = False  # echo with max_tokens 0: the prompt's log-probs, nothing generated
     ignored: tuple[str, ...] = ()  # body keys the server does not know, ignored (not strict_fields)
     dropped: tuple[int, ...] = ()  # per prompt, the tokens truncation cut from its start
+    tools: ToolUse | None = None  # a chat request's tools: its answers are read for calls
 
 
 def api_error(error: Exception, default_param: str | None = None,
@@ -94,18 +109,98 @@ def api_error(error: Exception, default_param: str | None = None,
     return APIError(400, message, param, "invalid_value")
 
 
-def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str | None = None
-              ) -> tuple[str, bool]:
+@dataclass
+class ToolUse:
+    """A chat request's tools (decode/tool_calls.py): how the model may call them (`choice`:
+    "none", "auto", "required" or a tool's name) and the format its template writes calls in."""
+
+    tools: tuple[Tool, ...]
+    choice: str
+    format: ToolFormat
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        """The answer is calls by construction (a grammar), not by the model's choice."""
+        return self.choice not in ("auto", "none")
+
+
+def tool_use_of(req: ChatRequest, template: Any) -> ToolUse | None:
+    """The request's tools and tool_choice, checked (400 naming the field), or None without tools."""
+    if req.tools is None:
+        if req.tool_choice is not None:
+            raise APIError(400, "tool_choice needs tools (the functions the model may call)", "tool_choice")
+        return None
+    try:
+        functions = [t.function for t in req.tools]
+        tools = check_tools([Tool(f.name, f.description, f.parameters if f.parameters is not None
+                                  else NO_ARGUMENTS) for f in functions])  # fmt: skip
+    except (ValueError, TypeError) as error:
+        raise APIError(400, f"tools: {error}", "tools", "invalid_value") from None
+    choice = req.tool_choice or "auto"
+    choice = choice if isinstance(choice, str) else choice.function.name
+    try:
+        check_choice(choice, tools)
+    except ValueError as error:
+        raise APIError(400, str(error), "tool_choice", "invalid_value") from None
+    return ToolUse(tools, choice, tool_format(template), req.parallel_tool_calls)
+
+
+def chat_turns(messages: list[ChatMessage], tools: ToolUse | None, renders_tools: bool) -> list[dict]:
+    """The messages as a chat template takes them. Where the template renders tools, an
+    assistant turn's calls go with it (their arguments as objects, as Hugging Face templates
+    expect); elsewhere they become its text in the tools' format, and a tool's answer a user turn."""
+    turns = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls and renders_tools:
+            calls = []
+            for call in m.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    raise APIError(400, f"the arguments of tool call {call.id!r} are not JSON: "
+                                   f"{call.function.arguments!r:.80}", "messages") from None  # fmt: skip
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            turn["tool_calls"] = calls
+        elif m.tool_calls:
+            fmt = tools.format if tools is not None else "hermes"
+            written = [call_text(ToolCall(c.function.name, c.function.arguments, c.id), fmt)
+                       for c in m.tool_calls]  # fmt: skip
+            turn["content"] = "\n".join(filter(None, [turn["content"], *written]))
+        if m.role == "tool":
+            if renders_tools:
+                turn["tool_call_id"] = m.tool_call_id
+            else:
+                turn = {"role": "user", "content": f"<tool_response>\n{turn['content']}\n</tool_response>"}
+        turns.append(turn)
+    return turns
+
+
+def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str | None = None,
+              tools: ToolUse | None = None) -> tuple[str, bool]:
     """The prompt text of a conversation, and whether it came from a chat template: `template`
-    (the server's for this model) or else the tokenizer's."""
+    (the server's for this model) or else the tokenizer's. Tools go to a template that renders
+    them, else into a system message (decode/tool_calls.py `tools_instruction`)."""
     if not messages:
         raise APIError(400, "messages must contain at least one message", "messages", "invalid_value")
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise APIError(400, f"model {model.name!r} has no tokenizer, so it cannot chat", "model")
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    if template is not None or getattr(tokenizer, "chat_template", None):
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    renders_tools = tools is not None and source is not None and template_takes_tools(source)
+    turns = chat_turns(messages, tools, renders_tools)
+    if tools is not None and not renders_tools:
+        instruction = tools_instruction(tools.tools)
+        if turns[0]["role"] in ("system", "developer"):
+            turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instruction}"}
+        else:
+            turns.insert(0, {"role": "system", "content": instruction})
+    if source:
         chosen = {} if template is None else {"chat_template": template}
+        if renders_tools:
+            chosen["tools"] = [tool.openai() for tool in tools.tools]
         try:
             return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
                                                  **chosen), True
@@ -354,8 +449,12 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     n = req.n
     check_count(n, "n", backend)
     truncate = truncation_of(req, model, backend)
+    tools = None
     if chat:
-        text, templated = chat_text(model, req.messages, backend.chat_templates.get(name))
+        template = backend.chat_templates.get(name)
+        tools = tool_use_of(req, template if template is not None else
+                            getattr(model.tokenizer, "chat_template", None))  # fmt: skip
+        text, templated = chat_text(model, req.messages, template, tools)
         ids = template_ids(model, text, whole=truncate is not None) if templated else None
         encoded = [encode(model, ids if ids is not None else text, "messages", truncate)]
         texts = [text]
@@ -402,6 +501,15 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     constraint = constraint_of(req)
     if constraint is not None:
         check_tokenizer(model, constraint_param(req))
+    if tools is not None and tools.forced:
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} makes the answer tool calls, so it cannot be "
+                           f"combined with {constraint_param(req)}", "tool_choice")  # fmt: skip
+        try:
+            constraint = tool_constraint(tools.tools, tools.choice, tools.format, tools.parallel)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, f"tools: {error}", "tools", "invalid_value") from None
+        check_tokenizer(model, "tool_choice")
     if constraint is not None and isinstance(strategy, Speculative):
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
@@ -414,7 +522,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     return Plan(name, prompts, texts, params, n, strategy, amateur, contrastive, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
                 score_only=echo and max_tokens == 0, ignored=ignored,
-                dropped=dropped if any(dropped) else ())
+                dropped=dropped if any(dropped) else (), tools=tools)
 
 
 def launch(plan: Plan, index: int, backend: Backend) -> Job:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decodekit.completion import Completion
+from decodekit.decode.tool_calls import ToolCall, parse_tool_calls
 from decodekit.models.base import LanguageModel, logprobs
 from decodekit.request import Delta
 from decodekit.server import protocol as p
@@ -30,6 +31,28 @@ def now() -> int:
 
 def finish_reason(completion: Completion) -> str:
     return "length" if completion.finish_reason == "length" else "stop"
+
+
+def reads_calls(plan: Plan) -> bool:
+    """Whether the plan's answers are read for tool calls (decode/tool_calls.py)."""
+    return plan.tools is not None and plan.tools.choice != "none"
+
+
+def tool_calls_out(calls: Sequence[ToolCall], delta: bool = False) -> list:
+    """Calls as a message's `tool_calls` (or a stream delta's, numbered by `index`)."""
+    made = [(i, c.id, p.CalledFunctionOut(name=c.name, arguments=c.arguments)) for i, c in enumerate(calls)]
+    return [p.ToolCallDelta(index=i, id=rid, function=f) if delta else p.ToolCallOut(id=rid, function=f)
+            for i, rid, f in made]  # fmt: skip
+
+
+def chat_message(plan: Plan, completion: Completion) -> tuple[p.ChatMessageOut, str]:
+    """A chat completion's message and finish reason: with tools, the calls its text holds
+    ("tool_calls") and the text around them; else its text."""
+    if reads_calls(plan):
+        content, calls = parse_tool_calls(completion.text, plan.tools.tools, plan.tools.format)
+        if calls:
+            return p.ChatMessageOut(content=content, tool_calls=tool_calls_out(calls)), "tool_calls"
+    return p.ChatMessageOut(content=completion.text), finish_reason(completion)
 
 
 def usage(plan: Plan, drawn: Sequence[Sequence[Completion]]) -> p.Usage:
@@ -138,16 +161,15 @@ def completion_body(plan: Plan, model: LanguageModel, rid: str, chosen, drawn, e
 
 
 def chat_body(plan: Plan, model: LanguageModel, rid: str, chosen, drawn) -> dict:
-    choices = [
-        p.ChatChoice(
-            index=i, message=p.ChatMessageOut(content=c.text), finish_reason=finish_reason(c),
-            stop_reason=c.stop_reason,
+    choices = []
+    for i, c in enumerate(chosen[0]):
+        message, reason = chat_message(plan, c)
+        choices.append(p.ChatChoice(
+            index=i, message=message, finish_reason=reason, stop_reason=c.stop_reason,
             logprobs=chat_logprobs(model, c.token_ids, c.logprobs, c.top_logprobs, plan.logprobs)
             if plan.logprobs is not None else None,
             token_ids=list(c.token_ids) if plan.return_token_ids else None, score=c.score,
-        )
-        for i, c in enumerate(chosen[0])
-    ]
+        ))  # fmt: skip
     body = p.ChatResponse(id=rid, created=now(), model=plan.model, choices=choices, usage=usage(plan, drawn))
     return body.model_dump()
 
@@ -175,9 +197,12 @@ def completion_chunk(plan: Plan, rid: str, created: int, index: int, text: str,
 
 
 def chat_chunk(plan: Plan, rid: str, created: int, index: int, delta: p.ChatDelta,
-               completion: Completion | None = None, logprobs: p.ChatLogprobs | None = None) -> str:
+               completion: Completion | None = None, logprobs: p.ChatLogprobs | None = None,
+               reason: str | None = None) -> str:
+    """A chat stream's chunk; the last of a choice (`completion` given) says why it finished
+    (`reason`, else the completion's)."""
     choice = p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                               finish_reason=finish_reason(completion) if completion else None)
+                               finish_reason=reason or finish_reason(completion) if completion else None)
     return p.ChatChunk(id=rid, created=created, model=plan.model,
                        choices=[choice]).model_dump_json()
 

@@ -1,0 +1,274 @@
+"""Tool calls: a chat model asks for functions to be run, in OpenAI's `tools` terms.
+
+A `Tool` is one function a model may call: a name, a description and a JSON schema of its
+arguments. What the model writes for a call depends on how it was trained; decodekit reads
+two formats (`ToolFormat`):
+
+- "hermes": each call a JSON object {"name": ..., "arguments": {...}} between `<tool_call>`
+  and `</tool_call>` lines, any text around them being the answer's content (Hermes, Qwen
+  2.5 and 3, and the models fine-tuned on their templates);
+- "json": the whole answer one JSON object {"name": ..., "parameters": {...}} ("arguments"
+  also read), or a list of them (Llama 3.1-3.3's templates).
+
+`tool_format` picks one from the chat template's text. A template that never mentions tools
+(and the plain template of a model without one) cannot show them to the model, so
+`tools_instruction` writes them into a system message that asks for the "hermes" format.
+
+How a call is made, by the request's `tool_choice`:
+- "auto": the model writes freely; `parse_tool_calls` finds the calls in its text. Text that
+  does not parse (broken JSON, a name not among the tools) is content, as vLLM returns it.
+- "required", or one tool named: `tool_constraint` is a grammar (decode/constrained.py) of
+  one or more calls (exactly one with `parallel=False` or a named tool) in the format, each
+  call's arguments valid under its tool's schema: the answer always parses into calls.
+- "none": no call is looked for; the answer is text.
+
+`ToolCallStream` does the same parse for a stream: it passes text on while it cannot be the
+start of a call and holds the rest back until the answer ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ToolFormat = Literal["hermes", "json"]
+CHOICES = ("none", "auto", "required")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function a model may call; `parameters`: the JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: Mapping[str, Any] = field(default_factory=lambda: dict(NO_ARGUMENTS))
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
+            raise ValueError(f"a tool's name must be 1-64 letters, digits, '_' or '-', got {self.name!r:.80}")
+        if not isinstance(self.parameters, Mapping):
+            raise TypeError(f"tool {self.name!r}: parameters must be a JSON schema object, "
+                            f"got {self.parameters!r:.80}")  # fmt: skip
+
+    def openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's request lists it (and Hugging Face chat templates take it)."""
+        function = {"name": self.name, "parameters": dict(self.parameters)}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model wrote: `arguments` is its JSON text, as OpenAI's responses carry it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+
+def check_tools(tools: Sequence[Tool]) -> tuple[Tool, ...]:
+    """The tools, refused (ValueError) when empty or when two share a name."""
+    tools = tuple(tools)
+    if not tools:
+        raise ValueError("tools must list at least one function, got []")
+    names = [tool.name for tool in tools]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"tool names must be unique, got {repeated[0]!r} more than once")
+    return tools
+
+
+def check_choice(choice: str, tools: Sequence[Tool]) -> None:
+    """`choice`: "none", "auto", "required" or the name of one of `tools`."""
+    if choice in CHOICES:
+        return
+    names = [tool.name for tool in tools]
+    if choice not in names:
+        raise ValueError(f"tool_choice names the function {choice!r}, which is not among the tools "
+                         f"({', '.join(names)})")  # fmt: skip
+
+
+def template_text(template: Any) -> str:
+    """A chat template's Jinja text: a string, or a dict of named templates (all of them)."""
+    if isinstance(template, Mapping):
+        return "\n".join(str(text) for text in template.values())
+    return template if isinstance(template, str) else ""
+
+
+def template_takes_tools(template: Any) -> bool:
+    """Whether a chat template renders a `tools` variable (else it would drop them silently)."""
+    return re.search(r"\btools\b", template_text(template)) is not None
+
+
+def tool_format(template: Any) -> ToolFormat:
+    """The format a template's model writes calls in: "hermes" where the template speaks of
+    `<tool_call>` or cannot show tools at all (`tools_instruction` asks for it), else "json"."""
+    text = template_text(template)
+    return "json" if template_takes_tools(text) and OPEN not in text else "hermes"
+
+
+def tools_instruction(tools: Sequence[Tool]) -> str:
+    """A system message that shows `tools` to a model whose template cannot, and asks for
+    calls in the "hermes" format."""
+    listed = "\n".join(json.dumps(tool.openai(), ensure_ascii=False) for tool in tools)
+    return ("You can call functions to answer. They are listed, one JSON object a line, between "
+            f"<tools> and </tools>:\n<tools>\n{listed}\n</tools>\n"
+            "To call one, write a JSON object with its name and arguments between <tool_call> and "
+            "</tool_call> lines:\n"
+            f'{OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{CLOSE}')
+
+
+def call_text(call: ToolCall, fmt: ToolFormat = "hermes") -> str:
+    """A call as the model writes it, for an assistant turn a template cannot render."""
+    key = "arguments" if fmt == "hermes" else "parameters"
+    body = f'{{"name": {json.dumps(call.name)}, "{key}": {call.arguments}}}'
+    return f"{OPEN}\n{body}\n{CLOSE}" if fmt == "hermes" else body
+
+
+def _call_schema(tool: Tool, key: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.name}, key: dict(tool.parameters)},
+            "required": ["name", key], "additionalProperties": False}
+
+
+def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "hermes", parallel: bool = True):
+    """The grammar of the calls `choice` demands ("required": one or more of `tools`, one with
+    `parallel=False`; a tool's name: one call of it), or None for "auto" and "none".
+    Arguments are compact JSON valid under each tool's schema. A bad schema is a ValueError."""
+    from decodekit.decode.constrained import Grammar
+
+    check_choice(choice, tools)
+    if choice in ("auto", "none"):
+        return None
+    targets = [tool for tool in tools if choice == "required" or tool.name == choice]
+    many = parallel and choice == "required"
+    key = "arguments" if fmt == "hermes" else "parameters"
+    call = {"anyOf": [_call_schema(tool, key) for tool in targets]} if len(targets) > 1 \
+        else _call_schema(targets[0], key)
+    call["x-guidance"] = {"whitespace_flexible": False}
+    if fmt == "hermes":
+        more = ' ("\\n" call)*' if many else ""
+        lark = (f"start: call{more}\n"
+                f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
+                f"body: %json {json.dumps(call)}\n")
+    else:
+        if many:
+            call = {"type": "array", "items": {k: v for k, v in call.items() if k != "x-guidance"},
+                    "minItems": 1, "x-guidance": call["x-guidance"]}  # fmt: skip
+        lark = f"start: %json {json.dumps(call)}\n"
+    try:
+        return Grammar(lark)
+    except ValueError as error:
+        raise ValueError(f"a tool's parameters are not a JSON schema this server can constrain to: "
+                         f"{error}") from None  # fmt: skip
+
+
+def _calls_of(value: Any, names: set[str]) -> list[ToolCall] | None:
+    """The calls a parsed JSON value holds (an object or a list of them), or None if it is not
+    calls of these tools."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
+def parse_tool_calls(text: str, tools: Sequence[Tool], fmt: ToolFormat = "hermes"
+                     ) -> tuple[str | None, list[ToolCall]]:  # fmt: skip
+    """(content, calls) of a model's answer: the calls it wrote in `fmt` and the text around
+    them (None when there is none). An answer whose calls do not all parse is content alone."""
+    names = {tool.name for tool in tools}
+    if fmt == "json":
+        try:
+            calls = _calls_of(json.loads(text), names)
+        except json.JSONDecodeError:
+            calls = None
+        return (None, calls) if calls else (text, [])
+    if OPEN not in text:
+        return text, []
+    calls, content, rest = [], [], text
+    while OPEN in rest:
+        before, _, rest = rest.partition(OPEN)
+        content.append(before)
+        body, _, rest = rest.partition(CLOSE)  # an unclosed last call is read if its JSON is whole
+        try:
+            found = _calls_of(json.loads(body), names)
+        except json.JSONDecodeError:
+            found = None
+        if found is None:
+            return text, []
+        calls += found
+    content.append(rest)
+    joined = "".join(content).strip()
+    return joined or None, calls
+
+
+class ToolCallStream:
+    """A stream's answer read for calls (module docstring): `feed` each piece of text, and send
+    on the content it returns; `finish` gives the content held back and the calls."""
+
+    def __init__(self, tools: Sequence[Tool], fmt: ToolFormat = "hermes", constrained: bool = False):
+        self.tools, self.fmt = tuple(tools), fmt
+        self.text, self.sent = "", 0
+        self.holding = constrained  # a constrained answer is calls: nothing to send on early
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.holding:
+            return ""
+        if self.fmt == "json":
+            start = self.text.lstrip()
+            if not start:
+                return ""
+            self.holding = start[0] in "{["
+            return "" if self.holding else self._send(len(self.text))
+        found = self.text.find(OPEN, self.sent)
+        if found >= 0:
+            self.holding = True
+            return self._send(found)
+        # send up to where the text's tail might begin a `<tool_call>`
+        end = len(self.text)
+        for size in range(min(len(OPEN) - 1, end - self.sent), 0, -1):
+            if OPEN.startswith(self.text[end - size:]):
+                end -= size
+                break
+        return self._send(end)
+
+    def _send(self, end: int) -> str:
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content not yet sent, and the answer's calls."""
+        content, calls = parse_tool_calls(self.text, self.tools, self.fmt)
+        if not calls:
+            return self.text[self.sent:], []
+        whole = "".join(part for part in _outside_calls(self.text)) if self.fmt == "hermes" else ""
+        return whole[self.sent:] if len(whole) > self.sent else "", calls
+
+
+def _outside_calls(text: str) -> list[str]:
+    """The text of an answer around its `<tool_call>` blocks (which all parse)."""
+    parts, rest = [], text
+    while OPEN in rest:
+        before, _, rest = rest.partition(OPEN)
+        parts.append(before)
+        rest = rest.partition(CLOSE)[2]
+    return [*parts, rest]

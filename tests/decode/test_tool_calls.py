@@ -1,0 +1,196 @@
+"""Tool calls (decode/tool_calls.py): the two formats parsed from hand-written answers, the
+stream reader against the whole-text parse, and the grammar of a forced call, whose output
+always parses into calls whose arguments are valid under their tool's schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit.decode.tool_calls import (
+    Tool,
+    ToolCallStream,
+    check_choice,
+    check_tools,
+    parse_tool_calls,
+    template_takes_tools,
+    tool_constraint,
+    tool_format,
+    tools_instruction,
+)
+
+WEATHER = Tool("get_weather", "The weather of a city", {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}}})  # fmt: skip
+TIME = Tool("get_time", parameters={"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                    "required": ["zone"], "additionalProperties": False})  # fmt: skip
+NOOP = Tool("noop")
+TOOLS = (WEATHER, TIME, NOOP)
+
+
+def call(name: str, arguments: dict, key: str = "arguments") -> str:
+    return json.dumps({"name": name, key: arguments})
+
+
+def test_hermes_calls_and_the_text_around_them():
+    text = (f"Let me look.\n<tool_call>\n{call('get_weather', {'city': 'Rome', 'days': 2})}\n</tool_call>\n"
+            f"<tool_call>\n{call('get_time', {'zone': 'CET'})}\n</tool_call>")
+    content, calls = parse_tool_calls(text, TOOLS)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "CET"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("text", [
+    "no call at all",
+    f"<tool_call>\n{call('launch_rockets', {})}\n</tool_call>",  # not one of the tools
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>',  # broken JSON
+    f"<tool_call>\n{call('get_time', {'zone': 'UTC'})}\n</tool_call><tool_call>\n[1, 2]\n</tool_call>",
+    '<tool_call>\n{"name": "get_time", "arguments": "not json"}\n</tool_call>',
+    '<tool_call>\n{"name": "get_time", "arguments": [1]}\n</tool_call>',
+])
+def test_an_answer_whose_calls_do_not_all_parse_is_content(text):
+    assert parse_tool_calls(text, TOOLS) == (text, [])
+
+
+def test_arguments_written_as_json_text_and_an_unclosed_last_call():
+    text = '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}'  # no </tool_call>
+    content, [made] = parse_tool_calls(text, TOOLS)
+    assert content is None and (made.name, json.loads(made.arguments)) == ("get_time", {"zone": "UTC"})
+
+
+def test_json_format_one_object_or_a_list():
+    content, calls = parse_tool_calls(" " + call("get_time", {"zone": "UTC"}, "parameters"), TOOLS, "json")
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    both = json.dumps([{"name": "noop", "parameters": {}},
+                       {"name": "get_time", "arguments": {"zone": "CET"}}])  # fmt: skip
+    assert [c.name for c in parse_tool_calls(both, TOOLS, "json")[1]] == ["noop", "get_time"]
+    for text in ("The weather is fine.", '{"name": "nope", "parameters": {}}', '{"answer": 1}', "[]"):
+        assert parse_tool_calls(text, TOOLS, "json") == (text, [])
+
+
+def test_tools_and_choices_are_checked():
+    for bad in ("", "has space", "x" * 65, "dot.name"):
+        with pytest.raises(ValueError, match="a tool's name"):
+            Tool(bad)
+    with pytest.raises(TypeError, match="parameters"):
+        Tool("f", parameters="{}")
+    with pytest.raises(ValueError, match="'noop' more than once"):
+        check_tools([NOOP, WEATHER, NOOP])
+    with pytest.raises(ValueError, match="at least one"):
+        check_tools([])
+    with pytest.raises(ValueError, match="'get_news', which is not among the tools"):
+        check_choice("get_news", TOOLS)
+    for choice in ("none", "auto", "required", "noop"):
+        check_choice(choice, TOOLS)
+
+
+def test_the_format_and_the_instruction_follow_the_template():
+    hermes = "{% for t in tools %}{{ t | tojson }}{% endfor %} Call with <tool_call>...</tool_call>"
+    llama = "{% if tools %}Respond with {\"name\": ..., \"parameters\": ...}{% endif %}"
+    assert (tool_format(hermes), tool_format(llama), tool_format("{{ messages }}"), tool_format(None)) == \
+        ("hermes", "json", "hermes", "hermes")
+    assert template_takes_tools({"default": "{{ messages }}", "tool_use": llama})
+    assert not template_takes_tools("{{ messages }}") and not template_takes_tools(None)
+    text = tools_instruction(TOOLS)
+    listed = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line) for line in listed] == [tool.openai() for tool in TOOLS]
+    assert "<tool_call>" in text
+
+
+def stream_pieces(text: str, cuts: list[int], reader: ToolCallStream) -> tuple[str, str, list]:
+    """(what the reader sent while the text arrived, what it sent at the end, the calls)."""
+    sent, start = [], 0
+    for cut in [*sorted(cuts), len(text)]:
+        sent.append(reader.feed(text[start:cut]))
+        start = max(start, cut)
+    rest, calls = reader.finish()
+    return "".join(sent), rest, calls
+
+
+ANSWERS = [
+    "Plain text with a < sign and a <tool box.",
+    f"Checking.\n<tool_call>\n{call('get_time', {'zone': 'UTC'})}\n</tool_call>",
+    f"<tool_call>\n{call('noop', {})}\n</tool_call>\nDone <tool",
+    f"<tool_call>\n{call('nope', {})}\n</tool_call>",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(ANSWERS), st.lists(st.integers(0, 120), max_size=8))
+def test_a_stream_sends_the_content_and_never_part_of_a_call(text, cuts):
+    content, calls = parse_tool_calls(text, TOOLS)
+    early, rest, streamed = stream_pieces(text, cuts, ToolCallStream(TOOLS))
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    if not calls:
+        assert early + rest == text  # every character, in order
+    else:
+        assert text.startswith(early) and len(early) <= text.index("<tool_call>")  # sent before the call
+        assert (early + rest).strip() == content and "<tool_call>" not in early + rest
+
+
+def test_a_json_format_stream_holds_an_answer_that_opens_with_json():
+    text = call("get_time", {"zone": "CET"}, "parameters")
+    early, rest, calls = stream_pieces(text, [3, 10], ToolCallStream(TOOLS, "json"))
+    assert (early, rest, [c.name for c in calls]) == ("", "", ["get_time"])
+    early, rest, calls = stream_pieces("  Sunny.", [1, 4], ToolCallStream(TOOLS, "json"))
+    assert (early, rest, calls) == ("  Sunny.", "", [])
+
+
+def test_a_forced_answer_is_held_whole():
+    text = f"<tool_call>\n{call('noop', {})}\n</tool_call>"
+    reader = ToolCallStream(TOOLS, constrained=True)
+    assert reader.feed(text[:5]) == "" and reader.feed(text[5:]) == ""
+    assert [c.name for c in reader.finish()[1]] == ["noop"]
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    pytest.importorskip("llguidance")
+    from decodekit.models.registry import load_model
+
+    return load_model("shakespeare")
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "json"])
+@pytest.mark.parametrize(("choice", "parallel"), [("required", False), ("get_weather", True), ("noop", True)])
+def test_a_forced_call_always_parses_and_its_arguments_fit_the_schema(shakespeare, fmt, choice, parallel):
+    import jsonschema
+
+    import decodekit as dk
+
+    constraint = tool_constraint(TOOLS, choice, fmt, parallel)
+    schemas = {tool.name: tool.parameters for tool in TOOLS}
+    names = set()
+    for seed in range(4):
+        [done] = dk.generate(shakespeare, "ROMEO:", dk.SamplingParams(max_new_tokens=200, seed=seed),
+                             constraint=constraint)  # fmt: skip
+        assert done.finish_reason == "stop", done.text
+        content, calls = parse_tool_calls(done.text, TOOLS, fmt)
+        assert content is None and len(calls) == 1, done.text
+        jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+        names.add(calls[0].name)
+    assert names <= ({choice} if choice != "required" else set(schemas))
+
+
+def test_required_parallel_calls_repeat_the_format(shakespeare):
+    import decodekit as dk
+
+    constraint = tool_constraint((TIME,), "required", "hermes", parallel=True)
+    texts = [dk.generate(shakespeare, "ROMEO:", dk.SamplingParams(max_new_tokens=120, seed=seed),
+                         constraint=constraint)[0].text for seed in range(6)]  # fmt: skip
+    counts = [len(parse_tool_calls(text, (TIME,))[1]) or text.count("<tool_call>") for text in texts]
+    assert all(count >= 1 for count in counts) and max(counts) > 1  # some answers call it again
+    assert tool_constraint(TOOLS, "auto") is None and tool_constraint(TOOLS, "none") is None
+
+
+def test_a_schema_the_grammar_cannot_take_is_a_value_error():
+    pytest.importorskip("llguidance")
+    with pytest.raises(ValueError, match="parameters are not a JSON schema"):
+        tool_constraint((Tool("f", parameters={"type": 5}),), "required")

@@ -1,0 +1,201 @@
+"""Tool calls on /v1/chat/completions (decode/tool_calls.py, server/request_plan.py), through
+the openai client: a forced call ("required", a named function) always comes back as calls
+whose arguments fit the tool's schema, streamed or not; "auto" reads the calls a model wrote
+in its template's format (forced here by a regex, since a random model writes none); the
+conversation's calls and tool answers reach the template; bad tool fields are 400s naming them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import jsonschema
+import pytest
+
+pytest.importorskip("llguidance")
+
+# A Hermes-style template: renders the tools, the calls of earlier turns and the tools' answers.
+HERMES = """\
+{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>
+{% endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>
+{% elif m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>
+{% endfor %}{%- else %}{{ m.role }}: {{ m.content }}
+{% endif %}{%- endfor %}{%- if add_generation_prompt %}assistant:{% endif %}"""
+# A Llama 3-style one: tools rendered, calls written as bare JSON with "parameters".
+LLAMA = """\
+{%- if tools %}Answer with {"name": ..., "parameters": ...} to call one of:{% for t in tools %} \
+{{ t.function.name }}{% endfor %}
+{% endif %}{%- for m in messages %}{{ m.role }}: {{ m.content }}
+{% endfor %}{%- if add_generation_prompt %}assistant:{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 10},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "Weather in Rome?"}]
+WRITTEN = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_server(server_model_dir, tmp_path_factory):
+    """Three names of the tiny model (2,048 positions of context): a Hermes template, a Llama
+    3-style one and none (the plain template)."""
+    from decodekit.models.registry import load_model
+    from decodekit.server.app import ServerThread
+    from decodekit.server.backend import Backend, ServerConfig
+
+    path = tmp_path_factory.mktemp("tiny-tools") / "tiny"
+    shutil.copytree(server_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    models = {name: load_model(path) for name in ("hermes", "llama", "plain")}
+    backend = Backend(models, ServerConfig(max_tokens=300), chat_templates={"hermes": HERMES, "llama": LLAMA})
+    with ServerThread(backend) as thread:
+        yield thread, backend
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server):
+    import openai
+
+    return openai.OpenAI(base_url=tool_server[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed(client, **request) -> tuple[str, list[dict], str]:
+    """(content, calls, finish reason) of a streamed chat, its deltas added up as clients do."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        [choice] = chunk.choices
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            made = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+            made["name"] += delta.function.name or ""
+            made["arguments"] += delta.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("model", ["hermes", "llama", "plain"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_call_comes_back_as_calls_that_fit_the_schema(tool_client, model, choice):
+    names = set()
+    for seed in range(3):
+        request = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
+                       max_tokens=200, parallel_tool_calls=False)
+        answer = tool_client.chat.completions.create(**request)
+        [out] = answer.choices
+        assert out.finish_reason == "tool_calls" and out.message.content is None
+        [made] = out.message.tool_calls
+        jsonschema.validate(json.loads(made.function.arguments), SCHEMAS[made.function.name])
+        names.add(made.function.name)
+        content, calls, reason = streamed(tool_client, **request)
+        assert (content, reason) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls] == [(made.function.name, made.function.arguments)]
+        assert calls[0]["id"].startswith("call_")
+    if choice != "required":
+        assert names == {"get_time"}
+
+
+def test_auto_reads_the_calls_a_model_writes(tool_client):
+    """A regex makes the tiny model write text then a call, as a tool-using model would."""
+    pattern = "Checking\\. " + WRITTEN.replace("{", "\\{").replace("}", "\\}").replace("\n", "\\n")
+    request = dict(model="hermes", messages=ASK, tools=TOOLS, max_tokens=200, seed=0,
+                   extra_body={"guided_regex": pattern})
+    [out] = tool_client.chat.completions.create(**request).choices
+    assert (out.finish_reason, out.message.content) == ("tool_calls", "Checking.")
+    [made] = out.message.tool_calls
+    assert (made.function.name, json.loads(made.function.arguments)) == ("get_time", {"zone": "UTC"})
+    content, calls, reason = streamed(tool_client, **request)
+    assert (content.strip(), reason) == ("Checking.", "tool_calls") and "<" not in content
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", made.function.arguments)]
+    # tool_choice "none": the same text is the answer
+    [out] = tool_client.chat.completions.create(**request, tool_choice="none").choices
+    assert (out.message.content, out.message.tool_calls) == ("Checking. " + WRITTEN, None)
+    assert out.finish_reason == "stop"
+
+
+def test_auto_without_a_call_is_plain_text(tool_client):
+    request = dict(model="hermes", messages=ASK, tools=TOOLS, max_tokens=12, seed=3)
+    [out] = tool_client.chat.completions.create(**request).choices
+    assert out.message.tool_calls is None and out.finish_reason in ("stop", "length")
+    plain = tool_client.chat.completions.create(**request, tool_choice="none").choices[0].message.content
+    assert out.message.content == plain and plain
+    content, calls, _ = streamed(tool_client, **request)
+    assert (content, calls) == (plain, [])
+
+
+def test_the_openai_clients_parse_helper_reads_the_arguments(tool_client):
+    """openai's own pydantic tool helper (a strict schema) validates what the server returns."""
+    import openai
+    import pydantic
+
+    class GetTime(pydantic.BaseModel):
+        zone: str = pydantic.Field(pattern="^(UTC|CET)$")
+
+    answer = tool_client.chat.completions.parse(
+        model="hermes", messages=ASK, seed=1, max_tokens=200, tools=[openai.pydantic_function_tool(GetTime)],
+        tool_choice="required", parallel_tool_calls=False)
+    [made] = answer.choices[0].message.tool_calls
+    assert made.function.name == "GetTime" and isinstance(made.function.parsed_arguments, GetTime)
+
+
+def conversation(call_id: str = "call_1", arguments: str = '{"zone": "UTC"}') -> list[dict]:
+    return [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_time", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "12:00"}]  # fmt: skip
+
+
+def test_earlier_calls_and_tool_answers_reach_the_prompt(tool_server):
+    from decodekit.server.protocol import ChatMessage, ChatRequest
+    from decodekit.server.request_plan import chat_text, tool_use_of
+
+    _, backend = tool_server
+    messages = [ChatMessage.model_validate(m) for m in conversation()]
+    request = ChatRequest.model_validate({"model": "hermes", "messages": conversation(), "tools": TOOLS})
+    hermes = tool_use_of(request, HERMES)
+    text, _ = chat_text(backend.models["hermes"], messages, HERMES, hermes)
+    assert text == ("<tools>get_weather get_time </tools>\nuser: Weather in Rome?\n" + WRITTEN +
+                    "\n<tool_response>12:00</tool_response>\nassistant:")  # fmt: skip
+    plain = tool_use_of(request, None)
+    text, templated = chat_text(backend.models["plain"], messages, None, plain)
+    assert not templated and text.startswith("SYSTEM: You can call functions")
+    listed = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line) for line in listed] == TOOLS and "ASSISTANT: " + WRITTEN in text
+    assert "USER: <tool_response>\n12:00\n</tool_response>\nASSISTANT:" in text
+    # the client's next turn runs, the answer to the tool read for calls again
+    answer = httpx.post(tool_server[0].url + "/v1/chat/completions", json={
+        "model": "hermes", "messages": conversation(), "tools": TOOLS, "max_tokens": 4, "seed": 0})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice",
+     "'get_news', which is not among the tools"),
+    ({"tools": [TIME, TIME]}, "tools", "'get_time' more than once"),
+    ({"tools": [{"type": "function", "function": {"name": "get time"}}]}, "tools", "a tool's name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+      "tool_choice": "required"}, "tools", "not a JSON schema"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined with response_format"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+    ({"tools": TOOLS, "messages": conversation(arguments="{zone")}, "messages", "are not JSON"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_tool_fields_are_400s_naming_them(tool_server, fields, param, message):
+    body = {"model": "hermes", "messages": ASK, "max_tokens": 4, **fields}
+    answer = httpx.post(tool_server[0].url + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and message in error["message"]
