@@ -180,6 +180,7 @@ def test_a_forced_call_always_parses_and_its_arguments_fit_the_schema(shakespear
 
 
 def test_required_parallel_calls_repeat_the_format(shakespeare):
+    """The grammar's loop: a random model under it keeps calling until its tokens run out."""
     import decodekit as dk
 
     constraint = tool_constraint((TIME,), "required", "hermes", parallel=True)
@@ -187,7 +188,54 @@ def test_required_parallel_calls_repeat_the_format(shakespeare):
                          constraint=constraint)[0].text for seed in range(6)]  # fmt: skip
     counts = [len(parse_tool_calls(text, (TIME,))[1]) or text.count("<tool_call>") for text in texts]
     assert all(count >= 1 for count in counts) and max(counts) > 1  # some answers call it again
-    assert tool_constraint(TOOLS, "auto") is None and tool_constraint(TOOLS, "none") is None
+    assert tool_constraint(TOOLS, "none") is None
+
+
+def answer(name: str, arguments: dict, key: str = "arguments") -> str:
+    return f"<tool_call>\n{call(name, arguments, key)}\n</tool_call>" if key == "arguments" \
+        else call(name, arguments, key)
+
+
+# (format, tool_choice, parallel) -> hand-written answers and whether the grammar takes each whole
+GRAMMAR_CASES = {
+    ("hermes", "auto", True): [
+        ("plain text, a < sign and a <tool box", True),
+        ("Let me look.\n" + answer("get_time", {"zone": "UTC"}), True),
+        (answer("noop", {}) + "\n" + answer("get_weather", {"city": "Rome", "days": 3}), True),
+        (answer("get_time", {"zone": "PST"}), False),  # not in the enum
+        (answer("get_weather", {"city": "Rome"}), False),  # a required argument missing
+        (answer("launch", {}), False),  # not a tool
+        (answer("noop", {}) + "\nand then some text", False),  # nothing but calls after a call
+        ("<tool_call>\n{\"name\":\"noop\",\"arguments\":{}}\n</tool_call>", False),  # not tojson's spacing
+    ],
+    ("hermes", "auto", False): [(answer("noop", {}) + "\n" + answer("noop", {}), False)],
+    ("hermes", "required", True): [("plain text", False), (answer("noop", {}), True)],
+    ("hermes", "get_time", True): [(answer("noop", {}), False), (answer("get_time", {"zone": "CET"}), True)],
+    ("json", "auto", True): [
+        ("Sunny.", True), ('{"answer": 1}', True),
+        ("  " + answer("get_time", {"zone": "CET"}, "parameters"), True),
+        (answer("get_time", {"zone": "XX"}, "parameters"), False), (answer("nope", {}, "parameters"), False),
+    ],
+    ("json", "required", True): [
+        (answer("noop", {}, "parameters"), True), ("Sunny.", False),
+        (f"[{answer('noop', {}, 'parameters')}, {answer('get_time', {'zone': 'UTC'}, 'parameters')}]", True),
+    ],
+    ("json", "required", False): [(f"[{answer('noop', {}, 'parameters')}]", False)],
+}
+
+
+@pytest.mark.parametrize("case", list(GRAMMAR_CASES), ids=lambda case: "-".join(map(str, case)))
+def test_the_grammar_takes_calls_and_text_as_the_choice_allows(shakespeare, case):
+    import llguidance
+
+    from decodekit.decode.constrained import ll_tokenizer
+
+    fmt, choice, parallel = case
+    grammar = tool_constraint(TOOLS, choice, fmt, parallel).grammar()
+    for text, taken in GRAMMAR_CASES[case]:
+        matcher = llguidance.LLMatcher(ll_tokenizer(shakespeare), grammar, log_level=0)
+        whole = matcher.consume_tokens(shakespeare.encode(text)) and matcher.is_accepting()
+        assert whole == taken, text
 
 
 def test_a_schema_the_grammar_cannot_take_is_a_value_error():

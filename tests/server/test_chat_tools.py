@@ -123,14 +123,15 @@ def test_auto_reads_the_calls_a_model_writes(tool_client):
     assert out.finish_reason == "stop"
 
 
-def test_auto_without_a_call_is_plain_text(tool_client):
-    request = dict(model="hermes", messages=ASK, tools=TOOLS, max_tokens=12, seed=3)
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_an_answer_without_a_call_is_plain_text(tool_client, choice):
+    """(Under "auto" the grammar of text or calls holds the random model to whole characters,
+    so its text differs from "none"'s.)"""
+    request = dict(model="hermes", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=12, seed=3)
     [out] = tool_client.chat.completions.create(**request).choices
-    assert out.message.tool_calls is None and out.finish_reason in ("stop", "length")
-    plain = tool_client.chat.completions.create(**request, tool_choice="none").choices[0].message.content
-    assert out.message.content == plain and plain
+    assert out.message.tool_calls is None and out.finish_reason in ("stop", "length") and out.message.content
     content, calls, _ = streamed(tool_client, **request)
-    assert (content, calls) == (plain, [])
+    assert (content, calls) == (out.message.content, [])
 
 
 def test_the_openai_clients_parse_helper_reads_the_arguments(tool_client):
@@ -199,3 +200,21 @@ def test_bad_tool_fields_are_400s_naming_them(tool_server, fields, param, messag
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_auto_constrains_calls_unless_the_request_constrains_the_answer(tool_server):
+    from decodekit.decode.constrained import Grammar, Regex
+    from decodekit.server.protocol import ChatRequest
+    from decodekit.server.request_plan import plan_request
+
+    backend = tool_server[1]
+
+    def constraint(**fields):
+        body = {"model": "hermes", "messages": ASK, "tools": TOOLS, "max_tokens": 4, **fields}
+        return plan_request(ChatRequest.model_validate(body), backend).constraint
+
+    assert isinstance(constraint(), Grammar) and "TEXT | PRE" in constraint().lark
+    assert isinstance(constraint(guided_regex="a+"), Regex)  # the request's own, calls parsed only
+    assert constraint(tool_choice="none") is None and constraint(draft_model="prompt-lookup") is None
+    assert constraint(ignore_eos=True) is None
+    assert "TEXT" not in constraint(tool_choice="required").lark

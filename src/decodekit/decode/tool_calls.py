@@ -14,12 +14,16 @@ two formats (`ToolFormat`):
 (and the plain template of a model without one) cannot show them to the model, so
 `tools_instruction` writes them into a system message that asks for the "hermes" format.
 
-How a call is made, by the request's `tool_choice`:
-- "auto": the model writes freely; `parse_tool_calls` finds the calls in its text. Text that
-  does not parse (broken JSON, a name not among the tools) is content, as vLLM returns it.
-- "required", or one tool named: `tool_constraint` is a grammar (decode/constrained.py) of
-  one or more calls (exactly one with `parallel=False` or a named tool) in the format, each
-  call's arguments valid under its tool's schema: the answer always parses into calls.
+How a call is made, by the request's `tool_choice` (`tool_constraint`: a grammar over
+decode/constrained.py, each call's arguments valid under its tool's schema, written with
+`tojson`'s separators):
+- "auto": the model writes text or calls. The grammar lets text be free until the model opens
+  a call (`<tool_call>`, or an answer opening with `{"name"` in the "json" format); from there
+  it holds the model to calls of the tools, as llama.cpp's lazy grammars do. Where the answer
+  is not constrained this way (another constraint, a draft model), `parse_tool_calls` still
+  reads the calls, and text whose calls do not parse is content, as vLLM returns it.
+- "required", or one tool named: the answer is calls (exactly one with `parallel=False` or a
+  named tool), so it always parses into calls.
 - "none": no call is looked for; the answer is text.
 
 `ToolCallStream` does the same parse for a stream: it passes text on while it cannot be the
@@ -133,38 +137,61 @@ def call_text(call: ToolCall, fmt: ToolFormat = "hermes") -> str:
     return f"{OPEN}\n{body}\n{CLOSE}" if fmt == "hermes" else body
 
 
-def _call_schema(tool: Tool, key: str) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, key: dict(tool.parameters)},
-            "required": ["name", key], "additionalProperties": False}
+# Calls written as json.dumps and Jinja's `tojson` write them (the templates' examples): ", "
+# between items, ": " after keys, no other whitespace.
+SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+FREE = r"(.|\n)*"
+
+
+def _lark_text(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal takes JSON's escapes
 
 
 def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "hermes", parallel: bool = True):
-    """The grammar of the calls `choice` demands ("required": one or more of `tools`, one with
-    `parallel=False`; a tool's name: one call of it), or None for "auto" and "none".
-    Arguments are compact JSON valid under each tool's schema. A bad schema is a ValueError."""
+    """The grammar of the answers `choice` allows, or None for "none".
+
+    - "required": one or more calls of `tools` (one with `parallel=False`); a tool's name: one
+      call of it. The answer is calls.
+    - "auto": any text, or calls: in the "hermes" format free text, then once the model opens
+      `<tool_call>`, calls and nothing else; in the "json" format an answer that opens with
+      `{"name"` is one call, any other is text. The model decides; what it writes as a call
+      is a call (a lazy grammar, as llama.cpp's server has).
+
+    Each call's arguments are valid under its tool's schema. A bad schema is a ValueError."""
     from decodekit.decode.constrained import Grammar
 
     check_choice(choice, tools)
-    if choice in ("auto", "none"):
+    if choice == "none":
         return None
-    targets = [tool for tool in tools if choice == "required" or tool.name == choice]
-    many = parallel and choice == "required"
+    targets = [tool for tool in tools if choice in ("auto", "required") or tool.name == choice]
+    many = parallel and choice in ("auto", "required")
     key = "arguments" if fmt == "hermes" else "parameters"
-    call = {"anyOf": [_call_schema(tool, key) for tool in targets]} if len(targets) > 1 \
-        else _call_schema(targets[0], key)
-    call["x-guidance"] = {"whitespace_flexible": False}
+    alternatives = [f"{_lark_text(json.dumps(tool.name) + f', {json.dumps(key)}: ')} args{i} \"}}\""
+                    for i, tool in enumerate(targets)]  # fmt: skip
+    rules = [f"named: {' | '.join(alternatives)}"]
+    rules += [f"args{i}: %json {json.dumps({**tool.parameters, 'x-guidance': SEPARATORS})}"
+              for i, tool in enumerate(targets)]  # fmt: skip
+    opening = '{"name": '
     if fmt == "hermes":
-        more = ' ("\\n" call)*' if many else ""
-        lark = (f"start: call{more}\n"
-                f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
-                f"body: %json {json.dumps(call)}\n")
+        more = " (OPEN named CLOSE)*" if many else ""
+        first, again, close = (_lark_text(text) for text in (f"{OPEN}\n{opening}", f"\n{OPEN}\n{opening}",
+                                                              f"\n{CLOSE}"))  # fmt: skip
+        if choice == "auto":  # text without `<tool_call>`, or text then calls
+            head = [f"start: TEXT | PRE named CLOSE{more}", f"TEXT: /{FREE}/ & ~/{FREE}{OPEN}{FREE}/",
+                    f"PRE: TEXT {first}"]  # fmt: skip
+        else:
+            head = [f"start: {first} named CLOSE{more}"]
+        head += [f"OPEN: {again}", f"CLOSE: {close}"]
+    elif choice == "auto":
+        head = ["start: TEXT | PRE named",
+                f'TEXT: /{FREE}/ & ~/[ \\t\\n]*\\{{"name"{FREE}/',
+                f"PRE: /[ \\t\\n]*/ {_lark_text(opening)}"]  # fmt: skip
+    elif many:
+        head = ["start: call | \"[\" call (\", \" call)* \"]\"", f"call: {_lark_text(opening)} named"]
     else:
-        if many:
-            call = {"type": "array", "items": {k: v for k, v in call.items() if k != "x-guidance"},
-                    "minItems": 1, "x-guidance": call["x-guidance"]}  # fmt: skip
-        lark = f"start: %json {json.dumps(call)}\n"
+        head = [f"start: {_lark_text(opening)} named"]
     try:
-        return Grammar(lark)
+        return Grammar("\n".join(head + rules) + "\n")
     except ValueError as error:
         raise ValueError(f"a tool's parameters are not a JSON schema this server can constrain to: "
                          f"{error}") from None  # fmt: skip

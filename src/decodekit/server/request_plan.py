@@ -40,6 +40,7 @@ from decodekit.decode.tool_calls import (
     tools_instruction,
 )
 from decodekit.models.base import LanguageModel
+from decodekit.optional import MissingDependency
 from decodekit.params import SamplingParams, preset_values
 from decodekit.server.backend import Backend, Job
 from decodekit.server.protocol import APIError, ChatMessage, ChatRequest, GenerationRequest
@@ -319,6 +320,40 @@ def constraint_param(req: GenerationRequest) -> str:
                 if getattr(req, name) is not None)
 
 
+def tool_grammar(req: GenerationRequest, model: LanguageModel, tools: ToolUse, constraint, strategy):
+    """The constraint of a chat request with tools (decode/tool_calls.py `tool_constraint`):
+    a forced call's grammar (a 400 beside another constraint); for "auto" the grammar of text
+    or calls where nothing else constrains the answer and the model can be constrained (not
+    with a draft model or ignore_eos; else its calls are parsed only); the request's own for
+    "none"."""
+    if tools.choice == "none":
+        return constraint
+    if tools.forced and constraint is not None:
+        raise APIError(400, f"tool_choice {tools.choice!r} makes the answer tool calls, so it cannot be "
+                       f"combined with {constraint_param(req)}", "tool_choice")  # fmt: skip
+    if not tools.forced and (constraint is not None or isinstance(strategy, Speculative) or req.ignore_eos):
+        return constraint  # (a grammar ends on EOS, which ignore_eos refuses)
+    try:
+        grammar = tool_constraint(tools.tools, tools.choice, tools.format, tools.parallel)
+    except MissingDependency:
+        if not tools.forced:
+            return None
+        raise APIError(400, f"tool_choice {tools.choice!r} is not supported by this server build (install "
+                       "decodekit[constrained])", "tool_choice", "unsupported") from None  # fmt: skip
+    except (ValueError, TypeError) as error:
+        raise APIError(400, f"tools: {error}", "tools", "invalid_value") from None
+    if tools.forced:
+        check_tokenizer(model, "tool_choice")
+        return grammar
+    from decodekit.decode.constrained import ll_tokenizer
+
+    try:
+        ll_tokenizer(model)
+    except (TypeError, ValueError):  # a tokenizer llguidance cannot read: the calls are parsed only
+        return None
+    return grammar
+
+
 def check_tokenizer(model: LanguageModel, param: str) -> None:
     """The model's tokenizer must be one llguidance reads: if not, the server cannot constrain
     this model whatever the request says, so it is the server's error (500), not the client's."""
@@ -501,15 +536,8 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     constraint = constraint_of(req)
     if constraint is not None:
         check_tokenizer(model, constraint_param(req))
-    if tools is not None and tools.forced:
-        if constraint is not None:
-            raise APIError(400, f"tool_choice {tools.choice!r} makes the answer tool calls, so it cannot be "
-                           f"combined with {constraint_param(req)}", "tool_choice")  # fmt: skip
-        try:
-            constraint = tool_constraint(tools.tools, tools.choice, tools.format, tools.parallel)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, f"tools: {error}", "tools", "invalid_value") from None
-        check_tokenizer(model, "tool_choice")
+    if tools is not None:
+        constraint = tool_grammar(req, model, tools, constraint, strategy)
     if constraint is not None and isinstance(strategy, Speculative):
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
