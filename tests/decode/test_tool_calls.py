@@ -96,6 +96,9 @@ def test_the_format_and_the_instruction_follow_the_template():
     llama = "{% if tools %}Respond with {\"name\": ..., \"parameters\": ...}{% endif %}"
     assert (tool_format(hermes), tool_format(llama), tool_format("{{ messages }}"), tool_format(None)) == \
         ("hermes", "json", "hermes", "hermes")
+    mistral = "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}{% endif %} [TOOL_CALLS]"
+    coder = "{% for t in tools %}{{ t.name }}{% endfor %}<tool_call>\n<function={{ name }}>"
+    assert tool_format(mistral) is None and tool_format(coder) is None  # formats decodekit does not read
     assert template_takes_tools({"default": "{{ messages }}", "tool_use": llama})
     assert not template_takes_tools("{{ messages }}") and not template_takes_tools(None)
     text = tools_instruction(TOOLS)

@@ -31,6 +31,12 @@ LLAMA = """\
 {% endif %}{%- for m in messages %}{{ m.role }}: {{ m.content }}
 {% endfor %}{%- if add_generation_prompt %}assistant:{% endif %}"""
 
+# A template that renders tools and writes calls in a format decodekit does not read (Mistral's).
+MISTRAL = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}\
+{%- for m in messages %}{{ m.role }}: {{ m.content }}
+{% endfor %}{%- if add_generation_prompt %}[TOOL_CALLS] or text:{% endif %}"""
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -47,8 +53,8 @@ WRITTEN = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</to
 
 @pytest.fixture(scope="module")
 def tool_server(server_model_dir, tmp_path_factory):
-    """Three names of the tiny model (2,048 positions of context): a Hermes template, a Llama
-    3-style one and none (the plain template)."""
+    """Four names of the tiny model (2,048 positions of context): a Hermes template, a Llama
+    3-style one, none (the plain template) and a Mistral-style one."""
     from decodekit.models.registry import load_model
     from decodekit.server.app import ServerThread
     from decodekit.server.backend import Backend, ServerConfig
@@ -57,8 +63,9 @@ def tool_server(server_model_dir, tmp_path_factory):
     shutil.copytree(server_model_dir, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    models = {name: load_model(path) for name in ("hermes", "llama", "plain")}
-    backend = Backend(models, ServerConfig(max_tokens=300), chat_templates={"hermes": HERMES, "llama": LLAMA})
+    models = {name: load_model(path) for name in ("hermes", "llama", "plain", "mistral")}
+    templates = {"hermes": HERMES, "llama": LLAMA, "mistral": MISTRAL}
+    backend = Backend(models, ServerConfig(max_tokens=300), chat_templates=templates)
     with ServerThread(backend) as thread:
         yield thread, backend
 
@@ -68,6 +75,11 @@ def tool_client(tool_server):
     import openai
 
     return openai.OpenAI(base_url=tool_server[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def literal(text: str) -> str:
+    """A regex (Rust syntax) that matches `text` alone."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "{}[].\\" else c for c in text)
 
 
 def streamed(client, **request) -> tuple[str, list[dict], str]:
@@ -107,7 +119,7 @@ def test_a_forced_call_comes_back_as_calls_that_fit_the_schema(tool_client, mode
 
 def test_auto_reads_the_calls_a_model_writes(tool_client):
     """A regex makes the tiny model write text then a call, as a tool-using model would."""
-    pattern = "Checking\\. " + WRITTEN.replace("{", "\\{").replace("}", "\\}").replace("\n", "\\n")
+    pattern = literal("Checking. " + WRITTEN)
     request = dict(model="hermes", messages=ASK, tools=TOOLS, max_tokens=200, seed=0,
                    extra_body={"guided_regex": pattern})
     [out] = tool_client.chat.completions.create(**request).choices
@@ -200,6 +212,17 @@ def test_bad_tool_fields_are_400s_naming_them(tool_server, fields, param, messag
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_a_call_format_decodekit_does_not_read_leaves_the_answer_text(tool_client, tool_server):
+    request = dict(model="mistral", messages=ASK, tools=TOOLS, max_tokens=200, seed=0,
+                   extra_body={"guided_regex": literal("[TOOL_CALLS]" + WRITTEN)})
+    [out] = tool_client.chat.completions.create(**request).choices
+    assert out.message.tool_calls is None and out.message.content == "[TOOL_CALLS]" + WRITTEN
+    body = {"model": "mistral", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4}
+    answer = httpx.post(tool_server[0].url + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
+    assert "format decodekit reads" in answer.json()["error"]["message"]
 
 
 def test_auto_constrains_calls_unless_the_request_constrains_the_answer(tool_server):

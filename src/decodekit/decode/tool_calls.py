@@ -12,7 +12,10 @@ two formats (`ToolFormat`):
 
 `tool_format` picks one from the chat template's text. A template that never mentions tools
 (and the plain template of a model without one) cannot show them to the model, so
-`tools_instruction` writes them into a system message that asks for the "hermes" format.
+`tools_instruction` writes them into a system message that asks for the "hermes" format. A
+template that shows them in another format (`OTHER_FORMATS`: Mistral's `[TOOL_CALLS]`,
+Qwen3-Coder's `<function=...>` blocks, DeepSeek's and Kimi's call tokens) has none that
+decodekit reads: its answers are text.
 
 How a call is made, by the request's `tool_choice` (`tool_constraint`: a grammar over
 decode/constrained.py, each call's arguments valid under its tool's schema, written with
@@ -40,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ToolFormat = Literal["hermes", "json"]
+# what templates that write calls in a format decodekit does not read say (`tool_format`)
+OTHER_FORMATS = ("[TOOL_CALLS]", "<function=", "tool_calls_begin", "tool▁calls▁begin", "<|tool_call_begin|>")
 CHOICES = ("none", "auto", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -112,11 +117,16 @@ def template_takes_tools(template: Any) -> bool:
     return re.search(r"\btools\b", template_text(template)) is not None
 
 
-def tool_format(template: Any) -> ToolFormat:
+def tool_format(template: Any) -> ToolFormat | None:
     """The format a template's model writes calls in: "hermes" where the template speaks of
-    `<tool_call>` or cannot show tools at all (`tools_instruction` asks for it), else "json"."""
+    `<tool_call>` or cannot show tools at all (`tools_instruction` asks for it), None where it
+    shows another format (`OTHER_FORMATS`), else "json"."""
     text = template_text(template)
-    return "json" if template_takes_tools(text) and OPEN not in text else "hermes"
+    if not template_takes_tools(text):
+        return "hermes"
+    if any(mark in text for mark in OTHER_FORMATS):
+        return None
+    return "hermes" if OPEN in text else "json"
 
 
 def tools_instruction(tools: Sequence[Tool]) -> str:

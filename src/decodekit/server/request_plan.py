@@ -117,7 +117,7 @@ class ToolUse:
 
     tools: tuple[Tool, ...]
     choice: str
-    format: ToolFormat
+    format: ToolFormat | None  # None: the template's calls are in a format decodekit does not read
     parallel: bool = True
 
     @property
@@ -326,8 +326,12 @@ def tool_grammar(req: GenerationRequest, model: LanguageModel, tools: ToolUse, c
     or calls where nothing else constrains the answer and the model can be constrained (not
     with a draft model or ignore_eos; else its calls are parsed only); the request's own for
     "none"."""
-    if tools.choice == "none":
+    if tools.choice == "none" or (tools.format is None and not tools.forced):
         return constraint
+    if tools.format is None:
+        raise APIError(400, f"tool_choice {tools.choice!r} needs calls in a format decodekit reads (Hermes "
+                       "<tool_call> blocks or JSON objects); this model's chat template writes another",
+                       "tool_choice", "unsupported")  # fmt: skip
     if tools.forced and constraint is not None:
         raise APIError(400, f"tool_choice {tools.choice!r} makes the answer tool calls, so it cannot be "
                        f"combined with {constraint_param(req)}", "tool_choice")  # fmt: skip

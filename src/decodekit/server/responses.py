@@ -35,7 +35,7 @@ def finish_reason(completion: Completion) -> str:
 
 def reads_calls(plan: Plan) -> bool:
     """Whether the plan's answers are read for tool calls (decode/tool_calls.py)."""
-    return plan.tools is not None and plan.tools.choice != "none"
+    return plan.tools is not None and plan.tools.choice != "none" and plan.tools.format is not None
 
 
 def tool_calls_out(calls: Sequence[ToolCall], delta: bool = False) -> list:
