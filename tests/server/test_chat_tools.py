@@ -37,6 +37,16 @@ MISTRAL = """\
 {%- for m in messages %}{{ m.role }}: {{ m.content }}
 {% endfor %}{%- if add_generation_prompt %}[TOOL_CALLS] or text:{% endif %}"""
 
+# Reasoning models' templates: Qwen3's (the model opens <think>; enable_thinking false closes an
+# empty one in the prompt) and DeepSeek-R1's (the prompt opens it).
+QWEN3 = """\
+{%- for m in messages %}{{ m.role }}: {{ (m.content or '').split('</think>')[-1] }}
+{% endfor %}{%- if add_generation_prompt %}assistant:{%- if enable_thinking is defined and \
+enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"""
+R1 = """\
+{%- for m in messages %}{{ m.role }}: {{ (m.content or '').split('</think>')[-1] }}
+{% endfor %}{%- if add_generation_prompt %}assistant:<think>\n{% endif %}"""
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -53,8 +63,8 @@ WRITTEN = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</to
 
 @pytest.fixture(scope="module")
 def tool_server(server_model_dir, tmp_path_factory):
-    """Four names of the tiny model (2,048 positions of context): a Hermes template, a Llama
-    3-style one, none (the plain template) and a Mistral-style one."""
+    """Names of the tiny model (2,048 positions of context), one a template: Hermes, Llama
+    3-style, Mistral-style, two reasoning models' and none (the plain template)."""
     from decodekit.models.registry import load_model
     from decodekit.server.app import ServerThread
     from decodekit.server.backend import Backend, ServerConfig
@@ -63,8 +73,8 @@ def tool_server(server_model_dir, tmp_path_factory):
     shutil.copytree(server_model_dir, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    models = {name: load_model(path) for name in ("hermes", "llama", "plain", "mistral")}
-    templates = {"hermes": HERMES, "llama": LLAMA, "mistral": MISTRAL}
+    templates = {"hermes": HERMES, "llama": LLAMA, "mistral": MISTRAL, "qwen3": QWEN3, "r1": R1}
+    models = {name: load_model(path) for name in (*templates, "plain")}
     backend = Backend(models, ServerConfig(max_tokens=300), chat_templates=templates)
     with ServerThread(backend) as thread:
         yield thread, backend
@@ -82,18 +92,21 @@ def literal(text: str) -> str:
     return "".join("\\n" if c == "\n" else "\\" + c if c in "{}[].\\" else c for c in text)
 
 
-def streamed(client, **request) -> tuple[str, list[dict], str]:
-    """(content, calls, finish reason) of a streamed chat, its deltas added up as clients do."""
-    content, calls, reason = "", {}, None
+def streamed(client, thinking: bool = False, **request) -> tuple:
+    """(content, calls, finish reason) of a streamed chat, its deltas added up as clients do;
+    with `thinking`, its reasoning_content first."""
+    content, calls, reason, reasoning = "", {}, None, ""
     for chunk in client.chat.completions.create(stream=True, **request):
         [choice] = chunk.choices
         content += choice.delta.content or ""
+        reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
         for delta in choice.delta.tool_calls or []:
             made = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
             made["name"] += delta.function.name or ""
             made["arguments"] += delta.function.arguments or ""
         reason = choice.finish_reason or reason
-    return content, [calls[i] for i in sorted(calls)], reason
+    answer = (content, [calls[i] for i in sorted(calls)], reason)
+    return (reasoning, *answer) if thinking else answer
 
 
 @pytest.mark.parametrize("model", ["hermes", "llama", "plain"])
@@ -241,3 +254,45 @@ def test_auto_constrains_calls_unless_the_request_constrains_the_answer(tool_ser
     assert constraint(tool_choice="none") is None and constraint(draft_model="prompt-lookup") is None
     assert constraint(ignore_eos=True) is None
     assert "TEXT" not in constraint(tool_choice="required").lark
+
+
+@pytest.mark.parametrize(("model", "written"), [("qwen3", "<think>\nadd them\n</think>\n\nIt is 4."),
+                                                ("r1", "add them\n</think>\n\nIt is 4.")])
+def test_a_reasoning_models_thinking_comes_apart_from_its_answer(tool_client, model, written):
+    request = dict(model=model, messages=ASK, max_tokens=200, seed=0,
+                   extra_body={"guided_regex": literal(written)})
+    [out] = tool_client.chat.completions.create(**request).choices
+    reasoning = out.message.model_extra["reasoning_content"]
+    assert (reasoning, out.message.content) == ("\nadd them\n"[model == "r1":], "It is 4.")
+    assert streamed(tool_client, thinking=True, **request) == (reasoning, "It is 4.", [], "stop")
+    # with tools: the calls are read from the answer after the thinking
+    call = written.split("</think>")[0] + "</think>\n\n" + WRITTEN
+    request = {**request, "tools": TOOLS, "extra_body": {"guided_regex": literal(call)}}
+    [out] = tool_client.chat.completions.create(**request).choices
+    assert out.message.content is None and out.message.model_extra["reasoning_content"].strip() == "add them"
+    assert [(c.function.name, c.function.arguments) for c in out.message.tool_calls] == \
+        [("get_time", '{"zone": "UTC"}')]
+    reasoning, content, calls, reason = streamed(tool_client, thinking=True, **request)
+    assert (reasoning.strip(), content, reason) == ("add them", "", "tool_calls") and len(calls) == 1
+
+
+def test_chat_template_kwargs_reach_the_template(tool_server):
+    from decodekit.server.protocol import ChatRequest
+    from decodekit.server.request_plan import plan_request
+
+    backend = tool_server[1]
+
+    def plan(**fields):
+        body = {"model": "qwen3", "messages": ASK, "max_tokens": 4, **fields}
+        return plan_request(ChatRequest.model_validate(body), backend)
+
+    thinking, quiet = plan(), plan(chat_template_kwargs={"enable_thinking": False})
+    assert thinking.prompt_texts[0].endswith("assistant:") and thinking.thinking.opened is False
+    assert quiet.prompt_texts[0].endswith("assistant:<think>\n\n</think>\n\n") and not quiet.thinking.opened
+    assert plan_request(ChatRequest.model_validate({"model": "r1", "messages": ASK, "max_tokens": 4}),
+                        backend).thinking.opened  # fmt: skip
+    assert plan_request(ChatRequest.model_validate({"model": "hermes", "messages": ASK, "max_tokens": 4}),
+                        backend).thinking is None  # fmt: skip
+    answer = httpx.post(tool_server[0].url + "/v1/chat/completions", json={
+        "model": "qwen3", "messages": ASK, "chat_template_kwargs": {"tools": []}})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template_kwargs"

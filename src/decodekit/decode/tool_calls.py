@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from decodekit.decode.reasoning import Thinking
+
 ToolFormat = Literal["hermes", "json"]
 # what templates that write calls in a format decodekit does not read say (`tool_format`)
 OTHER_FORMATS = ("[TOOL_CALLS]", "<function=", "tool_calls_begin", "tool▁calls▁begin", "<|tool_call_begin|>")
@@ -157,7 +159,8 @@ def _lark_text(text: str) -> str:
     return json.dumps(text)  # a Lark string literal takes JSON's escapes
 
 
-def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "hermes", parallel: bool = True):
+def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "hermes", parallel: bool = True,
+                    thinking: Thinking | None = None):
     """The grammar of the answers `choice` allows, or None for "none".
 
     - "required": one or more calls of `tools` (one with `parallel=False`); a tool's name: one
@@ -167,7 +170,9 @@ def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "herme
       `{"name"` is one call, any other is text. The model decides; what it writes as a call
       is a call (a lazy grammar, as llama.cpp's server has).
 
-    Each call's arguments are valid under its tool's schema. A bad schema is a ValueError."""
+    Each call's arguments are valid under its tool's schema. A reasoning model's forced calls
+    may follow its thinking block (`thinking`, decode/reasoning.py; "auto"'s free text already
+    takes one). A bad schema is a ValueError."""
     from decodekit.decode.constrained import Grammar
 
     check_choice(choice, tools)
@@ -200,6 +205,9 @@ def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "herme
         head = ["start: call | \"[\" call (\", \" call)* \"]\"", f"call: {_lark_text(opening)} named"]
     else:
         head = [f"start: {_lark_text(opening)} named"]
+    if thinking is not None and choice != "auto":
+        thought, lexemes = thinking.lark()
+        head = [f"start: {thought} ({head[0].removeprefix('start: ')})", *head[1:], *lexemes]
     try:
         return Grammar("\n".join(head + rules) + "\n")
     except ValueError as error:

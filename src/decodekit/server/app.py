@@ -45,6 +45,7 @@ except ImportError as error:
     raise missing(error.name or "fastapi", "server", "the server") from None
 
 from decodekit.completion import Completion, Usage
+from decodekit.decode.reasoning import ThinkingStream
 from decodekit.decode.tool_calls import ToolCallStream
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta
@@ -313,6 +314,7 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
         return sse(responses.completion_chunk(plan, rid, created, index, text, completion, logprobs))
 
     calls: dict[int, ToolCallStream] = {}  # choice -> its answer read for tool calls
+    thinkers: dict[int, ThinkingStream] = {}  # choice -> its answer's thinking kept apart
 
     def delta_chunk(i: int, delta: Delta) -> str:
         index = i * plan.n + delta.sample_index
@@ -321,17 +323,33 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
             before = sent.setdefault(index, [])
             logprobs = responses.delta_logprobs(plan, model, i, delta, before)
             before += delta.token_ids
-        if not responses.reads_calls(plan):
+        if not responses.reads_calls(plan) and plan.thinking is None:
             return chunk(index, delta.text, delta.completion, logprobs=logprobs)
-        reader = calls.get(index) or calls.setdefault(
-            index, ToolCallStream(plan.tools.tools, plan.tools.format, plan.tools.forced))
-        text = reader.feed(delta.text)
-        if delta.completion is None:
-            return chunk(index, text, logprobs=logprobs) if text or logprobs is not None else ""
-        rest, made = reader.finish()
+        out, text, last = "", delta.text, delta.completion is not None
+        if plan.thinking is not None:  # the thinking as reasoning_content, the rest as content
+            thinker = thinkers.get(index) or thinkers.setdefault(index, ThinkingStream(plan.thinking))
+            reasoning, text = thinker.feed(text)
+            if last:
+                more, rest = thinker.finish()
+                reasoning, text = reasoning + more, text + rest
+            if reasoning:
+                thought = protocol.ChatDelta(reasoning_content=reasoning)
+                out = sse(responses.chat_chunk(plan, rid, created, index, thought, logprobs=logprobs))
+                logprobs = None  # sent with the reasoning
+        made = []
+        if responses.reads_calls(plan):
+            reader = calls.get(index) or calls.setdefault(
+                index, ToolCallStream(plan.tools.tools, plan.tools.format, plan.tools.forced))
+            text = reader.feed(text)
+            if last:
+                rest, made = reader.finish()
+                text += rest
+        if not last:
+            return out + (chunk(index, text, logprobs=logprobs) if text or logprobs is not None else "")
         if not made:
-            return chunk(index, text + rest, delta.completion, logprobs=logprobs)
-        out = chunk(index, text + rest, logprobs=logprobs) if text + rest or logprobs is not None else ""
+            return out + chunk(index, text, delta.completion, logprobs=logprobs)
+        if text or logprobs is not None:
+            out += chunk(index, text, logprobs=logprobs)
         tool_delta = protocol.ChatDelta(tool_calls=responses.tool_calls_out(made, delta=True))
         return out + sse(responses.chat_chunk(plan, rid, created, index, tool_delta, delta.completion,
                                               reason="tool_calls"))

@@ -172,6 +172,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking (templates may show it)
 
     def text(self) -> str:
         if self.content is None:
@@ -211,6 +212,8 @@ class ChatRequest(GenerationRequest):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # the chat template's own variables (vLLM's field), e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def parse_request(cls: type[GenerationRequest], body: bytes) -> GenerationRequest:
@@ -317,6 +320,7 @@ class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (decode/reasoning.py)
 
 
 class ChatChoice(BaseModel):
@@ -342,6 +346,7 @@ class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from decodekit.decode.beam import Beam
+from decodekit.decode.reasoning import Thinking, opens_thinking, template_thinks
 from decodekit.decode.sample import Sample, UnsupportedField
 from decodekit.decode.speculative import Speculative
 from decodekit.decode.tool_calls import (
@@ -35,6 +36,7 @@ from decodekit.decode.tool_calls import (
     check_choice,
     check_tools,
     template_takes_tools,
+    template_text,
     tool_constraint,
     tool_format,
     tools_instruction,
@@ -96,6 +98,7 @@ class Plan:
     ignored: tuple[str, ...] = ()  # body keys the server does not know, ignored (not strict_fields)
     dropped: tuple[int, ...] = ()  # per prompt, the tokens truncation cut from its start
     tools: ToolUse | None = None  # a chat request's tools: its answers are read for calls
+    thinking: Thinking | None = None  # a reasoning model's chat: its answers' thinking kept apart
 
 
 def api_error(error: Exception, default_param: str | None = None,
@@ -154,6 +157,8 @@ def chat_turns(messages: list[ChatMessage], tools: ToolUse | None, renders_tools
     turns = []
     for m in messages:
         turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.reasoning_content is not None:
+            turn["reasoning_content"] = m.reasoning_content
         if m.tool_calls and renders_tools:
             calls = []
             for call in m.tool_calls:
@@ -179,11 +184,25 @@ def chat_turns(messages: list[ChatMessage], tools: ToolUse | None, renders_tools
     return turns
 
 
+# apply_chat_template's own arguments, which the server sets (or which change what it returns):
+# a request's chat_template_kwargs holds the template's variables, never these
+CHAT_TEMPLATE_ARGS = {
+    "conversation", "messages", "tools", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+}  # fmt: skip
+
+
 def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str | None = None,
-              tools: ToolUse | None = None) -> tuple[str, bool]:
+              tools: ToolUse | None = None, kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
     """The prompt text of a conversation, and whether it came from a chat template: `template`
-    (the server's for this model) or else the tokenizer's. Tools go to a template that renders
-    them, else into a system message (decode/tool_calls.py `tools_instruction`)."""
+    (the server's for this model) or else the tokenizer's, with the request's own variables
+    (`kwargs`; the plain template has none). Tools go to a template that renders them, else
+    into a system message (decode/tool_calls.py `tools_instruction`)."""
+    clash = sorted(set(kwargs or {}) & CHAT_TEMPLATE_ARGS)
+    if clash:
+        raise APIError(400, f"chat_template_kwargs cannot set {clash[0]!r}, which the server sets",
+                       "chat_template_kwargs", "invalid_value")  # fmt: skip
     if not messages:
         raise APIError(400, "messages must contain at least one message", "messages", "invalid_value")
     tokenizer = model.tokenizer
@@ -199,7 +218,7 @@ def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str |
         else:
             turns.insert(0, {"role": "system", "content": instruction})
     if source:
-        chosen = {} if template is None else {"chat_template": template}
+        chosen = {**(kwargs or {}), **({} if template is None else {"chat_template": template})}
         if renders_tools:
             chosen["tools"] = [tool.openai() for tool in tools.tools]
         try:
@@ -320,12 +339,13 @@ def constraint_param(req: GenerationRequest) -> str:
                 if getattr(req, name) is not None)
 
 
-def tool_grammar(req: GenerationRequest, model: LanguageModel, tools: ToolUse, constraint, strategy):
+def tool_grammar(req: GenerationRequest, model: LanguageModel, tools: ToolUse, constraint, strategy,
+                 thinking: Thinking | None = None):
     """The constraint of a chat request with tools (decode/tool_calls.py `tool_constraint`):
     a forced call's grammar (a 400 beside another constraint); for "auto" the grammar of text
     or calls where nothing else constrains the answer and the model can be constrained (not
     with a draft model or ignore_eos; else its calls are parsed only); the request's own for
-    "none"."""
+    "none". A reasoning model (`thinking`) may think before a forced call."""
     if tools.choice == "none" or (tools.format is None and not tools.forced):
         return constraint
     if tools.format is None:
@@ -338,7 +358,7 @@ def tool_grammar(req: GenerationRequest, model: LanguageModel, tools: ToolUse, c
     if not tools.forced and (constraint is not None or isinstance(strategy, Speculative) or req.ignore_eos):
         return constraint  # (a grammar ends on EOS, which ignore_eos refuses)
     try:
-        grammar = tool_constraint(tools.tools, tools.choice, tools.format, tools.parallel)
+        grammar = tool_constraint(tools.tools, tools.choice, tools.format, tools.parallel, thinking)
     except MissingDependency:
         if not tools.forced:
             return None
@@ -488,12 +508,14 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     n = req.n
     check_count(n, "n", backend)
     truncate = truncation_of(req, model, backend)
-    tools = None
+    tools = thinking = None
     if chat:
         template = backend.chat_templates.get(name)
-        tools = tool_use_of(req, template if template is not None else
-                            getattr(model.tokenizer, "chat_template", None))  # fmt: skip
-        text, templated = chat_text(model, req.messages, template, tools)
+        source = template if template is not None else getattr(model.tokenizer, "chat_template", None)
+        tools = tool_use_of(req, source)
+        text, templated = chat_text(model, req.messages, template, tools, req.chat_template_kwargs)
+        if template_thinks(template_text(source)):
+            thinking = Thinking(opened=opens_thinking(text))
         ids = template_ids(model, text, whole=truncate is not None) if templated else None
         encoded = [encode(model, ids if ids is not None else text, "messages", truncate)]
         texts = [text]
@@ -541,7 +563,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if constraint is not None:
         check_tokenizer(model, constraint_param(req))
     if tools is not None:
-        constraint = tool_grammar(req, model, tools, constraint, strategy)
+        constraint = tool_grammar(req, model, tools, constraint, strategy, thinking)
     if constraint is not None and isinstance(strategy, Speculative):
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n
@@ -554,7 +576,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     return Plan(name, prompts, texts, params, n, strategy, amateur, contrastive, constraint,
                 selection, logprobs, echo, req.stream, include_usage, req.return_token_ids, chat,
                 score_only=echo and max_tokens == 0, ignored=ignored,
-                dropped=dropped if any(dropped) else (), tools=tools)
+                dropped=dropped if any(dropped) else (), tools=tools, thinking=thinking)
 
 
 def launch(plan: Plan, index: int, backend: Backend) -> Job:

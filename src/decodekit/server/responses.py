@@ -46,13 +46,18 @@ def tool_calls_out(calls: Sequence[ToolCall], delta: bool = False) -> list:
 
 
 def chat_message(plan: Plan, completion: Completion) -> tuple[p.ChatMessageOut, str]:
-    """A chat completion's message and finish reason: with tools, the calls its text holds
-    ("tool_calls") and the text around them; else its text."""
+    """A chat completion's message and finish reason: a reasoning model's thinking apart
+    (`reasoning_content`); with tools, the calls the rest holds ("tool_calls") and the text
+    around them; else the rest."""
+    reasoning, text = None, completion.text
+    if plan.thinking is not None:
+        reasoning, text = plan.thinking.split(text)
     if reads_calls(plan):
-        content, calls = parse_tool_calls(completion.text, plan.tools.tools, plan.tools.format)
+        content, calls = parse_tool_calls(text, plan.tools.tools, plan.tools.format)
         if calls:
-            return p.ChatMessageOut(content=content, tool_calls=tool_calls_out(calls)), "tool_calls"
-    return p.ChatMessageOut(content=completion.text), finish_reason(completion)
+            return p.ChatMessageOut(content=content, tool_calls=tool_calls_out(calls),
+                                    reasoning_content=reasoning), "tool_calls"  # fmt: skip
+    return p.ChatMessageOut(content=text, reasoning_content=reasoning), finish_reason(completion)
 
 
 def usage(plan: Plan, drawn: Sequence[Sequence[Completion]]) -> p.Usage:
