@@ -253,7 +253,10 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         record(live, logits, processed, chosen, batches[0][2])
         return chosen
     tokens = torch.empty(len(live), dtype=torch.long, device=logits.device)
-    processed_all = torch.empty_like(logits)  # [R, V]
+    # Each batch's processed logprobs, NaN where they are the raw ones (`record`); the processed
+    # logits of every row only where mirostat's state reads them (SamplerState.accept).
+    chosen_lp = torch.empty(len(live), dtype=logits.dtype, device=logits.device)
+    processed_all = torch.empty_like(logits) if any(r.request.state.mu is not None for r in live) else None
     for start, stop, requests in batches:
         raw = logits[start:stop]  # [r, V]
         if len(requests) > 1:
@@ -261,10 +264,17 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         else:
             [(request, _)] = requests
             processed, chosen = _sample_request(raw, request, None if hidden is None else hidden[start:stop])
-        # plain greedy's processed logits: the temperature-0 adapter's one-hot of the argmax
-        processed_all[start:stop] = processed if processed is not None else temperature(raw, 0.0)
         tokens[start:stop] = chosen
-    record(live, logits, processed_all, tokens, [pair for _, _, requests in batches for pair in requests])
+        if processed is None:  # plain greedy: the one-hot of the argmax, a logprob of 0
+            chosen_lp[start:stop] = 0.0
+        elif processed is raw:
+            chosen_lp[start:stop] = float("nan")
+        else:
+            chosen_lp[start:stop] = chosen_logprobs(processed, chosen.to(raw.device).long()[:, None])
+        if processed_all is not None:
+            processed_all[start:stop] = processed if processed is not None else temperature(raw, 0.0)
+    record(live, logits, processed_all, tokens, [pair for _, _, requests in batches for pair in requests],
+           processed_chosen=chosen_lp)  # fmt: skip
     return tokens
 
 
@@ -335,13 +345,15 @@ def _sample_request(raw: torch.Tensor, request: Request, hidden: torch.Tensor | 
 
 
 def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, chosen: torch.Tensor,
-           accepting: list[tuple[Request, int]] = ()):  # fmt: skip
+           accepting: list[tuple[Request, int]] = (),
+           processed_chosen: torch.Tensor | None = None):  # fmt: skip
     """Append each row's token and logprobs, and end the rows it finishes. The rows may
     belong to several requests (each request's rows contiguous, in its state's order); the
     log-softmaxes run once over the whole batch. processed None: plain greedy, the chosen
-    tokens' one-hot (a processed logprob of 0). accepting: (request, rows) in the rows'
-    order whose state and mask accept the tokens here, from the one host read of the step
-    (a caller that accepted them itself passes none)."""
+    tokens' one-hot (a processed logprob of 0). processed_chosen [R]: the rows' processed
+    logprobs found already (NaN: the raw one), `processed` then only what mirostat reads or
+    None. accepting: (request, rows) in the rows' order whose state and mask accept the tokens
+    here, from the one host read of the step (a caller that accepted them itself passes none)."""
     index = chosen.to(raw.device).long()[:, None]  # the tokens may be on the CPU, logits not
     entropies_asked = any(row.request.params.entropies for row in rows)
     top = min(max(row.request.params.logprobs or 0 for row in rows), raw.shape[-1])
@@ -352,7 +364,9 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
     # token, its two logprobs (a one-hot's is 0: not read) and, when asked, its entropy and
     # top logprobs, as float64 (ids are exact).
     columns = [index[:, 0], chosen_logprobs(raw, index) if raw_lp is None else raw_lp.gather(-1, index)[:, 0]]
-    if processed is raw:
+    if processed_chosen is not None:
+        columns.append(torch.where(processed_chosen.isnan(), columns[1], processed_chosen))
+    elif processed is raw:
         columns.append(columns[1])
     elif processed is not None:
         columns.append(chosen_logprobs(processed, index))
@@ -365,7 +379,7 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
         columns += [*ids.T, *values.T]
     host = torch.stack([column.double() for column in columns]).tolist()  # [C, R]
     tokens, raw_chosen = [int(t) for t in host[0]], host[1]
-    processed_chosen = host[2] if processed is not None else [0.0] * len(tokens)
+    processed_lps = host[2] if processed is not None or processed_chosen is not None else [0.0] * len(tokens)
     entropies = host[entropy_at] if top_at > entropy_at else None
     at = 0
     for request, count in accepting:
@@ -380,7 +394,7 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
         request = row.request
         params, mask = request.params, request.mask
         row.logprobs.append(raw_chosen[i])
-        row.processed_logprobs.append(processed_chosen[i])
+        row.processed_logprobs.append(processed_lps[i])
         if params.logprobs:
             k = min(params.logprobs, top)
             row.top_logprobs.append({int(host[top_at + j][i]): host[top_at + top + j][i] for j in range(k)})

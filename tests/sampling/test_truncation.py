@@ -363,8 +363,8 @@ def test_adapters_that_keep_their_first_token_skip_the_min_keep_test_with_the_sa
         assert torch.equal(P.top_p(rows, p), P._remove(rows, probs < nucleus, 1))
         typical = P._sorted_cutoff(distance, probs, p, descending=False)
         assert torch.equal(P.typical(rows, p), P._remove(rows, distance > typical, 1, rank=-distance))
-        threshold = p * probs.max(dim=-1, keepdim=True).values
-        assert torch.equal(P.min_p(rows, p), P._remove(rows, probs < threshold, 1))
+        threshold = rows.amax(dim=-1, keepdim=True) + math.log(p)  # p_i >= p max p, as logits
+        assert torch.equal(P.min_p(rows, p), P._remove(rows, rows < threshold, 1))
     for k in (1, 3, 50):
         assert torch.equal(P.top_k(rows, k), P._remove(rows, rows < P._kth_largest(rows, k), 1))
 

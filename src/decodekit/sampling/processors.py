@@ -389,29 +389,32 @@ def top_p(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
 
 
 def min_p(logits: torch.Tensor, p_base: float, min_keep: int = 1) -> torch.Tensor:
-    """Keep p_i >= p_base * max p."""
-    probs = probs64(logits)
-    threshold = p_base * probs.amax(dim=-1, keepdim=True)
-    return _remove(logits, probs < threshold, min_keep, keeps_first=True)  # min_p <= 1
+    """Keep p_i >= p_base * max p: the logits at least the largest + log p_base (p_i / max p
+    is exp(l_i - max l)), as llama.cpp compares them, with no softmax over the vocabulary."""
+    return _remove(logits, logits < _min_p_threshold(logits, p_base), min_keep, keeps_first=True)
+
+
+def _min_p_threshold(logits: torch.Tensor, p_base: float) -> torch.Tensor:
+    """[R, 1]: each row's largest logit + log p_base (min_p <= 1)."""
+    return logits.amax(dim=-1, keepdim=True) + math.log(p_base)
 
 
 def min_p_kept(
     logits: torch.Tensor, p_base: float, min_keep: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """The tokens `min_p` keeps, as `top_k_kept` gives top-k's: each has probability at least
-    the threshold t, so a row keeps at most 1 / t of them, and the `topk_rows` of that many
-    holds them all. Where that is more than TOPK_CHUNKED_MAX in some row (a flat one), off
-    the CPU, or at min_keep > 1: `min_p`'s output, from the same probabilities."""
+    """The tokens `min_p` keeps, as `top_k_kept` gives top-k's: a row's kept tokens are its
+    largest logits, as many as pass the threshold, so the `topk_rows` of the most any row keeps
+    holds them all. Where that is more than TOPK_CHUNKED_MAX (a flat row), off the CPU, or
+    at min_keep > 1: `min_p`'s output."""
     if min_keep > 1 or not logits.is_cpu:
         return min_p(logits, p_base, min_keep)
-    probs = probs64(logits)
-    threshold = p_base * probs.amax(dim=-1, keepdim=True)  # [R, 1]
-    least = float(threshold.min())
-    most = int(1.0 / least) + 1 if least > 0 else logits.shape[-1]  # + 1: the sums' rounding
+    threshold = _min_p_threshold(logits, p_base)  # [R, 1]
+    passing = logits >= threshold
+    most = int(passing.sum(dim=-1).amax())
     if most > TOPK_CHUNKED_MAX or most >= logits.shape[-1]:
-        return _remove(logits, probs < threshold, min_keep, keeps_first=True)
-    values, ids = topk_rows(probs, most)
-    return _in_vocabulary_order(logits.gather(-1, ids).masked_fill(values < threshold, NEG_INF), ids)
+        return logits.masked_fill(~passing, NEG_INF)
+    values, ids = topk_rows(logits, most)
+    return _in_vocabulary_order(values.masked_fill(values < threshold, NEG_INF), ids)
 
 
 def typical(logits: torch.Tensor, mass: float, min_keep: int = 1) -> torch.Tensor:

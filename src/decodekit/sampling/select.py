@@ -64,7 +64,14 @@ def draw_logits_rows(logits: torch.Tensor, generators: list[tuple[torch.Generato
 
 def chosen_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[r, index[r]] of logits [R, V] and index [R, 1]: [R]; large rows on
-    the CPU in the thread's scratch buffer (module docstring)."""
+    the CPU in the thread's scratch buffer (module docstring). Processed logits that carry a
+    truncation's kept tokens (`draw_logits_rows`; the chosen tokens among them) take the
+    log-softmax of those alone: the -inf of the others adds nothing to it."""
+    kept = getattr(logits, "kept", None)
+    if kept is not None:
+        values, ids = kept
+        at = (ids == index).to(torch.uint8).argmax(dim=-1, keepdim=True)  # the token's place among them
+        return torch.log_softmax(values, dim=-1).gather(-1, at)[:, 0]
     return scratch_log_softmax(logits).gather(-1, index)[:, 0]
 
 
