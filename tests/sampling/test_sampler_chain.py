@@ -205,6 +205,20 @@ def _draws_equal_the_whole_rows(out, seeds=5):
                for seed in range(seeds))  # fmt: skip
 
 
+def _kept_logprobs_equal_the_whole_rows(out):
+    """The chosen tokens' processed logprobs from a compacted output's kept tokens
+    (select.py `chosen_logprobs`) equal the whole rows' log-softmax at them, for every kept token."""
+    from decodekit.sampling.select import chosen_logprobs
+
+    values, ids = out.kept
+    whole = torch.log_softmax(out.clone(), dim=-1)  # a clone carries no kept tokens: the whole rows
+    for place in range(ids.shape[1]):
+        index = ids[:, place : place + 1]
+        finite = values[:, place].isfinite()
+        assert torch.allclose(chosen_logprobs(out, index)[finite], whole.gather(-1, index)[finite, 0],
+                              rtol=0, atol=2e-6)  # fmt: skip
+
+
 @pytest.mark.parametrize("fields", [
     {"top_k": 40, "top_p": 0.95, "min_p": 0.05, "temperature": 0.8,
      "order": ("top_k", "top_p", "min_p", "temperature")},  # llama.cpp's defaults
@@ -236,6 +250,7 @@ def test_a_chain_after_a_top_k_runs_on_its_kept_tokens_with_the_same_result(fiel
         if compacts:  # the kept tokens are the output's finite ones, with their values
             values, ids = out.kept
             assert torch.equal(P.expand_kept(rows, values, ids), out)
+            _kept_logprobs_equal_the_whole_rows(out)
 
 
 def test_a_top_k_followed_by_an_adapter_that_reads_token_ids_is_not_compacted():
@@ -291,15 +306,16 @@ def test_a_chain_after_a_top_p_runs_on_its_kept_tokens_where_rows_are_peaked():
         assert torch.equal(out, want) and hasattr(out, "kept") == compacts
     assert bool(torch.isfinite(want[2, :30]).all())  # the tied tokens, all kept
     assert _draws_equal_the_whole_rows(out)  # the peaked rows' compacted output
+    _kept_logprobs_equal_the_whole_rows(out)
 
 
 def test_a_chain_after_a_min_p_runs_on_its_kept_tokens_where_few_can_pass():
-    """A min-p keeps at most 1 / threshold tokens a row, so where that is at most 256 its
-    chain goes on with the `topk_rows` of that many (processors.py `min_p_kept`): the output
-    equals the adapters run one by one, with ties at the maximum and a row keeping 101 tokens
-    (1 / t = 111), and draws equal the whole row's; a row where too many could pass (a flat
-    one) sends the batch over the whole vocabulary, with the same output. Fails when fewer
-    than 1 / t tokens are searched."""
+    """A min-p's kept tokens are a row's largest logits, as many as pass, so where no row keeps
+    more than 256 its chain goes on with the `topk_rows` of that many (processors.py
+    `min_p_kept`): the output equals the adapters run one by one, with ties at the maximum,
+    tokens exactly at the threshold and a row keeping 101 tokens, and draws and processed
+    logprobs equal the whole row's; a row where too many pass (a flat one) sends the batch over
+    the whole vocabulary, with the same output. Fails when fewer tokens than pass are searched."""
     params = SamplingParams(min_p=0.1, temperature=0.8, top_p=0.9, order=("min_p", "temperature", "top_p"))
     peaked = _zipf_logits(5, 151_936, 6) * 1.5
     top = peaked[3].max()
@@ -312,3 +328,4 @@ def test_a_chain_after_a_min_p_runs_on_its_kept_tokens_where_few_can_pass():
         out, want = _chain_and_one_by_one(params, rows)
         assert torch.equal(out, want) and hasattr(out, "kept") == compacts
     assert _draws_equal_the_whole_rows(out)  # the peaked rows' compacted output
+    _kept_logprobs_equal_the_whole_rows(out)
