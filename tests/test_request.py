@@ -42,13 +42,14 @@ def test_a_text_that_tokenises_short_is_not_refused():
     assert encode.encoded == [8192, 32768, 100_000]
 
 
-def test_requests_whose_chains_compact_are_sampled_apart_at_a_large_vocabulary():
-    """Whether a chain goes on with a truncation's kept tokens depends on all the rows of its
-    call (chain.py `compacts`), so at a large CPU vocabulary sample_rows runs such requests
-    apart; a chain that cannot compact (temperature alone) still merges, and at the
-    package's 2,048 tokens every row-wise chain does. At 151,936 tokens, a request with
-    top-k and top-p gets the same tokens and logprobs beside a request whose row ties past
-    the top-k's window (which would send a shared call over the whole vocabulary) as alone."""
+def test_requests_whose_chains_compact_are_sampled_as_they_are_alone_at_a_large_vocabulary():
+    """How wide a top-p's or min-p's kept tokens are depends on all the rows of its call
+    (chain.py `compacts_apart`), so at a large CPU vocabulary sample_rows runs such requests
+    apart; a top-k's are k + 16 in every row, so those merge, and a call in which some row
+    cannot compact (ties past the window) is sampled request by request. A chain that cannot
+    compact (temperature alone) merges, and at the package's 2,048 tokens every row-wise
+    chain does. At 151,936 tokens each request gets the same tokens and logprobs beside the
+    others as alone: top-k first (merged), beside a row that ties past the window; top-p first."""
     import torch
 
     import decodekit as dk
@@ -56,25 +57,31 @@ def test_requests_whose_chains_compact_are_sampled_apart_at_a_large_vocabulary()
 
     model = dk.load_model("shakespeare-5gram")
     model.decode = lambda ids, *args, **kwargs: "x" * len(ids)  # ids past its 2,048 tokens
-    truncating = dk.SamplingParams(top_k=40, top_p=0.9, seed=1, max_new_tokens=8, ignore_eos=True)
+    top_k = dk.SamplingParams(top_k=40, top_p=0.9, seed=1, max_new_tokens=8, ignore_eos=True)
+    top_p = dk.SamplingParams(top_p=0.9, min_p=0.01, seed=1, max_new_tokens=8, ignore_eos=True)
     plain = dk.SamplingParams(temperature=0.7, seed=1, max_new_tokens=8, ignore_eos=True)
-    for params, large, runs in ((truncating, True, 2), (truncating, False, 1), (plain, True, 1)):
+    for params, large, runs in ((top_k, True, 1), (top_p, True, 2), (top_p, False, 1), (plain, True, 1)):
         requests = make_requests(model, [[1, 2], [3, 4]], [params.replace(seed=2), params])
         rows = [row for request in requests for row in request.rows]
         assert len(_batches(rows, False, compact_apart=large)) == runs, (params, large)
 
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 151_936, generator=generator) * 3
-    logits[1, :200] = 30.0  # 200 tied at the top: past top-k 40's window
-    recorded = []
-    for together in (True, False):
-        requests = make_requests(model, [[1, 2], [3, 4]], [truncating, truncating.replace(seed=2)])
+    logits = torch.randn(4, 151_936, generator=generator) * 3
+    logits[:, :50] += 8.0  # peaked rows: top-p's kept tokens are few
+    tied = logits.clone()
+    tied[3, :200] = 30.0  # 200 tied at the top: past top-k 40's window
+    for params, rows_logits in ((top_k, logits), (top_k, tied), (top_p, logits)):
+        requests = make_requests(model, [[1, 2]] * 4, [params.replace(seed=seed) for seed in range(4)])
         for request in requests:
             request.state.vocab_size = 151_936
         rows = [row for request in requests for row in request.rows]
-        tokens = sample_rows(logits, rows) if together else sample_rows(logits[:1], rows[:1])
-        recorded.append((int(tokens[0]), rows[0].logprobs, rows[0].processed_logprobs))
-    assert recorded[0] == recorded[1]
+        together = sample_rows(rows_logits, rows).tolist()
+        for i in range(4):
+            [alone] = make_requests(model, [[1, 2]], params.replace(seed=i))
+            alone.state.vocab_size = 151_936
+            assert sample_rows(rows_logits[i : i + 1], alone.rows).tolist() == [together[i]]
+            assert (alone.rows[0].logprobs, alone.rows[0].processed_logprobs) == \
+                (rows[i].logprobs, rows[i].processed_logprobs)
 
 
 @pytest.mark.parametrize("name", ["arith", "shakespeare-5gram"])  # the engine; the plain loop

@@ -238,9 +238,10 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     Neighbouring requests whose chains compute the same row-wise function (chain.py
     `rowwise_key`: equal settings, no history or state read) run as one batch: one chain call,
     one softmax and one search, each request's uniforms from its own generator, so every row
-    gets the token it would get alone (tests/test_request.py). Not chains that may go on
-    with a truncation's kept tokens at this vocabulary (chain.py `compacts`): whether they can
-    depends on all the rows of the call."""
+    gets the token it would get alone (tests/test_request.py). Chains that go on with a
+    top-k's kept tokens at this vocabulary (chain.py `compacts`) too, where every row of the
+    batch can (else request by request); not those at a top-p or min-p (`compacts_apart`),
+    whose kept tokens' width depends on all the rows of the call."""
     if len(live) == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device)
     if live[0].request is live[-1].request:  # one request's rows (contiguous): no copies
@@ -249,21 +250,17 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         return chosen
     batches = _batches(live, hidden is not None, compacting(logits))
     if len(batches) == 1:  # one batch of several requests: no copies
-        processed, chosen = _sample_batch(logits, batches[0][2])
-        record(live, logits, processed, chosen, batches[0][2])
-        return chosen
+        sampled = _sample_batch(logits, batches[0][2])
+        if sampled is not None:
+            record(live, logits, *sampled, batches[0][2])
+            return sampled[1]
     tokens = torch.empty(len(live), dtype=torch.long, device=logits.device)
     # Each batch's processed logprobs, NaN where they are the raw ones (`record`); the processed
     # logits of every row only where mirostat's state reads them (SamplerState.accept).
     chosen_lp = torch.empty(len(live), dtype=logits.dtype, device=logits.device)
     processed_all = torch.empty_like(logits) if any(r.request.state.mu is not None for r in live) else None
-    for start, stop, requests in batches:
+    for start, stop, processed, chosen in _sampled(logits, batches, hidden):
         raw = logits[start:stop]  # [r, V]
-        if len(requests) > 1:
-            processed, chosen = _sample_batch(raw, requests)
-        else:
-            [(request, _)] = requests
-            processed, chosen = _sample_request(raw, request, None if hidden is None else hidden[start:stop])
         tokens[start:stop] = chosen
         if processed is None:  # plain greedy: the one-hot of the argmax, a logprob of 0
             chosen_lp[start:stop] = 0.0
@@ -276,6 +273,21 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
     record(live, logits, processed_all, tokens, [pair for _, _, requests in batches for pair in requests],
            processed_chosen=chosen_lp)  # fmt: skip
     return tokens
+
+
+def _sampled(logits: torch.Tensor, batches: list, hidden: torch.Tensor | None) -> Iterator[tuple]:
+    """(start, stop, processed, chosen) of each batch's rows, sampled in one call, or request by
+    request where its chain could not compact all of them (`_sample_batch`'s None)."""
+    for start, stop, requests in batches:
+        raw = logits[start:stop]  # [r, V]
+        sampled = _sample_batch(raw, requests) if len(requests) > 1 else None
+        if sampled is not None:
+            yield start, stop, *sampled
+            continue
+        for request, rows in requests:
+            part = None if hidden is None else hidden[start : start + rows]
+            yield start, start + rows, *_sample_request(logits[start : start + rows], request, part)
+            start += rows
 
 
 def _batches(
@@ -291,7 +303,7 @@ def _batches(
         key = getattr(request.chain, "rowwise_key", None)
         if request.mask is not None or (with_hidden and request.wants_hidden):
             key = None
-        if compact_apart and getattr(request.chain, "compacts", False):
+        if compact_apart and getattr(request.chain, "compacts_apart", False):
             key = None
         if key is not None and key == key_of_last:
             first, _, members = runs[-1]
@@ -313,13 +325,18 @@ def request_runs(live: list[Row]) -> Iterator[tuple[int, int]]:
         start = stop
 
 
-def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tuple[torch.Tensor, ...]:
+def _sample_batch(raw: torch.Tensor, requests: list[tuple[Request, int]]) -> tuple[torch.Tensor, ...] | None:
     """Several requests' rows [R, V] through their common row-wise chain: processed logits
-    and tokens [R] (`record` advances each request's state)."""
+    and tokens [R] (`record` advances each request's state). None where the chain compacts
+    at this vocabulary (a top-k's: chain.py `compacts_apart`) but some row could not: each row
+    compacts alone exactly where it does in a batch of rows that all do, so the caller then
+    samples the requests apart."""
     first = requests[0][0]
     if getattr(first.chain, "argmax_only", False):  # plain greedy: no processed logits (`record`)
         return None, argmax_rows(raw)
     processed = raw if first.chain.identity else first.chain(raw, first.state)
+    if getattr(first.chain, "compacts", False) and compacting(raw) and not hasattr(processed, "kept"):
+        return None
     if first.params.greedy:
         chosen = argmax_rows(processed)
     else:

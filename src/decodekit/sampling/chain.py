@@ -142,6 +142,10 @@ def build_chain(params: SamplingParams, tokenizer: Any = None, first: Chain | No
     # rows together decide whether they can (`truncate`), so request.py samples such a
     # request's rows apart from other requests' (a row then gets what it gets alone).
     chain.compacts = compact_at is not None
+    # ... and whether they must: a top-k keeps k + TIES_LOOKED_AT tokens in every row whatever
+    # the batch, so a batch whose rows all compact gives each row what it gets alone (one that
+    # does not is sampled apart: request.py); a top-p's or min-p's kept width is the batch's.
+    chain.compacts_apart = chain.compacts and active[compact_at].name != "top_k"
     chain.rowwise_key = rowwise_key(params, [name for name, _ in stages]) if first is None else None
     # Plain greedy (temperature 0, no other adapter): its processed logits are the raw argmax's
     # one-hot, so request.py takes the argmax of the raw logits and a processed logprob of 0
