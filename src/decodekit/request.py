@@ -28,7 +28,7 @@ from decodekit.params import TRUNCATE_RULE, SamplingParams
 from decodekit.sampling import SamplerState, build_chain, select_tokens
 from decodekit.sampling.chain import Chain, compacting
 from decodekit.sampling.processors import argmax_rows, temperature, topk_rows
-from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, scratch_log_softmax
+from decodekit.sampling.select import chosen_logprobs, draw_logits_rows, fused_normaliser, scratch_log_softmax
 from decodekit.text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -380,7 +380,9 @@ def record(rows: list[Row], raw: torch.Tensor, processed: torch.Tensor | None, c
     # One read of the step's numbers on the host (a device synchronisation): each row's
     # token, its two logprobs (a one-hot's is 0: not read) and, when asked, its entropy and
     # top logprobs, as float64 (ids are exact).
-    columns = [index[:, 0], chosen_logprobs(raw, index) if raw_lp is None else raw_lp.gather(-1, index)[:, 0]]
+    # (the chosen token's raw logprob from the same op whether or not the whole row is read)
+    whole = raw_lp is not None and not fused_normaliser(raw)
+    columns = [index[:, 0], raw_lp.gather(-1, index)[:, 0] if whole else chosen_logprobs(raw, index)]
     if processed_chosen is not None:
         columns.append(torch.where(processed_chosen.isnan(), columns[1], processed_chosen))
     elif processed is raw:

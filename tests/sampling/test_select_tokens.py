@@ -132,7 +132,8 @@ def test_scratch_draws_follow_the_distribution_and_equal_the_plain_ones(monkeypa
     follow softmax(logits): on the hand-computed five-token distribution with the size bound
     at 0, and token for token the plain path's (softmax, then the running sums) for the same
     uniforms at Qwen2.5's vocabulary, where rows take the buffers by size; the chosen tokens'
-    logprobs are the whole rows' log-softmax's, bit for bit."""
+    logprobs are the whole rows' log-softmax's, bit for bit from the scratch log-softmax, and
+    within float32's rounding from the row_logsumexp kernel where it is built."""
     from decodekit import scratch
     from decodekit.sampling import select
 
@@ -152,8 +153,31 @@ def test_scratch_draws_follow_the_distribution_and_equal_the_plain_ones(monkeypa
         plain = select.draw_rows(probs, [(torch.Generator().manual_seed(seed), 16)])
         assert torch.equal(ours, plain)
         index = ours[:, None]
-    whole = torch.log_softmax(logits, dim=-1)
-    assert torch.equal(select.chosen_logprobs(logits, index), whole.gather(-1, index)[:, 0])
+    whole = torch.log_softmax(logits, dim=-1).gather(-1, index)[:, 0]
+    assert torch.equal(select.scratch_log_softmax(logits).gather(-1, index)[:, 0], whole)
+    assert torch.allclose(select.chosen_logprobs(logits, index), whole, rtol=0, atol=3e-5)
+    monkeypatch.setattr(select, "fused_normaliser", lambda logits: False)
+    assert torch.equal(select.chosen_logprobs(logits, index), whole)
+
+
+def test_the_logsumexp_kernel_matches_float64():
+    """decodekit's row_logsumexp (models/csrc/logsumexp.cpp), the normaliser of the chosen
+    tokens' raw logprobs at a real vocabulary: within float32's rounding of the exact value
+    (float64) on rows of every length past and below a whole vector, with -inf entries, an
+    all -inf row and a row whose other entries underflow."""
+    from decodekit.models import kernels
+
+    if not kernels.available():
+        pytest.skip(f"decodekit's kernels: {kernels.status().reason}")
+    op = torch.ops.decodekit.row_logsumexp
+    generator = torch.Generator().manual_seed(2)
+    for vocab in (1, 5, 16, 17, 2_048, 151_936):
+        x = torch.randn(3, vocab, generator=generator) * 4
+        x[1, : vocab // 2] = float("-inf")
+        want = torch.logsumexp(x.double(), dim=-1)
+        assert torch.allclose(op(x).double(), want, rtol=2e-6, atol=2e-6), vocab
+    assert op(torch.full((1, 40), float("-inf"))).item() == float("-inf")
+    assert op(torch.tensor([[-200.0, 0.0, -300.0]])).item() == 0.0
 
 
 def test_large_rows_reuse_one_buffer_and_fault_no_pages():
