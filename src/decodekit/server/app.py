@@ -49,7 +49,7 @@ from decodekit.decode.reasoning import ThinkingStream
 from decodekit.decode.tool_calls import ToolCallStream
 from decodekit.models.base import LanguageModel
 from decodekit.request import Delta
-from decodekit.server import protocol, responses
+from decodekit.server import protocol, responses, tokenize
 from decodekit.server.backend import Backend, Job, QueueFull
 from decodekit.server.guard import Guard, host_policy
 from decodekit.server.lab import BODIES as LAB_BODIES
@@ -74,7 +74,8 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     app.state.backend = backend
     config = backend.config
     app.add_middleware(Guard, api_key=config.api_key, hosts=host_policy(host, config.allowed_hosts),
-                       bodies=("/v1/completions", "/v1/chat/completions", *LAB_BODIES),
+                       bodies=("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                               *LAB_BODIES),
                        origins=config.cors_origins, max_body_bytes=config.max_body_bytes)
     if config.cors_origins:  # outside the guard: answers preflights, adds CORS headers to every answer
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
@@ -124,6 +125,16 @@ def create_app(backend: Backend, host: str = "127.0.0.1") -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await answer(request, ChatRequest, backend)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        req = protocol.parse_request(protocol.TokenizeRequest, await request.body())
+        return (await backend.run_blocking(tokenize.tokenize, req, backend)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        req = protocol.parse_request(protocol.DetokenizeRequest, await request.body())
+        return (await backend.run_blocking(tokenize.detokenize, req, backend)).model_dump()
 
     app.include_router(lab_router(backend))  # GET /lab: the lab page and its JSON routes (lab.py)
     return app

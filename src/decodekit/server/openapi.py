@@ -46,12 +46,16 @@ ROUTE_ERRORS = {
     ("get", "/v1/models/{name}"): (404, 405),
     ("post", "/v1/completions"): (400, 404, 405, 413, 415, 503, 504),
     ("post", "/v1/chat/completions"): (400, 404, 405, 413, 415, 503, 504),
+    ("post", "/tokenize"): (400, 404, 405, 413, 415),
+    ("post", "/detokenize"): (400, 404, 405, 413, 415),
 }
 BODIES = {
     ("post", "/v1/completions"): (p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions"): (p.ChatRequest, p.ChatResponse),
     ("get", "/v1/models"): (None, p.ModelList),
     ("get", "/v1/models/{name}"): (None, p.ModelCard),
+    ("post", "/tokenize"): (p.TokenizeRequest, p.TokenizeResponse),
+    ("post", "/detokenize"): (p.DetokenizeRequest, p.DetokenizeResponse),
 }
 
 
@@ -138,6 +142,8 @@ def openapi_document(app, models: Iterable[str], config) -> dict[str, Any]:
             schema = add_schema(components, request)
             operation["requestBody"] = {"required": True, "content": json_content(schema)}
             constrain_request(components[request.__name__], list(models), config)
+            if request.model_config.get("extra") == "forbid":  # /tokenize, /detokenize: no other keys
+                components[request.__name__]["additionalProperties"] = False
         answers = operation["responses"] = {}
         ok = {"description": "OK", "content": json_content(
             add_schema(components, response, "serialization") if response else {})}

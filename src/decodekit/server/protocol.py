@@ -216,6 +216,27 @@ class ChatRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's route): a prompt's or a conversation's token ids, as a completions
+    or chat request would feed them to the model. Unknown keys are a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's route): the text of token ids."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    tokens: list[Integer]
+
+
 def parse_request(cls: type[GenerationRequest], body: bytes) -> GenerationRequest:
     """The request model of `body`, or an APIError naming the first bad field."""
     if not body.strip():
@@ -235,6 +256,8 @@ def validation_error(error: ValidationError) -> APIError:
     # Union members add their type names to the location (prompt.list[int].0): the first
     # segment is the parameter; a union field gets a hint of its accepted shapes.
     param = loc[0]
+    if first["type"] == "extra_forbidden":  # a route that takes no unknown keys (/tokenize)
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
     if param in SHAPES and len(loc) > 1 and first["type"] != "missing":
         return APIError(400, SHAPES[param], param, code)
@@ -363,6 +386,17 @@ class ChatChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
