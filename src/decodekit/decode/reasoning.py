@@ -34,8 +34,9 @@ def opens_thinking(prompt: str) -> bool:
     return prompt.rfind(THINK) > prompt.rfind(UNTHINK)
 
 
-def _held(text: str, mark: str) -> int:
-    """The length of `text`'s longest tail that is a proper prefix of `mark` (may begin it)."""
+def held(text: str, mark: str) -> int:
+    """The length of `text`'s longest tail that is a proper prefix of `mark` (may begin it): what
+    a stream holds back (here and decode/tool_calls.py)."""
     for size in range(min(len(mark) - 1, len(text)), 0, -1):
         if mark.startswith(text[-size:]):
             return size
@@ -93,7 +94,7 @@ class ThinkingStream:
         if self.state == "inside":
             end = self.text.find(UNTHINK, self.sent)
             if end < 0:
-                stop = len(self.text) - _held(self.text[self.sent:], UNTHINK)
+                stop = len(self.text) - held(self.text[self.sent:], UNTHINK)
                 reasoning, self.sent = self.text[self.sent:stop], stop
                 return reasoning, ""
             reasoning, self.state, self.sent = self.text[self.sent:end], "space", end + len(UNTHINK)

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from decodekit.decode.reasoning import Thinking
+from decodekit.decode.reasoning import Thinking, held
 
 ToolFormat = Literal["hermes", "json"]
 # what templates that write calls in a format decodekit does not read say (`tool_format`)
@@ -246,13 +246,9 @@ def parse_tool_calls(text: str, tools: Sequence[Tool], fmt: ToolFormat = "hermes
         except json.JSONDecodeError:
             calls = None
         return (None, calls) if calls else (text, [])
-    if OPEN not in text:
-        return text, []
-    calls, content, rest = [], [], text
-    while OPEN in rest:
-        before, _, rest = rest.partition(OPEN)
-        content.append(before)
-        body, _, rest = rest.partition(CLOSE)  # an unclosed last call is read if its JSON is whole
+    outside, bodies = _split_calls(text)
+    calls = []
+    for body in bodies:
         try:
             found = _calls_of(json.loads(body), names)
         except json.JSONDecodeError:
@@ -260,9 +256,21 @@ def parse_tool_calls(text: str, tools: Sequence[Tool], fmt: ToolFormat = "hermes
         if found is None:
             return text, []
         calls += found
-    content.append(rest)
-    joined = "".join(content).strip()
-    return joined or None, calls
+    if not calls:
+        return text, []
+    return outside.strip() or None, calls
+
+
+def _split_calls(text: str) -> tuple[str, list[str]]:
+    """(the text around an answer's `<tool_call>` blocks, the blocks' bodies); an unclosed last
+    block's body runs to the end (read if its JSON is whole)."""
+    outside, bodies, rest = [], [], text
+    while OPEN in rest:
+        before, _, rest = rest.partition(OPEN)
+        body, _, rest = rest.partition(CLOSE)
+        outside.append(before)
+        bodies.append(body)
+    return "".join([*outside, rest]), bodies
 
 
 class ToolCallStream:
@@ -289,12 +297,7 @@ class ToolCallStream:
             self.holding = True
             return self._send(found)
         # send up to where the text's tail might begin a `<tool_call>`
-        end = len(self.text)
-        for size in range(min(len(OPEN) - 1, end - self.sent), 0, -1):
-            if OPEN.startswith(self.text[end - size:]):
-                end -= size
-                break
-        return self._send(end)
+        return self._send(len(self.text) - held(self.text[self.sent:], OPEN))
 
     def _send(self, end: int) -> str:
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
@@ -302,18 +305,8 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not yet sent, and the answer's calls."""
-        content, calls = parse_tool_calls(self.text, self.tools, self.fmt)
+        _, calls = parse_tool_calls(self.text, self.tools, self.fmt)
         if not calls:
             return self.text[self.sent:], []
-        whole = "".join(part for part in _outside_calls(self.text)) if self.fmt == "hermes" else ""
-        return whole[self.sent:] if len(whole) > self.sent else "", calls
-
-
-def _outside_calls(text: str) -> list[str]:
-    """The text of an answer around its `<tool_call>` blocks (which all parse)."""
-    parts, rest = [], text
-    while OPEN in rest:
-        before, _, rest = rest.partition(OPEN)
-        parts.append(before)
-        rest = rest.partition(CLOSE)[2]
-    return [*parts, rest]
+        outside = _split_calls(self.text)[0] if self.fmt == "hermes" else ""
+        return outside[self.sent:], calls  # what was sent is the start of the text before the calls
