@@ -111,10 +111,30 @@ def stream_pieces(text: str, cuts: list[int], reader: ToolCallStream) -> tuple[s
     """(what the reader sent while the text arrived, what it sent at the end, the calls)."""
     sent, start = [], 0
     for cut in [*sorted(cuts), len(text)]:
-        sent.append(reader.feed(text[start:cut]))
+        content, pieces = reader.feed(text[start:cut])
+        assert pieces == [] or reader.incremental  # calls whole at the end unless streamed
+        sent.append(content)
         start = max(start, cut)
-    rest, calls = reader.finish()
+    rest, _, calls = reader.finish()
     return "".join(sent), rest, calls
+
+
+def streamed_calls(text: str, cuts: list[int], reader: ToolCallStream) -> list[tuple[str, str]]:
+    """(name, arguments) of each call a reader streamed, its pieces added up by index."""
+    pieces, start = [], 0
+    for cut in [*sorted(cuts), len(text)]:
+        pieces += reader.feed(text[start:cut])[1]
+        start = max(start, cut)
+    pieces += reader.finish()[1]
+    calls: dict[int, list] = {}
+    for piece in pieces:
+        if piece.id is not None:  # a call's first piece: its id and name
+            assert piece.index == len(calls) and piece.name is not None
+            calls[piece.index] = [piece.name, ""]
+        else:
+            assert piece.name is None and piece.arguments
+        calls[piece.index][1] += piece.arguments
+    return [tuple(made) for made in calls.values()]
 
 
 ANSWERS = [
@@ -149,8 +169,10 @@ def test_a_json_format_stream_holds_an_answer_that_opens_with_json():
 def test_a_forced_answer_is_held_whole():
     text = f"<tool_call>\n{call('noop', {})}\n</tool_call>"
     reader = ToolCallStream(TOOLS, constrained=True)
-    assert reader.feed(text[:5]) == "" and reader.feed(text[5:]) == ""
-    assert [c.name for c in reader.finish()[1]] == ["noop"]
+    assert reader.feed(text[:5]) == ("", []) and reader.feed(text[5:]) == ("", [])
+    rest, pieces, calls = reader.finish()
+    assert rest == "" and [(c.name, c.arguments) for c in pieces] == [("noop", "{}")] == \
+        [(c.name, c.arguments) for c in calls]
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +267,35 @@ def test_a_schema_the_grammar_cannot_take_is_a_value_error():
     pytest.importorskip("llguidance")
     with pytest.raises(ValueError, match="parameters are not a JSON schema"):
         tool_constraint((Tool("f", parameters={"type": 5}),), "required")
+
+
+GRAMMAR_ANSWERS = [  # as the grammar writes them: tojson's separators, nested objects, a } in a string
+    f"Checking.\n{answer('get_time', {'zone': 'UTC'})}",
+    f"{answer('get_weather', {'city': 'Rome}', 'days': 2})}\n{answer('noop', {})}",
+    answer("get_weather", {"city": "a\nb", "days": 3}) + "\n" + answer("get_time", {"zone": "CET"}),
+    '<tool_call>\n{"name": "noop", "arguments": {}}',  # no </tool_call>: the call whole at the end
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(GRAMMAR_ANSWERS), st.lists(st.integers(0, 150), max_size=10))
+def test_calls_under_the_grammar_stream_piece_by_piece(text, cuts):
+    """A stream of an answer under the grammar sends each call's name as soon as it is written
+    and its arguments piece by piece; the pieces add up to the whole answer's calls (their
+    arguments as written), whatever the cuts, and no content is sent after the first call."""
+    content, calls = parse_tool_calls(text, TOOLS)
+    assert streamed_calls(text, cuts, ToolCallStream(TOOLS, incremental=True)) == \
+        [(c.name, c.arguments) for c in calls]
+    assert all(json.loads(c.arguments) is not None for c in calls)
+    early, rest, _ = stream_pieces(text, cuts, ToolCallStream(TOOLS, incremental=True))
+    assert (early + rest).strip() == (content or "")
+
+
+def test_a_calls_name_goes_out_before_its_arguments_end():
+    reader = ToolCallStream(TOOLS, constrained=True, incremental=True)
+    assert reader.feed('<tool_call>\n{"name": "get_wea')[1] == []
+    first, piece = reader.feed('ther", "arguments": {"ci')[1]
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "")
+    assert first.id.startswith("call_") and (piece.index, piece.id, piece.arguments) == (0, None, '{"ci')
+    [more] = reader.feed('ty": "Rome"}}\n</tool_')[1]  # the call's brace and what follows held back
+    assert (more.id, more.arguments) == (None, 'ty": "Rome"}')

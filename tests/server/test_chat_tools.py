@@ -130,6 +130,19 @@ def test_a_forced_call_comes_back_as_calls_that_fit_the_schema(tool_client, mode
         assert names == {"get_time"}
 
 
+def test_a_forced_calls_arguments_stream_piece_by_piece(tool_client):
+    """Under the grammar a call's name goes out with its first piece and its arguments' text
+    follows in the next chunks (as vLLM streams them), adding up to the non-streamed call."""
+    request = dict(model="hermes", messages=ASK, tools=TOOLS, tool_choice="required", seed=1, max_tokens=200,
+                   parallel_tool_calls=False)  # fmt: skip
+    pieces = [call for chunk in tool_client.chat.completions.create(stream=True, **request)
+              for call in chunk.choices[0].delta.tool_calls or []]  # fmt: skip
+    [made] = tool_client.chat.completions.create(**request).choices[0].message.tool_calls
+    assert pieces[0].id and pieces[0].function.name == made.function.name and len(pieces) > 3
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments or "" for p in pieces) == made.function.arguments
+
+
 def test_auto_reads_the_calls_a_model_writes(tool_client):
     """A regex makes the tiny model write text then a call, as a tool-using model would."""
     pattern = literal("Checking. " + WRITTEN)

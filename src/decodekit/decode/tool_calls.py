@@ -255,10 +255,25 @@ def parse_tool_calls(text: str, tools: Sequence[Tool], fmt: ToolFormat = "hermes
             found = None
         if found is None:
             return text, []
-        calls += found
+        calls += [_as_written(call, body) for call in found]
     if not calls:
         return text, []
     return outside.strip() or None, calls
+
+
+# How a call under the grammar begins, up to its arguments (`tool_constraint`'s "hermes" form).
+CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+CALL_TAIL = "}\n" + CLOSE  # the call's closing brace and the block's end (no raw newline is in JSON)
+
+
+def _as_written(call: ToolCall, body: str) -> ToolCall:
+    """The call with its arguments as the model wrote them where it wrote the grammar's form
+    (so a stream's pieces add up to the same text), else as json.dumps writes them."""
+    head = CALL_HEAD.match(body.strip())
+    written = body.strip()[head.end() : -1] if head and body.strip().endswith("}") else None
+    if written is None or json.loads(written) != json.loads(call.arguments):
+        return call
+    return ToolCall(call.name, written, call.id)
 
 
 def _split_calls(text: str) -> tuple[str, list[str]]:
@@ -273,17 +288,42 @@ def _split_calls(text: str) -> tuple[str, list[str]]:
     return "".join([*outside, rest]), bodies
 
 
-class ToolCallStream:
-    """A stream's answer read for calls (module docstring): `feed` each piece of text, and send
-    on the content it returns; `finish` gives the content held back and the calls."""
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its place among the answer's calls; its id and name with its
+    first piece (None after); the next piece of its arguments' text."""
 
-    def __init__(self, tools: Sequence[Tool], fmt: ToolFormat = "hermes", constrained: bool = False):
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+class ToolCallStream:
+    """A stream's answer read for calls (module docstring). `feed` each piece of text; it gives
+    the content to send on, and with `incremental` (an answer under the grammar, in the "hermes"
+    format: its calls are the grammar's form) the calls' pieces as they come: a call's id and
+    name once its name is written, then its arguments' text, holding back what may be the end of
+    the call. `finish` gives the content held back, the calls' last pieces (whole calls where
+    they were not streamed) and the calls. A call cut off by max_tokens after its pieces were
+    sent stays sent; the answer then has no calls."""
+
+    def __init__(self, tools: Sequence[Tool], fmt: ToolFormat = "hermes", constrained: bool = False,
+                 incremental: bool = False):
         self.tools, self.fmt = tuple(tools), fmt
         self.text, self.sent = "", 0
-        self.holding = constrained  # a constrained answer is calls: nothing to send on early
+        self.holding = constrained  # a constrained answer is calls: no content to send on early
+        self.incremental = incremental and fmt == "hermes"
+        self.calls: list[ToolCall] = []  # the calls begun (their id and name sent)
+        self.at = None  # where the current call's unsent text begins, or None between calls
+        self.opened = 0  # where the next `<tool_call>` is looked for
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str) -> tuple[str, list[CallDelta]]:
         self.text += piece
+        content = self._content()
+        return content, self._pieces() if self.incremental and self.holding else []
+
+    def _content(self) -> str:
         if self.holding:
             return ""
         if self.fmt == "json":
@@ -303,10 +343,40 @@ class ToolCallStream:
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         return piece
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not yet sent, and the answer's calls."""
+    def _pieces(self) -> list[CallDelta]:
+        out = []
+        while True:
+            if self.at is None:  # between calls: a call's head, once its name is written
+                found = self.text.find(OPEN, self.opened)
+                if found < 0:
+                    return out
+                body = found + len(OPEN) + 1  # `<tool_call>` and its newline
+                head = CALL_HEAD.match(self.text, body)
+                if head is None:
+                    return out
+                self.calls.append(ToolCall(head.group(1), ""))
+                out.append(CallDelta(len(self.calls) - 1, self.calls[-1].id, head.group(1), ""))
+                self.at = head.end()
+            end = self.text.find(CALL_TAIL, self.at)
+            stop = end if end >= 0 else len(self.text) - held(self.text[self.at:], CALL_TAIL)
+            if stop > self.at:
+                out.append(CallDelta(len(self.calls) - 1, None, None, self.text[self.at:stop]))
+                self.at = stop
+            if end < 0:
+                return out
+            self.at, self.opened = None, end + len(CALL_TAIL)
+
+    def finish(self) -> tuple[str, list[CallDelta], list[ToolCall]]:
+        """The content not yet sent, the calls' pieces not yet sent, and the answer's calls."""
         _, calls = parse_tool_calls(self.text, self.tools, self.fmt)
         if not calls:
-            return self.text[self.sent:], []
+            return self.text[self.sent:], [], []
         outside = _split_calls(self.text)[0] if self.fmt == "hermes" else ""
-        return outside[self.sent:], calls  # what was sent is the start of the text before the calls
+        content = outside[self.sent:]  # what was sent is the start of the text before the calls
+        if not self.incremental:
+            return content, [CallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)], calls
+        pieces = self._pieces()
+        rest = self.text[self.at:].rstrip()[:-1] if self.at is not None else ""
+        if rest:  # an unclosed last call (its JSON whole): the rest of it but its brace
+            pieces.append(CallDelta(len(self.calls) - 1, None, None, rest))
+        return content, pieces, calls

@@ -347,23 +347,25 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
                 thought = protocol.ChatDelta(reasoning_content=reasoning)
                 out = sse(responses.chat_chunk(plan, rid, created, index, thought, logprobs=logprobs))
                 logprobs = None  # sent with the reasoning
-        made = []
+        made, pieces = [], []
         if responses.reads_calls(plan):
-            reader = calls.get(index) or calls.setdefault(
-                index, ToolCallStream(plan.tools.tools, plan.tools.format, plan.tools.forced))
-            text = reader.feed(text)
+            reader = calls.get(index) or calls.setdefault(index, ToolCallStream(
+                plan.tools.tools, plan.tools.format, plan.tools.forced, incremental=plan.tools.grammar))
+            text, pieces = reader.feed(text)
             if last:
-                rest, made = reader.finish()
-                text += rest
-        if not last:
-            return out + (chunk(index, text, logprobs=logprobs) if text or logprobs is not None else "")
-        if not made:
-            return out + chunk(index, text, delta.completion, logprobs=logprobs)
-        if text or logprobs is not None:
-            out += chunk(index, text, logprobs=logprobs)
-        tool_delta = protocol.ChatDelta(tool_calls=responses.tool_calls_out(made, delta=True))
-        return out + sse(responses.chat_chunk(plan, rid, created, index, tool_delta, delta.completion,
-                                              reason="tool_calls"))
+                rest, more, made = reader.finish()
+                text, pieces = text + rest, pieces + more
+        if text or logprobs is not None or (last and not pieces):
+            out += chunk(index, text, None if pieces or made else delta.completion, logprobs=logprobs)
+        if pieces:
+            tool_delta = protocol.ChatDelta(tool_calls=responses.tool_call_deltas(pieces))
+            out += sse(responses.chat_chunk(plan, rid, created, index, tool_delta,
+                                            delta.completion if last else None,
+                                            reason="tool_calls" if made else None))  # fmt: skip
+        elif last and made:  # every piece sent before: the finish alone
+            out += sse(responses.chat_chunk(plan, rid, created, index, protocol.ChatDelta(), delta.completion,
+                                            reason="tool_calls"))  # fmt: skip
+        return out
 
     drawn: list[list[Completion]] = [[] for _ in jobs]
     deadline = asyncio.get_running_loop().time() + backend.config.request_timeout

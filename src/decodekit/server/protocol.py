@@ -335,8 +335,19 @@ class ToolCallOut(BaseModel):
     function: CalledFunctionOut
 
 
-class ToolCallDelta(ToolCallOut):
-    index: int  # the call's place among the choice's calls (a stream's deltas add up by it)
+class CalledFunctionDelta(BaseModel):
+    name: str | None = None  # with a call's first piece
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a call: its id, type and name with its first piece, then its
+    arguments' text piece by piece (a client adds them up by `index`)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: CalledFunctionDelta
 
 
 class ChatMessageOut(BaseModel):

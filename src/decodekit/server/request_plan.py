@@ -122,6 +122,7 @@ class ToolUse:
     choice: str
     format: ToolFormat | None  # None: the template's calls are in a format decodekit does not read
     parallel: bool = True
+    grammar: bool = False  # the answer is under the tools' grammar (its calls streamed piece by piece)
 
     @property
     def forced(self) -> bool:
@@ -563,7 +564,9 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if constraint is not None:
         check_tokenizer(model, constraint_param(req))
     if tools is not None:
+        own = constraint
         constraint = tool_grammar(req, model, tools, constraint, strategy, thinking)
+        tools.grammar = constraint is not None and constraint is not own
     if constraint is not None and isinstance(strategy, Speculative):
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decodekit.completion import Completion
-from decodekit.decode.tool_calls import ToolCall, parse_tool_calls
+from decodekit.decode.tool_calls import CallDelta, ToolCall, parse_tool_calls
 from decodekit.models.base import LanguageModel, logprobs
 from decodekit.request import Delta
 from decodekit.server import protocol as p
@@ -38,11 +38,17 @@ def reads_calls(plan: Plan) -> bool:
     return plan.tools is not None and plan.tools.choice != "none" and plan.tools.format is not None
 
 
-def tool_calls_out(calls: Sequence[ToolCall], delta: bool = False) -> list:
-    """Calls as a message's `tool_calls` (or a stream delta's, numbered by `index`)."""
-    made = [(i, c.id, p.CalledFunctionOut(name=c.name, arguments=c.arguments)) for i, c in enumerate(calls)]
-    return [p.ToolCallDelta(index=i, id=rid, function=f) if delta else p.ToolCallOut(id=rid, function=f)
-            for i, rid, f in made]  # fmt: skip
+def tool_calls_out(calls: Sequence[ToolCall]) -> list[p.ToolCallOut]:
+    """Calls as a message's `tool_calls`."""
+    return [p.ToolCallOut(id=c.id, function=p.CalledFunctionOut(name=c.name, arguments=c.arguments))
+            for c in calls]  # fmt: skip
+
+
+def tool_call_deltas(pieces: Sequence[CallDelta]) -> list[p.ToolCallDelta]:
+    """Streamed pieces of calls as a delta's `tool_calls` (a call's first with its id and name)."""
+    return [p.ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                            function=p.CalledFunctionDelta(name=c.name, arguments=c.arguments))
+            for c in pieces]  # fmt: skip
 
 
 def chat_message(plan: Plan, completion: Completion) -> tuple[p.ChatMessageOut, str]:
