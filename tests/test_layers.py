@@ -25,7 +25,8 @@ LAYERS = [
     {"compress", "request"},  # compression of models; the request model of every decoder
     {"engine"},  # paged KV, prefix cache, scheduler: runs requests
     {"decode"},  # primitive generators: the plain loop, beam, contrastive, speculative
-    {ROOT, "meta", "align", "environment"},  # public API; meta-generators; alignment; `doctor`'s report
+    # public API and chat; meta-generators; alignment; `doctor`'s report
+    {ROOT, "meta", "align", "environment", "conversation"},
     {"server", "bench", "cli"},  # user surfaces
 ]
 LAYER = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

@@ -9,6 +9,7 @@ from decodekit.completion import Completion, Usage
 from decodekit.params import SamplingParams
 
 __all__ = [
+    "ChatReply",
     "Choices",
     "Completion",
     "Constraint",
@@ -17,8 +18,10 @@ __all__ = [
     "JsonSchema",
     "Regex",
     "SamplingParams",
+    "Tool",
     "Usage",
     "beam_search",
+    "chat",
     "generate",
     "load_model",
     "speculative_generate",
@@ -37,6 +40,14 @@ def __getattr__(name):
         from decodekit.decode import sample
 
         return getattr(sample, name)
+    if name == "Tool":
+        from decodekit.decode.tool_calls import Tool
+
+        return Tool
+    if name in ("chat", "ChatReply"):
+        from decodekit import conversation
+
+        return getattr(conversation, name)
     if name == "beam_search":
         from decodekit.decode.beam import beam_search
 

@@ -17,32 +17,25 @@ to generate (`Plan.dropped`: the tokens cut).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from decodekit.conversation import (
+    ChatError,
+    ToolUse,
+    chat_prompt,
+    template_source,
+    thinking_of,
+    tool_grammar,
+    tool_use,
+)
 from decodekit.decode.beam import Beam
-from decodekit.decode.reasoning import Thinking, opens_thinking, template_thinks
+from decodekit.decode.reasoning import Thinking
 from decodekit.decode.sample import Sample, UnsupportedField
 from decodekit.decode.speculative import Speculative
-from decodekit.decode.tool_calls import (
-    NO_ARGUMENTS,
-    Tool,
-    ToolCall,
-    ToolFormat,
-    call_text,
-    check_choice,
-    check_tools,
-    template_takes_tools,
-    template_text,
-    tool_constraint,
-    tool_format,
-    tools_instruction,
-)
 from decodekit.models.base import LanguageModel
-from decodekit.optional import MissingDependency
 from decodekit.params import SamplingParams, preset_values
 from decodekit.server.backend import Backend, Job
 from decodekit.server.protocol import APIError, ChatMessage, ChatRequest, GenerationRequest
@@ -113,121 +106,29 @@ def api_error(error: Exception, default_param: str | None = None,
     return APIError(400, message, param, "invalid_value")
 
 
-@dataclass
-class ToolUse:
-    """A chat request's tools (decode/tool_calls.py): how the model may call them (`choice`:
-    "none", "auto", "required" or a tool's name) and the format its template writes calls in."""
-
-    tools: tuple[Tool, ...]
-    choice: str
-    format: ToolFormat | None  # None: the template's calls are in a format decodekit does not read
-    parallel: bool = True
-    grammar: bool = False  # the answer is under the tools' grammar (its calls streamed piece by piece)
-
-    @property
-    def forced(self) -> bool:
-        """The answer is calls by construction (a grammar), not by the model's choice."""
-        return self.choice not in ("auto", "none")
+def chat_fields(call, *args, **kwargs):
+    """decodekit.conversation's `call`, its ChatError as a 400 naming the request's field."""
+    try:
+        return call(*args, **kwargs)
+    except ChatError as error:
+        raise APIError(400, str(error), error.field, error.code) from None
 
 
 def tool_use_of(req: ChatRequest, template: Any) -> ToolUse | None:
     """The request's tools and tool_choice, checked (400 naming the field), or None without tools."""
-    if req.tools is None:
-        if req.tool_choice is not None:
-            raise APIError(400, "tool_choice needs tools (the functions the model may call)", "tool_choice")
-        return None
-    try:
-        functions = [t.function for t in req.tools]
-        tools = check_tools([Tool(f.name, f.description, f.parameters if f.parameters is not None
-                                  else NO_ARGUMENTS) for f in functions])  # fmt: skip
-    except (ValueError, TypeError) as error:
-        raise APIError(400, f"tools: {error}", "tools", "invalid_value") from None
-    choice = req.tool_choice or "auto"
-    choice = choice if isinstance(choice, str) else choice.function.name
-    try:
-        check_choice(choice, tools)
-    except ValueError as error:
-        raise APIError(400, str(error), "tool_choice", "invalid_value") from None
-    return ToolUse(tools, choice, tool_format(template), req.parallel_tool_calls)
-
-
-def chat_turns(messages: list[ChatMessage], tools: ToolUse | None, renders_tools: bool) -> list[dict]:
-    """The messages as a chat template takes them. Where the template renders tools, an
-    assistant turn's calls go with it (their arguments as objects, as Hugging Face templates
-    expect); elsewhere they become its text in the tools' format, and a tool's answer a user turn."""
-    turns = []
-    for m in messages:
-        turn: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.reasoning_content is not None:
-            turn["reasoning_content"] = m.reasoning_content
-        if m.tool_calls and renders_tools:
-            calls = []
-            for call in m.tool_calls:
-                try:
-                    arguments = json.loads(call.function.arguments)
-                except json.JSONDecodeError:
-                    raise APIError(400, f"the arguments of tool call {call.id!r} are not JSON: "
-                                   f"{call.function.arguments!r:.80}", "messages") from None  # fmt: skip
-                calls.append({"id": call.id, "type": "function",
-                              "function": {"name": call.function.name, "arguments": arguments}})
-            turn["tool_calls"] = calls
-        elif m.tool_calls:
-            fmt = tools.format if tools is not None else "hermes"
-            written = [call_text(ToolCall(c.function.name, c.function.arguments, c.id), fmt)
-                       for c in m.tool_calls]  # fmt: skip
-            turn["content"] = "\n".join(filter(None, [turn["content"], *written]))
-        if m.role == "tool":
-            if renders_tools:
-                turn["tool_call_id"] = m.tool_call_id
-            else:
-                turn = {"role": "user", "content": f"<tool_response>\n{turn['content']}\n</tool_response>"}
-        turns.append(turn)
-    return turns
-
-
-# apply_chat_template's own arguments, which the server sets (or which change what it returns):
-# a request's chat_template_kwargs holds the template's variables, never these
-CHAT_TEMPLATE_ARGS = {
-    "conversation", "messages", "tools", "chat_template", "tokenize", "add_generation_prompt",
-    "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-}  # fmt: skip
+    tools = None if req.tools is None else [tool.model_dump() for tool in req.tools]
+    choice = req.tool_choice if req.tool_choice is None or isinstance(req.tool_choice, str) \
+        else req.tool_choice.model_dump()
+    return chat_fields(tool_use, tools, choice, req.parallel_tool_calls, template)
 
 
 def chat_text(model: LanguageModel, messages: list[ChatMessage], template: str | None = None,
               tools: ToolUse | None = None, kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
-    """The prompt text of a conversation, and whether it came from a chat template: `template`
-    (the server's for this model) or else the tokenizer's, with the request's own variables
-    (`kwargs`; the plain template has none). Tools go to a template that renders them, else
-    into a system message (decode/tool_calls.py `tools_instruction`)."""
-    clash = sorted(set(kwargs or {}) & CHAT_TEMPLATE_ARGS)
-    if clash:
-        raise APIError(400, f"chat_template_kwargs cannot set {clash[0]!r}, which the server sets",
-                       "chat_template_kwargs", "invalid_value")  # fmt: skip
-    if not messages:
-        raise APIError(400, "messages must contain at least one message", "messages", "invalid_value")
-    tokenizer = model.tokenizer
-    if tokenizer is None:
-        raise APIError(400, f"model {model.name!r} has no tokenizer, so it cannot chat", "model")
-    source = template if template is not None else getattr(tokenizer, "chat_template", None)
-    renders_tools = tools is not None and source is not None and template_takes_tools(source)
-    turns = chat_turns(messages, tools, renders_tools)
-    if tools is not None and not renders_tools:
-        instruction = tools_instruction(tools.tools)
-        if turns[0]["role"] in ("system", "developer"):
-            turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instruction}"}
-        else:
-            turns.insert(0, {"role": "system", "content": instruction})
-    if source:
-        chosen = {**(kwargs or {}), **({} if template is None else {"chat_template": template})}
-        if renders_tools:
-            chosen["tools"] = [tool.openai() for tool in tools.tools]
-        try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
-                                                 **chosen), True
-        except Exception as error:  # a template may reject a role order (jinja raises)
-            raise APIError(400, f"the chat template rejected the messages: {error}", "messages") from None
-    return "".join(f"{t['role'].upper()}: {t['content']}\n" for t in turns) + "ASSISTANT:", False
+    """The prompt text of a conversation, and whether it came from a chat template
+    (decodekit/conversation.py `chat_prompt`: `template`, the server's for this model, else the
+    tokenizer's; the request's template variables `kwargs`; its tools)."""
+    turns = [m.model_dump(exclude_none=True) for m in messages]
+    return chat_fields(chat_prompt, model, turns, template, tools, kwargs)
 
 
 def encode(model: LanguageModel, prompt, param: str, truncate: int | None = None) -> tuple[list[int], int]:
@@ -340,42 +241,16 @@ def constraint_param(req: GenerationRequest) -> str:
                 if getattr(req, name) is not None)
 
 
-def tool_grammar(req: GenerationRequest, model: LanguageModel, tools: ToolUse, constraint, strategy,
-                 thinking: Thinking | None = None):
-    """The constraint of a chat request with tools (decode/tool_calls.py `tool_constraint`):
-    a forced call's grammar (a 400 beside another constraint); for "auto" the grammar of text
-    or calls where nothing else constrains the answer and the model can be constrained (not
-    with a draft model or ignore_eos; else its calls are parsed only); the request's own for
-    "none". A reasoning model (`thinking`) may think before a forced call."""
-    if tools.choice == "none" or (tools.format is None and not tools.forced):
-        return constraint
-    if tools.format is None:
-        raise APIError(400, f"tool_choice {tools.choice!r} needs calls in a format decodekit reads (Hermes "
-                       "<tool_call> blocks or JSON objects); this model's chat template writes another",
-                       "tool_choice", "unsupported")  # fmt: skip
-    if tools.forced and constraint is not None:
-        raise APIError(400, f"tool_choice {tools.choice!r} makes the answer tool calls, so it cannot be "
-                       f"combined with {constraint_param(req)}", "tool_choice")  # fmt: skip
-    if not tools.forced and (constraint is not None or isinstance(strategy, Speculative) or req.ignore_eos):
-        return constraint  # (a grammar ends on EOS, which ignore_eos refuses)
-    try:
-        grammar = tool_constraint(tools.tools, tools.choice, tools.format, tools.parallel, thinking)
-    except MissingDependency:
-        if not tools.forced:
-            return None
-        raise APIError(400, f"tool_choice {tools.choice!r} is not supported by this server build (install "
-                       "decodekit[constrained])", "tool_choice", "unsupported") from None  # fmt: skip
-    except (ValueError, TypeError) as error:
-        raise APIError(400, f"tools: {error}", "tools", "invalid_value") from None
+def tools_constraint(req: GenerationRequest, model: LanguageModel, tools: ToolUse, constraint, strategy,
+                     thinking: Thinking | None = None):
+    """The constraint of a chat request with tools (decodekit/conversation.py `tool_grammar`; 400s naming
+    the field): a forced call's grammar, "auto"'s where nothing else constrains the answer (not
+    with a draft model or ignore_eos), the request's own otherwise."""
+    free = not isinstance(strategy, Speculative) and not req.ignore_eos  # a grammar ends on EOS
+    field = constraint_param(req) if constraint is not None else "response_format"
+    grammar = chat_fields(tool_grammar, model, tools, constraint, thinking=thinking, free=free, field=field)
     if tools.forced:
         check_tokenizer(model, "tool_choice")
-        return grammar
-    from decodekit.decode.constrained import ll_tokenizer
-
-    try:
-        ll_tokenizer(model)
-    except (TypeError, ValueError):  # a tokenizer llguidance cannot read: the calls are parsed only
-        return None
     return grammar
 
 
@@ -512,11 +387,10 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     tools = thinking = None
     if chat:
         template = backend.chat_templates.get(name)
-        source = template if template is not None else getattr(model.tokenizer, "chat_template", None)
+        source = template_source(model, template)
         tools = tool_use_of(req, source)
         text, templated = chat_text(model, req.messages, template, tools, req.chat_template_kwargs)
-        if template_thinks(template_text(source)):
-            thinking = Thinking(opened=opens_thinking(text))
+        thinking = thinking_of(source, text)
         ids = template_ids(model, text, whole=truncate is not None) if templated else None
         encoded = [encode(model, ids if ids is not None else text, "messages", truncate)]
         texts = [text]
@@ -564,9 +438,7 @@ def plan_request(req: GenerationRequest, backend: Backend) -> Plan:
     if constraint is not None:
         check_tokenizer(model, constraint_param(req))
     if tools is not None:
-        own = constraint
-        constraint = tool_grammar(req, model, tools, constraint, strategy, thinking)
-        tools.grammar = constraint is not None and constraint is not own
+        constraint = tools_constraint(req, model, tools, constraint, strategy, thinking)
     if constraint is not None and isinstance(strategy, Speculative):
         raise APIError(400, "constrained output cannot be combined with draft_model", "draft_model")
     samples = selection.best_of if selection is not None else n

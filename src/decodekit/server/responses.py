@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decodekit.completion import Completion
-from decodekit.decode.tool_calls import CallDelta, ToolCall, parse_tool_calls
+from decodekit.conversation import reply_of
+from decodekit.decode.tool_calls import CallDelta, ToolCall
 from decodekit.models.base import LanguageModel, logprobs
 from decodekit.request import Delta
 from decodekit.server import protocol as p
@@ -34,8 +35,8 @@ def finish_reason(completion: Completion) -> str:
 
 
 def reads_calls(plan: Plan) -> bool:
-    """Whether the plan's answers are read for tool calls (decode/tool_calls.py)."""
-    return plan.tools is not None and plan.tools.choice != "none" and plan.tools.format is not None
+    """Whether the plan's answers are read for tool calls (decodekit/conversation.py `ToolUse`)."""
+    return plan.tools is not None and plan.tools.reads_calls
 
 
 def tool_calls_out(calls: Sequence[ToolCall]) -> list[p.ToolCallOut]:
@@ -52,18 +53,12 @@ def tool_call_deltas(pieces: Sequence[CallDelta]) -> list[p.ToolCallDelta]:
 
 
 def chat_message(plan: Plan, completion: Completion) -> tuple[p.ChatMessageOut, str]:
-    """A chat completion's message and finish reason: a reasoning model's thinking apart
-    (`reasoning_content`); with tools, the calls the rest holds ("tool_calls") and the text
-    around them; else the rest."""
-    reasoning, text = None, completion.text
-    if plan.thinking is not None:
-        reasoning, text = plan.thinking.split(text)
-    if reads_calls(plan):
-        content, calls = parse_tool_calls(text, plan.tools.tools, plan.tools.format)
-        if calls:
-            return p.ChatMessageOut(content=content, tool_calls=tool_calls_out(calls),
-                                    reasoning_content=reasoning), "tool_calls"  # fmt: skip
-    return p.ChatMessageOut(content=text, reasoning_content=reasoning), finish_reason(completion)
+    """A chat completion's message and finish reason (decodekit/conversation.py `reply_of`: a reasoning
+    model's thinking apart; with tools, the calls and the text around them)."""
+    reply = reply_of(completion, plan.tools, plan.thinking)
+    message = p.ChatMessageOut(content=reply.content, tool_calls=tool_calls_out(reply.tool_calls) or None,
+                               reasoning_content=reply.reasoning)  # fmt: skip
+    return message, reply.finish_reason
 
 
 def usage(plan: Plan, drawn: Sequence[Sequence[Completion]]) -> p.Usage:
