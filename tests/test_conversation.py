@@ -62,6 +62,13 @@ def test_a_reasoning_models_thinking_and_calls_are_read_apart(model):
     reply = reply_of(thought, tools, Thinking())
     assert (reply.reasoning, reply.content, reply.finish_reason) == ("\nthe clock\n", None, "tool_calls")
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("get_time", {"zone": "UTC"})]
+    cut = dataclasses.replace(done, text=call + '\n<tool_call>\n{"name": "get_ti', finish_reason="length")
+    tools.grammar = True  # (under the grammar a cut-off answer's finished calls stand)
+    reply = reply_of(cut, tools, None)
+    assert (reply.finish_reason, [c.name for c in reply.tool_calls]) == ("length", ["get_time"])
+    assert reply.content is None
+    tools.grammar = False
+    assert reply_of(cut, tools, None).tool_calls == []  # parsed only: a cut-off answer is text
     opened = dataclasses.replace(done, text="add them\n</think>It is 4.")
     reply = reply_of(opened, None, Thinking(opened=True))
     assert (reply.reasoning, reply.content, reply.tool_calls) == ("add them\n", "It is 4.", [])

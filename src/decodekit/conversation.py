@@ -42,6 +42,7 @@ from decodekit.decode.tool_calls import (
     call_text,
     check_choice,
     check_tools,
+    finished_calls,
     parse_tool_calls,
     template_takes_tools,
     template_text,
@@ -301,6 +302,10 @@ def reply_of(completion: Completion, tools: ToolUse | None, thinking: Thinking |
         content, calls = parse_tool_calls(text, tools.tools, tools.format)
         if calls:
             return ChatReply(content, calls, reasoning, "tool_calls", completion)
+        if reason == "length" and tools.grammar:  # cut off inside a call: the calls finished before it
+            content, calls = parse_tool_calls(finished_calls(text, tools.format), tools.tools, tools.format)
+            if calls:
+                return ChatReply(content, calls, reasoning, "length", completion)
     return ChatReply(text, [], reasoning, reason, completion)
 
 

@@ -15,6 +15,7 @@ from decodekit.decode.tool_calls import (
     ToolCallStream,
     check_choice,
     check_tools,
+    finished_calls,
     parse_tool_calls,
     template_takes_tools,
     tool_constraint,
@@ -299,3 +300,17 @@ def test_a_calls_name_goes_out_before_its_arguments_end():
     assert first.id.startswith("call_") and (piece.index, piece.id, piece.arguments) == (0, None, '{"ci')
     [more] = reader.feed('ty": "Rome"}}\n</tool_')[1]  # the call's brace and what follows held back
     assert (more.id, more.arguments) == (None, 'ty": "Rome"}')
+
+
+def test_an_answer_cut_off_inside_a_call_keeps_the_calls_finished_before_it():
+    cut = answer("noop", {}) + "\n" + answer("get_time", {"zone": "UTC"}) + \
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert finished_calls(cut) == answer("noop", {}) + "\n" + answer("get_time", {"zone": "UTC"}) + "\n"
+    assert finished_calls(answer("noop", {})) == answer("noop", {})  # nothing cut off: the same
+    assert finished_calls('{"name": "noop", "param', "json") == '{"name": "noop", "param'
+    reader = ToolCallStream(TOOLS, constrained=True, incremental=True)
+    pieces = reader.feed(cut)[1]
+    rest, more, calls = reader.finish()
+    assert rest == "" and [c.name for c in calls] == ["noop", "get_time"]
+    begun = [p.name for p in pieces + more if p.name]
+    assert begun == ["noop", "get_time", "get_weather"]  # the third was begun

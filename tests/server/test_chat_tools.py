@@ -143,6 +143,23 @@ def test_a_forced_calls_arguments_stream_piece_by_piece(tool_client):
     assert "".join(p.function.arguments or "" for p in pieces) == made.function.arguments
 
 
+def test_a_forced_answer_cut_off_by_max_tokens_keeps_its_finished_calls(tool_client):
+    """The random model calls again ("required", parallel calls) until max_tokens cuts it inside
+    a call: the call finished before stands, with finish_reason "length", streamed or not."""
+    for seed in range(8):  # an answer max_tokens cuts inside its second call (~73 tokens a call here)
+        request = dict(model="hermes", messages=ASK, tools=[TIME], tool_choice="required", seed=seed,
+                       max_tokens=90)  # fmt: skip
+        [out] = tool_client.chat.completions.create(**request).choices
+        if out.finish_reason == "length":
+            break
+    assert out.finish_reason == "length" and len(out.message.tool_calls) == 1 and out.message.content is None
+    assert all(json.loads(c.function.arguments)["zone"] in ("UTC", "CET") for c in out.message.tool_calls)
+    content, calls, reason = streamed(tool_client, **request)
+    assert reason == "length" and content == ""
+    finished = [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for c in calls][: len(finished)] == finished  # then the one cut off
+
+
 def test_auto_reads_the_calls_a_model_writes(tool_client):
     """A regex makes the tiny model write text then a call, as a tool-using model would."""
     pattern = literal("Checking. " + WRITTEN)

@@ -276,6 +276,15 @@ def _as_written(call: ToolCall, body: str) -> ToolCall:
     return ToolCall(call.name, written, call.id)
 
 
+def finished_calls(text: str, fmt: ToolFormat = "hermes") -> str:
+    """An answer cut off inside a call (max_tokens), less that call: its finished calls stand
+    ("hermes" blocks; a "json" answer is one value, so it is left whole)."""
+    last = text.rfind(OPEN)
+    if fmt != "hermes" or last < 0 or CLOSE in text[last:]:
+        return text
+    return text[:last]
+
+
 def _split_calls(text: str) -> tuple[str, list[str]]:
     """(the text around an answer's `<tool_call>` blocks, the blocks' bodies); an unclosed last
     block's body runs to the end (read if its JSON is whole)."""
@@ -368,11 +377,16 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[CallDelta], list[ToolCall]]:
         """The content not yet sent, the calls' pieces not yet sent, and the answer's calls."""
-        _, calls = parse_tool_calls(self.text, self.tools, self.fmt)
+        text = self.text
+        _, calls = parse_tool_calls(text, self.tools, self.fmt)
+        if not calls and self.incremental:  # cut off inside a call: the calls finished before it
+            text = finished_calls(text, self.fmt)
+            _, calls = parse_tool_calls(text, self.tools, self.fmt)
         if not calls:
             return self.text[self.sent:], [], []
-        outside = _split_calls(self.text)[0] if self.fmt == "hermes" else ""
-        content = outside[self.sent:]  # what was sent is the start of the text before the calls
+        outside = _split_calls(text)[0] if self.fmt == "hermes" else ""
+        # what was sent is the start of the text before the calls; space alone is no content
+        content = outside[self.sent:].rstrip() if outside.strip() else ""
         if not self.incremental:
             return content, [CallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)], calls
         pieces = self._pieces()

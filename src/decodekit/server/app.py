@@ -355,16 +355,17 @@ async def stream(plan: Plan, jobs: list[Job], rid: str, backend: Backend, clock:
             if last:
                 rest, more, made = reader.finish()
                 text, pieces = text + rest, pieces + more
+        # calls made: "tool_calls", unless max_tokens cut the answer (its finished calls stand)
+        reason = "tool_calls" if made and delta.completion.finish_reason != "length" else None
         if text or logprobs is not None or (last and not pieces):
             out += chunk(index, text, None if pieces or made else delta.completion, logprobs=logprobs)
         if pieces:
             tool_delta = protocol.ChatDelta(tool_calls=responses.tool_call_deltas(pieces))
             out += sse(responses.chat_chunk(plan, rid, created, index, tool_delta,
-                                            delta.completion if last else None,
-                                            reason="tool_calls" if made else None))  # fmt: skip
+                                            delta.completion if last else None, reason=reason))  # fmt: skip
         elif last and made:  # every piece sent before: the finish alone
             out += sse(responses.chat_chunk(plan, rid, created, index, protocol.ChatDelta(), delta.completion,
-                                            reason="tool_calls"))  # fmt: skip
+                                            reason=reason))  # fmt: skip
         return out
 
     drawn: list[list[Completion]] = [[] for _ in jobs]
