@@ -56,6 +56,7 @@ def test_a_forced_call_fits_its_schema(model, choice):
 
 def test_a_reasoning_models_thinking_and_calls_are_read_apart(model):
     [done] = dk.generate(model, "x", dk.SamplingParams(max_new_tokens=2, seed=0))
+    done = dataclasses.replace(done, finish_reason="stop")  # (an answer that ended on its own)
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     tools = tool_use([CLOCK], None, True, None)
     thought = dataclasses.replace(done, text="<think>\nthe clock\n</think>\n\n" + call)
@@ -69,6 +70,8 @@ def test_a_reasoning_models_thinking_and_calls_are_read_apart(model):
     assert reply.content is None
     tools.grammar = False
     assert reply_of(cut, tools, None).tool_calls == []  # parsed only: a cut-off answer is text
+    whole = reply_of(dataclasses.replace(cut, text=call), tools, None)  # cut after a whole call
+    assert (whole.finish_reason, len(whole.tool_calls)) == ("length", 1)
     opened = dataclasses.replace(done, text="add them\n</think>It is 4.")
     reply = reply_of(opened, None, Thinking(opened=True))
     assert (reply.reasoning, reply.content, reply.tool_calls) == ("add them\n", "It is 4.", [])

@@ -293,15 +293,17 @@ def tool_grammar(model, tools: ToolUse, constraint=None, *, thinking: Thinking |
 
 def reply_of(completion: Completion, tools: ToolUse | None, thinking: Thinking | None) -> ChatReply:
     """The assistant's message a completion holds: a reasoning model's thinking apart; with
-    tools, the calls the rest holds ("tool_calls") and the text around them; else the rest."""
+    tools, the calls the rest holds ("tool_calls", or "length" where max_tokens cut it) and the
+    text around them; else the rest."""
     reasoning, text = None, completion.text
     if thinking is not None:
         reasoning, text = thinking.split(text)
     reason = "length" if completion.finish_reason == "length" else "stop"
     if tools is not None and tools.reads_calls:
         content, calls = parse_tool_calls(text, tools.tools, tools.format)
-        if calls:
-            return ChatReply(content, calls, reasoning, "tool_calls", completion)
+        if calls:  # ("length" where max_tokens cut the answer after a whole call: it was cut)
+            return ChatReply(content, calls, reasoning, "length" if reason == "length" else "tool_calls",
+                             completion)  # fmt: skip
         if reason == "length" and tools.grammar:  # cut off inside a call: the calls finished before it
             content, calls = parse_tool_calls(finished_calls(text, tools.format), tools.tools, tools.format)
             if calls:
