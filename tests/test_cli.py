@@ -79,6 +79,27 @@ def test_generate_json_on_a_local_checkpoint(tiny_llama_dir):
     assert all(len(c["token_ids"]) <= 5 for c in completions)
 
 
+def test_generate_chat_with_tools_prints_calls_that_fit_the_schema(capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    tools = ROOT / "examples" / "tools.json"
+    code = main(["generate", "What time is it in Tokyo?", "--chat", "--tools", str(tools), "--tool-choice",
+                 "get_time", "--max-new-tokens", "100", "--seed", "0", "--n", "2", "--json"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    replies = [json.loads(line) for line in out.out.splitlines()]
+    assert len(replies) == 2
+    assert all(r["finish_reason"] == "tool_calls" and r["content"] is None for r in replies)
+    zones = json.loads(tools.read_text())[0]["function"]["parameters"]["properties"]["zone"]["enum"]
+    assert all(c["name"] == "get_time" and json.loads(c["arguments"])["zone"] in zones
+               for r in replies for c in r["tool_calls"])  # fmt: skip
+    (tmp_path / "bad.json").write_text('{"type": "function"}')
+    for flags, message in ((["--tools", str(tmp_path / "bad.json")], "a JSON list of tools"),
+                           (["--tool-choice", "required"], "--tool-choice: tool_choice needs tools")):
+        code = main(["generate", "x", "--chat", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
+
+
 def test_prompt_longer_than_context_fails_cleanly(tiny_llama_dir, capsys):
     code = main(["generate", "x" * 500, "--model", str(tiny_llama_dir)])
     err = capsys.readouterr().err

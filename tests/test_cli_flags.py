@@ -39,6 +39,8 @@ def stream():
     yield SimpleNamespace(text=" hi", completion=COMPLETION)
 
 
+REPLY = SimpleNamespace(content=" hi", reasoning=None, tool_calls=[], finish_reason="stop",
+                        completion=COMPLETION)  # a dk.chat reply (decodekit/conversation.py `ChatReply`)
 RUN = SimpleNamespace(completions=lambda: [[COMPLETION]], deltas=stream,
                       stats=lambda: SimpleNamespace(as_dict=dict))  # a prepared run (decode/sample.py `Run`)
 
@@ -57,6 +59,7 @@ SINKS = {
     "beam": ("decodekit.decode.beam:Beam.prepare", lambda *a, **k: RUN),
     "speculative": ("decodekit.decode.speculative:Speculative.prepare", lambda *a, **k: RUN),
     "ContrastiveLM": ("decodekit:ContrastiveLM", lambda expert, *a, **k: expert),
+    "chat": ("decodekit:chat", lambda *a, **k: [REPLY]),
     "StaticDecodeLM": ("decodekit.models.static:StaticDecodeLM", lambda model: model),
     "JsonSchema": ("decodekit:JsonSchema", lambda text: ("json_schema", text)),
     "Regex": ("decodekit:Regex", lambda text: ("regex", text)),
@@ -196,6 +199,14 @@ ROWS = [
     ("generate --json-schema", [*G, "--json-schema", "examples/schema.json"], "sample", "constraint",
      lambda c: c[0] == "json_schema" and json.loads(c[1])),
     ("generate --regex", [*G, "--regex", "a+"], "sample", "constraint", ("regex", "a+")),
+    # generate --chat: the prompt as a user message, through dk.chat
+    ("generate --chat", [*G, "--chat"], "chat", "messages", [{"role": "user", "content": "x"}]),
+    ("generate --system", [*G, "--chat", "--system", "be brief"], "chat", "messages",
+     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]),
+    ("generate --tools", [*G, "--chat", "--tools", "examples/tools.json"], "chat", "tools",
+     lambda tools: [t["function"]["name"] for t in tools] == ["get_time"]),
+    ("generate --tool-choice", [*G, "--chat", "--tools", "examples/tools.json", "--tool-choice", "required"],
+     "chat", "tool_choice", "required"),
     ("generate --grammar", [*G, "--grammar", "pyproject.toml"], "sample", "constraint",
      lambda c: c[0] == "grammar" and "[project]" in c[1]),
     ("generate --choices", [*G, "--choices", "yes,no"], "sample", "constraint", ("choices", ["yes", "no"])),

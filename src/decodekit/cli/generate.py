@@ -72,7 +72,24 @@ def add_generate(sub) -> None:
     add_threads(p)
     add_structure_flags(p)
     add_speculative_flags(p)
+    add_chat_flags(p)
     p.set_defaults(run=run_generate)
+
+
+def add_chat_flags(p) -> None:
+    chat = p.add_argument_group("chat: the prompt as a user message (decodekit/conversation.py, dk.chat)")
+    chat.add_argument("--chat", action="store_true",
+                      help="send the prompt as a user message through the model's chat template (the plain "
+                      "one for a model without) and print the assistant's reply: its text, its tool calls, "
+                      "a reasoning model's thinking (on stderr)")
+    chat.add_argument("--system", default=None, metavar="TEXT",
+                      help="a system message before it (with --chat)")
+    chat.add_argument("--tools", default=None, metavar="FILE",
+                      help="a JSON file of OpenAI tools (a list of {'type': 'function', 'function': {...}}) "
+                      "the model may call (with --chat; examples/tools.json)")
+    chat.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                      help="none, auto (the default with --tools), required, or a tool's name: 'required' "
+                      "and a name hold the reply to calls whose arguments fit the tools' schemas")
 
 
 def add_speculative_flags(p) -> None:
@@ -209,6 +226,8 @@ def run_generate(args) -> None:
     params = sampling_params(args)
     mask = {"constraint": constraint_from(args), "heal": args.heal}
     check_combination(args, params, mask)
+    if args.chat:
+        return run_chat(args, params)
     # Loading copies the weights; torch's default of a thread per core spin-waits wherever a
     # core is busy (issue 26: 0.16 s of CPU against 0.01 s for the shipped model on a loaded
     # 2-core machine), so load on --threads or one, then choose for the model.
@@ -237,8 +256,56 @@ def run_generate(args) -> None:
         warn_incomplete(args, model, params, completions)
 
 
+def run_chat(args, params: SamplingParams) -> None:
+    """`--chat`: the prompt as a user message (after --system), with --tools; prints each reply."""
+    import decodekit as dk
+    from decodekit.conversation import ChatError
+
+    tools = None if args.tools is None else parse_file("--tools", args.tools, json.loads)
+    if tools is not None and not isinstance(tools, list):
+        raise UsageError(f"--tools {args.tools}: a JSON list of tools, got {type(tools).__name__}")
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+        [{"role": "user", "content": args.prompt}]
+    set_threads(args)
+    model = dk.load_model(args.model, **model_options(args))
+    set_threads(args, model)
+    apply_compile(args, model)
+    flags = {"tools": "--tools", "tool_choice": "--tool-choice", "messages": "the prompt or --system",
+             "chat_template_kwargs": "--chat", "model": "--model"}
+    try:
+        replies = dk.chat(model, messages, params, tools=tools, tool_choice=args.tool_choice)
+    except ChatError as error:
+        raise UsageError(f"{flags.get(error.field, error.field)}: {error}") from None
+    for i, reply in enumerate(replies):
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
+        if args.json:
+            usage = reply.completion.usage
+            print(json.dumps({"content": reply.content, "reasoning": reply.reasoning, "tool_calls": calls,
+                              "finish_reason": reply.finish_reason,
+                              "usage": {"prompt_tokens": usage.prompt_tokens,
+                                        "completion_tokens": usage.completion_tokens}}))  # fmt: skip
+            continue
+        if len(replies) > 1:
+            print(f"--- sample {i} ({reply.finish_reason})")
+        if reply.reasoning:
+            print(f"thinking: {reply.reasoning.strip()}", file=sys.stderr)
+        if reply.content is not None:
+            print(reply.content)
+        for call in calls:
+            print(f"tool call: {call['name']} {call['arguments']}")
+
+
 def check_combination(args, params: SamplingParams, mask: dict) -> None:
     """Flags that cannot go together, refused before any model is loaded."""
+    chat = [flag for flag, name in (("--system", "system"), ("--tools", "tools"),
+                                    ("--tool-choice", "tool_choice")) if getattr(args, name) is not None]
+    if chat and not args.chat:
+        raise UsageError(f"{chat[0]} applies to --chat")
+    if args.chat and (args.strategy not in ("greedy", "sample") or args.draft_model is not None
+                      or args.amateur_model is not None or args.stream or args.static_decode
+                      or any(mask.values())):  # fmt: skip
+        raise UsageError("--chat works with --strategy greedy or sample, without --draft-model, "
+                         "--amateur-model, --stream, --static-decode, constraints or --heal")
     speculative = ["--" + name.replace("_", "-") for name in ("num_draft_tokens", "verify", "adaptive")
                    if given(args, name)] + (["--no-fallback"] if args.fallback is False else [])  # fmt: skip
     if speculative and args.draft_model is None:
