@@ -254,6 +254,7 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
         if sampled is not None:
             record(live, logits, *sampled, batches[0][2])
             return sampled[1]
+        batches = _apart(batches[0])  # (its chain is not run on the whole batch again)
     tokens = torch.empty(len(live), dtype=torch.long, device=logits.device)
     # Each batch's processed logprobs, NaN where they are the raw ones (`record`); the processed
     # logits of every row only where mirostat's state reads them (SamplerState.accept).
@@ -278,16 +279,25 @@ def sample_rows(logits: torch.Tensor, live: list[Row], hidden: torch.Tensor | No
 def _sampled(logits: torch.Tensor, batches: list, hidden: torch.Tensor | None) -> Iterator[tuple]:
     """(start, stop, processed, chosen) of each batch's rows, sampled in one call, or request by
     request where its chain could not compact all of them (`_sample_batch`'s None)."""
-    for start, stop, requests in batches:
-        raw = logits[start:stop]  # [r, V]
-        sampled = _sample_batch(raw, requests) if len(requests) > 1 else None
+    for batch in batches:
+        start, stop, requests = batch
+        sampled = _sample_batch(logits[start:stop], requests) if len(requests) > 1 else None
         if sampled is not None:
             yield start, stop, *sampled
             continue
-        for request, rows in requests:
-            part = None if hidden is None else hidden[start : start + rows]
-            yield start, start + rows, *_sample_request(logits[start : start + rows], request, part)
-            start += rows
+        for start, stop, [(request, _)] in _apart(batch):
+            part = None if hidden is None else hidden[start:stop]
+            yield start, stop, *_sample_request(logits[start:stop], request, part)
+
+
+def _apart(batch: tuple[int, int, list]) -> list[tuple[int, int, list]]:
+    """A batch (start, stop, [(request, rows)]) as one batch per request."""
+    start, _, requests = batch
+    out = []
+    for request, rows in requests:
+        out.append((start, start + rows, [(request, rows)]))
+        start += rows
+    return out
 
 
 def _batches(

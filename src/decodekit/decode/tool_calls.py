@@ -50,6 +50,8 @@ OTHER_FORMATS = ("[TOOL_CALLS]", "<function=", "tool_calls_begin", "tool▁calls
 CHOICES = ("none", "auto", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+ARGUMENTS = {"hermes": "arguments", "json": "parameters"}  # each format's key of a call's arguments
+OPENING = '{"name": '  # how every call's JSON begins, in either format (tojson's separators)
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -144,8 +146,7 @@ def tools_instruction(tools: Sequence[Tool]) -> str:
 
 def call_text(call: ToolCall, fmt: ToolFormat = "hermes") -> str:
     """A call as the model writes it, for an assistant turn a template cannot render."""
-    key = "arguments" if fmt == "hermes" else "parameters"
-    body = f'{{"name": {json.dumps(call.name)}, "{key}": {call.arguments}}}'
+    body = f'{OPENING}{json.dumps(call.name)}, "{ARGUMENTS[fmt]}": {call.arguments}}}'
     return f"{OPEN}\n{body}\n{CLOSE}" if fmt == "hermes" else body
 
 
@@ -180,16 +181,15 @@ def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "herme
         return None
     targets = [tool for tool in tools if choice in ("auto", "required") or tool.name == choice]
     many = parallel and choice in ("auto", "required")
-    key = "arguments" if fmt == "hermes" else "parameters"
+    key = ARGUMENTS[fmt]
     alternatives = [f"{_lark_text(json.dumps(tool.name) + f', {json.dumps(key)}: ')} args{i} \"}}\""
                     for i, tool in enumerate(targets)]  # fmt: skip
     rules = [f"named: {' | '.join(alternatives)}"]
     rules += [f"args{i}: %json {json.dumps({**tool.parameters, 'x-guidance': SEPARATORS})}"
               for i, tool in enumerate(targets)]  # fmt: skip
-    opening = '{"name": '
     if fmt == "hermes":
         more = " (OPEN named CLOSE)*" if many else ""
-        first, again, close = (_lark_text(text) for text in (f"{OPEN}\n{opening}", f"\n{OPEN}\n{opening}",
+        first, again, close = (_lark_text(text) for text in (f"{OPEN}\n{OPENING}", f"\n{OPEN}\n{OPENING}",
                                                               f"\n{CLOSE}"))  # fmt: skip
         if choice == "auto":  # text without `<tool_call>`, or text then calls
             head = [f"start: TEXT | PRE named CLOSE{more}", f"TEXT: /{FREE}/ & ~/{FREE}{OPEN}{FREE}/",
@@ -200,11 +200,11 @@ def tool_constraint(tools: Sequence[Tool], choice: str, fmt: ToolFormat = "herme
     elif choice == "auto":
         head = ["start: TEXT | PRE named",
                 f'TEXT: /{FREE}/ & ~/[ \\t\\n]*\\{{"name"{FREE}/',
-                f"PRE: /[ \\t\\n]*/ {_lark_text(opening)}"]  # fmt: skip
+                f"PRE: /[ \\t\\n]*/ {_lark_text(OPENING)}"]  # fmt: skip
     elif many:
-        head = ["start: call | \"[\" call (\", \" call)* \"]\"", f"call: {_lark_text(opening)} named"]
+        head = ["start: call | \"[\" call (\", \" call)* \"]\"", f"call: {_lark_text(OPENING)} named"]
     else:
-        head = [f"start: {_lark_text(opening)} named"]
+        head = [f"start: {_lark_text(OPENING)} named"]
     if thinking is not None and choice != "auto":
         thought, lexemes = thinking.lark()
         head = [f"start: {thought} ({head[0].removeprefix('start: ')})", *head[1:], *lexemes]
@@ -262,7 +262,7 @@ def parse_tool_calls(text: str, tools: Sequence[Tool], fmt: ToolFormat = "hermes
 
 
 # How a call under the grammar begins, up to its arguments (`tool_constraint`'s "hermes" form).
-CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+CALL_HEAD = re.compile(re.escape(OPENING) + r'"([A-Za-z0-9_-]{1,64})", "arguments": ')
 CALL_TAIL = "}\n" + CLOSE  # the call's closing brace and the block's end (no raw newline is in JSON)
 
 

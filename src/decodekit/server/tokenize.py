@@ -11,10 +11,11 @@ the vocabulary. Every bad value is a 400 naming its field.
 
 from __future__ import annotations
 
+from decodekit.conversation import template_source, tool_use
 from decodekit.server import protocol as p
 from decodekit.server.backend import Backend
 from decodekit.server.protocol import APIError
-from decodekit.server.request_plan import chat_text, served_name, template_ids, tool_use_of
+from decodekit.server.request_plan import chat_fields, chat_text, served_name, template_ids
 
 
 def tokenize(req: p.TokenizeRequest, backend: Backend) -> p.TokenizeResponse:
@@ -30,11 +31,9 @@ def tokenize(req: p.TokenizeRequest, backend: Backend) -> p.TokenizeResponse:
             raise APIError(400, f"{field} goes with messages, not prompt", field, "invalid_value")
         ids = list(model.encode(req.prompt))
     else:
-        chat = p.ChatRequest.model_construct(model=req.model, messages=req.messages, tools=req.tools,
-                                             tool_choice=None, parallel_tool_calls=True)  # fmt: skip
         template = backend.chat_templates.get(name)
-        source = template if template is not None else getattr(model.tokenizer, "chat_template", None)
-        tools = tool_use_of(chat, source)
+        listed = None if req.tools is None else [tool.model_dump() for tool in req.tools]
+        tools = chat_fields(tool_use, listed, None, True, template_source(model, template))
         text, templated = chat_text(model, req.messages, template, tools, req.chat_template_kwargs)
         ids = template_ids(model, text, whole=True) if templated else list(model.encode(text))
     strs = [model.token_text(t) for t in ids] if req.return_token_strs else None
