@@ -229,6 +229,26 @@ def test_the_avx2_transposed_kernels_give_the_same_bits(tmp_path):
 
 
 @needs_kernels
+def test_row_logsumexp_gives_the_same_bits_forced_to_avx2(tmp_path):
+    # csrc/logsumexp.cpp has one AVX2 path, run on both instruction sets: forced to AVX2
+    # (DECODEKIT_GEMV_ISA=avx2) it runs and its lanes give the same bits, rows with tails of
+    # every length past a whole 16-float step, -inf entries and a real vocabulary's rows.
+    script = "\n".join([
+        "import sys, torch",
+        "from decodekit.models import kernels as k",
+        "assert k.status().reason == sys.argv[2], k.status().reason",
+        "out = []",
+        "for v in (1, 7, 16, 31, 2048, 151936):",
+        "    torch.manual_seed(v)",
+        "    x = torch.randn(3, v) * 4",
+        "    x[1, : v // 2] = float('-inf')",
+        "    out.append(torch.ops.decodekit.row_logsumexp(x))",
+        "torch.save(out, sys.argv[1])",
+    ])  # fmt: skip
+    same_bits_per_isa(script, tmp_path)
+
+
+@needs_kernels
 def test_the_avx2_row_kernels_give_the_same_bits(tmp_path):
     # linear_rows' AVX2 variant (dotr_avx2) keeps dot4_avx512's 16 lanes as two halves, the
     # same FMAs per lane, the same group scaling and the same final reduction: f32, f16 and

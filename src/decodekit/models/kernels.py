@@ -30,7 +30,9 @@ all (REFERENCES.md, "CPU peers and kernels"). The extension registers three ops 
 - `dequantize(codes, scales, in_features, out)` (csrc/dequant.cpp): a quantised layer's
   weight written into `out` (float32 or bfloat16) for the one GEMM of its prefill (`dequantize`);
 - `rms_norm(x, weight, eps)` (csrc/norm.cpp): float32 RMSNorm over the last dimension, one op
-  where ATen runs six (models/native.py's eager CPU path; `eager_op` says when it may run).
+  where ATen runs six (models/native.py's eager CPU path; `eager_op` says when it may run);
+- `row_logsumexp(x)` (csrc/logsumexp.cpp): each float32 row's logsumexp without writing the
+  row, the normaliser of a sampled token's raw logprob (sampling/select.py `chosen_logprobs`).
 
 Each kernel decodes a block of 4 weight rows once for up to 4 input rows at a time, so a few
 rows (batched decoding, a speculative verification span) cost far less than that many
