@@ -47,6 +47,15 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),  # head_dim != 64 / 4
+    # GeGLU, (1 + w) norms, a scaled embedding; Gemma 1's legacy "gelu" is the tanh GELU
+    "gemma": lambda: transformers.GemmaConfig(**TINY, head_dim=32, hidden_act="gelu"),
+    # sandwich norms, q/k norms, one sliding layer with its own RoPE base, queries scaled by
+    # query_pre_attn_scalar, capped logits (tests/models/test_gemma.py: the rest)
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **TINY, head_dim=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=8.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
 }
 PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14], [64, 9, 0, 12, 77, 3, 50]]
 
@@ -113,7 +122,10 @@ def test_hidden_states_equal_transformers_and_feed_the_lm_head(pair):
         mine = got[row, width - len(prompt) :]
         assert (mine - out.hidden_states[-1][0].float()).abs().max() <= 1e-4
         with torch.no_grad():
-            assert (model.net.lm_head(mine) - out.logits[0].float()).abs().max() <= 1e-4
+            head = model.net.lm_head(mine)
+            cap = model.config.final_softcap  # Gemma's capped logits
+            head = head if cap is None else torch.tanh(head / cap) * cap
+            assert (head - out.logits[0].float()).abs().max() <= 1e-4
     assert got.abs().max() > 0.5  # not near-zero states
 
 
@@ -320,7 +332,8 @@ def test_supports():
     assert not NativeLM.supports({**config, "model_type": "gpt2"})
     assert not NativeLM.supports({**config, "architectures": ["GPT2LMHeadModel"]})
     assert not NativeLM.supports({**config, "rope_parameters": {"rope_type": "yarn"}})
-    assert not NativeLM.supports({**config, "hidden_act": "gelu"})
+    assert not NativeLM.supports({**config, "hidden_act": "relu2"})
+    assert NativeLM.supports({**config, "hidden_act": "gelu"})  # transformers' Qwen2MLP takes any
     assert not NativeLM.supports({**config, "quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(ValueError, match="model_type"):
         NativeLM.from_state_dict({**config, "model_type": "gpt2"}, {})

@@ -188,7 +188,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     (module docstring)."""
     from decodekit.models.checkpoint import load_safetensors, read_config
     from decodekit.models.compressed import COMPRESSION_FILE
-    from decodekit.models.families import FAMILIES
+    from decodekit.models.families import FAMILIES, GGUF_ARCHITECTURES
     from decodekit.models.native_config import NativeConfig
     from decodekit.optional import require
 
@@ -200,6 +200,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
     family = FAMILIES[parsed.model_type]
     arch = family.gguf
+    if arch not in GGUF_ARCHITECTURES:
+        writable = sorted(name for name, f in FAMILIES.items() if f.gguf in GGUF_ARCHITECTURES)
+        raise ValueError(f"GGUF files are written for model_type {writable}, got {parsed.model_type!r}")
     compressed = (model_dir / COMPRESSION_FILE).exists()
     state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)
     if compressed:

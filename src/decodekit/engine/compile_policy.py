@@ -35,8 +35,6 @@ def eligible(model, pool, batch_invariant: bool) -> str | None:
         return f"{type(model).__name__} is not a NativeLM"
     if batch_invariant:
         return "the batch-invariant mode attends per query"
-    if any(window is not None for window in model.config.layer_windows):
-        return "sliding-window layers"
     if model.config.rope.kind == "dynamic":
         return "dynamic RoPE (its tables change with the length)"
     if pool.keys.dtype != model.dtype:

@@ -30,8 +30,10 @@ step (models/static.py). Here:
   row), on rows gathered from the pool (compile_policy.py `CompiledSpans`, rows.py
   `GatheredRows`); a member model's one-token forwards (a draft's) run the one-token step over
   such rows (members.py).
-- Prompts, mixed steps, forks, sliding windows, a quantised KV pool and the batch-invariant
-  mode stay on the eager path (`eligible`).
+- Sliding-window layers mask the columns that fell out of their window (one mask per
+  window a step); their verification spans stay eager (engine.py).
+- Prompts, mixed steps, forks, a quantised KV pool and the batch-invariant mode stay on the
+  eager path (`eligible`).
 
 When to compile (`CompilePolicy`, compile_policy.py; the buckets, lanes.py): compilation
 costs seconds to a minute (inductor caches its kernels on disk, `TORCHINDUCTOR_CACHE_DIR`, so
@@ -87,7 +89,7 @@ class LaneAttention:
     token each over their RunningKV rows, and over a shared prefix for the rows that continue
     it (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, prefix=None, places=None):  # visible [B, 1, 1, C]
+    def __init__(self, keys, values, visible, prefix=None, places=None):  # visible: each layer's [B, 1, 1, C]
         self.keys, self.values, self.visible = keys, values, visible
         self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and sees [B, 1, 1, P] bool
         # None: the new keys attend beside the rows (written out, nothing mutated); else each
@@ -114,10 +116,10 @@ class LaneAttention:
             # with a shared prefix one softmax over [its span, the row], written out (SDPA does
             # not return the log-sum-exp that merging two parts would need)
             written_out = bool(prefixes)
-            return decode_attention(q, keys, values, self.visible, prefixes=prefixes, written_out=written_out)
+            return decode_attention(q, keys, values, self.visible[layer], prefixes=prefixes, written_out=written_out)
         # written out (models/attention.py) as dynamo traces it, also when a CUDA graph records
         # it eager: the eager kernels' form would copy every row's keys to append the new one
-        out = decode_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.visible,
+        out = decode_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.visible[layer],
                                new=(k, v), prefixes=prefixes, written_out=True)  # fmt: skip
         self.new_keys.append(k[:, 0] if count == 1 else k)  # [B, H_kv, D], a span's [B, T, H_kv, D]
         self.new_values.append(v[:, 0] if count == 1 else v)
@@ -152,17 +154,31 @@ def lanes_step(
     cos_table, sin_table = model.rope.tables(model.max_context)
     masks = [(None, False)] * config.num_layers
     assert not writes or span == 1, "a writing step decodes one token a row"
+    # Sliding-window layers (Mistral, Qwen2/3's upper layers, Gemma 3): a row holds its whole
+    # sequence (such models share no prefix, rows.py), so its new token at position `stored`
+    # sees the columns after stored - window. One mask per window, built once a step.
+    windows = model.layer_windows()
+    assert span == 1 or not any(windows), "verification spans of sliding layers stay eager"
 
     def step(tokens, positions, stored, keys, values, prefix_keys=None, prefix_values=None, bounds=None):
         columns = torch.arange(keys.shape[3], device=keys.device)
         places = None
-        if writes:  # each row sees its stored positions and the new one: 0 or -inf, in the model's dtype
-            hidden = (columns[None, :] > stored[:, None])[:, None, None]  # [B, 1, 1, C]
-            visible = torch.zeros(hidden.shape, dtype=keys.dtype, device=keys.device)
-            visible = visible.masked_fill_(hidden, -torch.inf)
+        by_window = {}
+        for window in set(windows):
+            if writes:  # each row sees its stored positions and the new one: 0 or -inf, in the model's dtype
+                hidden = columns[None, :] > stored[:, None]  # [B, C]
+                if window is not None:
+                    hidden = hidden | (columns[None, :] <= (stored - window)[:, None])
+                visible = torch.zeros(hidden[:, None, None].shape, dtype=keys.dtype, device=keys.device)
+                by_window[window] = visible.masked_fill_(hidden[:, None, None], -torch.inf)  # [B, 1, 1, C]
+            else:
+                seen = columns[None, :] < stored[:, None]  # [B, C]
+                if window is not None:
+                    seen = seen & (columns[None, :] > (stored - window)[:, None])
+                by_window[window] = seen[:, None, None]  # [B, 1, 1, C]
+        visible = [by_window[window] for window in windows]
+        if writes:
             places = (torch.arange(tokens.shape[0], device=keys.device), stored)
-        else:
-            visible = (columns[None, :] < stored[:, None])[:, None, None]  # [B, 1, 1, C]
         cos = cos_table.index_select(0, positions.reshape(-1)).view(*tokens.shape, 1, -1)  # [B, T, 1, D]
         sin = sin_table.index_select(0, positions.reshape(-1)).view(*tokens.shape, 1, -1)
         prefix = None

@@ -111,9 +111,10 @@ class Engine:
         if config.compile is not False and self.compile_refused is None:
             self.compiled = CompiledDecode(model, config.compile)
         self.lanes = self.compiled.lanes if self.compiled is not None else None
-        # Speculative verification steps compiled per span (compile_policy.py), on the CPU.
+        # Speculative verification steps compiled per span (compile_policy.py), on the CPU; a
+        # sliding-window model's spans stay eager (each query would need its own window mask).
         self.spans = None
-        if self.compiled is not None and model.device.type == "cpu":
+        if self.compiled is not None and model.device.type == "cpu" and not any(self.windows):
             self.spans = CompiledSpans(model, config.compile)
 
     # ------------------------------------------------------------------ requests

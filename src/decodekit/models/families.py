@@ -25,11 +25,24 @@ class Family:
     output_bias: bool = True  # o_proj's bias follows attention_bias (False: never)
     qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
     # Which layers slide when config.json has a sliding_window and no layer_types: "never"
-    # (Llama ignores it), "every" layer (Mistral), or as use_sliding_window and
-    # max_window_layers say (Qwen2/3, "use_sliding_window").
-    sliding: Literal["never", "every", "use_sliding_window"] = "never"
+    # (Llama ignores it), "every" layer (Mistral), as use_sliding_window and
+    # max_window_layers say (Qwen2/3, "use_sliding_window"), or all but every
+    # sliding_window_pattern-th layer (Gemma 3, "pattern", 6 by default).
+    sliding: Literal["never", "every", "use_sliding_window", "pattern"] = "never"
     # q and k rows reordered for ggml's RoPE in GGUF files of this family (llama-arch)
     rope_permuted: bool = False
+    # Gemma's differences (transformers' modeling_gemma.py, modeling_gemma3.py):
+    # RMSNorm scales by (1 + weight): LlamaNet stores the weight plus `norm_shift`, as llama.cpp's
+    # converter does, so its norms stay Llama's
+    norm_shift: float = 0.0
+    embed_scale: bool = False  # the embedding times sqrt(hidden_size), rounded to the model's dtype
+    # the config.json key of the MLP's gate activation (Gemma 3: hidden_activation)
+    activation_key: str = "hidden_act"
+    # four norms a block: the attention's and the MLP's outputs are normed before their
+    # residual add (Gemma 2/3: post_attention_layernorm, pre_ and post_feedforward_layernorm)
+    sandwich_norms: bool = False
+    # sliding layers rotate with their own RoPE base (Gemma 3: rope_parameters per layer type)
+    local_rope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -38,5 +51,15 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, output_bias=False,
                     sliding="use_sliding_window"),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding="use_sliding_window"),
+    "gemma": Family("GemmaForCausalLM", "gemma", norm_shift=1.0, embed_scale=True),
+    "gemma3_text": Family("Gemma3ForCausalLM", "gemma3", qk_norm=True, sliding="pattern", norm_shift=1.0,
+                          embed_scale=True, activation_key="hidden_activation", sandwich_norms=True,
+                          local_rope=True),
 }
 
+
+# The GGUF architectures decodekit reads and writes: the families whose own name is one
+# (llama.cpp writes Mistral as llama), on Llama's graph. Gemma's files store more (the norms'
+# shift, per-layer RoPE bases and windows in llama.cpp's own conventions): not yet.
+GGUF_ARCHITECTURES = tuple(sorted(name for name, family in FAMILIES.items()
+                                  if family.gguf == name and not family.norm_shift))  # fmt: skip

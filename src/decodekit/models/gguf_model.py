@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from decodekit.models.families import FAMILIES
+from decodekit.models.families import FAMILIES, GGUF_ARCHITECTURES
 from decodekit.models.gguf_tensors import FLOAT_TYPES, INTEGER_TYPES, Quantized, decode, unpermute_rope_rows
 from decodekit.models.native import LlamaNet, NativeLM, transpose_weight_layout
 from decodekit.models.native_config import NativeConfig
@@ -97,9 +97,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     """The config.json dict of a GGUF file's metadata (module docstring)."""
     arch = meta.get("general.architecture")
     # A GGUF architecture is read as the family of the same name (llama.cpp writes Mistral as llama).
-    allowed = sorted(name for name, family in FAMILIES.items() if family.gguf == name)
-    if arch not in allowed:
-        raise ValueError(f"{where}: general.architecture must be one of {allowed}, got {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{where}: general.architecture must be one of {list(GGUF_ARCHITECTURES)}, "
+                         f"got {arch!r}")
 
     def value(key: str, default: Any = KeyError) -> Any:
         if f"{arch}.{key}" in meta:

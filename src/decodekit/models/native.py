@@ -118,7 +118,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: NativeConfig, local: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -129,6 +129,11 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # the rotary tables' columns this layer reads: a sliding layer's own RoPE (Gemma 3;
+        # rope.py `RotaryTables`), or all of them
+        dim = config.head_dim
+        self.rotary = None if config.local_rope is None else slice(dim, 2 * dim) if local else slice(0, dim)
+        self.query_scale = config.query_scale
 
     def forward(
         self,
@@ -143,6 +148,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, num_new, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.rotary is not None:
+            cos, sin = cos[..., self.rotary], sin[..., self.rotary]
         qkv = _linear(self.qkv_proj, x, rowwise)
         qkv = qkv.view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -153,6 +160,8 @@ class Attention(nn.Module):
             q = apply_rope(self.q_norm(qkv[:, :, :heads]), cos, sin)
             k = apply_rope(self.k_norm(qkv[:, :, heads : heads + kv_heads]), cos, sin)
         v = qkv[:, :, heads + kv_heads :]
+        if self.query_scale is not None:  # scores scaled by query_pre_attn_scalar ** -0.5 (Gemma)
+            q = q * self.query_scale
         # The cache stores k/v and attends: ContiguousKVCache here, the engine's paged
         # batch (engine/batch.py) there; the layer maths stay in this one module.
         out = cache.attend(layer, q, k, v, mask, causal, rowwise)  # [B, T, H, D]
@@ -160,31 +169,47 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up fused."""
+    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up fused; GeGLU with GELU
+    (exact, or its tanh approximation: Gemma) in place of SiLU."""
 
     def __init__(self, config: NativeConfig):
         super().__init__()
         width = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.mlp_bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = {"silu": None, "gelu": "none", "gelu_pytorch_tanh": "tanh"}[config.activation]
 
     def forward(self, x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
         gate, up = _linear(self.gate_up_proj, x, rowwise).chunk(2, dim=-1)
-        return _linear(self.down_proj, F.silu(gate) * up, rowwise)
+        gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
+        return _linear(self.down_proj, gate * up, rowwise)
 
 
 class Block(nn.Module):
-    def __init__(self, config: NativeConfig):
+    """Pre-norm: x + attn(norm x), then x + mlp(norm x). With sandwich norms (Gemma 2/3) each
+    output is normed too before its add: `post_attention_layernorm` norms the attention's
+    output there, `pre_feedforward_layernorm` the MLP's input (transformers' names)."""
+
+    def __init__(self, config: NativeConfig, local: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.self_attn = Attention(config, local)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
         self.mlp = MLP(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(dim, eps)
+            self.post_feedforward_layernorm = RMSNorm(dim, eps)
+        self.sandwich = config.sandwich_norms
 
     def forward(self, x, cos, sin, cache, layer, mask, causal, rowwise=False):
         normed = self.input_layernorm(x)
-        x = x + self.self_attn(normed, cos, sin, cache, layer, mask, causal, rowwise)
-        return x + self.mlp(self.post_attention_layernorm(x), rowwise)
+        attended = self.self_attn(normed, cos, sin, cache, layer, mask, causal, rowwise)
+        if not self.sandwich:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x), rowwise)
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), rowwise))
 
 
 class LlamaNet(nn.Module):
@@ -200,11 +225,18 @@ class LlamaNet(nn.Module):
         if not weight.is_meta:
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        windows = config.layer_windows or (None,) * config.num_layers
+        self.layers = nn.ModuleList(Block(config, local=window is not None) for window in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Gemma's embedding scale rounded to each dtype the activations may have, as transformers
+        scale = config.embed_scale
+        self.embed_scales = None if scale is None else {
+            dtype: float(torch.tensor(scale, device="cpu").to(dtype))
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)}  # fmt: skip
+        self.final_softcap = config.final_softcap
 
     def forward(self, tokens, cos, sin, cache, masks, keep=None, rowwise=False, states=False):
         """Logits [B, T, V]; with `keep` (a [K] index) only those positions', [B, K, V].
@@ -218,11 +250,15 @@ class LlamaNet(nn.Module):
             x = x[:, keep]  # the engine needs logits at each sequence's last token only
         normed = self.norm(x)
         logits = _linear(self.lm_head, normed, rowwise).float()  # [B, T or K, V]
+        if self.final_softcap is not None:  # Gemma 2/3: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, normed.float()) if states else logits
 
     def trunk(self, tokens, cos, sin, cache, masks, rowwise=False) -> torch.Tensor:
         """The last layer's output [B, T, hidden], before the final norm."""
         x = self.embed_tokens(tokens)  # [B, T, hidden]
+        if self.embed_scales is not None:  # Gemma: times sqrt(hidden) rounded to the model's dtype
+            x = x * self.embed_scales[x.dtype]
         for index, (block, (mask, causal)) in enumerate(zip(self.layers, masks, strict=True)):
             x = block(x, cos, sin, cache, index, mask, causal, rowwise)
         return x
@@ -232,7 +268,9 @@ def fuse_checkpoint(
     state: dict[str, torch.Tensor], config: NativeConfig
 ) -> dict[str, torch.Tensor]:
     """Rename a transformers state dict to LlamaNet's: drop `model.`, concatenate q/k/v and
-    gate/up along the output dimension, drop the output head when it is tied."""
+    gate/up along the output dimension, drop the output head when it is tied, and shift the
+    RMSNorm weights by the family's `norm_shift` (Gemma's (1 + weight), as llama.cpp's
+    converter stores it: added in float32, the sum transformers' forward computes)."""
     out = {name.removeprefix("model."): tensor for name, tensor in state.items()}
     out = {name: t for name, t in out.items() if not name.endswith("rotary_emb.inv_freq")}
     fused = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -246,6 +284,9 @@ def fuse_checkpoint(
                     out[f"layers.{layer}.{parent}.{target}.{suffix}"] = torch.cat(tensors)
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    if config.norm_shift:
+        out = {name: t.float() + config.norm_shift if name.endswith("norm.weight") else t
+               for name, t in out.items()}  # fmt: skip
     return out
 
 
@@ -312,7 +353,7 @@ class NativeLM(LanguageModel):
         # Read by each forward and by each Engine when it is built (module docstring).
         self.batch_invariant = batch_invariant
         self.dtype, self.device = embedding_dtype_device(net.embed_tokens)
-        self.rope = RotaryTables(config.rope, self.dtype, device=self.device)
+        self.rope = RotaryTables(config.rope, self.dtype, device=self.device, local=config.local_rope)
 
     def to(self, device: str | torch.device) -> NativeLM:
         """Move the weights (and so the activations, KV caches and logits of every later
@@ -321,7 +362,7 @@ class NativeLM(LanguageModel):
         device = torch.device(device)
         self.net.to(device)
         self.device = embedding_dtype_device(self.net.embed_tokens)[1]
-        self.rope = RotaryTables(self.config.rope, self.dtype, device=self.device)
+        self.rope = RotaryTables(self.config.rope, self.dtype, device=self.device, local=self.config.local_rope)
         return self
 
     @staticmethod

@@ -12,6 +12,20 @@ from decodekit.models.rope import ROPE_TYPES, RopeConfig, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 
 
+# The MLP gate's activations (transformers' ACT2FN names): SwiGLU's, and GeGLU's two GELUs
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
+def activation(config: dict[str, Any]) -> str:
+    """The MLP gate's activation of a config.json of a known family."""
+    family = FAMILIES[config["model_type"]]
+    name = config.get(family.activation_key) or "silu"
+    if config["model_type"] == "gemma" and name == "gelu":
+        # transformers' GemmaConfig reads Gemma 1's legacy "gelu" as the tanh approximation
+        return "gelu_pytorch_tanh"
+    return name
+
+
 def unsupported_reason(config: dict[str, Any]) -> str | None:
     """Why NativeLM cannot run this config.json, or None if it can."""
     model_type = config.get("model_type")
@@ -21,11 +35,20 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
     unknown = [a for a in config.get("architectures") or [] if a not in classes]
     if unknown:
         return f"architectures must be among {classes}, got {unknown}"
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act must be 'silu', got {config.get('hidden_act')!r}"
-    rope = read_rope_parameters(config)
-    if rope["rope_type"] not in ROPE_TYPES:
-        return f"rope_type must be one of {ROPE_TYPES}, got {rope['rope_type']!r}"
+    family = FAMILIES[model_type]
+    if activation(config) not in ACTIVATIONS:
+        return f"{family.activation_key} must be one of {ACTIVATIONS}, got {activation(config)!r}"
+    if config.get("attn_logit_softcapping") is not None:
+        return f"attn_logit_softcapping must be null, got {config['attn_logit_softcapping']}"
+    if config.get("use_bidirectional_attention"):
+        return "use_bidirectional_attention must be false: NativeLM's attention is causal"
+    layer_types = ("full_attention", "sliding_attention") if family.local_rope else (None,)
+    for layer_type in layer_types:
+        rope = read_rope_parameters(config, layer_type)
+        if rope["rope_type"] not in ROPE_TYPES:
+            return f"rope_type must be one of {ROPE_TYPES}, got {rope['rope_type']!r}"
+        if family.local_rope and rope["rope_type"] == "dynamic":
+            return "rope_type must not be 'dynamic' where layers have their own RoPE"
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         return f"partial_rotary_factor must be 1.0, got {partial}"
@@ -52,10 +75,22 @@ class NativeConfig:
     qkv_bias: bool = False
     output_bias: bool = False  # o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3
+    qk_norm: bool = False  # Qwen3, Gemma 3
     tie_word_embeddings: bool = False
     # Each layer's sliding window (None: full attention); () when no layer slides.
     layer_windows: tuple[int | None, ...] = ()
+    activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
+    # Gemma's differences (models/families.py): the RMSNorm weights' shift (folded into the
+    # weights at load), the embedding's scale (None: 1), four norms a block
+    norm_shift: float = 0.0
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    # the sliding layers' own RoPE (Gemma 3); None: every layer rotates by `rope`
+    local_rope: RopeConfig | None = None
+    # the queries' multiplier before attention's head_dim ** -0.5, which makes the scores'
+    # scale query_pre_attn_scalar ** -0.5 (Gemma 3); None: 1
+    query_scale: float | None = None
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -77,7 +112,8 @@ class NativeConfig:
         """Positions the model can encode: max_position_embeddings, stretched by linear or
         dynamic RoPE scaling (for these, transformers' docs say not to raise
         max_position_embeddings to the new length; llama3 configs already state it)."""
-        if self.rope.kind in ("linear", "dynamic"):
+        if self.rope.kind in ("linear", "dynamic") and self.local_rope is None:
+            # (Gemma 3's max_position_embeddings is the stretched context already)
             return int(self.max_positions * max(self.rope.factor, 1.0))
         return self.max_positions
 
@@ -95,6 +131,15 @@ class NativeConfig:
         attention_bias = bool(config.get("attention_bias", False))
         qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
         output_bias = attention_bias and family.output_bias
+        windows = _layer_windows(config, int(config["num_hidden_layers"]))
+        local_rope = None
+        if family.local_rope and any(w is not None for w in windows):
+            local_rope = rope_config(config, int(head_dim), "sliding_attention")
+        query_scale = None
+        if config.get("query_pre_attn_scalar") is not None:
+            query_scale = (int(head_dim) / float(config["query_pre_attn_scalar"])) ** 0.5
+            query_scale = None if query_scale == 1.0 else query_scale
+        softcap = config.get("final_logit_softcapping")
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
@@ -106,18 +151,25 @@ class NativeConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_positions=int(config.get("max_position_embeddings", 2048)),
-            rope=rope_config(config, int(head_dim)),
+            rope=rope_config(config, int(head_dim), "full_attention" if family.local_rope else None),
             qkv_bias=qkv_bias,
             output_bias=output_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=family.qk_norm,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
-            layer_windows=_layer_windows(config, int(config["num_hidden_layers"])),
+            layer_windows=windows,
+            activation=activation(config),
+            norm_shift=family.norm_shift,
+            embed_scale=float(config["hidden_size"]) ** 0.5 if family.embed_scale else None,
+            sandwich_norms=family.sandwich_norms,
+            local_rope=local_rope,
+            query_scale=query_scale,
+            final_softcap=None if softcap is None else float(softcap),
         )
 
 
 def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window, as transformers' modeling_{mistral,qwen2,qwen3}.py."""
+    """Each layer's sliding window, as transformers' modeling_{mistral,qwen2,qwen3,gemma3}.py."""
     window = config.get("sliding_window")
     sliding = FAMILIES[config["model_type"]].sliding
     if window is None or sliding == "never":
@@ -128,6 +180,10 @@ def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None,
             return ()
         first = int(config.get("max_window_layers", 28))
         layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(num_layers)]  # fmt: skip
+    if layer_types is None and sliding == "pattern":  # transformers' Gemma3TextConfig
+        pattern = int(config.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                        for i in range(num_layers)]  # fmt: skip
     if layer_types is None:
         return (int(window),) * num_layers  # sliding "every" (Mistral)

@@ -54,17 +54,24 @@ class RopeConfig:
                              f"got {len(self.frequency_factors)}")
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE dict of an HF config.json, old (`rope_scaling` + `rope_theta`) or new
-    (`rope_parameters`, transformers >= 5) layout."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    (`rope_parameters`, transformers >= 5) layout; with `layer_type` ("full_attention" or
+    "sliding_attention"), that type's own (Gemma 3: a dict per type, or in the old layout
+    `rope_local_base_freq` for the sliding layers)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        params = params.get(layer_type or "full_attention") or {}
+    elif layer_type == "sliding_attention":
+        params = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    params = dict(params)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     return params
 
 
-def rope_config(config: dict[str, Any], head_dim: int) -> RopeConfig:
-    params = rope_parameters(config)
+def rope_config(config: dict[str, Any], head_dim: int, layer_type: str | None = None) -> RopeConfig:
+    params = rope_parameters(config, layer_type)
     max_positions = int(config.get("max_position_embeddings", 2048))
     return RopeConfig(
         head_dim=head_dim,
@@ -113,14 +120,25 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tenso
 class RotaryTables:
     """cos and signed sin tables [P, D] grown on demand, in the model's dtype.
 
+    With a `local` RoPE the tables are [P, 2D]: `rope`'s columns, then `local`'s. Every
+    caller indexes them by position as it would [P, D] ones, and each layer takes its half
+    (models/native.py `Attention`), so a model whose sliding layers rotate with their own base (Gemma 3) goes
+    through the engine's steps unchanged.
+
     `rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1.., +1..]`, so the sign is folded
     into the sin table and applying RoPE is two multiplies, one roll and one add.
     """
 
     def __init__(
-        self, rope: RopeConfig, dtype: torch.dtype, capacity: int = 256, device: str | torch.device = "cpu"
+        self,
+        rope: RopeConfig,
+        dtype: torch.dtype,
+        capacity: int = 256,
+        device: str | torch.device = "cpu",
+        local: RopeConfig | None = None,
     ):
         self.rope = rope
+        self.local = local  # the sliding layers' own RoPE (Gemma 3): tables [P, 2D], `rope`'s then its
         self.dtype = dtype
         self.device = torch.device(device)
         if rope.kind == "dynamic":
@@ -135,14 +153,18 @@ class RotaryTables:
     def _rotations(self, positions: torch.Tensor, freq_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [P, D] of `positions` [P] (any device) with the frequencies of a
         sequence of `freq_positions` positions."""
-        inv_freq = inverse_frequencies(self.rope, freq_positions)  # [D/2]
-        freqs = positions.cpu().float()[:, None] * inv_freq[None, :]  # [P, D/2]
-        half = inv_freq.shape[0]
-        sign = torch.cat([-torch.ones(half, device="cpu"), torch.ones(half, device="cpu")])  # [D]
-        angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        # Computed in float32 on the CPU (transformers' numbers), then moved once.
-        cos, sin = angles.cos().to(self.dtype), (angles.sin() * sign).to(self.dtype)
-        return cos.to(self.device), sin.to(self.device)
+        ropes = (self.rope,) if self.local is None else (self.rope, self.local)
+        cos, sin = [], []
+        for rope in ropes:
+            inv_freq = inverse_frequencies(rope, freq_positions)  # [D/2]
+            freqs = positions.cpu().float()[:, None] * inv_freq[None, :]  # [P, D/2]
+            half = inv_freq.shape[0]
+            sign = torch.cat([-torch.ones(half, device="cpu"), torch.ones(half, device="cpu")])  # [D]
+            angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+            # Computed in float32 on the CPU (transformers' numbers), then moved once.
+            cos.append(angles.cos().to(self.dtype))
+            sin.append((angles.sin() * sign).to(self.dtype))
+        return torch.cat(cos, dim=-1).to(self.device), torch.cat(sin, dim=-1).to(self.device)
 
     def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin covering positions [0, num_positions)."""
