@@ -91,8 +91,10 @@ def hf_logits(hf_model, sequence: list[int]) -> torch.Tensor:
 
 def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        ones = torch.ones((1, len(prompt)), dtype=torch.long)
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=ones,
+                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
 
@@ -125,7 +127,8 @@ def test_norm_weights_are_stored_shifted_as_llama_cpp_stores_them(gemma3):
     theirs = hf_model.model.layers[1].pre_feedforward_layernorm.weight
     ours = model.net.layers[1].pre_feedforward_layernorm.weight
     assert torch.equal(ours, theirs.float() + 1)
-    assert torch.equal(model.net.layers[0].self_attn.q_norm.weight, hf_model.model.layers[0].self_attn.q_norm.weight + 1)
+    q_norm = hf_model.model.layers[0].self_attn.q_norm.weight
+    assert torch.equal(model.net.layers[0].self_attn.q_norm.weight, q_norm + 1)
     assert model.config.layer_windows == (WINDOW, WINDOW, None, WINDOW)
     assert model.config.embed_scale == 8.0 and model.config.activation == "gelu_pytorch_tanh"
 
@@ -143,7 +146,8 @@ def test_engine_generates_past_the_windows_like_transformers(gemma3, batch_invar
         for completion in completions:
             sequence = prompt + completion.token_ids
             logits = hf_logits(hf_model, sequence)[len(prompt) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+            chosen = torch.tensor(completion.token_ids)[:, None]
+            expected = torch.log_softmax(logits, -1).gather(-1, chosen)[:, 0]
             assert completion.logprobs == pytest.approx(expected.tolist(), abs=TOL)
     assert len({tuple(c.token_ids) for c in got[2]}) > 1  # the samples differ
 
@@ -153,7 +157,8 @@ def test_the_compiled_step_gives_the_eager_engines_tokens(gemma3, monkeypatch):
     of the rotary tables indexed inside the graph): greedy and seeded rows as eager."""
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     _, base = gemma3
-    seeded = dk.SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=5, n=3, ignore_eos=True)
+    seeded = dk.SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=5, n=3,
+                               ignore_eos=True)
     greedy = dk.SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
     def run(mode: bool) -> tuple[list, Engine]:
@@ -202,8 +207,8 @@ def test_the_old_config_layout_loads_the_same_model(gemma3, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
         config.pop(key, None)
-    config.update(rope_theta=10000.0, rope_local_base_freq=50.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                  sliding_window_pattern=3, num_hidden_layers=4)  # fmt: skip
+    config.update(rope_theta=10000.0, rope_local_base_freq=50.0, sliding_window_pattern=3,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     old = load_model(tmp_path)
     assert old.config == model.config
@@ -225,8 +230,8 @@ def test_attention_softcapping_runs_on_transformers(tmp_path):
 
     reason = unsupported_reason(json.loads((tmp_path / "config.json").read_text()))
     assert reason.startswith("model_type must be one of") and "gemma3_text" in reason
-    assert "attn_logit_softcapping must be null, got 50.0" == unsupported_reason(
-        {**gemma3_config(101).to_dict(), "attn_logit_softcapping": 50.0})  # fmt: skip
+    capped = {**gemma3_config(101).to_dict(), "attn_logit_softcapping": 50.0}
+    assert unsupported_reason(capped) == "attn_logit_softcapping must be null, got 50.0"
 
 
 def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny_llama_dir):
@@ -244,7 +249,8 @@ def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny
     # int8's error at this tiny random shape: 0.16 of logits up to ~5 (a Qwen3 of it: 0.16 too)
     assert (expected - base.forward(tokens, base.new_cache(1))).abs().max() < 0.3
     params = dk.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    assert dk.generate(model, "ROMEO:", params)[0].token_ids == dk.generate(loaded, "ROMEO:", params)[0].token_ids
+    [[before]], [[after]] = dk.generate(model, "ROMEO:", params), dk.generate(loaded, "ROMEO:", params)
+    assert before.token_ids == after.token_ids
 
 
 def test_gguf_export_names_the_families_it_writes(gemma3, tmp_path):

@@ -89,7 +89,7 @@ class LaneAttention:
     token each over their RunningKV rows, and over a shared prefix for the rows that continue
     it (module docstring). Records the new keys/values."""
 
-    def __init__(self, keys, values, visible, prefix=None, places=None):  # visible: each layer's [B, 1, 1, C]
+    def __init__(self, keys, values, visible, prefix=None, places=None):  # each layer's visible [B, 1, 1, C]
         self.keys, self.values, self.visible = keys, values, visible
         self.prefix = prefix  # None, or keys, values [N, 1, H_kv, P, D] and sees [B, 1, 1, P] bool
         # None: the new keys attend beside the rows (written out, nothing mutated); else each
@@ -116,7 +116,8 @@ class LaneAttention:
             # with a shared prefix one softmax over [its span, the row], written out (SDPA does
             # not return the log-sum-exp that merging two parts would need)
             written_out = bool(prefixes)
-            return decode_attention(q, keys, values, self.visible[layer], prefixes=prefixes, written_out=written_out)
+            return decode_attention(q, keys, values, self.visible[layer], prefixes=prefixes,
+                                    written_out=written_out)
         # written out (models/attention.py) as dynamo traces it, also when a CUDA graph records
         # it eager: the eager kernels' form would copy every row's keys to append the new one
         out = decode_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.visible[layer],

@@ -362,7 +362,8 @@ class NativeLM(LanguageModel):
         device = torch.device(device)
         self.net.to(device)
         self.device = embedding_dtype_device(self.net.embed_tokens)[1]
-        self.rope = RotaryTables(self.config.rope, self.dtype, device=self.device, local=self.config.local_rope)
+        config = self.config
+        self.rope = RotaryTables(config.rope, self.dtype, device=self.device, local=config.local_rope)
         return self
 
     @staticmethod

@@ -11,7 +11,6 @@ from decodekit.models.families import FAMILIES
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, rope_config
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 
-
 # The MLP gate's activations (transformers' ACT2FN names): SwiGLU's, and GeGLU's two GELUs
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
