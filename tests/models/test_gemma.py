@@ -249,7 +249,7 @@ def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny
     # int8's error at this tiny random shape: 0.16 of logits up to ~5 (a Qwen3 of it: 0.16 too)
     assert (expected - base.forward(tokens, base.new_cache(1))).abs().max() < 0.3
     params = dk.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    [[before]], [[after]] = dk.generate(model, "ROMEO:", params), dk.generate(loaded, "ROMEO:", params)
+    [before], [after] = dk.generate(model, "ROMEO:", params), dk.generate(loaded, "ROMEO:", params)
     assert before.token_ids == after.token_ids
 
 
