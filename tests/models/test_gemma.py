@@ -253,12 +253,31 @@ def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny
     assert before.token_ids == after.token_ids
 
 
-def test_gguf_export_names_the_families_it_writes(gemma3, tmp_path):
+@pytest.mark.parametrize("family", ["gemma3", "gemma"])
+def test_a_gguf_file_of_gemma_gives_the_checkpoints_logits(family, tmp_path, tiny_llama_dir):
+    """`write_gguf` stores Gemma as llama.cpp's converter does (norms shifted, gemma3's window,
+    sliding flags, their RoPE base and the logits' cap as keys, the post norms under their
+    names), and `load_model` of the file reads back the checkpoint's model: transformers'
+    logits from the f32 file, near them from q8_0."""
     pytest.importorskip("gguf")
     from decodekit.compress.gguf import write_gguf
 
-    source = tmp_path / "g"
-    save(gemma3_config(101), source)
-    with pytest.raises(ValueError, match=r"GGUF files are written for model_type \['llama', 'mistral', "
-                                         r"'qwen2', 'qwen3'\], got 'gemma3_text'"):  # fmt: skip
-        write_gguf(source, tmp_path / "g.gguf")
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    config = (gemma3_config(vocab, query_pre_attn_scalar=32) if family == "gemma3"  # llama.cpp's scale
+              else transformers.GemmaConfig(**TINY, vocab_size=vocab, head_dim=32))  # fmt: skip
+    hf_model = save(config, tmp_path / "hf", tiny_llama_dir)
+    expected = hf_logits(hf_model, SEQUENCE)
+    for kind, tolerance in (("f32", TOL), ("q8_0", 0.3)):
+        model = load_model(write_gguf(tmp_path / "hf", tmp_path / f"{kind}.gguf", kind))
+        assert model.config == load_model(tmp_path / "hf").config
+        got = model.forward(torch.tensor([SEQUENCE]), model.new_cache(1))[0]
+        assert (got - expected).abs().max() <= tolerance
+
+
+def test_gguf_writing_refuses_what_llama_cpps_gemma3_cannot_hold(gemma3, tmp_path):
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+
+    save(gemma3_config(101), tmp_path)  # query_pre_attn_scalar 20, head_dim 32
+    with pytest.raises(ValueError, match=r"llama.cpp's gemma3 scales queries by 1 / sqrt\(32\)"):
+        write_gguf(tmp_path, tmp_path / "g.gguf")

@@ -28,10 +28,12 @@ def parameters_of(config: dict) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
-# The published parameter counts (134.5M, 494.0M, 1,235.8M) minus the embedding rows past the
-# 2,048 kept: (49,152 - 2,048) x 576, (151,936 - 2,048) x 896, (128,256 - 2,048) x 2,048.
+# The published parameter counts (134.5M, 494.0M, 1,235.8M, 999.9M) minus the embedding rows
+# past the 2,048 kept: (49,152 - 2,048) x 576, (151,936 - 2,048) x 896, (128,256 - 2,048) x
+# 2,048, (262,144 - 2,048) x 1,152.
 SIZES = [("smollm2-135m", 134.5 - 27.1), ("qwen2.5-0.5b", 494.0 - 134.3),
-         ("qwen2.5-0.5b-16l", 240.4), ("llama-3.2-1b", 1235.8 - 258.5)]  # fmt: skip
+         ("qwen2.5-0.5b-16l", 240.4), ("llama-3.2-1b", 1235.8 - 258.5),
+         ("gemma-3-1b", 999.886 - 299.631)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "millions"), SIZES)
@@ -59,7 +61,7 @@ def small(name: str, layers: int = 2) -> dict:
     return {**shape_config(name), "num_hidden_layers": layers}
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b"])
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b", "gemma-3-1b"])
 def test_a_saved_random_checkpoint_loads_natively_and_in_transformers_alike(name, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -20,7 +20,8 @@ from decodekit.cli.common import (
 BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "server", "engine", "beam",
            "latency", "presets", "dtype", "packed", "kv", "soak", "startup")
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape
-SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b")  # models/shapes.py
+# models/shapes.py
+SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b", "gemma-3-1b")
 TIMED = ("constrained", "compress", "speculative", "server", "engine", "beam", "latency", "dtype", "packed",
          "kv", "decode", "startup")  # the benchmarks that take --repeats
 

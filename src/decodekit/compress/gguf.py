@@ -35,19 +35,25 @@ NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
+# A sandwich-norm block's (Gemma 3): ffn_norm is the MLP's input norm there
+SANDWICH_NAMES = {
+    **NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, sandwich: bool = False) -> str:
     """GGUF's name of a transformers tensor name ("model.layers.3.mlp.up_proj.weight" ->
-    "blk.3.ffn_up.weight")."""
+    "blk.3.ffn_up.weight"); `sandwich`: a sandwich-norm family's (Gemma 3)."""
     module, suffix = name.rsplit(".", 1)
     if module in TOP:
         return f"{TOP[module]}.{suffix}"
     parts = module.split(".")
-    if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in NAMES:
+    names = SANDWICH_NAMES if sandwich else NAMES
+    if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in names:
         raise ValueError(f"tensor {name!r} has no GGUF name (a Llama-family decoder has none like it)")
-    return f"blk.{parts[2]}.{NAMES['.'.join(parts[3:])]}.{suffix}"
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{suffix}"
 
 
 def rope_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -188,7 +194,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     (module docstring)."""
     from decodekit.models.checkpoint import load_safetensors, read_config
     from decodekit.models.compressed import COMPRESSION_FILE
-    from decodekit.models.families import FAMILIES, GGUF_ARCHITECTURES
+    from decodekit.models.families import FAMILIES
     from decodekit.models.native_config import NativeConfig
     from decodekit.optional import require
 
@@ -200,9 +206,6 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
     family = FAMILIES[parsed.model_type]
     arch = family.gguf
-    if arch not in GGUF_ARCHITECTURES:
-        writable = sorted(name for name, f in FAMILIES.items() if f.gguf in GGUF_ARCHITECTURES)
-        raise ValueError(f"GGUF files are written for model_type {writable}, got {parsed.model_type!r}")
     compressed = (model_dir / COMPRESSION_FILE).exists()
     state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)
     if compressed:
@@ -235,8 +238,16 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     elif parsed.rope.kind != "default":
         raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE, "
                          f"got {parsed.rope.kind!r}")
-    if parsed.layer_windows:
+    if arch == "gemma3":
+        gemma3_metadata(writer, parsed, model_dir)
+    elif parsed.layer_windows:
         raise ValueError(f"{model_dir}: GGUF writing does not take sliding-window attention")
+    elif parsed.query_scale is not None or parsed.final_softcap is not None:  # Gemma 1's graph has neither
+        raise ValueError(f"{model_dir}: GGUF's {arch} takes neither query_pre_attn_scalar nor "
+                         "final_logit_softcapping")  # fmt: skip
+    # Gemma's norms (1 + w) are stored shifted, as llama.cpp's converter stores them; a compressed
+    # directory's already are (LlamaNet's own weights)
+    shift = 0.0 if compressed else family.norm_shift
     writer.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}[tensor_type])
     tokenizer_metadata(writer, model_dir, config, arch)
     heads = {"q_proj": parsed.num_heads, "k_proj": parsed.num_kv_heads}
@@ -247,15 +258,41 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
         if isinstance(tensor, tuple):
             data, raw_dtype = code_blocks(*tensor, where=f"{model_dir}: {name}")
         else:
-            data, raw_dtype = encode_tensor(tensor.float().numpy(), tensor_type)
+            values = tensor.float() + shift if shift and name.endswith("norm.weight") else tensor.float()
+            data, raw_dtype = encode_tensor(values.numpy(), tensor_type)
         if family.rope_permuted and projection in heads:
             data = rope_permute(data, heads[projection])  # whole rows, so blocks move intact
-        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+        writer.add_tensor(gguf_name(name, family.sandwich_norms), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def gemma3_metadata(writer: Any, parsed: Any, model_dir: Path) -> None:
+    """A Gemma 3's keys beyond Llama's, as llama.cpp's gemma3 graph reads them
+    (models/gguf_model.py `gemma3_config`): the window and one sliding flag a layer, the sliding
+    layers' RoPE base, the logits' cap. The queries' scale is not a key: llama.cpp derives it
+    from the shapes, so a model whose query_pre_attn_scalar differs from that rule is refused."""
+    windows = parsed.layer_windows
+    if windows:
+        if len({w for w in windows if w is not None}) > 1:
+            sizes = sorted(set(windows) - {None})
+            raise ValueError(f"{model_dir}: GGUF's gemma3 takes one sliding window, got {sizes}")
+        writer.add_sliding_window(next(w for w in windows if w is not None))
+        writer.add_sliding_window_pattern([w is not None for w in windows])
+    if parsed.local_rope is not None:
+        if parsed.local_rope.kind != "default":
+            raise ValueError(f"{model_dir}: GGUF's gemma3 takes default RoPE on its sliding layers, "
+                             f"got {parsed.local_rope.kind!r}")  # fmt: skip
+        writer.add_rope_freq_base_swa(parsed.local_rope.theta)
+    if parsed.final_softcap is not None:
+        writer.add_final_logit_softcapping(parsed.final_softcap)
+    scalar = parsed.hidden_size // parsed.num_heads if parsed.num_layers == 62 else parsed.head_dim
+    if abs((parsed.query_scale or 1.0) - (parsed.head_dim / scalar) ** 0.5) > 1e-6:
+        raise ValueError(f"{model_dir}: llama.cpp's gemma3 scales queries by 1 / sqrt({scalar}); this "
+                         "model's query_pre_attn_scalar differs")  # fmt: skip
 
 
 def compress_to_gguf(model: str | Path, config: Any, out: str | Path, calib_file: str | Path | None = None,

@@ -58,8 +58,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-# The GGUF architectures decodekit reads and writes: the families whose own name is one
-# (llama.cpp writes Mistral as llama), on Llama's graph. Gemma's files store more (the norms'
-# shift, per-layer RoPE bases and windows in llama.cpp's own conventions): not yet.
-GGUF_ARCHITECTURES = tuple(sorted(name for name, family in FAMILIES.items()
-                                  if family.gguf == name and not family.norm_shift))  # fmt: skip
+# GGUF architecture -> the model_type it is read as: a family's own name (llama.cpp writes
+# Mistral and SmolLM as llama), and "gemma3" for Gemma 3's text model.
+GGUF_MODEL_TYPES = {family.gguf: name for name, family in FAMILIES.items()
+                    if family.gguf == name or family.gguf not in FAMILIES}  # fmt: skip

@@ -2,11 +2,13 @@
 
 The file is read with gguf-py (`gguf.GGUFReader`, llama.cpp's own reader; the `gguf` extra).
 Its metadata becomes the config.json dict NativeConfig already parses (`gguf_config`):
-`general.architecture` llama, qwen2 or qwen3 (llama.cpp converts Mistral and SmolLM to
-"llama"), and under `{arch}.`: context_length, embedding_length, feed_forward_length,
+`general.architecture` llama, qwen2, qwen3, gemma or gemma3 (llama.cpp converts Mistral and
+SmolLM to "llama"; gemma3 is Gemma 3's text model), and under `{arch}.`: context_length,
+embedding_length, feed_forward_length,
 block_count, attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
 rope.freq_base, rope.dimension_count, rope.scaling.type/factor (no sliding window: llama.cpp
-runs these architectures without one, `gguf_config`);
+runs these architectures without one, `gguf_config`; gemma3's window, sliding layers, their
+RoPE base and the logits' cap as its graph reads them, `gemma3_config`);
 Llama 3's RoPE scaling is the tensor rope_freqs.weight (`with_frequency_factors`). Tied
 embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
 The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
@@ -43,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from decodekit.models.families import FAMILIES, GGUF_ARCHITECTURES
+from decodekit.models.families import FAMILIES, GGUF_MODEL_TYPES
 from decodekit.models.gguf_tensors import FLOAT_TYPES, INTEGER_TYPES, Quantized, decode, unpermute_rope_rows
 from decodekit.models.native import LlamaNet, NativeLM, transpose_weight_layout
 from decodekit.models.native_config import NativeConfig
@@ -55,6 +57,14 @@ LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }  # fmt: skip
+# A sandwich-norm block's (Gemma 3): ffn_norm is the MLP's input norm there
+SANDWICH_TENSORS = {
+    **LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}  # fmt: skip
+# The MLP gate's activation of llama.cpp's graph of each architecture (ggml_gelu is GELU's tanh form)
+GRAPH_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}
 FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "mlp.gate_up_proj": ("ffn_gate", "ffn_up")}
 SINGLE = {"self_attn.o_proj": "attn_output", "mlp.down_proj": "ffn_down"}
 
@@ -96,10 +106,11 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
     """The config.json dict of a GGUF file's metadata (module docstring)."""
     arch = meta.get("general.architecture")
-    # A GGUF architecture is read as the family of the same name (llama.cpp writes Mistral as llama).
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{where}: general.architecture must be one of {list(GGUF_ARCHITECTURES)}, "
+    if arch not in GGUF_MODEL_TYPES:
+        raise ValueError(f"{where}: general.architecture must be one of {sorted(GGUF_MODEL_TYPES)}, "
                          f"got {arch!r}")
+    model_type = GGUF_MODEL_TYPES[arch]
+    family = FAMILIES[model_type]
 
     def value(key: str, default: Any = KeyError) -> Any:
         if f"{arch}.{key}" in meta:
@@ -127,7 +138,8 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     rows = 0 if embedding is None else int(embedding.shape[1])
     vocab = len(meta.get("tokenizer.ggml.tokens") or []) or rows
     config = {
-        "model_type": arch, "architectures": [FAMILIES[arch].architecture], "hidden_act": "silu",
+        "model_type": model_type, "architectures": [family.architecture],
+        family.activation_key: GRAPH_ACTIVATIONS.get(arch, "silu"),
         "vocab_size": int(value("vocab_size", vocab)), "hidden_size": hidden,
         "intermediate_size": int(value("feed_forward_length")),
         "num_hidden_layers": int(value("block_count")),
@@ -139,8 +151,39 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     }  # fmt: skip
     # {arch}.attention.sliding_window is not read: llama.cpp's llama, qwen2 and qwen3 graphs
     # attend over every position (src/models/{llama,qwen2,qwen3}.cpp), so a GGUF file of Mistral
-    # 7B v0.1 means full attention, and decodekit runs what the file means.
+    # 7B v0.1 means full attention, and decodekit runs what the file means. Gemma 3's graph reads
+    # it (src/models/gemma3.cpp):
+    if arch == "gemma3":
+        config.update(gemma3_config(value, config))
     return config
+
+
+def gemma3_config(value, config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json fields of a gemma3 file's metadata as llama.cpp's gemma3 graph reads it:
+    the window and which layers slide (attention.sliding_window_pattern, one flag a layer, or
+    every layer but each n-th, 6 by default), the sliding layers' RoPE base (rope.freq_base_swa,
+    10,000 by default), the final logits' cap (0: none), and the queries' scale, which the file
+    does not hold: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for 62 layers (Gemma 3 27B)."""
+    layers, window = config["num_hidden_layers"], int(value("attention.sliding_window", 0))
+    full = {**config["rope_parameters"]}
+    fields: dict[str, Any] = {"rope_parameters": {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": decimal(value("rope.freq_base_swa", 10000.0))},
+    }}  # fmt: skip
+    if window > 0:
+        pattern = value("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            sliding = [bool(flag) for flag in pattern][:layers]
+        else:  # llama_hparams::set_swa_pattern
+            sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+        fields["sliding_window"] = window
+        fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    fields["query_pre_attn_scalar"] = scalar
+    softcap = decimal(value("final_logit_softcapping", 0.0))
+    fields["final_logit_softcapping"] = softcap or None
+    return fields
 
 
 def with_frequency_factors(config: NativeConfig, tensors: dict[str, Any], where: str) -> NativeConfig:
@@ -282,8 +325,8 @@ def fused_layer(parts: list[torch.Tensor | Quantized], biases: list[torch.Tensor
 class _Tensors:
     """The file's tensors, each decoded once when taken; names never taken are unexpected."""
 
-    def __init__(self, tensors: dict[str, Any], where: str, config: NativeConfig, arch: str):
-        self.tensors, self.where, self.config, self.arch = tensors, where, config, arch
+    def __init__(self, tensors: dict[str, Any], where: str, config: NativeConfig):
+        self.tensors, self.where, self.config = tensors, where, config
         self.taken: set[str] = set()
 
     def take(
@@ -303,7 +346,7 @@ class _Tensors:
         raw = tensor.data
         part = name.split(".")[2] if name.startswith("blk.") else ""
         heads = {"attn_q": self.config.num_heads, "attn_k": self.config.num_kv_heads}.get(part)
-        if FAMILIES[self.arch].rope_permuted and heads is not None:
+        if FAMILIES[self.config.model_type].rope_permuted and heads is not None:
             raw = unpermute_rope_rows(np.asarray(raw), heads)
         try:
             value = decode(raw, type_name, shape)
@@ -344,7 +387,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
     tokenizer, eos = build_tokenizer(meta, where), eos_token_ids(meta)
     torch_dtype = resolve_dtype(dtype, {"dtype": stored_dtype(tensors)}, device)
     half = half_weights(dtype, tensors, device)
-    files = _Tensors(tensors, where, parsed, meta["general.architecture"])
+    files = _Tensors(tensors, where, parsed)
     net = _build_net(files, parsed, torch_dtype)
     unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight"})
     if unexpected:
@@ -388,7 +431,7 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
     inputs = {"attn_output": q_width, "ffn_down": c.intermediate_size}
     for index, block in enumerate(net.layers):
         prefix = f"blk.{index}."
-        for gguf_name, ours in LAYER_TENSORS.items():
+        for gguf_name, ours in (SANDWICH_TENSORS if c.sandwich_norms else LAYER_TENSORS).items():
             size = c.head_dim if "_q_norm" in gguf_name or "_k_norm" in gguf_name else hidden
             if ours.startswith(("self_attn.q_norm", "self_attn.k_norm")) and not c.qk_norm:
                 continue

@@ -15,7 +15,8 @@ N(0, 1/fan_in), so each sublayer adds a residual of about its input's size, and 
 embedding N(0, 9/hidden), so the tied output head gives logits of standard deviation ~3 from
 a unit-RMS hidden state. The layers' sum then outweighs the input token's own embedding in
 the last hidden state; with GPT-2's 1/sqrt(2 * layers) residual scaling it does not, and the
-tied head puts ~0.99 of the probability on repeating the input token.
+tied head puts ~0.99 of the probability on repeating the input token. (Gemma's embedding,
+scaled by sqrt(hidden) on input, is drawn and read back to the same effect: `random_state_dict`.)
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ _LLAMA32_1B = {
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": True,
 }  # fmt: skip
+_GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+    "hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "num_hidden_layers": 26, "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": True,
+}  # fmt: skip
 
 # Name -> the real model's config.json fields that set its shapes.
 SHAPES: dict[str, dict] = {
@@ -64,6 +74,9 @@ SHAPES: dict[str, dict] = {
     # the model issue 15 measured against llama.cpp.
     "qwen2.5-0.5b-16l": {**_QWEN25_05B, "num_hidden_layers": 16},
     "llama-3.2-1b": _LLAMA32_1B,
+    # Gemma 3 1B: five sliding layers (window 512) to one full, sandwich norms, GeGLU; its
+    # 262,144-token vocabulary cut as the others' are
+    "gemma-3-1b": _GEMMA3_1B,
 }
 
 
@@ -87,15 +100,26 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         std = scale / math.sqrt(in_features)
         return torch.randn(out_features, in_features, generator=generator).mul_(std)
 
-    state = {"model.embed_tokens.weight": gaussian(config["vocab_size"], hidden, 3.0),
-             "model.norm.weight": torch.ones(hidden)}  # fmt: skip
+    family = FAMILIES[config["model_type"]]
+    # A family that scales its embedding by sqrt(hidden) on input (Gemma) draws it sqrt(hidden)
+    # smaller, so its layers see what the other shapes' do, and its final norm's gain of
+    # sqrt(hidden) gives the tied head's logits the same spread.
+    embed, gain = (3.0 / math.sqrt(hidden), math.sqrt(hidden)) if family.embed_scale else (3.0, 1.0)
+    unit = 1.0 - family.norm_shift  # a norm's weight that scales by 1 (Gemma's: 0, for 1 + w)
+    state = {"model.embed_tokens.weight": gaussian(config["vocab_size"], hidden, embed),
+             "model.norm.weight": torch.full((hidden,), gain - family.norm_shift)}  # fmt: skip
     if not config["tie_word_embeddings"]:
         state["lm_head.weight"] = gaussian(config["vocab_size"], hidden, 3.0)
-    qkv_bias = FAMILIES[config["model_type"]].qkv_bias or config.get("attention_bias", False)
+    qkv_bias = family.qkv_bias or config.get("attention_bias", False)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if family.sandwich_norms else []
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        state[p + "input_layernorm.weight"] = torch.ones(hidden)
-        state[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        for norm in norms:
+            state[p + norm + ".weight"] = torch.full((hidden,), unit)
+        if family.qk_norm:
+            state[p + "self_attn.q_norm.weight"] = torch.full((head_dim,), unit)
+            state[p + "self_attn.k_norm.weight"] = torch.full((head_dim,), unit)
         for part, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
             state[p + f"self_attn.{part}_proj.weight"] = gaussian(rows * head_dim, hidden)
             if qkv_bias:
