@@ -177,11 +177,12 @@ class MLP(nn.Module):
         width = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.mlp_bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
-        self.gelu = {"silu": None, "gelu": "none", "gelu_pytorch_tanh": "tanh"}[config.activation]
+        # None: SiLU; else GELU, `approximate` as F.gelu takes it
+        self.gelu_form = {"silu": None, "gelu": "none", "gelu_pytorch_tanh": "tanh"}[config.activation]
 
     def forward(self, x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
         gate, up = _linear(self.gate_up_proj, x, rowwise).chunk(2, dim=-1)
-        gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
+        gate = F.silu(gate) if self.gelu_form is None else F.gelu(gate, approximate=self.gelu_form)
         return _linear(self.down_proj, gate * up, rowwise)
 
 
