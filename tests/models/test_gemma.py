@@ -134,6 +134,34 @@ def test_norm_weights_are_stored_shifted_as_llama_cpp_stores_them(gemma3):
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_bfloat16_model_keeps_its_shifted_norms_in_float32(gemma3, tmp_path):
+    """(1 + w) rounded to bfloat16 loses w's low bits (1.01 -> 1.0078); transformers keeps w in
+    the checkpoint's dtype and adds 1 in float32. So a half model keeps its shifted norms in
+    float32 (from a checkpoint and from a GGUF file), and normalises and scales in float32,
+    rounding once: transformers' Gemma3RMSNorm to a bfloat16 rounding."""
+    hf_model, float_model = gemma3
+    hf_model.save_pretrained(tmp_path)
+    model = NativeLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = model.net.layers[1].post_feedforward_layernorm
+    float_norm = float_model.net.layers[1].post_feedforward_layernorm
+    assert ours.weight.dtype == torch.float32 and torch.equal(ours.weight, float_norm.weight)
+    assert model.net.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = theirs.model.layers[1].post_feedforward_layernorm(x)
+        got = ours(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+
+    save(gemma3_config(model.vocab_size, query_pre_attn_scalar=32), tmp_path / "g")
+    from_file = load_model(write_gguf(tmp_path / "g", tmp_path / "g.gguf", "f16"), dtype="bfloat16")
+    norms = {p.dtype for n, p in from_file.net.named_parameters() if n.endswith("norm.weight")}
+    assert norms == {torch.float32}
+
+
 def test_engine_generates_past_the_windows_like_transformers(gemma3, batch_invariant):
     hf_model, base = gemma3
     model = NativeLM(base.net, base.config, batch_invariant=batch_invariant)

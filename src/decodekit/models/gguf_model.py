@@ -414,7 +414,8 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
     # file's codes, as llama.cpp's output matmul reads them), and the lookup dequantises the rows
     # it reads from them (`QuantizedEmbedding`: no float copy); a tied float32 one is the head
     # itself, laid out as the head's weights are.
-    net.norm.weight = files.float("output_norm.weight", (hidden,), dtype)
+    norm_dtype = torch.float32 if c.norm_shift else dtype  # a shifted (1 + w) stays float32 (native.py)
+    net.norm.weight = files.float("output_norm.weight", (hidden,), norm_dtype)
     if c.tie_word_embeddings and isinstance(embedding, Quantized):
         net.lm_head = linear_layer(embedding, None, dtype)
         net.embed_tokens = QuantizedEmbedding(net.lm_head, dtype)
@@ -436,7 +437,7 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
             if ours.startswith(("self_attn.q_norm", "self_attn.k_norm")) and not c.qk_norm:
                 continue
             module = block.get_submodule(ours.rsplit(".", 1)[0])
-            module.weight = files.float(prefix + gguf_name, (size,), dtype)
+            module.weight = files.float(prefix + gguf_name, (size,), norm_dtype)
         for ours, parts in {**FUSED, **{k: (v,) for k, v in SINGLE.items()}}.items():
             weights = [files.take(f"{prefix}{part}.weight", (widths[part], inputs.get(part, hidden)))
                        for part in parts]  # fmt: skip

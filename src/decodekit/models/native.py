@@ -112,6 +112,9 @@ class RMSNorm(nn.Module):
             if weight.dtype == torch.float32 and x.is_cpu and kernels.eager_op(x, weight):
                 return torch.ops.decodekit.rms_norm(x, weight, self.eps)  # one op (csrc/norm.cpp)
             return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        if weight.dtype == torch.float32:  # a shifted norm's (1 + w), kept float32: Gemma's form,
+            # normalised and scaled in float32, rounded once (transformers' Gemma3RMSNorm)
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * weight).to(x.dtype)
         # normalised in float32 and rounded once to x's dtype inside rms_norm (its CPU form
         # upcasts; CUDA's fused kernel accumulates in float32): no cast kernels of our own
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -388,7 +391,12 @@ class NativeLM(LanguageModel):
         # returns it, and a safetensors tensor is a view into the memory-mapped file, whose
         # pages then stay resident (the whole file: issue 15 measured 2.1x the weights' bytes).
         given = {id(t) for t in state.values()}
-        weights = {name: t.to(dtype, copy=id(t) in given)
+        # A shifted norm's weight (1 + w) stays float32 in a half model: rounded to bfloat16 the
+        # sum would lose w's low bits (1.01 -> 1.0078), which transformers keeps (`RMSNorm`).
+        def kept(name: str) -> torch.dtype:
+            return torch.float32 if parsed.norm_shift and name.endswith("norm.weight") else dtype
+
+        weights = {name: t.to(kept(name), copy=id(t) in given)
                    for name, t in fuse_checkpoint(state, parsed).items()}  # fmt: skip
         if parsed.tie_word_embeddings:
             weights["lm_head.weight"] = weights["embed_tokens.weight"]
