@@ -133,8 +133,7 @@ def test_norm_weights_are_stored_shifted_as_llama_cpp_stores_them(gemma3):
     assert model.config.embed_scale == 8.0 and model.config.activation == "gelu_pytorch_tanh"
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_a_bfloat16_model_keeps_its_shifted_norms_in_float32(gemma3, tmp_path):
+def test_a_bfloat16_model_keeps_its_shifted_norms_in_float32(gemma3, tmp_path, tiny_llama_dir):
     """(1 + w) rounded to bfloat16 loses w's low bits (1.01 -> 1.0078); transformers keeps w in
     the checkpoint's dtype and adds 1 in float32. So a half model keeps its shifted norms in
     float32 (from a checkpoint and from a GGUF file), and normalises and scales in float32,
@@ -156,12 +155,13 @@ def test_a_bfloat16_model_keeps_its_shifted_norms_in_float32(gemma3, tmp_path):
     pytest.importorskip("gguf")
     from decodekit.compress.gguf import write_gguf
 
-    save(gemma3_config(model.vocab_size, query_pre_attn_scalar=32), tmp_path / "g")
+    save(gemma3_config(model.vocab_size, query_pre_attn_scalar=32), tmp_path / "g", tiny_llama_dir)
     from_file = load_model(write_gguf(tmp_path / "g", tmp_path / "g.gguf", "f16"), dtype="bfloat16")
     norms = {p.dtype for n, p in from_file.net.named_parameters() if n.endswith("norm.weight")}
     assert norms == {torch.float32}
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
 def test_engine_generates_past_the_windows_like_transformers(gemma3, batch_invariant):
     hf_model, base = gemma3
     model = NativeLM(base.net, base.config, batch_invariant=batch_invariant)

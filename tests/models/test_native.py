@@ -47,6 +47,15 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),  # head_dim != 64 / 4
+    # fused qkv_proj and gate_up_proj in the checkpoint; every layer slides
+    "phi3": lambda: transformers.Phi3Config(**TINY, sliding_window=6, pad_token_id=0),
+    # LongRoPE (its short factors: these sequences stay within 48 positions), 3/4 of each head
+    # rotated, tied: Phi-4-mini's features (tests/models/test_phi3.py: past the 48)
+    "phi4-mini": lambda: transformers.Phi3Config(
+        **TINY, original_max_position_embeddings=48, pad_token_id=0, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                         "long_factor": [1.0 + 2.0 * i for i in range(6)]}),
     # GeGLU, (1 + w) norms, a scaled embedding; Gemma 1's legacy "gelu" is the tanh GELU
     "gemma": lambda: transformers.GemmaConfig(**TINY, head_dim=32, hidden_act="gelu"),
     # sandwich norms, q/k norms, one sliding layer with its own RoPE base, queries scaled by

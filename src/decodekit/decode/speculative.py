@@ -359,7 +359,7 @@ class Speculative:
                                     self.trace, self.fallback)  # fmt: skip
         drafter = make_drafter(self.draft, target)
         requests = make_requests(target, list(prompts), params)
-        check_dynamic_rope(target, requests)
+        check_length_dependent_rope(target, requests)
         route = engine_route(target, requests, lambda _, r: SpeculativeProgram(target, drafter, r, config),
                              delegate=False)  # verification needs the target's own logits  # fmt: skip
         stats = SpeculativeStats()
@@ -417,20 +417,21 @@ def speculative_generate(
     return SpeculativeResult(results[0] if single else results, run.stats())
 
 
-def check_dynamic_rope(target: LanguageModel, requests: list[Request]) -> None:
-    """Refuse a prompt longer than a dynamic-NTK RoPE target's trained positions. Past them a
-    forward's frequencies depend on its length: a verification gives each token its own
+def check_length_dependent_rope(target: LanguageModel, requests: list[Request]) -> None:
+    """Refuse a prompt longer than a dynamic-NTK or LongRoPE target's threshold (its trained
+    positions; LongRoPE's switch to its long factors). Past it a forward's frequencies depend
+    on its length: a verification gives each token its own
     length's, as decoding does (batch.py `build_batch`), but a prompt's tokens share the
     prompt's length, and speculation prefills all but the prompt's last token, so their keys
     would not be the ones plain decoding computes."""
     rope = getattr(getattr(target, "config", None), "rope", None)
-    if rope is None or rope.kind != "dynamic":
+    if rope is None or rope.threshold is None:
         return
     for request in requests:
-        if len(request.prompt_ids) > rope.max_positions:
+        if len(request.prompt_ids) > rope.threshold:
             raise ValueError(
-                f"speculative decoding is exact only for prompts within a dynamic-RoPE model's "
-                f"{rope.max_positions} trained positions; this prompt has {len(request.prompt_ids)} "
+                f"speculative decoding is exact only for prompts within a {rope.kind}-RoPE model's "
+                f"{rope.threshold} trained positions; this prompt has {len(request.prompt_ids)} "
                 "tokens: shorten it or decode without speculation"
             )
 

@@ -232,7 +232,7 @@ def paged_forward(
     assert batch.windows == model.config.layer_windows, "build_batch(windows=...) of this model"
     end = batch.end or int(positions.max()) + 1
     model.check_positions(end)
-    if model.config.rope.kind == "dynamic":  # each token's frequencies from its own row's length
+    if model.config.rope.threshold is not None:  # each token's frequencies from its own row's length
         lengths = to_device(batch.lengths, positions.device)
         cos, sin = model.rope.at(positions, lengths)
     else:

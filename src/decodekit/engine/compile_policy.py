@@ -35,8 +35,8 @@ def eligible(model, pool, batch_invariant: bool) -> str | None:
         return f"{type(model).__name__} is not a NativeLM"
     if batch_invariant:
         return "the batch-invariant mode attends per query"
-    if model.config.rope.kind == "dynamic":
-        return "dynamic RoPE (its tables change with the length)"
+    if model.config.rope.threshold is not None:
+        return f"{model.config.rope.kind} RoPE (its tables change with the length)"
     if pool.keys.dtype != model.dtype:
         return f"the KV pool stores {pool.keys.dtype}, not the model's {model.dtype}"
     return None

@@ -43,6 +43,9 @@ class Family:
     sandwich_norms: bool = False
     # sliding layers rotate with their own RoPE base (Gemma 3: rope_parameters per layer type)
     local_rope: bool = False
+    # llama.cpp stores q/k/v and gate/up fused for this architecture (Phi-3): its GGUF files are
+    # not read or written yet
+    gguf_fused: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -51,6 +54,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, output_bias=False,
                     sliding="use_sliding_window"),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding="use_sliding_window"),
+    # checkpoints store qkv_proj and gate_up_proj fused, as LlamaNet holds them
+    "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, output_bias=False, sliding="every",
+                   gguf_fused=True),
     "gemma": Family("GemmaForCausalLM", "gemma", norm_shift=1.0, embed_scale=True),
     "gemma3_text": Family("Gemma3ForCausalLM", "gemma3", qk_norm=True, sliding="pattern", norm_shift=1.0,
                           embed_scale=True, activation_key="hidden_activation", sandwich_norms=True,
@@ -60,5 +66,7 @@ FAMILIES: dict[str, Family] = {
 
 # GGUF architecture -> the model_type it is read as: a family's own name (llama.cpp writes
 # Mistral and SmolLM as llama), and "gemma3" for Gemma 3's text model.
-GGUF_MODEL_TYPES = {family.gguf: name for name, family in FAMILIES.items()
-                    if family.gguf == name or family.gguf not in FAMILIES}  # fmt: skip
+GGUF_MODEL_TYPES = {
+    family.gguf: name for name, family in FAMILIES.items()
+    if (family.gguf == name or family.gguf not in FAMILIES) and not family.gguf_fused
+}  # fmt: skip

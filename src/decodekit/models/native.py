@@ -1,10 +1,12 @@
 """`NativeLM`: decodekit's own forward for Llama-family checkpoints (issue 4, item 1).
 
 Reads a Hugging Face checkpoint directory (config.json, model.safetensors or sharded
-safetensors with an index, tokenizer files) of Llama, Mistral, Qwen2, Qwen3 or SmolLM:
-pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE (rope.py), SwiGLU
-MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
-(Qwen3), tied or separate output embeddings.
+safetensors with an index, tokenizer files) of Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3,
+Gemma 1 or Gemma 3: pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE
+(rope.py; partial rotation for Phi-4-mini, a second base for Gemma 3's sliding layers), SwiGLU
+or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
+(Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
+norms' (1 + w), a scaled embedding, sandwich norms, scaled queries, capped logits.
 
 Design (STYLE.md; gpt-fast and nano-vllm do the same): q/k/v and gate/up are each one
 fused `nn.Linear` (fewer, larger matmuls; compress/ swaps any `nn.Linear` in `model.net`);
@@ -13,9 +15,9 @@ shared by the layers; a single unpadded row decodes with no mask at all. Attenti
 itself is the cache's `attend`, which stores the keys and values and calls
 models/attention.py (one decode, one prefill, one batch-invariant function for every cache).
 
-Sliding-window attention (Mistral; Qwen2/3 layers marked "sliding_attention"): a query at
-position p sees the keys at positions p - window + 1 .. p, as transformers'
-`sliding_window_overlay`. The cache keeps every position; the mask hides the old ones.
+Sliding-window attention (Mistral, Phi-3; Qwen2/3 and Gemma 3 layers marked
+"sliding_attention"): a query at position p sees the keys at positions p - window + 1 .. p, as
+transformers' `sliding_window_overlay`. The cache keeps every position; the mask hides the old ones.
 The context is `max_position_embeddings`, times the RoPE factor for linear and dynamic
 scaling (transformers' docs: with these, max_position_embeddings is *not* raised to the
 new length); a forward past it raises ValueError.
@@ -136,7 +138,15 @@ class Attention(nn.Module):
         # rope.py `RotaryTables`), or all of them
         dim = config.head_dim
         self.rotary = None if config.local_rope is None else slice(dim, 2 * dim) if local else slice(0, dim)
+        # partial rotary (Phi-4-mini): the first `rotated` dims of a head turn, the rest pass
+        self.rotated = config.rope.head_dim if config.rope.head_dim < dim else None
         self.query_scale = config.query_scale
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] rotated by its positions, the first `rotated` dims only if so."""
+        if self.rotated is None:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., : self.rotated], cos, sin), x[..., self.rotated :]], dim=-1)
 
     def forward(
         self,
@@ -157,11 +167,11 @@ class Attention(nn.Module):
         qkv = qkv.view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is None:
             # One RoPE call over the query and key heads together.
-            qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
+            qk = self.rotate(qkv[:, :, : heads + kv_heads], cos, sin)
             q, k = qk.split([heads, kv_heads], dim=2)
         else:
-            q = apply_rope(self.q_norm(qkv[:, :, :heads]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, :, heads : heads + kv_heads]), cos, sin)
+            q = self.rotate(self.q_norm(qkv[:, :, :heads]), cos, sin)
+            k = self.rotate(self.k_norm(qkv[:, :, heads : heads + kv_heads]), cos, sin)
         v = qkv[:, :, heads + kv_heads :]
         if self.query_scale is not None:  # scores scaled by query_pre_attn_scalar ** -0.5 (Gemma)
             q = q * self.query_scale

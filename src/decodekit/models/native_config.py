@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decodekit.models.families import FAMILIES
-from decodekit.models.rope import ROPE_TYPES, RopeConfig, rope_config
+from decodekit.models.rope import ROPE_TYPES, RopeConfig, rope_config, rotary_size
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 
 # The MLP gate's activations (transformers' ACT2FN names): SwiGLU's, and GeGLU's two GELUs
@@ -46,11 +46,15 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
         rope = read_rope_parameters(config, layer_type)
         if rope["rope_type"] not in ROPE_TYPES:
             return f"rope_type must be one of {ROPE_TYPES}, got {rope['rope_type']!r}"
-        if family.local_rope and rope["rope_type"] == "dynamic":
-            return "rope_type must not be 'dynamic' where layers have their own RoPE"
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        return f"partial_rotary_factor must be 1.0, got {partial}"
+        if family.local_rope and rope["rope_type"] in ("dynamic", "longrope"):
+            return f"rope_type must not be {rope['rope_type']!r} where layers have their own RoPE"
+        if rope["rope_type"] == "longrope" and not (rope.get("short_factor") and rope.get("long_factor")):
+            return "a longrope rope_type needs short_factor and long_factor"
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rotated = rotary_size(config, head_dim, layer_type)
+        if rotated <= 0 or rotated % 2 or rotated > head_dim:
+            return (f"partial_rotary_factor must rotate an even number of a head's {head_dim} dims, "
+                    f"got {rotated}")
     if config.get("quantization_config"):
         return "pre-quantised checkpoints (quantization_config) are not supported"
     return None

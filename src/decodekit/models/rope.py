@@ -13,6 +13,12 @@ the angle position * inv_freq_i. Scalings change only `inv_freq`:
             the two conventions agree.)
 - llama3:   low frequencies / factor, high frequencies kept, a smooth ramp between
             (Llama 3.1; transformers `_compute_llama3_parameters`)
+- longrope: inv_freq_i / f_i with per-frequency factors, `short_factor` for a sequence within
+            original_max_position_embeddings and `long_factor` past it, and cos/sin scaled by
+            an attention factor (Phi-3.5, Phi-4-mini; transformers `_compute_longrope_parameters`).
+            Like dynamic NTK the length is each row's own (`RopeConfig.threshold`).
+Partial rotary (partial_rotary_factor < 1: Phi-4-mini): the tables cover the first
+`head_dim` = factor x the head's size of each head; the rest passes unrotated (native.py).
 - frequency_factors: inv_freq_i / f_i for given per-frequency divisors (any kind): how GGUF
             files store Llama 3's scaling (tensor rope_freqs.weight; llama.cpp's rope divides
             theta_i by it), models/gguf_model.py
@@ -27,7 +33,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class RopeConfig:
     original_max_positions: int = 2048
     max_positions: int = 2048  # the model's max_position_embeddings (dynamic NTK threshold)
     frequency_factors: tuple[float, ...] = ()  # per-frequency divisors of inv_freq (module docstring)
+    short_factor: tuple[float, ...] = ()  # longrope's divisors within original_max_positions
+    long_factor: tuple[float, ...] = ()  # and past them
+    attention_factor: float = 1.0  # longrope: cos and sin scaled by it
 
     def __post_init__(self):
         if self.kind not in ROPE_TYPES:
@@ -52,6 +61,16 @@ class RopeConfig:
         if self.frequency_factors and len(self.frequency_factors) != self.head_dim // 2:
             raise ValueError(f"frequency_factors must have head_dim / 2 = {self.head_dim // 2} entries, "
                              f"got {len(self.frequency_factors)}")
+        half = self.head_dim // 2
+        if self.kind == "longrope" and not len(self.short_factor) == len(self.long_factor) == half:
+            raise ValueError(f"longrope's short_factor and long_factor must have {half} entries (the rotary "
+                             f"size / 2), got {len(self.short_factor)} and {len(self.long_factor)}")
+
+    @property
+    def threshold(self) -> int | None:
+        """The length past which a row's frequencies change (dynamic NTK: max_positions;
+        LongRoPE: original_max_positions), or None where they never do."""
+        return {"dynamic": self.max_positions, "longrope": self.original_max_positions}.get(self.kind)
 
 
 def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
@@ -66,22 +85,44 @@ def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> di
         params = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}
     params = dict(params)
     params.setdefault("rope_type", params.get("type", "default"))
+    if config.get("model_type") == "phi3" and params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"  # Phi-3's older names of it, as transformers' Phi3Config reads them
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     return params
+
+
+def rotary_size(config: dict[str, Any], head_dim: int, layer_type: str | None = None) -> int:
+    """The rotated part of a head: head_dim x partial_rotary_factor (1 unless the config says)."""
+    params = rope_parameters(config, layer_type)
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    return int(head_dim * float(partial))
 
 
 def rope_config(config: dict[str, Any], head_dim: int, layer_type: str | None = None) -> RopeConfig:
     params = rope_parameters(config, layer_type)
     max_positions = int(config.get("max_position_embeddings", 2048))
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    original = int(original or max_positions)
+    kind = str(params["rope_type"])
+    longrope = {}
+    if kind == "longrope":  # transformers' _compute_longrope_parameters
+        factor = params.get("factor") or max_positions / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        longrope = {"short_factor": tuple(float(f) for f in params.get("short_factor") or ()),
+                    "long_factor": tuple(float(f) for f in params.get("long_factor") or ()),
+                    "attention_factor": float(attention)}  # fmt: skip
     return RopeConfig(
-        head_dim=head_dim,
+        head_dim=rotary_size(config, head_dim, layer_type),
         theta=float(params["rope_theta"]),
-        kind=str(params["rope_type"]),
-        factor=float(params.get("factor", 1.0)),
+        kind=kind,
+        factor=float(params.get("factor") or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_positions=int(params.get("original_max_position_embeddings", max_positions)),
+        original_max_positions=original,
         max_positions=max_positions,
+        **longrope,
     )
 
 
@@ -94,6 +135,9 @@ def inverse_frequencies(rope: RopeConfig, num_positions: int) -> torch.Tensor:
         stretch = rope.factor * num_positions / rope.max_positions - (rope.factor - 1)
         theta = theta * stretch ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # host maths (below)
+    if rope.kind == "longrope":  # as transformers rounds it: 1 / (factor x theta^(2i/D))
+        factors = rope.long_factor if num_positions > rope.original_max_positions else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if rope.frequency_factors:
         inv_freq = inv_freq / torch.tensor(rope.frequency_factors, dtype=torch.float32, device="cpu")
@@ -141,9 +185,10 @@ class RotaryTables:
         self.local = local  # the sliding layers' own RoPE (Gemma 3): tables [P, 2D], `rope`'s then its
         self.dtype = dtype
         self.device = torch.device(device)
-        if rope.kind == "dynamic":
-            capacity = min(capacity, rope.max_positions)
+        if rope.threshold is not None:
+            capacity = min(capacity, rope.threshold)
         self.cos, self.sin = self._build(capacity, 0)
+        self.long: tuple[torch.Tensor, torch.Tensor] | None = None  # longrope's past the threshold
 
     def _build(self, num_positions: int, freq_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for positions [0, num_positions) with the frequencies of a sequence of
@@ -162,19 +207,27 @@ class RotaryTables:
             sign = torch.cat([-torch.ones(half, device="cpu"), torch.ones(half, device="cpu")])  # [D]
             angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
             # Computed in float32 on the CPU (transformers' numbers), then moved once.
-            cos.append(angles.cos().to(self.dtype))
-            sin.append((angles.sin() * sign).to(self.dtype))
+            scale = rope.attention_factor  # 1 but for longrope
+            cos.append((angles.cos() * scale).to(self.dtype))
+            sin.append((angles.sin() * (sign * scale)).to(self.dtype))
         return torch.cat(cos, dim=-1).to(self.device), torch.cat(sin, dim=-1).to(self.device)
 
     def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin covering positions [0, num_positions)."""
-        if self.rope.kind == "dynamic" and num_positions > self.rope.max_positions:
-            # The base depends on the current length: recompute, never cache (as transformers).
-            return self._build(num_positions, num_positions)
+        threshold = self.rope.threshold
+        if threshold is not None and num_positions > threshold:
+            if self.rope.kind == "dynamic":
+                # The base depends on the current length: recompute, never cache (as transformers).
+                return self._build(num_positions, num_positions)
+            # longrope: one set of long frequencies for every length past the threshold
+            if self.long is None or self.long[0].shape[0] < num_positions:
+                capacity = max(num_positions, 2 * (0 if self.long is None else self.long[0].shape[0]))
+                self.long = self._build(capacity, threshold + 1)
+            return self.long
         if num_positions > self.cos.shape[0]:
             capacity = max(num_positions, 2 * self.cos.shape[0])
-            if self.rope.kind == "dynamic":
-                capacity = min(capacity, self.rope.max_positions)
+            if threshold is not None:
+                capacity = min(capacity, threshold)
             self.cos, self.sin = self._build(capacity, 0)
         return self.cos, self.sin
 
@@ -182,8 +235,8 @@ class RotaryTables:
     def at(self, positions: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [..., D] of `positions` [...], each with the frequencies of
         `lengths` [...] (same shape): the length of the token's own sequence in this forward.
-        Differs from `tables` only for dynamic NTK rows past max_position_embeddings."""
-        threshold = self.rope.max_positions if self.rope.kind == "dynamic" else None
+        Differs from `tables` only for rows past the RoPE's threshold (dynamic NTK, longrope)."""
+        threshold = self.rope.threshold
         cos, sin = self.tables(int(positions.max()) + 1 if threshold is None
                                else min(int(positions.max()) + 1, threshold))  # fmt: skip
         limit = cos.shape[0] - 1

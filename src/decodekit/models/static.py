@@ -145,8 +145,9 @@ class StaticDecodeLM(LanguageModel):
             raise ValueError("StaticDecodeLM does not run the batch-invariant mode")
         if any(window is not None for window in model.layer_windows()):
             raise ValueError("StaticDecodeLM does not run sliding-window attention layers")
-        if model.config.rope.kind == "dynamic":
-            raise ValueError("StaticDecodeLM does not run dynamic RoPE (its tables change with the length)")
+        if model.config.rope.threshold is not None:
+            raise ValueError(f"StaticDecodeLM does not run {model.config.rope.kind} RoPE (its tables change "
+                             "with the length)")
         capacity = min(model.max_context, 1024) if capacity is None else capacity
         if not 1 <= capacity <= model.max_context:
             raise ValueError(f"capacity must be in [1, {model.max_context}] (the context), got {capacity}")

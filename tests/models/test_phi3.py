@@ -1,0 +1,159 @@
+"""Phi-3 and Phi-4-mini on decodekit's own forward, past LongRoPE's switch from its short to
+its long factors, against transformers' Phi3ForCausalLM.
+
+A tiny random model with Phi-4-mini's features: LongRoPE with a switch at 16 positions (its
+original_max_position_embeddings) in a context of 64, 3/4 of each head rotated, tied
+embeddings. LongRoPE rotates a sequence of L tokens with the long factors once L passes the
+switch. A token decoded later is rotated by the length of its sequence then, and the keys
+stored before keep their rotation: that is transformers' forward with a cache, token by token,
+and what decodekit does (each row by its own length, as dynamic NTK: models/rope.py).
+transformers' `generate` instead recomputes the whole cache once when a sequence crosses the
+switch (Phi3ForCausalLM.prepare_inputs_for_generation), and llama.cpp picks one set for the
+whole context at load: beyond the switch the three differ, within it they agree.
+tests/models/test_native.py runs the plain-loop suite on Phi-3 and this model within the switch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import decodekit as dk
+from decodekit.engine import compiled
+from decodekit.engine.config import EngineConfig
+from decodekit.engine.engine import Engine
+from decodekit.models.native import NativeLM
+from decodekit.models.registry import load_model
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)  # fmt: skip
+SWITCH = 16
+ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [1.0 + 2.0 * i for i in range(6)]}
+PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14, 64, 9, 0, 12, 77, 3, 50, 6, 6, 1]]
+NEW_TOKENS = 20
+TOL = 1e-4
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def randomize(model: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+@pytest.fixture(scope="module")
+def phi(tmp_path_factory):
+    path = tmp_path_factory.mktemp("phi4-mini")
+    config = transformers.Phi3Config(**TINY, original_max_position_embeddings=SWITCH,
+                                     rope_parameters=dict(ROPE), tie_word_embeddings=True, pad_token_id=0,
+                                     eos_token_id=None, bos_token_id=None)  # fmt: skip
+    config._attn_implementation = "eager"
+    hf_model = transformers.Phi3ForCausalLM(config)
+    randomize(hf_model)
+    hf_model.save_pretrained(path)
+    model = load_model(path)
+    assert isinstance(model, NativeLM)
+    return hf_model.eval(), model, path
+
+
+def hf_stepwise(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens through its forward with a cache, token by token, and the
+    logits [new_tokens, V] each chose from."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(new_tokens):
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
+            out = hf_model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+def test_the_rope_is_longrope_with_a_partial_rotation(phi):
+    _, model, _ = phi
+    rope = model.config.rope
+    assert (rope.kind, rope.head_dim, rope.threshold) == ("longrope", 12, SWITCH)
+    import math
+
+    # transformers' default: sqrt(1 + ln(factor) / ln(original)), factor = 64 / 16
+    assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(16)))
+
+
+@pytest.mark.parametrize("length", [SWITCH, SWITCH + 1, 40])
+def test_a_whole_sequence_gives_transformers_logits_on_either_side_of_the_switch(phi, length):
+    hf_model, model, _ = phi
+    tokens = torch.tensor([[(7 * i + 3) % 97 for i in range(length)]])
+    with torch.no_grad():
+        expected = hf_model(tokens).logits[0].float()
+    assert (model.forward(tokens, model.new_cache(1))[0] - expected).abs().max() <= TOL
+
+
+def test_decoding_across_the_switch_is_transformers_forward_with_a_cache(phi):
+    """The plain loop and the engine, each row crossing at its own step, alone and batched: the
+    greedy tokens and logits of transformers' cached forward. Its `generate` recomputes the
+    cache at the crossing (module docstring) and so differs after it, and agrees before."""
+    hf_model, model, _ = phi
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    batched = dk.generate(model, PROMPTS, greedy)
+    recomputed = []  # whether transformers' generate, recomputing its cache, differs past the switch
+    for prompt, [completion] in zip(PROMPTS, batched):
+        want, logits = hf_stepwise(hf_model, prompt, NEW_TOKENS)
+        assert completion.token_ids == want
+        chosen = torch.log_softmax(logits, -1).gather(-1, torch.tensor(want)[:, None])[:, 0]
+        assert completion.logprobs == pytest.approx(chosen.tolist(), abs=TOL)
+        [[alone]] = dk.generate(model, [prompt], greedy)
+        assert alone.token_ids == want
+        with torch.no_grad():
+            ones = torch.ones((1, len(prompt)), dtype=torch.long)  # token 0 is not padding here
+            generated = hf_model.generate(torch.tensor([prompt]), attention_mask=ones,
+                                          max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        within = SWITCH - len(prompt)  # the tokens decoded before the sequence passes the switch
+        assert generated[:within] == want[:within]
+        recomputed.append(generated != want)
+    assert any(recomputed)
+    cache = model.new_cache(1)  # the plain loop
+    logits = model.forward(torch.tensor([PROMPTS[0]]), cache)[0, -1]
+    for token in hf_stepwise(hf_model, PROMPTS[0], NEW_TOKENS)[0]:
+        assert int(logits.argmax()) == token
+        logits = model.forward(torch.tensor([[token]]), cache)[0, -1]
+
+
+def test_speculation_and_the_compiled_step_refuse_what_would_not_be_exact(phi, monkeypatch):
+    _, model, _ = phi
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    engine = Engine(model, EngineConfig(compile=True))
+    assert engine.compiled is None
+    assert engine.compile_refused == "longrope RoPE (its tables change with the length)"
+    long_prompt = [(3 * i) % 101 for i in range(SWITCH + 2)]
+    params = dk.SamplingParams(temperature=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"a longrope-RoPE model's 16 trained positions; this prompt has 18"):
+        dk.speculative_generate(model, model, [long_prompt], params)
+    longer = params.replace(max_new_tokens=20)  # a short prompt speculates past the switch, exactly
+    short = dk.speculative_generate(model, model, [long_prompt[:6]], longer)
+    assert short.completions[0][0].token_ids == dk.generate(model, [long_prompt[:6]], longer)[0][0].token_ids
+
+
+def test_phi3s_older_names_and_its_gguf_files(phi, tmp_path):
+    """Phi-3's configs on the Hub name LongRoPE "su" (transformers reads it as longrope);
+    llama.cpp stores Phi-3's q/k/v and gate/up fused, which decodekit's GGUF writer does not."""
+    _, model, path = phi
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "su"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("model.safetensors", "generation_config.json"):
+        if (path / name).exists():
+            (tmp_path / name).write_bytes((path / name).read_bytes())
+    assert load_model(tmp_path).config.rope == model.config.rope
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+
+    with pytest.raises(ValueError, match=r"GGUF files are written for model_type \[.*\], got 'phi3'"):
+        write_gguf(path, tmp_path / "phi.gguf")
