@@ -126,12 +126,33 @@ def test_decoding_across_the_switch_is_transformers_forward_with_a_cache(phi):
         logits = model.forward(torch.tensor([[token]]), cache)[0, -1]
 
 
-def test_speculation_and_the_compiled_step_refuse_what_would_not_be_exact(phi, monkeypatch):
-    _, model, _ = phi
+def test_the_compiled_step_runs_below_the_switch_and_eager_past_it(phi, monkeypatch):
+    """The compiled step holds the short tables: rows below the switch decode through it, a
+    step with a row past it runs eager; greedy and seeded tokens as the eager engine's."""
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    engine = Engine(model, EngineConfig(compile=True))
-    assert engine.compiled is None
-    assert engine.compile_refused == "longrope RoPE (its tables change with the length)"
+    _, base, _ = phi
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    seeded = dk.SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=3, n=2, ignore_eos=True)
+
+    def run(mode: bool) -> tuple[list, Engine, int]:
+        model = NativeLM(base.net, base.config, tokenizer=base.tokenizer)  # no compiled steps yet
+        engine = Engine(model, EngineConfig(compile=mode, block_size=4, num_blocks=256))
+        handles = [engine.submit(PROMPTS[0], greedy), engine.submit(PROMPTS[1][:4], seeded)]
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        return [[c.token_ids for c in h.result(0)] for h in handles], engine, steps
+
+    want, _, _ = run(False)
+    got, engine, steps = run(True)
+    assert got == want
+    # decode steps below the switch compiled (the first row passes it 6 tokens in), the rest eager
+    assert 0 < engine.compiled.steps < steps
+
+
+def test_speculation_refuses_a_prompt_past_the_switch(phi):
+    _, model, _ = phi
     long_prompt = [(3 * i) % 101 for i in range(SWITCH + 2)]
     params = dk.SamplingParams(temperature=0, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"a longrope-RoPE model's 16 trained positions; this prompt has 18"):

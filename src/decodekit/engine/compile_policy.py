@@ -35,8 +35,6 @@ def eligible(model, pool, batch_invariant: bool) -> str | None:
         return f"{type(model).__name__} is not a NativeLM"
     if batch_invariant:
         return "the batch-invariant mode attends per query"
-    if model.config.rope.threshold is not None:
-        return f"{model.config.rope.kind} RoPE (its tables change with the length)"
     if pool.keys.dtype != model.dtype:
         return f"the KV pool stores {pool.keys.dtype}, not the model's {model.dtype}"
     return None
@@ -115,6 +113,9 @@ class CompiledDecode:
         self.eager_step_s = 0.0
         self.steps = 0
         self.prefix_kv: PrefixKV | None = None  # the shared prefixes the last compiled step read
+        # dynamic NTK or LongRoPE: the compiled steps hold the tables below the switch
+        # (compiled.py `lanes_step`), so a step with a row past it runs eager
+        self.threshold = model.config.rope.threshold
 
     def forward(self, works: list, running_kv, pool, eager: Callable[[], tuple]) -> tuple:
         """Logits [B, V] of a decode-only step's rows (scheduler.py `Work`, in lane order)
@@ -135,6 +136,9 @@ class CompiledDecode:
         return out
 
     def _compiled(self, works: list, running_kv, pool) -> torch.Tensor | None:
+        threshold = self.threshold
+        if threshold is not None and any(work.seq.table.length > threshold for work in works):
+            return None  # a row past its RoPE's switch: its tables are its length's (eager, batch.py)
         if self.span > 1:
             return self._verify(works, running_kv, pool)
         self.prefix_kv = prefix = PrefixKV.for_rows(running_kv.prefixes, self.prefix_kv)

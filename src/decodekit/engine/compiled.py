@@ -32,6 +32,8 @@ step (models/static.py). Here:
   such rows (members.py).
 - Sliding-window layers mask the columns that fell out of their window (one mask per
   window a step); their verification spans stay eager (engine.py).
+- A RoPE whose frequencies change with the length (dynamic NTK, LongRoPE) compiles with its
+  tables below the switch; a step with a row past it runs eager.
 - Prompts, mixed steps, forks, a quantised KV pool and the batch-invariant mode stay on the
   eager path (`eligible`).
 
@@ -152,7 +154,9 @@ def lanes_step(
     compiled graphs per code object, at most 8, so the buckets of every engine in a process
     must not share one."""
     net, config = model.net, model.config
-    cos_table, sin_table = model.rope.tables(model.max_context)
+    # A RoPE whose tables change past a switch (dynamic NTK, LongRoPE): the tables below it, the
+    # only rows a compiled step takes (compile_policy.py `CompiledDecode`)
+    cos_table, sin_table = model.rope.tables(config.rope.threshold or model.max_context)
     masks = [(None, False)] * config.num_layers
     assert not writes or span == 1, "a writing step decodes one token a row"
     # Sliding-window layers (Mistral, Qwen2/3's upper layers, Gemma 3): a row holds its whole
