@@ -1,4 +1,4 @@
-"""Gemma 3 (and Gemma 1) on decodekit's own forward, against transformers' Gemma3ForCausalLM.
+"""Gemma 3 (and Gemma 1 and 2) on decodekit's own forward, against transformers' Gemma3ForCausalLM.
 
 A tiny random Gemma 3 with every difference from Llama switched on: (1 + w) RMSNorms (folded
 into the weights at load), an embedding scaled by sqrt(hidden), GeGLU, four norms a block,
@@ -7,7 +7,7 @@ with linear scaling, queries scaled by query_pre_attn_scalar, capped logits. Its
 past 5 windows. tests/models/test_native.py runs the plain-loop suite (batches, padding, fork,
 crop, bfloat16) on Gemma 1 and 3 beside the other families; here: that each difference shows
 in the logits and is computed, the paged engine and its compiled step, the old config layout,
-the checkpoints NativeLM leaves to transformers, compression and GGUF.
+Gemma 2's capped attention scores on every path, what NativeLM refuses, compression and GGUF.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from decodekit.compress.recipe import CompressConfig, compress_lm
 from decodekit.engine import compiled
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
-from decodekit.models.hf import HFModelLM
 from decodekit.models.native import NativeLM
 from decodekit.models.registry import load_model
 
@@ -245,21 +244,79 @@ def test_the_old_config_layout_loads_the_same_model(gemma3, tmp_path):
     assert torch.equal(old.forward(tokens, old.new_cache(1)), model.forward(tokens, model.new_cache(1)))
 
 
-def test_attention_softcapping_runs_on_transformers(tmp_path):
-    """Gemma 2 caps attention scores, which decodekit's attention does not: load_model falls back
-    to transformers, and the native backend names the setting."""
-    config = transformers.Gemma2Config(**TINY, vocab_size=101, head_dim=32, attn_logit_softcapping=50.0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    assert not NativeLM.supports(json.loads((tmp_path / "config.json").read_text()))
-    assert isinstance(load_model(tmp_path), HFModelLM)
-    with pytest.raises(ValueError, match="not supported by the native backend"):
-        load_model(tmp_path, backend="native")
+def gemma2_model(tmp_path, cap: float | None = 2.0):
+    """A tiny random Gemma 2: every other layer slides (window 6), scores capped at `cap`."""
+    config = transformers.Gemma2Config(**TINY, vocab_size=101, head_dim=32, sliding_window=WINDOW,
+                                       query_pre_attn_scalar=20, attn_logit_softcapping=cap,
+                                       final_logit_softcapping=12.0, eos_token_id=None, bos_token_id=None,
+                                       pad_token_id=None)  # fmt: skip
+    config._attn_implementation = "eager"  # transformers' SDPA cannot cap scores
+    hf_model = transformers.Gemma2ForCausalLM(config)
+    randomize(hf_model)
+    hf_model.save_pretrained(tmp_path)
+    return hf_model.eval(), load_model(tmp_path)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_gemma2s_capped_scores_on_the_engine_like_transformers(tmp_path, batch_invariant):
+    """Gemma 2 caps every attention score (cap * tanh(s / cap)), which the fused kernels cannot:
+    every attention path takes its written-out form then (models/attention.py). The cap moves
+    transformers' logits, and the engine's greedy tokens and log-probs past the windows are
+    transformers', alone per query (batch-invariant) or not."""
+    hf_model, base = gemma2_model(tmp_path)
+    assert base.config.attn_softcap == 2.0 and base.config.layer_windows == (WINDOW, None, WINDOW, None)
+    uncapped = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **{**hf_model.config.to_dict(), "attn_logit_softcapping": None}))  # fmt: skip
+    uncapped.load_state_dict(hf_model.state_dict())
+    assert (hf_logits(uncapped.eval(), SEQUENCE) - hf_logits(hf_model, SEQUENCE)).abs().max() > 0.1
+    model = NativeLM(base.net, base.config, batch_invariant=batch_invariant)
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt, [completion] in zip(PROMPTS, dk.generate(model, PROMPTS, greedy)):
+        assert completion.token_ids == hf_greedy(hf_model, prompt)
+        logits = hf_logits(hf_model, prompt + completion.token_ids)[len(prompt) - 1 : -1]
+        chosen = torch.tensor(completion.token_ids)[:, None]
+        expected = torch.log_softmax(logits, -1).gather(-1, chosen)[:, 0]
+        assert completion.logprobs == pytest.approx(expected.tolist(), abs=TOL)
+
+
+def test_gemma2s_compiled_and_graphed_steps_cap_as_the_eager_engine(tmp_path, monkeypatch):
+    from decodekit.engine.cuda_graphs import GraphedLanes
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    _, base = gemma2_model(tmp_path)
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    seeded = dk.SamplingParams(temperature=1.0, max_new_tokens=16, seed=5, n=2, ignore_eos=True)
+
+    def run(mode: str) -> list:
+        model = NativeLM(base.net, base.config)
+        engine = Engine(model, EngineConfig(compile=mode != "eager", block_size=4, num_blocks=256))
+        if mode in ("writing-sdpa", "written-out"):
+            lanes = GraphedLanes(model, capture=False, fused_attention=mode == "writing-sdpa")
+            engine.compiled.lanes = engine.lanes = lanes
+        handles = [engine.submit(PROMPTS[0], greedy), engine.submit(PROMPTS[1], seeded)]
+        while engine.has_work():
+            engine.step()
+        assert mode == "eager" or engine.compiled.steps > 0
+        return [[c.token_ids for c in h.result(0)] for h in handles]
+
+    want = run("eager")
+    for mode in ("compiled", "writing-sdpa", "written-out"):
+        assert run(mode) == want, mode
+
+
+def test_what_nativelm_cannot_run_is_named(tmp_path):
     from decodekit.models.native_config import unsupported_reason
 
-    reason = unsupported_reason(json.loads((tmp_path / "config.json").read_text()))
-    assert reason.startswith("model_type must be one of") and "gemma3_text" in reason
-    capped = {**gemma3_config(101).to_dict(), "attn_logit_softcapping": 50.0}
-    assert unsupported_reason(capped) == "attn_logit_softcapping must be null, got 50.0"
+    bidirectional = {**gemma3_config(101).to_dict(), "use_bidirectional_attention": True}
+    reason = "use_bidirectional_attention must be false: NativeLM's attention is causal"
+    assert unsupported_reason(bidirectional) == reason
+    config = transformers.Gemma2Config(**TINY, vocab_size=101, head_dim=32)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+
+    with pytest.raises(ValueError, match=r"GGUF files are written for model_type \[.*\], got 'gemma2'"):
+        write_gguf(tmp_path, tmp_path / "g.gguf")
 
 
 def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny_llama_dir):

@@ -56,6 +56,10 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                          "short_factor": [1.0 + 0.1 * i for i in range(6)],
                          "long_factor": [1.0 + 2.0 * i for i in range(6)]}),
+    # attention scores capped (tests/models/test_gemma.py: past its windows, the engine)
+    "gemma2": lambda: transformers.Gemma2Config(
+        **TINY, head_dim=32, sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=8.0),
     # GeGLU, (1 + w) norms, a scaled embedding; Gemma 1's legacy "gelu" is the tanh GELU
     "gemma": lambda: transformers.GemmaConfig(**TINY, head_dim=32, hidden_act="gelu"),
     # sandwich norms, q/k norms, one sliding layer with its own RoPE base, queries scaled by

@@ -100,9 +100,10 @@ class PagedBatch:
         self.windows = windows  # each layer's sliding window; () when none slides
         self.group, self.alone = group_short_spans(prefills, pool.block_size, windows)
 
-    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+    def attend(self, layer, q, k, v, mask, causal, per_query=False, softcap=None) -> torch.Tensor:
         """q [1, T, H, D], k/v [1, T, H_kv, D] -> [1, T, H, D]; mask/causal are unused.
-        per_query: the batch-invariant mode (module docstring)."""
+        per_query: the batch-invariant mode (module docstring); softcap: the scores' cap
+        (models/attention.py)."""
         window = self.windows[layer] if self.windows else None
         pool = self.pool
         # k, v as stored (a quantised pool's round trip): the running rows hold the same
@@ -110,23 +111,24 @@ class PagedBatch:
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [T, H_kv, D]
         decoding = len(self.running.columns) if self.running is not None else 0
         if decoding and not self.prefills:  # each token its own row: [1, B, H, D] <-> [B, 1, H, D]
-            return self._decode(layer, q.transpose(0, 1), k, v, window, per_query).transpose(0, 1)
+            return self._decode(layer, q.transpose(0, 1), k, v, window, per_query, softcap).transpose(0, 1)
         out = torch.empty_like(q[0])  # [T, H, D]
         if decoding:
             out[:decoding] = self._decode(
-                layer, q[0, :decoding, None], k[:decoding], v[:decoding], window, per_query
+                layer, q[0, :decoding, None], k[:decoding], v[:decoding], window, per_query, softcap
             )[:, 0]
         alone = self.prefills
         if self.group is not None and not per_query:
-            out[self.group.positions] = _attend_together(q[0], pool, layer, self.group)
+            out[self.group.positions] = _attend_together(q[0], pool, layer, self.group, softcap)
             alone = self.alone
         for span in alone:
             out[span.start : span.end] = _prefill(
-                q[0, span.start : span.end], pool, layer, span, window, per_query
+                q[0, span.start : span.end], pool, layer, span, window, per_query, softcap
             )
         return out[None]
 
-    def _decode(self, layer: int, q, k, v, window: int | None, per_query: bool) -> torch.Tensor:
+    def _decode(self, layer: int, q, k, v, window: int | None, per_query: bool,
+                softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """q [B, 1, H, D], k/v [B, H_kv, D] of the running rows -> [B, 1, H, D]."""
         running = self.running
         batch = q.shape[0]
@@ -141,13 +143,13 @@ class PagedBatch:
             for row, length in enumerate(running.kv.lengths[:batch]):
                 first = max(0, length - window) if window is not None else 0
                 keys, values = row_keys[row, :, first:length], row_values[row, :, first:length]
-                out[row, 0] = attend_alone(q[row, 0], keys, values)  # [H, D]
+                out[row, 0] = attend_alone(q[row, 0], keys, values, softcap)  # [H, D]
             return out
         assert window is None or not running.groups  # no shared prefix in a sliding-window model
         width = running.width  # the longest row
         prefixes = [SharedKV(p.keys[layer], p.values[layer], rows) for p, rows in running.groups]
         return decode_attention(q, row_keys[:batch, :, :width], row_values[:batch, :, :width],
-                                running.masks[window], prefixes=prefixes)  # fmt: skip
+                                running.masks[window], prefixes=prefixes, softcap=softcap)  # fmt: skip
 
 
 def group_short_spans(
@@ -177,7 +179,8 @@ def group_short_spans(
     return group, [span for span in spans if id(span) not in grouped]
 
 
-def _attend_together(q: torch.Tensor, pool: BlockPool, layer: int, group: SpanGroup) -> torch.Tensor:
+def _attend_together(q: torch.Tensor, pool: BlockPool, layer: int, group: SpanGroup,
+                     softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """q [T_all, H, D] of the step -> [n, H, D] for the group's real queries."""
     batch, _, count, width = group.mask.shape
     heads, dim = q.shape[1:]
@@ -186,13 +189,14 @@ def _attend_together(q: torch.Tensor, pool: BlockPool, layer: int, group: SpanGr
     k = keys.view(kv_heads, batch, -1, dim)[:, :, :width]
     v = values.view(kv_heads, batch, -1, dim)[:, :, :width]
     padded = q[group.queries].view(batch, count, heads, dim).transpose(1, 2)  # [B, H, T, D]
-    out = prefill_attention(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False)
+    out = prefill_attention(padded, k.transpose(0, 1), v.transpose(0, 1), group.mask, causal=False,
+                            softcap=softcap)  # fmt: skip
     return out.transpose(1, 2).reshape(batch * count, heads, dim)[group.real]
 
 
 def _prefill(
     q: torch.Tensor, pool: BlockPool, layer: int, span: PrefillSpan, window: int | None,
-    per_query: bool,
+    per_query: bool, softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T_i, H, D] of one sequence -> [T_i, H, D], causal over its blocks."""
     num_new = q.shape[0]
@@ -204,14 +208,14 @@ def _prefill(
         for t in range(num_new):
             end = start + t + 1  # the query's position + 1
             first = max(0, end - window) if window is not None else 0
-            out[t] = attend_alone(q[t], k[:, first:end], v[:, first:end])
+            out[t] = attend_alone(q[t], k[:, first:end], v[:, first:end], softcap)
         return out
     slides = window is not None and span.length > window
     mask = None
     if (start and num_new > 1) or slides:  # one query after its prefix sees every key: no mask
         mask = causal_mask(start, num_new, window if slides else None, q.device)[None, None]  # [1, 1, T, S]
     causal = mask is None and start == 0
-    out = prefill_attention(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal)
+    out = prefill_attention(q.transpose(0, 1)[None], k[None], v[None], mask, causal=causal, softcap=softcap)
     return out[0].transpose(0, 1)  # [T, H, D]
 
 

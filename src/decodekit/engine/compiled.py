@@ -100,7 +100,7 @@ class LaneAttention:
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
-    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+    def attend(self, layer, q, k, v, mask, causal, per_query=False, softcap=None) -> torch.Tensor:
         """q [B, T, H, D], k/v [B, T, H_kv, D] -> [B, T, H, D]; T > 1: a verification span
         (whose rows hold no shared prefix: they are gathered whole, rows.py)."""
         batch, count = q.shape[:2]
@@ -119,11 +119,11 @@ class LaneAttention:
             # not return the log-sum-exp that merging two parts would need)
             written_out = bool(prefixes)
             return decode_attention(q, keys, values, self.visible[layer], prefixes=prefixes,
-                                    written_out=written_out)
+                                    written_out=written_out, softcap=softcap)
         # written out (models/attention.py) as dynamo traces it, also when a CUDA graph records
         # it eager: the eager kernels' form would copy every row's keys to append the new one
         out = decode_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.visible[layer],
-                               new=(k, v), prefixes=prefixes, written_out=True)  # fmt: skip
+                               new=(k, v), prefixes=prefixes, written_out=True, softcap=softcap)  # fmt: skip
         self.new_keys.append(k[:, 0] if count == 1 else k)  # [B, H_kv, D], a span's [B, T, H_kv, D]
         self.new_values.append(v[:, 0] if count == 1 else v)
         return out

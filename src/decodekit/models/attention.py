@@ -10,6 +10,9 @@
   spans, the contiguous caches); one query per row is `decode_attention`.
 - `attend_alone`: one query over exactly the keys it sees (the batch-invariant mode).
 
+`softcap` (Gemma 2's attn_logit_softcapping): every score s becomes cap * tanh(s / cap) before
+the softmax. The fused kernels cannot do that, so each function then takes its written-out form.
+
 Grouped-query attention folds the G query heads that share a key head, and a row's T
 queries, into the query axis, [B, T, H, D] -> [B, H_kv, G * T, D] (row g * T + t), so each
 key is read once, not once per query head and query.
@@ -47,6 +50,11 @@ class SharedKV(NamedTuple):
     sees: torch.Tensor | None = None  # [B, 1, 1, P] bool, the prefix positions each row sees; None: all
 
 
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scores capped to (-softcap, softcap) by cap * tanh(s / cap) (module docstring)."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, T, H, D], each row's T new queries, rotated
     keys: torch.Tensor,  # [B, H_kv, S, D], each row's stored keys
@@ -55,6 +63,7 @@ def decode_attention(
     new: tuple[torch.Tensor, torch.Tensor] | None = None,  # k, v [B, T, H_kv, D] not in `keys`
     prefixes: tuple[SharedKV, ...] | list[SharedKV] = (),
     written_out: bool | None = None,  # the formulation (module docstring); None: chosen here
+    softcap: float | None = None,  # the scores' cap (module docstring): written out
 ) -> torch.Tensor:
     """Each row's queries over [its prefix's keys, `keys`, its `new` keys]: [B, T, H, D].
 
@@ -70,9 +79,10 @@ def decode_attention(
     folded = (q if count == 1 else q.transpose(1, 2)).reshape(batch, kv_heads, queries, dim)
     # written out when traced, for T > 1 new keys (no causal mask in the eager form), and for
     # prefixes the LSE kernel cannot take: it is the CPU's, and a row seeing none of one gets lse 0
-    if written_out is None:
+    if written_out is None or softcap is not None:
         written_out = (
-            torch.compiler.is_compiling()
+            softcap is not None
+            or torch.compiler.is_compiling()
             or (new is not None and count > 1)
             or (
                 bool(prefixes)
@@ -86,13 +96,14 @@ def decode_attention(
         for prefix in prefixes:  # the prefix's keys read once for all B * G * T queries of a key head
             stacked = folded.transpose(0, 1).reshape(kv_heads, batch * queries, dim)  # [H_kv, BGT, D]
             shared = (stacked @ prefix.keys[0].transpose(-1, -2)).float() * scale  # [H_kv, BGT, P]
+            shared = capped(shared, softcap)
             shared = shared.reshape(kv_heads, batch, queries, -1).transpose(0, 1)  # [B, H_kv, GT, P]
             sees = prefix.sees
             if prefix.rows is not None:  # the rows that continue it see all of it, the others none
                 sees = torch.zeros(batch, dtype=torch.bool, device=q.device).index_fill_(0, prefix.rows, True)
                 sees = sees[:, None, None, None]  # [B, 1, 1, 1]
             parts.append(shared if sees is None else shared.masked_fill(~sees, -torch.inf))
-        stored = (folded @ keys.transpose(-1, -2)).float() * scale  # [B, H_kv, GT, S]
+        stored = capped((folded @ keys.transpose(-1, -2)).float() * scale, softcap)  # [B, H_kv, GT, S]
         if visible is not None:
             stored = (stored.masked_fill(~visible, -torch.inf) if visible.dtype == torch.bool
                       else stored + visible)  # fmt: skip
@@ -100,9 +111,11 @@ def decode_attention(
         if new is not None:
             own_keys, own_values = new[0].transpose(1, 2), new[1].transpose(1, 2)  # [B, H_kv, T, D]
             if count == 1:  # one new key each query sees: a dot product, no mask
-                parts.append((folded * own_keys).sum(-1, keepdim=True).float() * scale)  # [B, H_kv, G, 1]
+                own = (folded * own_keys).sum(-1, keepdim=True).float() * scale  # [B, H_kv, G, 1]
+                parts.append(capped(own, softcap))
             else:  # query t sees new keys 0..t
                 own = (folded @ own_keys.transpose(-1, -2)).float() * scale  # [B, H_kv, GT, T]
+                own = capped(own, softcap)
                 causal = torch.ones(count, count, dtype=torch.bool, device=q.device).tril()  # [T, T]
                 parts.append(own.masked_fill(~causal.repeat(group, 1), -torch.inf))  # [GT, T] mask
         weights = torch.cat(parts, dim=-1).softmax(dim=-1).to(q.dtype)  # one softmax over them all
@@ -156,23 +169,35 @@ def _unfold_heads(out: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention. q [B, H, T, D], k/v [B, H_kv, S, D] -> [B, H, T, D].
 
     mask: [B or 1, 1 or H, T, S] bool, the keys each query sees; `causal` is only used with
     mask None and T == S (a prefill from an empty cache). One query per row is
-    `decode_attention`'s (its folding reads each key once).
+    `decode_attention`'s (its folding reads each key once). `softcap`: written out.
     """
     heads, num_new = q.shape[1], q.shape[2]
     if num_new == 1:
-        return decode_attention(q.transpose(1, 2), k, v, mask).transpose(1, 2)
+        return decode_attention(q.transpose(1, 2), k, v, mask, softcap=softcap).transpose(1, 2)
+    if softcap is not None:
+        group = heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, D]
+        scores = capped((q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5, softcap)  # [B, H, T, S]
+        if mask is None and causal:
+            mask = torch.ones(num_new, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -torch.inf)
+        return scores.softmax(dim=-1).to(q.dtype) @ v
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=heads != k.shape[1]
     )
 
 
-def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend_alone(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None = None
+) -> torch.Tensor:
     """One query over exactly the keys it sees, no mask: q [H, D], k/v [H_kv, S, D] -> [H, D].
 
     The batch-invariant mode's attention (models/native.py): every query of every row,
@@ -183,4 +208,7 @@ def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     heads, dim = q.shape
     kv_heads = k.shape[0]
     folded = q.reshape(1, kv_heads, heads // kv_heads, dim)  # [1, H_kv, G, D]
+    if softcap is not None:
+        scores = capped((folded @ k[None].transpose(-1, -2)).float() * dim**-0.5, softcap)  # [1, H_kv, G, S]
+        return (scores.softmax(dim=-1).to(q.dtype) @ v[None]).reshape(heads, dim)
     return F.scaled_dot_product_attention(folded, k[None], v[None]).reshape(heads, dim)

@@ -107,11 +107,13 @@ class ContiguousKVCache(Cache):
         mask: torch.Tensor | None,
         causal: bool,
         per_query: bool = False,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store layer `layer`'s new keys/values at the last T positions, attend: [B, T, H, D].
 
         per_query: each query alone over the keys its row of `mask` shows (the
-        batch-invariant mode, models/native.py; `mask` is then never None).
+        batch-invariant mode, models/native.py; `mask` is then never None). softcap: the
+        scores' cap (models/attention.py).
         """
         end = self._length
         start = end - q.shape[1]
@@ -121,8 +123,8 @@ class ContiguousKVCache(Cache):
         keys, values = keys[:, :, :end], values[:, :, :end]
         if per_query:
             assert mask is not None
-            return _attend_per_query(q, keys, values, mask)
-        return prefill_attention(q.transpose(1, 2), keys, values, mask, causal).transpose(1, 2)
+            return _attend_per_query(q, keys, values, mask, softcap)
+        return prefill_attention(q.transpose(1, 2), keys, values, mask, causal, softcap).transpose(1, 2)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values, views [B, H_kv, capacity, D]."""
@@ -280,8 +282,11 @@ class CompressedKVCache(ContiguousKVCache):
         self.sinks = sinks
         self.policy = policy
 
-    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+    def attend(self, layer, q, k, v, mask, causal, per_query=False, softcap=None) -> torch.Tensor:
         k, v = round_trip(k, self.kv_dtype), round_trip(v, self.kv_dtype)
+        if softcap is not None and self.budget is not None:
+            raise ValueError("a token budget's attention (streaming, h2o) does not cap scores "
+                             "(attn_logit_softcapping)")
         if self.budget is not None and self.length > self.budget:
             if self.has_padding:
                 raise ValueError("a token budget needs rows without padding")
@@ -298,7 +303,7 @@ class CompressedKVCache(ContiguousKVCache):
             kept = streaming_mask(self.length - num_new, num_new, self.sinks,
                                   self.budget - self.sinks, q.device)[None, None]  # fmt: skip
             mask, causal = (kept if mask is None else mask & kept), False
-        return super().attend(layer, q, k, v, mask, causal, per_query)
+        return super().attend(layer, q, k, v, mask, causal, per_query, softcap)
 
 
 def _grow(tensor: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
@@ -357,12 +362,12 @@ def causal_mask(
     return visible
 
 
-def _attend_per_query(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+def _attend_per_query(q, k, v, mask: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, H_kv, S, D], mask [B or 1, 1, T, S] -> [B, T, H, D]."""
     out = torch.empty_like(q)
     for row in range(q.shape[0]):
         for t in range(q.shape[1]):
             seen = mask[min(row, mask.shape[0] - 1), 0, t].nonzero()[:, 0]  # [S_seen]
-            out[row, t] = attend_alone(q[row, t], k[row][:, seen], v[row][:, seen])
+            out[row, t] = attend_alone(q[row, t], k[row][:, seen], v[row][:, seen], softcap)
     return out
 

@@ -27,7 +27,7 @@ class Family:
     # Which layers slide when config.json has a sliding_window and no layer_types: "never"
     # (Llama ignores it), "every" layer (Mistral), as use_sliding_window and
     # max_window_layers say (Qwen2/3, "use_sliding_window"), or all but every
-    # sliding_window_pattern-th layer (Gemma 3, "pattern", 6 by default).
+    # sliding_window_pattern-th layer (Gemma 2 and 3, "pattern", `sliding_pattern` by default).
     sliding: Literal["never", "every", "use_sliding_window", "pattern"] = "never"
     # q and k rows reordered for ggml's RoPE in GGUF files of this family (llama-arch)
     rope_permuted: bool = False
@@ -43,9 +43,10 @@ class Family:
     sandwich_norms: bool = False
     # sliding layers rotate with their own RoPE base (Gemma 3: rope_parameters per layer type)
     local_rope: bool = False
-    # llama.cpp stores q/k/v and gate/up fused for this architecture (Phi-3): its GGUF files are
-    # not read or written yet
-    gguf_fused: bool = False
+    # whether decodekit reads and writes this family's GGUF files (not yet: Phi-3, whose tensors
+    # llama.cpp stores fused; Gemma 2)
+    gguf_files: bool = True
+    sliding_pattern: int = 6  # "pattern"'s default n (every n-th layer full)
 
 
 FAMILIES: dict[str, Family] = {
@@ -56,8 +57,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding="use_sliding_window"),
     # checkpoints store qkv_proj and gate_up_proj fused, as LlamaNet holds them
     "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, output_bias=False, sliding="every",
-                   gguf_fused=True),
+                   gguf_files=False),
     "gemma": Family("GemmaForCausalLM", "gemma", norm_shift=1.0, embed_scale=True),
+    # its attention caps its scores (attn_logit_softcapping: models/attention.py); every other
+    # layer slides
+    "gemma2": Family("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, embed_scale=True, sliding="pattern",
+                     sliding_pattern=2, activation_key="hidden_activation", sandwich_norms=True,
+                     gguf_files=False),
     "gemma3_text": Family("Gemma3ForCausalLM", "gemma3", qk_norm=True, sliding="pattern", norm_shift=1.0,
                           embed_scale=True, activation_key="hidden_activation", sandwich_norms=True,
                           local_rope=True),
@@ -68,5 +74,5 @@ FAMILIES: dict[str, Family] = {
 # Mistral and SmolLM as llama), and "gemma3" for Gemma 3's text model.
 GGUF_MODEL_TYPES = {
     family.gguf: name for name, family in FAMILIES.items()
-    if (family.gguf == name or family.gguf not in FAMILIES) and not family.gguf_fused
+    if (family.gguf == name or family.gguf not in FAMILIES) and family.gguf_files
 }  # fmt: skip

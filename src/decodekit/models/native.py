@@ -2,11 +2,12 @@
 
 Reads a Hugging Face checkpoint directory (config.json, model.safetensors or sharded
 safetensors with an index, tokenizer files) of Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3,
-Gemma 1 or Gemma 3: pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE
+or Gemma 1, 2 or 3: pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE
 (rope.py; partial rotation for Phi-4-mini, a second base for Gemma 3's sliding layers), SwiGLU
 or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
 (Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
-norms' (1 + w), a scaled embedding, sandwich norms, scaled queries, capped logits.
+norms' (1 + w), a scaled embedding, sandwich norms, scaled queries, capped logits, and
+Gemma 2's capped attention scores (models/attention.py `softcap`).
 
 Design (STYLE.md; gpt-fast and nano-vllm do the same): q/k/v and gate/up are each one
 fused `nn.Linear` (fewer, larger matmuls; compress/ swaps any `nn.Linear` in `model.net`);
@@ -141,6 +142,7 @@ class Attention(nn.Module):
         # partial rotary (Phi-4-mini): the first `rotated` dims of a head turn, the rest pass
         self.rotated = config.rope.head_dim if config.rope.head_dim < dim else None
         self.query_scale = config.query_scale
+        self.softcap = config.attn_softcap  # Gemma 2's cap of the scores (models/attention.py)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H, D] rotated by its positions, the first `rotated` dims only if so."""
@@ -177,7 +179,7 @@ class Attention(nn.Module):
             q = q * self.query_scale
         # The cache stores k/v and attends: ContiguousKVCache here, the engine's paged
         # batch (engine/batch.py) there; the layer maths stay in this one module.
-        out = cache.attend(layer, q, k, v, mask, causal, rowwise)  # [B, T, H, D]
+        out = cache.attend(layer, q, k, v, mask, causal, rowwise, self.softcap)  # [B, T, H, D]
         return _linear(self.o_proj, out.reshape(batch, num_new, heads * self.head_dim), rowwise)
 
 

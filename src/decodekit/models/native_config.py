@@ -37,8 +37,6 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
     family = FAMILIES[model_type]
     if activation(config) not in ACTIVATIONS:
         return f"{family.activation_key} must be one of {ACTIVATIONS}, got {activation(config)!r}"
-    if config.get("attn_logit_softcapping") is not None:
-        return f"attn_logit_softcapping must be null, got {config['attn_logit_softcapping']}"
     if config.get("use_bidirectional_attention"):
         return "use_bidirectional_attention must be false: NativeLM's attention is causal"
     layer_types = ("full_attention", "sliding_attention") if family.local_rope else (None,)
@@ -94,6 +92,7 @@ class NativeConfig:
     # scale query_pre_attn_scalar ** -0.5 (Gemma 3); None: 1
     query_scale: float | None = None
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
+    attn_softcap: float | None = None  # each attention score so capped (Gemma 2)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -143,6 +142,7 @@ class NativeConfig:
             query_scale = (int(head_dim) / float(config["query_pre_attn_scalar"])) ** 0.5
             query_scale = None if query_scale == 1.0 else query_scale
         softcap = config.get("final_logit_softcapping")
+        attn_softcap = config.get("attn_logit_softcapping")
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
@@ -168,6 +168,7 @@ class NativeConfig:
             local_rope=local_rope,
             query_scale=query_scale,
             final_softcap=None if softcap is None else float(softcap),
+            attn_softcap=None if attn_softcap is None else float(attn_softcap),
         )
 
 
@@ -185,7 +186,7 @@ def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None,
         layer_types = ["sliding_attention" if i >= first else "full_attention"
                        for i in range(num_layers)]  # fmt: skip
     if layer_types is None and sliding == "pattern":  # transformers' Gemma3TextConfig
-        pattern = int(config.get("sliding_window_pattern", 6))
+        pattern = int(config.get("sliding_window_pattern", FAMILIES[config["model_type"]].sliding_pattern))
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                        for i in range(num_layers)]  # fmt: skip
     if layer_types is None:

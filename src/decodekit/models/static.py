@@ -105,12 +105,12 @@ class StaticStep:
         self.keys, self.values = keys, values  # per layer [1, H_kv, C, D], written in place
         self.position, self.visible = position, visible  # [1], [1, 1, 1, C] bool
 
-    def attend(self, layer, q, k, v, mask, causal, per_query=False) -> torch.Tensor:
+    def attend(self, layer, q, k, v, mask, causal, per_query=False, softcap=None) -> torch.Tensor:
         """q [1, 1, H, D], k/v [1, 1, H_kv, D] -> [1, 1, H, D]."""
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(2, self.position, k.transpose(1, 2))
         values.index_copy_(2, self.position, v.transpose(1, 2))
-        return decode_attention(q, keys, values, self.visible)
+        return decode_attention(q, keys, values, self.visible, softcap=softcap)
 
 
 def decode_step(model: NativeLM, capacity: int) -> Step:
