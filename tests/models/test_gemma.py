@@ -310,13 +310,6 @@ def test_what_nativelm_cannot_run_is_named(tmp_path):
     bidirectional = {**gemma3_config(101).to_dict(), "use_bidirectional_attention": True}
     reason = "use_bidirectional_attention must be false: NativeLM's attention is causal"
     assert unsupported_reason(bidirectional) == reason
-    config = transformers.Gemma2Config(**TINY, vocab_size=101, head_dim=32)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    pytest.importorskip("gguf")
-    from decodekit.compress.gguf import write_gguf
-
-    with pytest.raises(ValueError, match=r"GGUF files are written for model_type \[.*\], got 'gemma2'"):
-        write_gguf(tmp_path, tmp_path / "g.gguf")
 
 
 def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny_llama_dir):
@@ -338,7 +331,7 @@ def test_a_compressed_gemma_round_trips_its_shifted_norms(gemma3, tmp_path, tiny
     assert before.token_ids == after.token_ids
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "gemma"])
 def test_a_gguf_file_of_gemma_gives_the_checkpoints_logits(family, tmp_path, tiny_llama_dir):
     """`write_gguf` stores Gemma as llama.cpp's converter does (norms shifted, gemma3's window,
     sliding flags, their RoPE base and the logits' cap as keys, the post norms under their
@@ -348,8 +341,14 @@ def test_a_gguf_file_of_gemma_gives_the_checkpoints_logits(family, tmp_path, tin
     from decodekit.compress.gguf import write_gguf
 
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    config = (gemma3_config(vocab, query_pre_attn_scalar=32) if family == "gemma3"  # llama.cpp's scale
-              else transformers.GemmaConfig(**TINY, vocab_size=vocab, head_dim=32))  # fmt: skip
+    configs = {  # query_pre_attn_scalar as llama.cpp derives it: head_dim
+        "gemma3": lambda: gemma3_config(vocab, query_pre_attn_scalar=32),
+        "gemma2": lambda: transformers.Gemma2Config(
+            **TINY, vocab_size=vocab, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32,
+            attn_logit_softcapping=2.0, final_logit_softcapping=12.0, attn_implementation="eager"),
+        "gemma": lambda: transformers.GemmaConfig(**TINY, vocab_size=vocab, head_dim=32),
+    }
+    config = configs[family]()
     hf_model = save(config, tmp_path / "hf", tiny_llama_dir)
     expected = hf_logits(hf_model, SEQUENCE)
     for kind, tolerance in (("f32", TOL), ("q8_0", 0.3)):

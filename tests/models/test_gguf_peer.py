@@ -145,3 +145,43 @@ def test_gemma3_files_read_as_llama_cpp_reads_them(which, gemma3_files, one_thre
     unwindowed = dataclasses.replace(model.config, layer_windows=())
     full = type(model)(model.net, unwindowed, tokenizer=model.tokenizer)
     assert (logprobs(full) - theirs).abs().max() > 0.1
+
+
+def test_a_gemma2_file_from_decodekit_reads_in_llama_cpp_as_in_decodekit(tmp_path, one_thread):
+    """llama.cpp's converter reads Gemma 2's vocabulary from SentencePiece only, so the file is
+    decodekit's own (`compress/gguf.py`): Gemma 2 2B's widths in 2 layers (the first sliding,
+    window 8), scores capped at 5 and logits at 30. decodekit reads back the
+    checkpoint's model; llama.cpp's log-probabilities of a 30-token text are decodekit's to
+    its rounding, and decodekit without the scores' cap is more than 0.1 away."""
+    import torch
+
+    from decodekit.compress.gguf import write_gguf
+    from decodekit.models.shapes import save_checkpoint, shape_config
+
+    gemma2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
+              "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "num_hidden_layers": 2, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+              "final_logit_softcapping": 30.0, "rope_theta": 10000.0}  # fmt: skip
+    config = {**shape_config("gemma-3-1b"), **gemma2}
+    for key in ("rope_local_base_freq", "sliding_window_pattern"):
+        config.pop(key)
+    checkpoint = save_checkpoint(config, tmp_path / "hf")
+    path = write_gguf(checkpoint, tmp_path / "gemma2.gguf")
+    reference, model = load_model(checkpoint), load_model(str(path))
+    assert model.config == reference.config and model.config.layer_windows == (8, None)
+    text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
+    ids = model.encode(text)
+
+    def logprobs(lm) -> torch.Tensor:
+        logits = lm.forward(torch.tensor([ids]), lm.new_cache(1))[0, :-1]
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    ours = logprobs(model)
+    assert torch.equal(ours, logprobs(reference))
+    with llamacpp.PeerSession(PEER, path, 128, 1, None) as session:
+        assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
+        theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
+    assert (ours - theirs).abs().max() < 0.03
+    for block in model.net.layers:  # the same weights, the scores uncapped
+        block.self_attn.softcap = None
+    assert (logprobs(model) - theirs).abs().max() > 0.1

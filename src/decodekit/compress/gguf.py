@@ -241,8 +241,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     elif parsed.rope.kind != "default":
         raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE, "
                          f"got {parsed.rope.kind!r}")
-    if arch == "gemma3":
-        gemma3_metadata(writer, parsed, model_dir)
+    if arch in ("gemma2", "gemma3"):
+        gemma_metadata(writer, parsed, arch, model_dir)
     elif parsed.layer_windows:
         raise ValueError(f"{model_dir}: GGUF writing does not take sliding-window attention")
     elif parsed.query_scale is not None or parsed.final_softcap is not None:  # Gemma 1's graph has neither
@@ -273,28 +273,44 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     return out
 
 
-def gemma3_metadata(writer: Any, parsed: Any, model_dir: Path) -> None:
-    """A Gemma 3's keys beyond Llama's, as llama.cpp's gemma3 graph reads them
-    (models/gguf_model.py `gemma3_config`): the window and one sliding flag a layer, the sliding
-    layers' RoPE base, the logits' cap. The queries' scale is not a key: llama.cpp derives it
-    from the shapes, so a model whose query_pre_attn_scalar differs from that rule is refused."""
+def gemma_metadata(writer: Any, parsed: Any, arch: str, model_dir: Path) -> None:
+    """A Gemma 2's or 3's keys beyond Llama's, as llama.cpp's graph reads them
+    (models/gguf_model.py `gemma_config`): the window and one sliding flag a layer, the sliding
+    layers' RoPE base (gemma3), the scores' cap (gemma2) and the logits' cap. The queries'
+    scale is not a key: llama.cpp derives it from the shapes, so a model whose
+    query_pre_attn_scalar differs from that rule is refused, as is a gemma2 without both caps
+    (its graph always applies them)."""
+    from decodekit.models.gguf_model import GEMMA_GRAPHS
+
+    graph = GEMMA_GRAPHS[arch]
     windows = parsed.layer_windows
     if windows:
         if len({w for w in windows if w is not None}) > 1:
             sizes = sorted(set(windows) - {None})
-            raise ValueError(f"{model_dir}: GGUF's gemma3 takes one sliding window, got {sizes}")
+            raise ValueError(f"{model_dir}: GGUF's {arch} takes one sliding window, got {sizes}")
         writer.add_sliding_window(next(w for w in windows if w is not None))
         writer.add_sliding_window_pattern([w is not None for w in windows])
+    elif graph.window:
+        raise ValueError(f"{model_dir}: llama.cpp's {arch} slides its layers; this model has no "
+                         "sliding_window")
     if parsed.local_rope is not None:
         if parsed.local_rope.kind != "default":
-            raise ValueError(f"{model_dir}: GGUF's gemma3 takes default RoPE on its sliding layers, "
+            raise ValueError(f"{model_dir}: GGUF's {arch} takes default RoPE on its sliding layers, "
                              f"got {parsed.local_rope.kind!r}")  # fmt: skip
         writer.add_rope_freq_base_swa(parsed.local_rope.theta)
+    if graph.attn_softcap is not None:
+        if parsed.attn_softcap is None or parsed.final_softcap is None:
+            raise ValueError(f"{model_dir}: llama.cpp's {arch} caps attention scores and logits; this model "
+                             "lacks attn_logit_softcapping or final_logit_softcapping")  # fmt: skip
+        writer.add_attn_logit_softcapping(parsed.attn_softcap)
+    elif parsed.attn_softcap is not None:
+        raise ValueError(f"{model_dir}: GGUF's {arch} takes no attn_logit_softcapping")
     if parsed.final_softcap is not None:
         writer.add_final_logit_softcapping(parsed.final_softcap)
-    scalar = parsed.hidden_size // parsed.num_heads if parsed.num_layers == 62 else parsed.head_dim
+    wide = parsed.num_layers == graph.wide_layers
+    scalar = parsed.hidden_size // parsed.num_heads if wide else parsed.head_dim
     if abs((parsed.query_scale or 1.0) - (parsed.head_dim / scalar) ** 0.5) > 1e-6:
-        raise ValueError(f"{model_dir}: llama.cpp's gemma3 scales queries by 1 / sqrt({scalar}); this "
+        raise ValueError(f"{model_dir}: llama.cpp's {arch} scales queries by 1 / sqrt({scalar}); this "
                          "model's query_pre_attn_scalar differs")  # fmt: skip
 
 

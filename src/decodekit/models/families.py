@@ -44,7 +44,7 @@ class Family:
     # sliding layers rotate with their own RoPE base (Gemma 3: rope_parameters per layer type)
     local_rope: bool = False
     # whether decodekit reads and writes this family's GGUF files (not yet: Phi-3, whose tensors
-    # llama.cpp stores fused; Gemma 2)
+    # llama.cpp stores fused)
     gguf_files: bool = True
     sliding_pattern: int = 6  # "pattern"'s default n (every n-th layer full)
 
@@ -62,8 +62,7 @@ FAMILIES: dict[str, Family] = {
     # its attention caps its scores (attn_logit_softcapping: models/attention.py); every other
     # layer slides
     "gemma2": Family("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, embed_scale=True, sliding="pattern",
-                     sliding_pattern=2, activation_key="hidden_activation", sandwich_norms=True,
-                     gguf_files=False),
+                     sliding_pattern=2, activation_key="hidden_activation", sandwich_norms=True),
     "gemma3_text": Family("Gemma3ForCausalLM", "gemma3", qk_norm=True, sliding="pattern", norm_shift=1.0,
                           embed_scale=True, activation_key="hidden_activation", sandwich_norms=True,
                           local_rope=True),

@@ -2,13 +2,13 @@
 
 The file is read with gguf-py (`gguf.GGUFReader`, llama.cpp's own reader; the `gguf` extra).
 Its metadata becomes the config.json dict NativeConfig already parses (`gguf_config`):
-`general.architecture` llama, qwen2, qwen3, gemma or gemma3 (llama.cpp converts Mistral and
+`general.architecture` llama, qwen2, qwen3, gemma, gemma2 or gemma3 (llama.cpp converts Mistral and
 SmolLM to "llama"; gemma3 is Gemma 3's text model), and under `{arch}.`: context_length,
 embedding_length, feed_forward_length,
 block_count, attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
 rope.freq_base, rope.dimension_count, rope.scaling.type/factor (no sliding window: llama.cpp
 runs these architectures without one, `gguf_config`; gemma3's window, sliding layers, their
-RoPE base and the logits' cap as its graph reads them, `gemma3_config`);
+RoPE base and the logits' cap as its graph reads them, and gemma2's, `gemma_config`);
 Llama 3's RoPE scaling is the tensor rope_freqs.weight (`with_frequency_factors`). Tied
 embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
 The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
@@ -39,7 +39,7 @@ ValueError naming the file and the value, before a model exists.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ SANDWICH_TENSORS = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }  # fmt: skip
 # The MLP gate's activation of llama.cpp's graph of each architecture (ggml_gelu is GELU's tanh form)
-GRAPH_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}
+GRAPH_ACTIVATIONS = {arch: "gelu_pytorch_tanh" for arch in ("gemma", "gemma2", "gemma3")}
 FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "mlp.gate_up_proj": ("ffn_gate", "ffn_up")}
 SINGLE = {"self_attn.o_proj": "attn_output", "mlp.down_proj": "ffn_down"}
 
@@ -151,38 +151,67 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     }  # fmt: skip
     # {arch}.attention.sliding_window is not read: llama.cpp's llama, qwen2 and qwen3 graphs
     # attend over every position (src/models/{llama,qwen2,qwen3}.cpp), so a GGUF file of Mistral
-    # 7B v0.1 means full attention, and decodekit runs what the file means. Gemma 3's graph reads
-    # it (src/models/gemma3.cpp):
-    if arch == "gemma3":
-        config.update(gemma3_config(value, config))
+    # 7B v0.1 means full attention, and decodekit runs what the file means. Gemma 2's and 3's
+    # graphs read it (src/models/gemma{2,3}.cpp):
+    if arch in GEMMA_GRAPHS:
+        config.update(gemma_config(arch, value, config))
     return config
 
 
-def gemma3_config(value, config: dict[str, Any]) -> dict[str, Any]:
-    """The config.json fields of a gemma3 file's metadata as llama.cpp's gemma3 graph reads it:
-    the window and which layers slide (attention.sliding_window_pattern, one flag a layer, or
-    every layer but each n-th, 6 by default), the sliding layers' RoPE base (rope.freq_base_swa,
-    10,000 by default), the final logits' cap (0: none), and the queries' scale, which the file
-    does not hold: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for 62 layers (Gemma 3 27B)."""
-    layers, window = config["num_hidden_layers"], int(value("attention.sliding_window", 0))
-    full = {**config["rope_parameters"]}
-    fields: dict[str, Any] = {"rope_parameters": {
-        "full_attention": full,
-        "sliding_attention": {"rope_type": "default",
-                              "rope_theta": decimal(value("rope.freq_base_swa", 10000.0))},
-    }}  # fmt: skip
+class GemmaGraph(NamedTuple):
+    """What llama.cpp's gemma2 / gemma3 graph assumes where the file has no key
+    (src/models/gemma{2,3}.cpp `load_arch_hparams`)."""
+
+    window: int  # attention.sliding_window (0: no sliding layer)
+    pattern: int  # attention.sliding_window_pattern: every n-th layer full
+    local_base: float | None  # rope.freq_base_swa (None: the full layers' base)
+    attn_softcap: float | None  # attn_logit_softcapping (None: no cap, and no key read)
+    final_softcap: float | None  # final_logit_softcapping (None: no cap; 0 in the file: none)
+    wide_layers: int  # the layer count whose queries scale by 1 / sqrt(hidden / heads) (27B)
+
+
+GEMMA_GRAPHS = {
+    "gemma2": GemmaGraph(window=4096, pattern=2, local_base=None, attn_softcap=50.0, final_softcap=30.0,
+                         wide_layers=46),
+    "gemma3": GemmaGraph(window=0, pattern=6, local_base=10000.0, attn_softcap=None, final_softcap=None,
+                         wide_layers=62),
+}  # fmt: skip
+
+
+def gemma_config(arch: str, value, config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json fields of a gemma2 / gemma3 file's metadata as llama.cpp's graph reads
+    it (`GEMMA_GRAPHS` where a key is absent): the window and which layers slide
+    (attention.sliding_window_pattern, one flag a layer, or every layer but each n-th), the
+    sliding layers' RoPE base (gemma3's own, rope.freq_base_swa), the scores' and the final
+    logits' caps, and the queries' scale, which the file does not hold: 1 / sqrt(head_dim), but
+    1 / sqrt(hidden / heads) for the largest model's layer count (Gemma 2 and 3 27B)."""
+    graph = GEMMA_GRAPHS[arch]
+    layers = config["num_hidden_layers"]
+    window = int(value("attention.sliding_window", graph.window))
+    fields: dict[str, Any] = {}
+    local_base = value("rope.freq_base_swa", graph.local_base)
+    if arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": decimal(local_base)}
+        full = {**config["rope_parameters"]}
+        fields["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    elif local_base is not None and decimal(local_base) != config["rope_parameters"]["rope_theta"]:
+        raise ValueError(f"{arch}.rope.freq_base_swa must equal {arch}.rope.freq_base in a {arch} file, "
+                         f"got {decimal(local_base)}")  # fmt: skip
     if window > 0:
-        pattern = value("attention.sliding_window_pattern", 6)
+        pattern = value("attention.sliding_window_pattern", graph.pattern)
         if isinstance(pattern, list):
             sliding = [bool(flag) for flag in pattern][:layers]
         else:  # llama_hparams::set_swa_pattern
             sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
         fields["sliding_window"] = window
         fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    wide = layers == graph.wide_layers
+    scalar = config["hidden_size"] // config["num_attention_heads"] if wide else config["head_dim"]
     fields["query_pre_attn_scalar"] = scalar
-    softcap = decimal(value("final_logit_softcapping", 0.0))
-    fields["final_logit_softcapping"] = softcap or None
+    if graph.attn_softcap is not None:
+        fields["attn_logit_softcapping"] = decimal(value("attn_logit_softcapping", graph.attn_softcap))
+    final = decimal(value("final_logit_softcapping", graph.final_softcap or 0.0))
+    fields["final_logit_softcapping"] = final or None
     return fields
 
 
