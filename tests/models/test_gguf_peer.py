@@ -185,3 +185,60 @@ def test_a_gemma2_file_from_decodekit_reads_in_llama_cpp_as_in_decodekit(tmp_pat
     for block in model.net.layers:  # the same weights, the scores uncapped
         block.self_attn.softcap = None
     assert (logprobs(model) - theirs).abs().max() > 0.1
+
+
+def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_path, one_thread):
+    """A Phi-4-mini-like checkpoint (LongRoPE switching at 512 positions, 3/4 of each head
+    rotated, tied; q/k/v and gate/up stored fused) converted by llama.cpp's converter: decodekit
+    reads the checkpoint's model, and llama.cpp's log-probabilities are decodekit's to its
+    rounding with the short factors (a 17-token text in a context of 128) and with the long
+    ones (600 tokens in a context of 1,024: llama.cpp picks the set by its context,
+    decodekit by the sequence's length, models/gguf_model.py `phi3_longrope`)."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    from decodekit.models.checkpoint import TOKENIZER_FILES
+    from decodekit.models.registry import ASSETS
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.05 * i for i in range(12)],
+            "long_factor": [1.0 + 1.5 * i for i in range(12)]}
+    config = transformers.Phi3Config(vocab_size=2048, hidden_size=256, intermediate_size=512,
+                                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                     max_position_embeddings=2048, original_max_position_embeddings=512,
+                                     rope_parameters=rope, tie_word_embeddings=True, bos_token_id=None,
+                                     eos_token_id=0, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            scale = (3 if "embed" in name else 1) / param.shape[-1] ** 0.5
+            param.copy_(1 + 0.1 * noise if "norm" in name else noise * scale)
+    checkpoint = tmp_path / "hf"
+    model.save_pretrained(checkpoint)
+    for name in TOKENIZER_FILES:  # the embedded BPE tokenizer, which the converter takes as GPT-2's
+        if (ASSETS / "shakespeare" / name).exists():
+            shutil.copy(ASSETS / "shakespeare" / name, checkpoint / name)
+    settings = checkpoint / "tokenizer_config.json"
+    fields = json.loads(settings.read_text()) if settings.exists() else {}
+    settings.write_text(json.dumps({**fields, "tokenizer_class": "GPT2Tokenizer"}))
+    path = tmp_path / "phi3.gguf"
+    llamacpp.convert(PEER, checkpoint, path)
+    reference, ours = load_model(checkpoint), load_model(str(path))
+    assert ours.config.rope.kind == "longrope" and ours.config.rope.head_dim == 24
+    ids = ours.encode("ROMEO: But soft, what light through yonder window breaks?")
+
+    def logprobs(lm, tokens: list[int]) -> torch.Tensor:
+        logits = lm.forward(torch.tensor([tokens]), lm.new_cache(1))[0, :-1]
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+    for tokens, context in ((ids, 128), ((ids * 40)[:600], 1024)):
+        mine = logprobs(ours, tokens)
+        assert (mine - logprobs(reference, tokens)).abs().max() < 1e-4
+        with llamacpp.PeerSession(PEER, path, context, 1, None) as session:
+            theirs = torch.tensor(session.ask({"do": "logprobs", "ids": tokens})["logprobs"])[: len(mine)]
+        assert (mine - theirs).abs().max() < 0.03, context

@@ -206,8 +206,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
     family = FAMILIES[parsed.model_type]
     arch = family.gguf
-    if not family.gguf_files:
-        writable = sorted(name for name, f in FAMILIES.items() if f.gguf_files)
+    if family.gguf_fused:
+        writable = sorted(name for name, f in FAMILIES.items() if not f.gguf_fused)
         raise ValueError(f"GGUF files are written for model_type {writable}, got {parsed.model_type!r}")
     compressed = (model_dir / COMPRESSION_FILE).exists()
     state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)

@@ -43,9 +43,9 @@ class Family:
     sandwich_norms: bool = False
     # sliding layers rotate with their own RoPE base (Gemma 3: rope_parameters per layer type)
     local_rope: bool = False
-    # whether decodekit reads and writes this family's GGUF files (not yet: Phi-3, whose tensors
-    # llama.cpp stores fused)
-    gguf_files: bool = True
+    # llama.cpp stores q/k/v as one attn_qkv and gate/up as one ffn_up for this architecture
+    # (Phi-3), as its checkpoints do: read, not written yet
+    gguf_fused: bool = False
     sliding_pattern: int = 6  # "pattern"'s default n (every n-th layer full)
 
 
@@ -57,7 +57,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding="use_sliding_window"),
     # checkpoints store qkv_proj and gate_up_proj fused, as LlamaNet holds them
     "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, output_bias=False, sliding="every",
-                   gguf_files=False),
+                   gguf_fused=True),
     "gemma": Family("GemmaForCausalLM", "gemma", norm_shift=1.0, embed_scale=True),
     # its attention caps its scores (attn_logit_softcapping: models/attention.py); every other
     # layer slides
@@ -73,5 +73,5 @@ FAMILIES: dict[str, Family] = {
 # Mistral and SmolLM as llama), and "gemma3" for Gemma 3's text model.
 GGUF_MODEL_TYPES = {
     family.gguf: name for name, family in FAMILIES.items()
-    if (family.gguf == name or family.gguf not in FAMILIES) and family.gguf_files
+    if family.gguf == name or family.gguf not in FAMILIES
 }  # fmt: skip

@@ -2,14 +2,15 @@
 
 The file is read with gguf-py (`gguf.GGUFReader`, llama.cpp's own reader; the `gguf` extra).
 Its metadata becomes the config.json dict NativeConfig already parses (`gguf_config`):
-`general.architecture` llama, qwen2, qwen3, gemma, gemma2 or gemma3 (llama.cpp converts Mistral and
-SmolLM to "llama"; gemma3 is Gemma 3's text model), and under `{arch}.`: context_length,
-embedding_length, feed_forward_length,
-block_count, attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
-rope.freq_base, rope.dimension_count, rope.scaling.type/factor (no sliding window: llama.cpp
-runs these architectures without one, `gguf_config`; gemma3's window, sliding layers, their
-RoPE base and the logits' cap as its graph reads them, and gemma2's, `gemma_config`);
-Llama 3's RoPE scaling is the tensor rope_freqs.weight (`with_frequency_factors`). Tied
+`general.architecture` llama, qwen2, qwen3, phi3, gemma, gemma2 or gemma3 (llama.cpp converts
+Mistral and SmolLM to "llama"; gemma3 is Gemma 3's text model), and under `{arch}.`:
+context_length, embedding_length, feed_forward_length, block_count, attention.head_count(_kv),
+attention.key_length, attention.layer_norm_rms_epsilon, rope.freq_base, rope.dimension_count
+(phi3's partial rotation), rope.scaling.type/factor (no sliding window: llama.cpp runs these
+architectures without one, `gguf_config`; gemma2's and gemma3's windows, sliding layers, their
+RoPE base and caps as their graphs read them, `gemma_config`). Llama 3's RoPE scaling is the
+tensor rope_freqs.weight (`with_frequency_factors`); phi3's LongRoPE the tensors
+rope_factors_long/short.weight (`phi3_longrope`); its q/k/v and gate/up are stored fused. Tied
 embeddings are a file without `output.weight`; q/k/v and o biases are tensors present.
 The tokenizer, its BOS/EOS rules and chat template come from the metadata (gguf_tokenizer.py).
 
@@ -124,10 +125,13 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     if isinstance(kv_heads, list):
         raise ValueError(f"{where}: {arch}.attention.head_count_kv must be one number, got one per layer")
     head_dim = int(value("attention.key_length", hidden // heads))
-    if int(value("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"{where}: {arch}.rope.dimension_count must equal the head size {head_dim} "
-                         f"(partial RoPE is not supported), got {value('rope.dimension_count')}")  # fmt: skip
+    rotated = int(value("rope.dimension_count", head_dim))
     rope = {"rope_type": "default", "rope_theta": decimal(value("rope.freq_base", 10000.0))}
+    if rotated != head_dim:
+        if arch != "phi3":  # phi3's graph rotates the first n_rot dims of each head (NeoX order)
+            raise ValueError(f"{where}: {arch}.rope.dimension_count must equal the head size {head_dim} "
+                             f"(partial RoPE is read for phi3 only), got {rotated}")  # fmt: skip
+        rope["partial_rotary_factor"] = rotated / head_dim
     scaling = value("rope.scaling.type", "none")
     if scaling == "linear":
         rope.update(rope_type="linear", factor=decimal(value("rope.scaling.factor")))
@@ -149,7 +153,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
         "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors,
     }  # fmt: skip
-    # {arch}.attention.sliding_window is not read: llama.cpp's llama, qwen2 and qwen3 graphs
+    if arch == "phi3":
+        rope.update(phi3_longrope(value, tensors, rotated, where))
+    # {arch}.attention.sliding_window is not read: llama.cpp's llama, qwen2, qwen3 and phi3 graphs
     # attend over every position (src/models/{llama,qwen2,qwen3}.cpp), so a GGUF file of Mistral
     # 7B v0.1 means full attention, and decodekit runs what the file means. Gemma 2's and 3's
     # graphs read it (src/models/gemma{2,3}.cpp):
@@ -213,6 +219,30 @@ def gemma_config(arch: str, value, config: dict[str, Any]) -> dict[str, Any]:
     final = decimal(value("final_logit_softcapping", graph.final_softcap or 0.0))
     fields["final_logit_softcapping"] = final or None
     return fields
+
+
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def phi3_longrope(value, tensors: dict[str, Any], rotated: int, where: str) -> dict[str, Any]:
+    """A phi3 file's LongRoPE, as llama.cpp's converter stores it: the long and short factors as
+    tensors rope_factors_long/short.weight ([n_rot / 2] each), the switch as
+    rope.scaling.original_context_length, the cos/sin scale as rope.scaling.attn_factor; {}
+    without the factors (Phi-3-mini-4k: plain RoPE). llama.cpp picks one set for its whole
+    context; decodekit a row's by its length (models/rope.py)."""
+    if not all(name in tensors for name in LONGROPE_TENSORS):
+        return {}
+    factors = {}
+    for name in LONGROPE_TENSORS:
+        data = np.asarray(tensors[name].data, dtype=np.float32).reshape(-1)
+        if data.shape[0] != rotated // 2:
+            raise ValueError(f"{where}: tensor {name!r} has {data.shape[0]} factors, the rotation "
+                             f"implies {rotated // 2}")  # fmt: skip
+        factors[name] = [decimal(f) for f in data]
+    return {"rope_type": "longrope", "long_factor": factors[LONGROPE_TENSORS[0]],
+            "short_factor": factors[LONGROPE_TENSORS[1]],
+            "original_max_position_embeddings": int(value("rope.scaling.original_context_length")),
+            "attention_factor": decimal(value("rope.scaling.attn_factor", 1.0))}  # fmt: skip
 
 
 def with_frequency_factors(config: NativeConfig, tensors: dict[str, Any], where: str) -> NativeConfig:
@@ -418,7 +448,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", name: str | N
     half = half_weights(dtype, tensors, device)
     files = _Tensors(tensors, where, parsed)
     net = _build_net(files, parsed, torch_dtype)
-    unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight"})
+    unexpected = sorted(set(tensors) - files.taken - {"rope_freqs.weight", *LONGROPE_TENSORS})
     if unexpected:
         raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
                          "NativeLM has no place for it")  # fmt: skip
@@ -459,6 +489,11 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
     widths = {"attn_q": q_width, "attn_k": kv_width, "attn_v": kv_width, "attn_output": hidden,
               "ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size, "ffn_down": hidden}  # fmt: skip
     inputs = {"attn_output": q_width, "ffn_down": c.intermediate_size}
+    # phi3's files keep q/k/v and gate/up fused, as its checkpoints (Family.gguf_fused)
+    fused = {"self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)} if (
+        FAMILIES[c.model_type].gguf_fused and "blk.0.attn_qkv.weight" in files.tensors) else FUSED
+    widths = {**widths, "attn_qkv": q_width + 2 * kv_width,
+              "ffn_up": (2 if fused is not FUSED else 1) * c.intermediate_size}
     for index, block in enumerate(net.layers):
         prefix = f"blk.{index}."
         for gguf_name, ours in (SANDWICH_TENSORS if c.sandwich_norms else LAYER_TENSORS).items():
@@ -467,7 +502,7 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
                 continue
             module = block.get_submodule(ours.rsplit(".", 1)[0])
             module.weight = files.float(prefix + gguf_name, (size,), norm_dtype)
-        for ours, parts in {**FUSED, **{k: (v,) for k, v in SINGLE.items()}}.items():
+        for ours, parts in {**fused, **{k: (v,) for k, v in SINGLE.items()}}.items():
             weights = [files.take(f"{prefix}{part}.weight", (widths[part], inputs.get(part, hidden)))
                        for part in parts]  # fmt: skip
             biases = [files.take(f"{prefix}{part}.bias", (widths[part],), required=False) for part in parts]
