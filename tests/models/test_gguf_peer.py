@@ -189,11 +189,12 @@ def test_a_gemma2_file_from_decodekit_reads_in_llama_cpp_as_in_decodekit(tmp_pat
 
 def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_path, one_thread):
     """A Phi-4-mini-like checkpoint (LongRoPE switching at 512 positions, 3/4 of each head
-    rotated, tied; q/k/v and gate/up stored fused) converted by llama.cpp's converter: decodekit
-    reads the checkpoint's model, and llama.cpp's log-probabilities are decodekit's to its
-    rounding with the short factors (a 17-token text in a context of 128) and with the long
-    ones (600 tokens in a context of 1,024: llama.cpp picks the set by its context,
-    decodekit by the sequence's length, models/gguf_model.py `phi3_longrope`)."""
+    rotated, tied; q/k/v and gate/up stored fused) converted by llama.cpp's converter, and
+    written by decodekit's `write_gguf`: decodekit reads the checkpoint's model from either, and
+    llama.cpp's log-probabilities are decodekit's to its rounding with the short factors (a
+    17-token text in a context of 128) and with the long ones (600 tokens in a context of
+    1,024: llama.cpp picks the set by its context, decodekit by the sequence's length,
+    models/gguf_model.py `phi3_longrope`)."""
     import json
     import shutil
 
@@ -226,19 +227,23 @@ def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_p
     settings = checkpoint / "tokenizer_config.json"
     fields = json.loads(settings.read_text()) if settings.exists() else {}
     settings.write_text(json.dumps({**fields, "tokenizer_class": "GPT2Tokenizer"}))
-    path = tmp_path / "phi3.gguf"
-    llamacpp.convert(PEER, checkpoint, path)
-    reference, ours = load_model(checkpoint), load_model(str(path))
-    assert ours.config.rope.kind == "longrope" and ours.config.rope.head_dim == 24
-    ids = ours.encode("ROMEO: But soft, what light through yonder window breaks?")
+    from decodekit.compress.gguf import write_gguf
+
+    converted = tmp_path / "phi3.gguf"
+    llamacpp.convert(PEER, checkpoint, converted)
+    reference = load_model(checkpoint)
 
     def logprobs(lm, tokens: list[int]) -> torch.Tensor:
         logits = lm.forward(torch.tensor([tokens]), lm.new_cache(1))[0, :-1]
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
-    for tokens, context in ((ids, 128), ((ids * 40)[:600], 1024)):
-        mine = logprobs(ours, tokens)
-        assert (mine - logprobs(reference, tokens)).abs().max() < 1e-4
-        with llamacpp.PeerSession(PEER, path, context, 1, None) as session:
-            theirs = torch.tensor(session.ask({"do": "logprobs", "ids": tokens})["logprobs"])[: len(mine)]
-        assert (mine - theirs).abs().max() < 0.03, context
+    for path in (converted, write_gguf(checkpoint, tmp_path / "written.gguf")):  # and decodekit's own
+        ours = load_model(str(path))
+        assert ours.config.rope.kind == "longrope" and ours.config.rope.head_dim == 24
+        ids = ours.encode("ROMEO: But soft, what light through yonder window breaks?")
+        for tokens, context in ((ids, 128), ((ids * 40)[:600], 1024)):
+            mine = logprobs(ours, tokens)
+            assert (mine - logprobs(reference, tokens)).abs().max() < 1e-4
+            with llamacpp.PeerSession(PEER, path, context, 1, None) as session:
+                theirs = torch.tensor(session.ask({"do": "logprobs", "ids": tokens})["logprobs"])[: len(mine)]
+            assert (mine - theirs).abs().max() < 0.03, (path.name, context)

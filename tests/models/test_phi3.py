@@ -162,19 +162,43 @@ def test_speculation_refuses_a_prompt_past_the_switch(phi):
     assert short.completions[0][0].token_ids == dk.generate(model, [long_prompt[:6]], longer)[0][0].token_ids
 
 
-def test_phi3s_older_names_and_its_gguf_files(phi, tmp_path):
-    """Phi-3's configs on the Hub name LongRoPE "su" (transformers reads it as longrope);
-    llama.cpp stores Phi-3's q/k/v and gate/up fused, which decodekit's GGUF writer does not."""
+def test_phi3s_older_name_of_longrope(phi, tmp_path):
+    """Phi-3's configs on the Hub name LongRoPE "su" (transformers reads it as longrope)."""
     _, model, path = phi
     config = json.loads((path / "config.json").read_text())
     config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "su"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    for name in ("model.safetensors", "generation_config.json"):
-        if (path / name).exists():
-            (tmp_path / name).write_bytes((path / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
     assert load_model(tmp_path).config.rope == model.config.rope
+
+
+def test_a_gguf_file_of_phi3_gives_the_checkpoints_logits(tmp_path, tiny_llama_dir):
+    """`write_gguf` stores Phi-3 as llama.cpp's converter does (q/k/v and gate/up fused as
+    attn_qkv and ffn_up, the rotated dims, LongRoPE's factors as tensors, its switch and
+    attention factor as keys) and `load_model` reads back the checkpoint's model: the same
+    config but the attention factor's float32 rounding, transformers' logits within and past
+    the switch. llama.cpp reads these files: tests/models/test_gguf_peer.py."""
     pytest.importorskip("gguf")
+    import shutil
+
     from decodekit.compress.gguf import write_gguf
 
-    with pytest.raises(ValueError, match=r"GGUF files are written for model_type \[.*\], got 'phi3'"):
-        write_gguf(path, tmp_path / "phi.gguf")
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    config = transformers.Phi3Config(**{**TINY, "vocab_size": vocab}, original_max_position_embeddings=SWITCH,
+                                     rope_parameters=dict(ROPE), tie_word_embeddings=True, pad_token_id=0,
+                                     eos_token_id=None, bos_token_id=None)  # fmt: skip
+    hf_model = transformers.Phi3ForCausalLM(config)
+    randomize(hf_model)
+    hf_model.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, tmp_path / "hf" / name)
+    model = load_model(write_gguf(tmp_path / "hf", tmp_path / "phi3.gguf"))
+    reference = load_model(tmp_path / "hf")
+    factor = reference.config.rope.attention_factor
+    assert model.config.rope.attention_factor == pytest.approx(factor, rel=1e-7)
+    assert model.config.layer_windows == () and model.config.rope.head_dim == 12
+    for length in (12, 40):  # within the switch and past it
+        tokens = torch.tensor([[(7 * i + 3) % 97 for i in range(length)]])
+        with torch.no_grad():
+            expected = hf_model.eval()(tokens).logits[0].float()
+        assert (model.forward(tokens, model.new_cache(1))[0] - expected).abs().max() <= TOL

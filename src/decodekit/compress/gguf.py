@@ -34,6 +34,7 @@ NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's, stored fused
 }  # fmt: skip
 # A sandwich-norm block's (Gemma 3): ffn_norm is the MLP's input norm there
 SANDWICH_NAMES = {
@@ -206,10 +207,13 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     parsed = NativeConfig.from_dict(config)  # the architectures NativeLM runs, and no others
     family = FAMILIES[parsed.model_type]
     arch = family.gguf
-    if family.gguf_fused:
-        writable = sorted(name for name, f in FAMILIES.items() if not f.gguf_fused)
-        raise ValueError(f"GGUF files are written for model_type {writable}, got {parsed.model_type!r}")
     compressed = (model_dir / COMPRESSION_FILE).exists()
+    if family.gguf_fused and compressed:  # its layers' codes would have to be joined back
+        raise ValueError(f"{model_dir}: GGUF writing takes a {parsed.model_type} checkpoint, not a "
+                         "compressed directory of one")  # fmt: skip
+    if parsed.rope.head_dim != parsed.head_dim and not family.gguf_fused:
+        raise ValueError(f"{model_dir}: GGUF's {arch} rotates whole heads; this model rotates "
+                         f"{parsed.rope.head_dim} of {parsed.head_dim} dims")  # fmt: skip
     state = compressed_tensors(model_dir, parsed) if compressed else load_safetensors(model_dir)
     if compressed:
         tensor_type = "f32"  # the float layers; the quantised ones keep their codes
@@ -223,7 +227,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     writer.add_head_count_kv(parsed.num_kv_heads)
     writer.add_key_length(parsed.head_dim)
     writer.add_value_length(parsed.head_dim)
-    writer.add_rope_dimension_count(parsed.head_dim)
+    writer.add_rope_dimension_count(parsed.rope.head_dim)  # phi3: its rotated dims
     writer.add_rope_freq_base(parsed.rope.theta)
     writer.add_layer_norm_rms_eps(parsed.rms_norm_eps)
     writer.add_vocab_size(parsed.vocab_size)
@@ -238,12 +242,18 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
         plain = inverse_frequencies(replace(parsed.rope, kind="default"), 0)
         factors = (plain / inverse_frequencies(parsed.rope, 0)).numpy().astype(np.float32)
         writer.add_tensor("rope_freqs.weight", factors)
+    elif parsed.rope.kind == "longrope" and family.gguf_fused:  # as llama.cpp's phi3 converter
+        writer.add_rope_scaling_orig_ctx_len(parsed.rope.original_max_positions)
+        writer.add_rope_scaling_attn_factors(parsed.rope.attention_factor)
+        writer.add_tensor("rope_factors_long.weight", np.array(parsed.rope.long_factor, dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(parsed.rope.short_factor, dtype=np.float32))
     elif parsed.rope.kind != "default":
-        raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE, "
-                         f"got {parsed.rope.kind!r}")
+        raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE (and phi3's "
+                         f"longrope), got {parsed.rope.kind!r}")
     if arch in ("gemma2", "gemma3"):
         gemma_metadata(writer, parsed, arch, model_dir)
-    elif parsed.layer_windows:
+    elif any(window is not None and window < parsed.context_length for window in parsed.layer_windows):
+        # (a window as long as the context slides nothing: Phi-3.5's 262,144)
         raise ValueError(f"{model_dir}: GGUF writing does not take sliding-window attention")
     elif parsed.query_scale is not None or parsed.final_softcap is not None:  # Gemma 1's graph has neither
         raise ValueError(f"{model_dir}: GGUF's {arch} takes neither query_pre_attn_scalar nor "

@@ -44,7 +44,7 @@ class Family:
     # sliding layers rotate with their own RoPE base (Gemma 3: rope_parameters per layer type)
     local_rope: bool = False
     # llama.cpp stores q/k/v as one attn_qkv and gate/up as one ffn_up for this architecture
-    # (Phi-3), as its checkpoints do: read, not written yet
+    # (Phi-3), as its checkpoints do; a compressed directory of it is not written as GGUF
     gguf_fused: bool = False
     sliding_pattern: int = 6  # "pattern"'s default n (every n-th layer full)
 
