@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from tiny_weights import randomize
 
 import decodekit as dk
 from decodekit.compress.pretrained import save_compressed_dir
@@ -38,6 +39,7 @@ ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7, 1, 88, 14, 64, 9, 0, 12, 77, 3, 50, 6, 6, 1, 2, 3, 4, 5, 9, 21]]
 NEW_TOKENS = 24
 TOL = 1e-4
+GEMMA_NORMS = {"norm_center": 0.0, "norm_spread": 0.2}  # Gemma's (1 + w) norms: weights around 0
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -52,18 +54,9 @@ def gemma3_config(vocab_size: int, **changes) -> transformers.Gemma3TextConfig:
     return config
 
 
-def randomize(model: torch.nn.Module) -> None:
-    """Weights far from uniform attention; norms' weights around 0 (Gemma's (1 + w) is ~1)."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(0.2 * noise if "norm" in name else 0.15 * noise)
-
-
 def save(config, path, tokenizer_dir=None) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_config(config)
-    randomize(model)
+    randomize(model, **GEMMA_NORMS)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if tokenizer_dir is not None and (tokenizer_dir / name).exists():
@@ -252,7 +245,7 @@ def gemma2_model(tmp_path, cap: float | None = 2.0):
                                        pad_token_id=None)  # fmt: skip
     config._attn_implementation = "eager"  # transformers' SDPA cannot cap scores
     hf_model = transformers.Gemma2ForCausalLM(config)
-    randomize(hf_model)
+    randomize(hf_model, **GEMMA_NORMS)
     hf_model.save_pretrained(tmp_path)
     return hf_model.eval(), load_model(tmp_path)
 

@@ -99,6 +99,15 @@ def test_perplexity_of_the_same_file_matches_llama_cpps(fmt, files, one_thread):
     assert abs(ours / theirs - 1) <= (1e-4 if fmt == "f32" else 5e-3), (ours, theirs)
 
 
+def logprobs(lm, tokens: list[int]):
+    """log p(tokens[i + 1] | tokens[:i + 1]) by decodekit's `lm`, [len(tokens) - 1], as the
+    peer's "logprobs" answer lists them."""
+    import torch
+
+    logits = lm.forward(torch.tensor([tokens]), lm.new_cache(1))[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
 @pytest.fixture(scope="module")
 def gemma3_files(tmp_path_factory):
     """Gemma 3 1B's widths in 6 layers (five sliding, one full) with a window of 8, as
@@ -132,19 +141,15 @@ def test_gemma3_files_read_as_llama_cpp_reads_them(which, gemma3_files, one_thre
     text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
     ids = model.encode(text)
 
-    def logprobs(lm) -> torch.Tensor:
-        logits = lm.forward(torch.tensor([ids]), lm.new_cache(1))[0, :-1]
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-    ours = logprobs(model)
-    assert torch.equal(ours, logprobs(reference))
+    ours = logprobs(model, ids)
+    assert torch.equal(ours, logprobs(reference, ids))
     with llamacpp.PeerSession(PEER, paths[which], 128, 1, None) as session:
         assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
         theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
     assert len(ids) > 3 * 8 and (ours - theirs).abs().max() < 0.03
     unwindowed = dataclasses.replace(model.config, layer_windows=())
     full = type(model)(model.net, unwindowed, tokenizer=model.tokenizer)
-    assert (logprobs(full) - theirs).abs().max() > 0.1
+    assert (logprobs(full, ids) - theirs).abs().max() > 0.1
 
 
 def test_a_gemma2_file_from_decodekit_reads_in_llama_cpp_as_in_decodekit(tmp_path, one_thread):
@@ -172,19 +177,15 @@ def test_a_gemma2_file_from_decodekit_reads_in_llama_cpp_as_in_decodekit(tmp_pat
     text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
     ids = model.encode(text)
 
-    def logprobs(lm) -> torch.Tensor:
-        logits = lm.forward(torch.tensor([ids]), lm.new_cache(1))[0, :-1]
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-    ours = logprobs(model)
-    assert torch.equal(ours, logprobs(reference))
+    ours = logprobs(model, ids)
+    assert torch.equal(ours, logprobs(reference, ids))
     with llamacpp.PeerSession(PEER, path, 128, 1, None) as session:
         assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
         theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
     assert (ours - theirs).abs().max() < 0.03
     for block in model.net.layers:  # the same weights, the scores uncapped
         block.self_attn.softcap = None
-    assert (logprobs(model) - theirs).abs().max() > 0.1
+    assert (logprobs(model, ids) - theirs).abs().max() > 0.1
 
 
 def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_path, one_thread):
@@ -232,10 +233,6 @@ def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_p
     converted = tmp_path / "phi3.gguf"
     llamacpp.convert(PEER, checkpoint, converted)
     reference = load_model(checkpoint)
-
-    def logprobs(lm, tokens: list[int]) -> torch.Tensor:
-        logits = lm.forward(torch.tensor([tokens]), lm.new_cache(1))[0, :-1]
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
     for path in (converted, write_gguf(checkpoint, tmp_path / "written.gguf")):  # and decodekit's own
         ours = load_model(str(path))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_weights import randomize
 
 from decodekit.models.base import left_pad, prefill
 from decodekit.models.contiguous_kv import ContiguousKVCache
@@ -74,14 +75,6 @@ PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14], [64, 9, 0, 12, 7
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
 def save_family(family: str, path) -> transformers.PreTrainedModel:

@@ -20,6 +20,7 @@ import json
 import pytest
 import torch
 import transformers
+from tiny_weights import randomize
 
 import decodekit as dk
 from decodekit.engine import compiled
@@ -38,14 +39,6 @@ NEW_TOKENS = 20
 TOL = 1e-4
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def randomize(model: torch.nn.Module) -> None:
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
 @pytest.fixture(scope="module")

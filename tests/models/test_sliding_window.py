@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_weights import randomize
 
 import decodekit as dk
 from decodekit.decode.sample import _steps
@@ -29,15 +30,6 @@ TOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def randomize(model: torch.nn.Module) -> None:
-    """Weights far from uniform attention (as test_native.py), so a wrong mask shows."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
 @pytest.fixture(scope="module")

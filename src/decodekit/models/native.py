@@ -138,7 +138,9 @@ class Attention(nn.Module):
         # the rotary tables' columns this layer reads: a sliding layer's own RoPE (Gemma 3;
         # rope.py `RotaryTables`), or all of them
         dim = config.head_dim
-        self.rotary = None if config.local_rope is None else slice(dim, 2 * dim) if local else slice(0, dim)
+        self.table_columns = None
+        if config.local_rope is not None:
+            self.table_columns = slice(dim, 2 * dim) if local else slice(0, dim)
         # partial rotary (Phi-4-mini): the first `rotated` dims of a head turn, the rest pass
         self.rotated = config.rope.head_dim if config.rope.head_dim < dim else None
         self.query_scale = config.query_scale
@@ -163,8 +165,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, num_new, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        if self.rotary is not None:
-            cos, sin = cos[..., self.rotary], sin[..., self.rotary]
+        if self.table_columns is not None:
+            cos, sin = cos[..., self.table_columns], sin[..., self.table_columns]
         qkv = _linear(self.qkv_proj, x, rowwise)
         qkv = qkv.view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is None:
