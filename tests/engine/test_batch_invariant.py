@@ -17,7 +17,8 @@ import decodekit as dk
 from decodekit.engine.config import EngineConfig
 from decodekit.engine.engine import Engine
 from decodekit.models.base import left_pad
-from decodekit.models.native import NativeLM, rowwise_linear
+from decodekit.models.linear import rowwise_linear
+from decodekit.models.native import NativeLM
 
 one_thread = engine_fixtures.one_thread  # fixture
 

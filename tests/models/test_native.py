@@ -70,6 +70,16 @@ FAMILIES = {
         query_pre_attn_scalar=24, final_logit_softcapping=8.0,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    # mixtures of experts (models/feedforward.py): Mixtral's renormalised top 2 of 4 (its
+    # checkpoint names w1/w2/w3); Qwen3-MoE's top 3 of 5 without renormalising, and an MLP in
+    # its mlp_only_layers; Qwen2-MoE's sigmoid-gated shared expert, experts every 2nd layer
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **TINY, head_dim=32, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=40,
+        norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+        shared_expert_intermediate_size=56, decoder_sparse_step=2),
 }
 PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14], [64, 9, 0, 12, 77, 3, 50]]
 

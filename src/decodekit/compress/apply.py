@@ -40,7 +40,9 @@ from decodekit.runtime import advance_to
 from decodekit.runtime import progress as progress_bar
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], Any]
-DEFAULT_SKIP = ("lm_head",)
+# the output head (its own grid: `quantize_head`), and a mixture of experts' router and shared
+# expert gate (models/feedforward.py): llama.cpp keeps ffn_gate_inp in float too
+DEFAULT_SKIP = ("lm_head", "gate", "shared_expert_gate")
 QUANT_METHODS = ("rtn", "gptq")
 PRUNE_METHODS = ("magnitude", "sparsegpt")
 
@@ -98,9 +100,12 @@ def collect_hessians(
     calib_batches: Sequence[torch.Tensor],
     forward: ForwardFn = default_forward,
     on_progress: Callable[[float], None] | None = None,
-) -> dict[str, torch.Tensor]:
+    stop_after: nn.Module | None = None,
+) -> dict[str, torch.Tensor | None]:
     """H = 2 X Xᵀ [K, K] of each layer's inputs over the calibration batches [B, T];
-    `on_progress`: the share of the batches done, after each."""
+    `on_progress`: the share of the batches done, after each. A layer no batch reached (an
+    expert of a mixture no calibration token chose) gets None: compressed without data.
+    `stop_after`: a module (the layers' block) past which no batch needs to run."""
     accumulators = {
         name: HessianAccumulator(layer.in_features, layer.weight.device)
         for name, layer in layers.items()
@@ -118,7 +123,12 @@ def collect_hessians(
 
         return hook
 
+    def stop(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        raise _StopForward
+
     handles = [layer.register_forward_pre_hook(hook_for(name)) for name, layer in layers.items()]
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(stop))
     try:
         with torch.no_grad():
             for i, tokens in enumerate(calib_batches):
@@ -130,10 +140,7 @@ def collect_hessians(
     finally:
         for handle in handles:
             handle.remove()
-    for name, acc in accumulators.items():
-        if acc.count == 0:
-            raise ValueError(f"layer {name!r} received no input while running the calibration data")
-    return {name: acc.hessian for name, acc in accumulators.items()}
+    return {name: acc.hessian if acc.count else None for name, acc in accumulators.items()}
 
 
 def quantize_head(
@@ -191,8 +198,14 @@ def _compress_layers(
             start = bar.n
             # the calibration forwards (40 s a block for the shipped model on a loaded machine,
             # issue 35) move the bar within the group's first layer
+            # the group's block: past it no batch needs to run, though an expert it holds was
+            # not chosen (the prefix `block_groups` keyed it by)
+            parts = group[0].split(".")
+            digit = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+            block = model.get_submodule(".".join(parts[: digit + 1])) if sequential and digit is not None else None
             hessians = collect_hessians(model, group_layers, calib_batches, forward or default_forward,
-                                        on_progress=lambda share, at=start: advance_to(bar, at + 0.9 * share))
+                                        on_progress=lambda share, at=start: advance_to(bar, at + 0.9 * share),
+                                        stop_after=block)
             for i, name in enumerate(group):
                 bar.set_postfix_str(name, refresh=False)
                 compress_one(name, layers[name], hessians.pop(name))

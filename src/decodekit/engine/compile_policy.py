@@ -37,6 +37,8 @@ def eligible(model, pool, batch_invariant: bool) -> str | None:
         return "the batch-invariant mode attends per query"
     if pool.keys.dtype != model.dtype:
         return f"the KV pool stores {pool.keys.dtype}, not the model's {model.dtype}"
+    if model.config.num_experts:
+        return "a mixture of experts picks its experts on the host (models/feedforward.py)"
     return None
 
 

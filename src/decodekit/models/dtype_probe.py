@@ -4,7 +4,7 @@ One CPU flag does not say whether bfloat16 is fast: an AMD Zen 4/5 has AVX-512-B
 AMX, and there bfloat16 decodes at 0.72-0.76x float32 (Qwen2.5-0.5B's layers, one thread;
 BENCHMARKS.md), while on an AMX machine it decodes 1.5x faster. So "auto" asks the machine:
 `measure` times decode-shaped work through decodekit's own linear path
-(`models.native._linear` over layers prepared by `transpose_weight_layout`, as a loaded
+(`models.linear.apply_linear` over layers prepared by `transpose_weight_layout`, as a loaded
 model's are), so a faster kernel landing in that path changes the verdict by itself.
 
 The work: Qwen2.5-0.5B's MLP (the fused gate/up 896 -> 9728 and down 4864 -> 896), `COPIES`
@@ -96,7 +96,7 @@ def probe_key() -> dict[str, Any]:
         digest.update(path.read_bytes() if path.exists() else b"")
     from decodekit.models import kernels
 
-    status = kernels.status()  # built or not, loaded or disabled: it changes what _linear runs
+    status = kernels.status()  # built or not, loaded or disabled: it changes what apply_linear runs
     kernel = f"{status.reason} {status.library.name}" if status.available else status.reason
     return {"cpu": cpu_identity(), "torch": torch.__version__, "decodekit": decodekit_version(),
             "source": digest.hexdigest()[:16], "kernels": kernel,
@@ -126,10 +126,10 @@ def _layers(dtype: torch.dtype) -> list[torch.nn.Linear]:
 
 def _run(layers: list[torch.nn.Linear], rows: int) -> None:
     """`rows` rows through each layer, as a forward sends them (x [1, rows, in])."""
-    from decodekit.models.native import _linear
+    from decodekit.models.linear import apply_linear
 
     for layer in layers:
-        _linear(layer, torch.ones(1, rows, layer.in_features, dtype=layer.weight.dtype), False)
+        apply_linear(layer, torch.ones(1, rows, layer.in_features, dtype=layer.weight.dtype), False)
 
 
 @torch.inference_mode()

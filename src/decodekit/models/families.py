@@ -47,6 +47,10 @@ class Family:
     # (Phi-3), as its checkpoints do; a compressed directory of it is not written as GGUF
     gguf_fused: bool = False
     sliding_pattern: int = 6  # "pattern"'s default n (every n-th layer full)
+    # a mixture of experts in place of the MLP (models/feedforward.py), and whether the chosen
+    # experts' weights are renormalised when config.json has no norm_topk_prob (Mixtral: always)
+    experts: bool = False
+    normalize_experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -66,6 +70,13 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("Gemma3ForCausalLM", "gemma3", qk_norm=True, sliding="pattern", norm_shift=1.0,
                           embed_scale=True, activation_key="hidden_activation", sandwich_norms=True,
                           local_rope=True),
+    # mixtures of experts (models/feedforward.py); llama.cpp writes Mixtral as llama with experts
+    "mixtral": Family("MixtralForCausalLM", "llama", output_bias=False, sliding="every", rope_permuted=True,
+                      experts=True, normalize_experts=True),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", "qwen2moe", qkv_bias=True, output_bias=False,
+                        sliding="use_sliding_window", experts=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3moe", qk_norm=True, sliding="use_sliding_window",
+                        experts=True),
 }
 
 

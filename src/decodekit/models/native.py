@@ -46,59 +46,10 @@ from decodekit.models import kernels
 from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.contiguous_kv import ContiguousKVCache, attention_mask
-from decodekit.models.half_linear import GEMV_DTYPES, PLAIN_LINEARS, one_row_gemv, widened_linear
+from decodekit.models.feedforward import MLP, MoE
+from decodekit.models.linear import apply_linear
 from decodekit.models.native_config import NativeConfig, unsupported_reason
-from decodekit.models.qlinear import prefill_dtype
 from decodekit.models.rope import RotaryTables, apply_rope
-
-
-def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer` applied to each token on its own: x [B, T, in] -> [B, T, out].
-
-    The batch-invariant mode's linear layers (module docstring): a token's output is the
-    same [1, in] product whatever else shares the forward. One call with M > 1 rows would
-    run BLAS's GEMM kernel, whose rounding differs from the M = 1 kernel a lone decoding
-    row gets (measured: ~1e-6 relative per layer, ~1e-5 in the logits). An `nn.Linear`
-    runs as one batched matmul of [1, in] x [in, out] products over a broadcast weight
-    (each product computed on its own, ~2x faster than a Python loop); any other layer
-    (compress/'s quantised ones) is called once per token.
-    """
-    rows = x.reshape(-1, x.shape[-1])  # [N, in]
-    if type(layer) in PLAIN_LINEARS:
-        weight = layer.weight.t().to(rows.dtype)  # [in, out]; half weights of a float32 model widened
-        out = torch.bmm(rows[:, None], weight.expand(rows.shape[0], *weight.shape))[:, 0]
-        if layer.bias is not None:
-            out = out + layer.bias
-    else:
-        out = torch.cat([layer(rows[i : i + 1]) for i in range(rows.shape[0])])  # [N, out]
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def _linear(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    if rowwise:
-        return rowwise_linear(layer, x)
-    # Anything but a plain Linear (QuantizedLinear, ConcatLinear: their own forward), or a layer
-    # with hooks (compress's calibration), is called; a decode step makes ~100 such calls, so
-    # this test comes first and costs two lookups.
-    if type(layer) not in PLAIN_LINEARS or layer._forward_pre_hooks or layer._forward_hooks:
-        return layer(x)
-    weight = layer.weight
-    # x float32 over half weights: a float32 model keeping its checkpoint's half weights
-    # (half_linear.py `keep_half_weights`), which the kernels read as they are
-    if (weight.is_cpu and (x.dtype == weight.dtype or x.dtype == torch.float32)
-            and weight.dtype in kernels.FLOAT_DTYPES
-            and x.numel() <= kernels.max_rows(weight.dtype, x.dtype) * x.shape[-1]
-            and (kernels.traceable() if torch.compiler.is_compiling() else kernels.available())):  # fmt: skip
-        return kernels.float_linear(x, weight, layer.bias)  # decodekit's GEMV / GEMM (models/kernels.py)
-    if x.dtype != weight.dtype:  # half weights, float32 x: one float32 GEMM over the weight widened
-        return widened_linear(layer, x)
-    if (x.numel() == x.shape[-1] and weight.dtype in GEMV_DTYPES
-            and weight.is_contiguous() and weight.is_cpu):  # fmt: skip
-        return one_row_gemv(layer, x)
-    if (weight.dtype == torch.bfloat16 and weight.is_cpu and x.dtype == torch.bfloat16
-            and prefill_dtype() == torch.float32 and kernels.no_grad_needed(weight, x)):  # fmt: skip
-        return widened_linear(layer, x)
-    return layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -167,7 +118,7 @@ class Attention(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.table_columns is not None:
             cos, sin = cos[..., self.table_columns], sin[..., self.table_columns]
-        qkv = _linear(self.qkv_proj, x, rowwise)
+        qkv = apply_linear(self.qkv_proj, x, rowwise)
         qkv = qkv.view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is None:
             # One RoPE call over the query and key heads together.
@@ -182,25 +133,7 @@ class Attention(nn.Module):
         # The cache stores k/v and attends: ContiguousKVCache here, the engine's paged
         # batch (engine/batch.py) there; the layer maths stay in this one module.
         out = cache.attend(layer, q, k, v, mask, causal, rowwise, self.softcap)  # [B, T, H, D]
-        return _linear(self.o_proj, out.reshape(batch, num_new, heads * self.head_dim), rowwise)
-
-
-class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up fused; GeGLU with GELU
-    (exact, or its tanh approximation: Gemma) in place of SiLU."""
-
-    def __init__(self, config: NativeConfig):
-        super().__init__()
-        width = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
-        # None: SiLU; else GELU, `approximate` as F.gelu takes it
-        self.gelu_form = {"silu": None, "gelu": "none", "gelu_pytorch_tanh": "tanh"}[config.activation]
-
-    def forward(self, x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
-        gate, up = _linear(self.gate_up_proj, x, rowwise).chunk(2, dim=-1)
-        gate = F.silu(gate) if self.gelu_form is None else F.gelu(gate, approximate=self.gelu_form)
-        return _linear(self.down_proj, gate * up, rowwise)
+        return apply_linear(self.o_proj, out.reshape(batch, num_new, heads * self.head_dim), rowwise)
 
 
 class Block(nn.Module):
@@ -208,13 +141,13 @@ class Block(nn.Module):
     output is normed too before its add: `post_attention_layernorm` norms the attention's
     output there, `pre_feedforward_layernorm` the MLP's input (transformers' names)."""
 
-    def __init__(self, config: NativeConfig, local: bool = False):
+    def __init__(self, config: NativeConfig, local: bool = False, experts: bool = False):
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(dim, eps)
         self.self_attn = Attention(config, local)
         self.post_attention_layernorm = RMSNorm(dim, eps)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if experts else MLP(config)  # models/feedforward.py
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(dim, eps)
             self.post_feedforward_layernorm = RMSNorm(dim, eps)
@@ -244,7 +177,8 @@ class LlamaNet(nn.Module):
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         windows = config.layer_windows or (None,) * config.num_layers
-        self.layers = nn.ModuleList(Block(config, local=window is not None) for window in windows)
+        self.layers = nn.ModuleList(Block(config, local=window is not None, experts=experts)
+                                    for window, experts in zip(windows, config.moe_layers, strict=True))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -267,7 +201,7 @@ class LlamaNet(nn.Module):
         if keep is not None:
             x = x[:, keep]  # the engine needs logits at each sequence's last token only
         normed = self.norm(x)
-        logits = _linear(self.lm_head, normed, rowwise).float()  # [B, T or K, V]
+        logits = apply_linear(self.lm_head, normed, rowwise).float()  # [B, T or K, V]
         if self.final_softcap is not None:  # Gemma 2/3: cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, normed.float()) if states else logits
@@ -291,21 +225,37 @@ def fuse_checkpoint(
     converter stores it: added in float32, the sum transformers' forward computes)."""
     out = {name.removeprefix("model."): tensor for name, tensor in state.items()}
     out = {name: t for name, t in out.items() if not name.endswith("rotary_emb.inv_freq")}
-    fused = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-             "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}  # fmt: skip
-    for layer in range(config.num_layers):
-        for parent, (target, parts) in fused.items():
-            for suffix in ("weight", "bias"):
-                names = [f"layers.{layer}.{parent}.{part}.{suffix}" for part in parts]
-                if all(name in out for name in names):
-                    tensors = [out.pop(name) for name in names]
-                    out[f"layers.{layer}.{parent}.{target}.{suffix}"] = torch.cat(tensors)
+    if config.num_experts:  # Mixtral's names -> Qwen-MoE's, which `MoE` keeps
+        out = {_mixtral_to_qwen(name): t for name, t in out.items()}
+        # a transformers model's own state dict holds each layer's experts as [E, out, in]
+        for name in [n for n in out if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            stacked = out.pop(name)
+            for expert in range(stacked.shape[0]):
+                out[name.replace("experts.", f"experts.{expert}.") + ".weight"] = stacked[expert]
+    # q/k/v -> qkv_proj, gate/up -> gate_up_proj: the MLPs', the experts' and a shared expert's
+    fused = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+    for target, parts in fused:
+        for name in [n for n in out if n.endswith((f".{parts[0]}.weight", f".{parts[0]}.bias"))]:
+            parent, _, suffix = name.rsplit(".", 2)
+            names = [f"{parent}.{part}.{suffix}" for part in parts]
+            if all(n in out for n in names):
+                out[f"{parent}.{target}.{suffix}"] = torch.cat([out.pop(n) for n in names])
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     if config.norm_shift:
         out = {name: t.float() + config.norm_shift if name.endswith("norm.weight") else t
                for name, t in out.items()}  # fmt: skip
     return out
+
+
+_MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _mixtral_to_qwen(name: str) -> str:
+    """layers.0.block_sparse_moe.experts.3.w1.weight -> layers.0.mlp.experts.3.gate_proj.weight"""
+    if ".block_sparse_moe." not in name:
+        return name
+    return ".".join(_MIXTRAL_NAMES.get(part, part) for part in name.split("."))
 
 
 def transpose_weight_layout(net: nn.Module) -> None:

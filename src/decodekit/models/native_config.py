@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from decodekit.models.families import FAMILIES
+from decodekit.models.families import FAMILIES, Family
 from decodekit.models.rope import ROPE_TYPES, RopeConfig, rope_config, rotary_size
 from decodekit.models.rope import rope_parameters as read_rope_parameters
 
@@ -93,6 +93,16 @@ class NativeConfig:
     query_scale: float | None = None
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
     attn_softcap: float | None = None  # each attention score so capped (Gemma 2)
+    # A mixture of experts in place of the MLP (Mixtral, Qwen2/3-MoE; models/feedforward.py):
+    # how many experts, how many each token runs, each one's width, whether the chosen
+    # experts' weights are renormalised to sum to 1, Qwen2-MoE's shared expert's width (0:
+    # none), and which layers have experts (() when none does)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    normalize_expert_weights: bool = True
+    shared_expert_size: int = 0
+    expert_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -105,9 +115,20 @@ class NativeConfig:
                 f"layer_windows must have one entry per layer ({self.num_layers}), "
                 f"got {len(self.layer_windows)}"
             )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], "
+                             f"got {self.experts_per_token}")
+        if self.expert_layers and len(self.expert_layers) != self.num_layers:
+            raise ValueError(f"expert_layers must have one entry per layer ({self.num_layers}), "
+                             f"got {len(self.expert_layers)}")
         bad = [w for w in self.layer_windows if w is not None and w < 1]
         if bad:
             raise ValueError(f"sliding_window must be >= 1, got {bad[0]}")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is a mixture of experts."""
+        return self.expert_layers or (False,) * self.num_layers
 
     @property
     def context_length(self) -> int:
@@ -169,7 +190,28 @@ class NativeConfig:
             query_scale=query_scale,
             final_softcap=None if softcap is None else float(softcap),
             attn_softcap=None if attn_softcap is None else float(attn_softcap),
+            **_experts(config, family),
         )
+
+
+def _experts(config: dict[str, Any], family: Family) -> dict[str, Any]:
+    """NativeConfig's mixture-of-experts fields, as transformers' modeling_{mixtral,qwen2_moe,
+    qwen3_moe}.py read them: a Qwen layer has experts unless it is in mlp_only_layers, every
+    decoder_sparse_step-th layer; Mixtral's every layer, its experts intermediate_size wide."""
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not family.experts or not experts:
+        return {}
+    layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=experts,
+        experts_per_token=int(config.get("num_experts_per_tok", 2)),
+        expert_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        normalize_expert_weights=bool(config.get("norm_topk_prob", family.normalize_experts)),
+        shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
+        expert_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+    )
 
 
 def _layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

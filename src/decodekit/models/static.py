@@ -27,7 +27,7 @@ What it costs: the compilation (10-90 s on the first step, inductor caches it on
 attention over `capacity` positions at every step whatever the length (keep `capacity` near
 the lengths you generate). What it pays: BENCHMARKS.md, "Real model shapes: dtype, device
 and speed" (`python benchmarks/static_decode.py`). Refused: sliding-window layers, dynamic
-RoPE (its tables change with the length) and the batch-invariant mode.
+RoPE (its tables change with the length), mixtures of experts and the batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -145,6 +145,9 @@ class StaticDecodeLM(LanguageModel):
             raise ValueError("StaticDecodeLM does not run the batch-invariant mode")
         if any(window is not None for window in model.layer_windows()):
             raise ValueError("StaticDecodeLM does not run sliding-window attention layers")
+        if model.config.num_experts:
+            raise ValueError("StaticDecodeLM does not run a mixture of experts (its experts are picked on "
+                             "the host)")
         if model.config.rope.threshold is not None:
             raise ValueError(f"StaticDecodeLM does not run {model.config.rope.kind} RoPE (its tables change "
                              "with the length)")
