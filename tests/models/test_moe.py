@@ -82,8 +82,9 @@ def hf_logits(hf_model, sequence: list[int]) -> torch.Tensor:
 
 def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ones = torch.ones((1, len(prompt)), dtype=torch.long)
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=ones, max_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
@@ -101,6 +102,11 @@ def tiny_moe(normalize: bool, shared: int) -> MoE:
     return moe
 
 
+def mlp_by_hand(mlp, x: torch.Tensor) -> torch.Tensor:
+    gate, up = (mlp.gate_up_proj.weight @ x).chunk(2)
+    return mlp.down_proj.weight @ (torch.nn.functional.silu(gate) * up)
+
+
 def by_hand(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Each token's output written out: every expert run, the top 2 of the router's softmax
     kept (renormalised if so), plus the sigmoid-gated shared expert."""
@@ -110,13 +116,10 @@ def by_hand(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         top = sorted(range(len(probs)), key=lambda e: -float(probs[e]))[:2]
         total = float(probs[top].sum()) if moe.normalize else 1.0
         for e in top:
-            expert = moe.experts[e]
-            gate, up = (expert.gate_up_proj.weight @ x[t]).chunk(2)
-            out[t] += float(probs[e]) / total * (expert.down_proj.weight @ (torch.nn.functional.silu(gate) * up))
+            out[t] += float(probs[e]) / total * mlp_by_hand(moe.experts[e], x[t])
         if moe.shared_expert is not None:
-            gate, up = (moe.shared_expert.gate_up_proj.weight @ x[t]).chunk(2)
-            shared = moe.shared_expert.down_proj.weight @ (torch.nn.functional.silu(gate) * up)
-            out[t] += torch.sigmoid(moe.shared_expert_gate.weight[0] @ x[t]) * shared
+            gate = torch.sigmoid(moe.shared_expert_gate.weight[0] @ x[t])
+            out[t] += gate * mlp_by_hand(moe.shared_expert, x[t])
     return out
 
 
@@ -170,7 +173,8 @@ def test_the_compiled_steps_are_refused_by_name_and_the_engine_runs_eager(moe):
     model = NativeLM(base.net, base.config, tokenizer=base.tokenizer)
     greedy = dk.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     engine = Engine(model, EngineConfig(compile=True, block_size=4, num_blocks=256))
-    assert engine.compile_refused == "a mixture of experts picks its experts on the host (models/feedforward.py)"
+    reason = "a mixture of experts picks its experts on the host (models/feedforward.py)"
+    assert engine.compile_refused == reason
     handle = engine.submit(PROMPTS[0], greedy)
     while engine.has_work():
         engine.step()
@@ -187,7 +191,8 @@ def test_compression_quantises_the_experts_and_leaves_the_router(moe, tmp_path, 
     logits, near the float model's."""
     _, base, path = moe
     model = load_model(path)
-    summary = compress_lm(model, CompressConfig(method, bits=bits, calib_windows=4, calib_length=40), SEQUENCE * 6)
+    config = CompressConfig(method, bits=bits, calib_windows=4, calib_length=40)
+    summary = compress_lm(model, config, SEQUENCE * 6)
     for block in model.net.layers:
         if isinstance(block.mlp, MoE):
             assert type(block.mlp.gate) is nn.Linear

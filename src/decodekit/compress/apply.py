@@ -79,14 +79,19 @@ def find_linears(model: nn.Module, skip: Sequence[str] = DEFAULT_SKIP) -> dict[s
     }
 
 
+def block_prefix(name: str) -> str:
+    """A module name's transformer block: its prefix up to the first numeric component, or
+    the name itself outside any numbered block."""
+    parts = name.split(".")
+    digit = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return ".".join(parts[: digit + 1]) if digit is not None else name
+
+
 def block_groups(names: Iterable[str]) -> list[list[str]]:
-    """Group module names by transformer block (prefix up to the first numeric component)."""
+    """Group module names by transformer block (`block_prefix`)."""
     groups: dict[str, list[str]] = {}
     for name in names:
-        parts = name.split(".")
-        digit = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        key = ".".join(parts[: digit + 1]) if digit is not None else name
-        groups.setdefault(key, []).append(name)
+        groups.setdefault(block_prefix(name), []).append(name)
     return list(groups.values())
 
 
@@ -199,10 +204,8 @@ def _compress_layers(
             # the calibration forwards (40 s a block for the shipped model on a loaded machine,
             # issue 35) move the bar within the group's first layer
             # the group's block: past it no batch needs to run, though an expert it holds was
-            # not chosen (the prefix `block_groups` keyed it by)
-            parts = group[0].split(".")
-            digit = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-            block = model.get_submodule(".".join(parts[: digit + 1])) if sequential and digit is not None else None
+            # not chosen
+            block = model.get_submodule(block_prefix(group[0])) if sequential else None
             hessians = collect_hessians(model, group_layers, calib_batches, forward or default_forward,
                                         on_progress=lambda share, at=start: advance_to(bar, at + 0.9 * share),
                                         stop_after=block)
