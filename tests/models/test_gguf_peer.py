@@ -244,3 +244,64 @@ def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_p
             with llamacpp.PeerSession(PEER, path, context, 1, None) as session:
                 theirs = torch.tensor(session.ask({"do": "logprobs", "ids": tokens})["logprobs"])[: len(mine)]
             assert (mine - theirs).abs().max() < 0.03, (path.name, context)
+
+
+MOE_SHAPES = {  # Qwen3-30B-A3B's layout at 1/8 of its widths, 2 layers, 8 experts (2 a token)
+    "qwen3moe": {},
+    "qwen2moe": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "norm_topk_prob": False,
+                 "shared_expert_intermediate_size": 192},
+    "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                "intermediate_size": 128, "num_experts": None, "moe_intermediate_size": None},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_SHAPES))
+def moe_files(request, tmp_path_factory):
+    """A random mixture of experts as llama.cpp's converter stores it (f32, and q4_0 by its
+    quantiser) and as decodekit's writer does, and its checkpoint."""
+    from decodekit.compress.gguf import write_gguf
+    from decodekit.models.shapes import save_checkpoint, shape_config
+
+    folder = tmp_path_factory.mktemp(request.param)
+    config = {**shape_config("qwen3-30b-a3b-4l"), "hidden_size": 256, "intermediate_size": 384,
+              "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2,
+              **MOE_SHAPES[request.param]}  # fmt: skip
+    checkpoint = save_checkpoint({k: v for k, v in config.items() if v is not None}, folder / "hf")
+    llamacpp.convert(PEER, checkpoint, folder / "converted.gguf")
+    llamacpp.run_worker(PEER, {"op": "quantize", "source": str(folder / "converted.gguf"),
+                               "out": str(folder / "q4_0.gguf"), "ftype": 2})  # fmt: skip
+    written = write_gguf(checkpoint, folder / "written.gguf")
+    files = {"converted": folder / "converted.gguf", "q4_0": folder / "q4_0.gguf", "written": written}
+    return checkpoint, files
+
+
+@pytest.mark.parametrize("which", ["converted", "written", "q4_0"])
+def test_mixture_of_experts_files_read_as_llama_cpp_reads_them(which, moe_files, one_thread):
+    """Mixtral (llama with experts), qwen2moe (a shared expert, weights not renormalised) and
+    qwen3moe files from llama.cpp's converter and quantiser and from decodekit's writer: the float
+    files load as the checkpoint's model, and llama.cpp's log-probabilities of a 32-token text
+    are decodekit's to its f16 KV cache's rounding (0.005-0.008 measured). On q4_0 files
+    llama.cpp rounds the activations to q8_0 for its dot products: 0.11-0.21 measured, where
+    a token's experts can change. Renormalising the chosen experts' weights where llama.cpp
+    does not (or not where it does) moves them by more than 1."""
+    import torch
+
+    checkpoint, paths = moe_files
+    reference = load_model(checkpoint)
+    model = load_model(str(paths[which]))
+    assert model.config == reference.config
+    text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
+    ids = model.encode(text)
+    ours = logprobs(model, ids)
+    with llamacpp.PeerSession(PEER, paths[which], 128, 1, None) as session:
+        assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
+        theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
+    if which == "q4_0":
+        assert (ours - theirs).abs().median() < 0.1 and (ours - theirs).abs().max() < 0.5
+        return
+    assert torch.equal(ours, logprobs(reference, ids))
+    assert (ours - theirs).abs().max() < 0.03
+    for block in model.net.layers:
+        block.mlp.normalize = not block.mlp.normalize
+    assert (logprobs(model, ids) - theirs).abs().max() > 1.0

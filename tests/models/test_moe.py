@@ -46,10 +46,10 @@ def configs(vocab_size: int) -> dict[str, transformers.PretrainedConfig]:
     return {
         "mixtral": transformers.MixtralConfig(**TINY, vocab_size=vocab_size, num_local_experts=6,
                                               num_experts_per_tok=2),
-        # the shared expert, and an MLP in layer 1
+        # the shared expert (test_native: an MLP in some layers)
         "qwen2_moe": transformers.Qwen2MoeConfig(
             **TINY, vocab_size=vocab_size, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
-            shared_expert_intermediate_size=56, mlp_only_layers=[1]),
+            shared_expert_intermediate_size=56),
     }  # fmt: skip
 
 
@@ -210,3 +210,68 @@ def test_compression_quantises_the_experts_and_leaves_the_router(moe, tmp_path, 
     # Llama of these widths: ~1.0)
     error = (expected - base.forward(tokens, base.new_cache(1))).abs().amax(dim=-1)[0]
     assert error.median() < (0.2 if bits == 8 else 2.0)
+
+
+@pytest.mark.parametrize("tensor_type", ["f32", "q8_0"])
+def test_a_gguf_file_holds_the_experts_as_llama_cpp_stores_them(moe, tmp_path, tensor_type):
+    """`write_gguf` stacks each projection's experts into one [E, out, in] tensor (llama.cpp's
+    ffn_*_exps), keeps the router in f32, and the file reads back as the checkpoint's model:
+    the same logits in f32; in q8_0 every expert a quantised layer and the router float."""
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+    from decodekit.models.gguf_model import read_gguf
+
+    _, base, path = moe
+    out = write_gguf(path, tmp_path / "moe.gguf", tensor_type)
+    _, tensors = read_gguf(out)
+    c = base.config
+    assert [int(d) for d in tensors["blk.0.ffn_gate_exps.weight"].shape] == [64, c.expert_size, c.num_experts]
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    model = load_model(str(out))
+    assert model.config == base.config
+    tokens = torch.tensor([SEQUENCE])
+    logits = model.forward(tokens, model.new_cache(1))
+    expected = base.forward(tokens, base.new_cache(1))
+    if tensor_type == "f32":
+        assert torch.equal(logits, expected)
+        return
+    experts = [e for block in model.net.layers if isinstance(block.mlp, MoE) for e in block.mlp.experts]
+    assert all(isinstance(e.gate_up_proj, QuantizedLinear) for e in experts)
+    assert all(type(block.mlp.gate) is nn.Linear for block in model.net.layers if isinstance(block.mlp, MoE))
+    assert (logits - expected).abs().amax(dim=-1).median() < 0.2  # q8_0's error (~0.1), as int8's above
+
+
+def test_a_compressed_mixture_is_written_with_its_own_codes(moe, tmp_path):
+    """A compressed directory's experts keep their int4 codes in the file (q4_0 blocks): its
+    logits are the compressed model's but for the scales' float16 rounding."""
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+
+    _, _, path = moe
+    model = load_model(path)
+    summary = compress_lm(model, CompressConfig("rtn", bits=4, group_size=32))
+    out = write_gguf(save_compressed_dir(model, tmp_path / "c", path, summary), tmp_path / "c.gguf")
+    from_file = load_model(str(out))
+    tokens = torch.tensor([SEQUENCE])
+    error = (from_file.forward(tokens, from_file.new_cache(1)) - model.forward(tokens, model.new_cache(1)))
+    assert error.abs().amax(dim=-1).median() < 0.05
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"norm_topk_prob": False}, "llama.cpp's qwen3moe takes norm_topk_prob True, this model False"),
+    ({"mlp_only_layers": [1]}, r"llama.cpp's qwen3moe gives every layer experts; layers \[1\] have an MLP"),
+])  # fmt: skip
+def test_gguf_writing_refuses_what_llama_cpps_graph_would_run_otherwise(tmp_path, tiny_llama_dir, change,
+                                                                          message):
+    """llama.cpp renormalises the chosen experts' weights by architecture (qwen2moe never,
+    qwen3moe and Mixtral always), and gives every layer experts."""
+    pytest.importorskip("gguf")
+    from decodekit.compress.gguf import write_gguf
+
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    fields = dict(**TINY, vocab_size=vocab, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=True)
+    config = transformers.Qwen3MoeConfig(**{**fields, **change})
+    save(config, tmp_path / "hf", tiny_llama_dir)
+    with pytest.raises(ValueError, match=message):
+        write_gguf(tmp_path / "hf", tmp_path / "x.gguf")

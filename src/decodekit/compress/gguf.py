@@ -35,7 +35,15 @@ NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's, stored fused
+    # a mixture of experts (models/feedforward.py): the router, each projection's experts stacked
+    # [E, out, in] (`stacked_experts`), Qwen2-MoE's shared expert and its gate
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # kept f32, as llama.cpp's converter and quantiser keep them
 # A sandwich-norm block's (Gemma 3): ffn_norm is the MLP's input norm there
 SANDWICH_NAMES = {
     **NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -155,6 +163,25 @@ def code_blocks(codes: Any, scales: Any, bits: int, where: str) -> tuple[np.ndar
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def stacked_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """`state` with each layer's experts' projections stacked into one [E, out, in] entry
+    ("model.layers.3.mlp.experts.gate_proj.weight", llama.cpp's ffn_gate_exps): float tensors
+    stacked, a compressed directory's (codes, scales, bits) kept as a list of them, one an expert.
+    Mixtral's names (block_sparse_moe, w1/w2/w3) are read as Qwen's."""
+    from decodekit.models.native import mixtral_to_qwen
+
+    state = {mixtral_to_qwen(name): value for name, value in state.items()}
+    for layer, has_experts in enumerate(config.moe_layers):
+        if not has_experts:
+            continue
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{part}.weight" for e in range(config.num_experts)]
+            values = [state.pop(name) for name in names]
+            stacked = values if isinstance(values[0], tuple) else torch.stack(values)
+            state[f"model.layers.{layer}.mlp.experts.{part}.weight"] = stacked
+    return state
+
+
 def compressed_tensors(model_dir: Path, config: Any) -> dict[str, Any]:
     """Transformers-named tensors of a compressed directory (`config`: its NativeConfig): float
     tensors, and (codes, scales, bits) for each part of a QuantizedLinear, the fused q/k/v and
@@ -164,7 +191,6 @@ def compressed_tensors(model_dir: Path, config: Any) -> dict[str, Any]:
 
     net = load_compressed_dir(model_dir).net
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    ff = config.intermediate_size
     state: dict[str, Any] = {}
     for name, module in net.named_modules():
         tied = name == "lm_head" and config.tie_word_embeddings
@@ -172,7 +198,8 @@ def compressed_tensors(model_dir: Path, config: Any) -> dict[str, Any]:
             continue
         parent, _, leaf = name.rpartition(".")
         prefix = f"model.{parent}." if parent else ""
-        widths = {"qkv_proj": [q, kv, kv], "gate_up_proj": [ff, ff]}.get(leaf, [module.out_features])
+        half = module.out_features // 2  # gate/up: an MLP's, an expert's or a shared expert's
+        widths = {"qkv_proj": [q, kv, kv], "gate_up_proj": [half, half]}.get(leaf, [module.out_features])
         if isinstance(module, QuantizedLinear):
             codes, scales = module.codes().split(widths), module.scales.split(widths)
             values = [(c, sc, module.spec.bits) for c, sc in zip(codes, scales, strict=True)]
@@ -221,6 +248,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     writer.add_name(model_dir.name)
     writer.add_context_length(parsed.max_positions)
     writer.add_embedding_length(parsed.hidden_size)
+    # (Mixtral's experts' width is its feed_forward_length; Qwen-MoE's MLP width)
     writer.add_feed_forward_length(parsed.intermediate_size)
     writer.add_block_count(parsed.num_layers)
     writer.add_head_count(parsed.num_heads)
@@ -250,6 +278,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     elif parsed.rope.kind != "default":
         raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE (and phi3's "
                          f"longrope), got {parsed.rope.kind!r}")
+    if parsed.num_experts:
+        experts_metadata(writer, parsed, arch, model_dir)
+        state = stacked_experts(state, parsed)
     if arch in ("gemma2", "gemma3"):
         gemma_metadata(writer, parsed, arch, model_dir)
     elif any(window is not None and window < parsed.context_length for window in parsed.layer_windows):
@@ -268,19 +299,45 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and parsed.tie_word_embeddings):
             continue
         projection = name.split(".")[-2]
+        target = gguf_name(name, family.sandwich_norms)
         if isinstance(tensor, tuple):
             data, raw_dtype = code_blocks(*tensor, where=f"{model_dir}: {name}")
+        elif isinstance(tensor, list):  # a compressed directory's experts, one (codes, scales, bits) each
+            blocks = [code_blocks(*expert, where=f"{model_dir}: {name}") for expert in tensor]
+            data, raw_dtype = np.stack([data for data, _ in blocks]), blocks[0][1]
         else:
             values = tensor.float() + shift if shift and name.endswith("norm.weight") else tensor.float()
-            data, raw_dtype = encode_tensor(values.numpy(), tensor_type)
+            stored = "f32" if target.rsplit(".", 2)[-2] in ROUTERS else tensor_type
+            data, raw_dtype = encode_tensor(values.numpy(), stored)
         if family.rope_permuted and projection in heads:
             data = rope_permute(data, heads[projection])  # whole rows, so blocks move intact
-        writer.add_tensor(gguf_name(name, family.sandwich_norms), data, raw_dtype=raw_dtype)
+        writer.add_tensor(target, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def experts_metadata(writer: Any, parsed: Any, arch: str, model_dir: Path) -> None:
+    """A mixture of experts' keys (models/gguf_model.py `experts_config` reads them back). llama.cpp's
+    graph renormalises the chosen experts' weights or not by architecture and gives every layer
+    experts, so a model that differs is refused."""
+    from decodekit.models.gguf_model import NORMALISED_EXPERTS
+
+    if parsed.normalize_expert_weights != NORMALISED_EXPERTS[arch]:
+        raise ValueError(f"{model_dir}: llama.cpp's {arch} takes norm_topk_prob {NORMALISED_EXPERTS[arch]}, "
+                         f"this model {parsed.normalize_expert_weights}")  # fmt: skip
+    if not all(parsed.moe_layers):
+        dense = [i for i, experts in enumerate(parsed.moe_layers) if not experts]
+        raise ValueError(f"{model_dir}: llama.cpp's {arch} gives every layer experts; layers {dense} "
+                         "have an MLP")
+    writer.add_expert_count(parsed.num_experts)
+    writer.add_expert_used_count(parsed.experts_per_token)
+    if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+        writer.add_expert_feed_forward_length(parsed.expert_size)
+    if parsed.shared_expert_size:
+        writer.add_expert_shared_feed_forward_length(parsed.shared_expert_size)
 
 
 def gemma_metadata(writer: Any, parsed: Any, arch: str, model_dir: Path) -> None:

@@ -111,7 +111,6 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
         raise ValueError(f"{where}: general.architecture must be one of {sorted(GGUF_MODEL_TYPES)}, "
                          f"got {arch!r}")
     model_type = GGUF_MODEL_TYPES[arch]
-    family = FAMILIES[model_type]
 
     def value(key: str, default: Any = KeyError) -> Any:
         if f"{arch}.{key}" in meta:
@@ -119,6 +118,13 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
         if default is KeyError:
             raise ValueError(f"{where}: metadata {arch}.{key} is missing")
         return default
+
+    experts = int(value("expert_count", 0))
+    if arch == "llama" and experts:
+        model_type = "mixtral"  # llama.cpp writes Mixtral as llama with experts
+    family = FAMILIES[model_type]
+    if family.experts and not experts:
+        raise ValueError(f"{where}: metadata {arch}.expert_count must be at least 1 in a {arch} file, got 0")
 
     hidden, heads = int(value("embedding_length")), int(value("attention.head_count"))
     kv_heads = value("attention.head_count_kv", heads)
@@ -161,7 +167,29 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     # graphs read it (src/models/gemma{2,3}.cpp):
     if arch in GEMMA_GRAPHS:
         config.update(gemma_config(arch, value, config))
+    if experts:
+        config.update(experts_config(arch, value, tensors, config))
     return config
+
+
+# Whether llama.cpp's graph renormalises the chosen experts' weights (src/models/{llama,qwen2moe,
+# qwen3moe}.cpp, build_moe_ffn's norm_w), whatever the checkpoint's norm_topk_prob said
+NORMALISED_EXPERTS = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+
+
+def experts_config(arch: str, value, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a file's metadata: expert_count, expert_used_count,
+    expert_feed_forward_length (Mixtral's experts are feed_forward_length wide), and
+    expert_shared_feed_forward_length (qwen2moe's shared expert); a layer without a router
+    tensor (ffn_gate_inp) has a plain MLP."""
+    layers = config["num_hidden_layers"]
+    width = int(value("expert_feed_forward_length", config["intermediate_size"]))
+    return {
+        "num_experts": int(value("expert_count")), "num_experts_per_tok": int(value("expert_used_count")),
+        "moe_intermediate_size": width, "norm_topk_prob": NORMALISED_EXPERTS[arch],
+        "shared_expert_intermediate_size": int(value("expert_shared_feed_forward_length", 0)),
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+    }  # fmt: skip
 
 
 class GemmaGraph(NamedTuple):
@@ -407,15 +435,33 @@ class _Tensors:
         heads = {"attn_q": self.config.num_heads, "attn_k": self.config.num_kv_heads}.get(part)
         if FAMILIES[self.config.model_type].rope_permuted and heads is not None:
             raw = unpermute_rope_rows(np.asarray(raw), heads)
+        value = self.decoded(name, raw, type_name, shape)
+        if isinstance(value, np.ndarray) and len(shape) == 1:
+            return torch.from_numpy(np.array(value))  # vectors (norms, biases): copied now
+        return value
+
+    def experts(self, name: str, shape: tuple[int, int, int]) -> list[np.ndarray | Quantized]:
+        """A 3-D tensor of experts [E, N, K] (llama.cpp's ffn_*_exps), each expert's matrix
+        decoded on its own (a float one still a view of the file's mapping)."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ValueError(f"{self.where}: tensor {name!r} is missing")
+        stored = tuple(reversed([int(d) for d in tensor.shape]))
+        if stored != shape:
+            raise ValueError(f"{self.where}: tensor {name!r} has shape {list(stored)}, the metadata "
+                             f"implies {list(shape)}")  # fmt: skip
+        self.taken.add(name)
+        raw = np.asarray(tensor.data)
+        kind = tensor.tensor_type.name
+        return [self.decoded(name, raw[expert], kind, shape[1:]) for expert in range(shape[0])]
+
+    def decoded(self, name: str, raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
         try:
-            value = decode(raw, type_name, shape)
+            return decode(raw, type_name, shape)
         except NotImplementedError:
             supported = ", ".join([*FLOAT_TYPES, *INTEGER_TYPES])
             raise ValueError(f"{self.where}: tensor {name!r} has type {type_name}, which decodekit cannot "
                              f"read (supported: {supported} and what gguf.quants dequantises)") from None
-        if isinstance(value, np.ndarray) and len(shape) == 1:
-            return torch.from_numpy(np.array(value))  # vectors (norms, biases): copied now
-        return value
 
     def float(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, transposed: bool = False
               ) -> nn.Parameter:  # fmt: skip
@@ -502,10 +548,43 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
                 continue
             module = block.get_submodule(ours.rsplit(".", 1)[0])
             module.weight = files.float(prefix + gguf_name, (size,), norm_dtype)
-        for ours, parts in {**fused, **{k: (v,) for k, v in SINGLE.items()}}.items():
+        layers = {**fused, **{k: (v,) for k, v in SINGLE.items()}}
+        if c.moe_layers[index]:
+            _take_experts(files, block.mlp, prefix, c, dtype)
+            layers = {k: v for k, v in layers.items() if not k.startswith("mlp.")}
+        for ours, parts in layers.items():
             weights = [files.take(f"{prefix}{part}.weight", (widths[part], inputs.get(part, hidden)))
                        for part in parts]  # fmt: skip
             biases = [files.take(f"{prefix}{part}.bias", (widths[part],), required=False) for part in parts]
             block.set_submodule(ours, fused_layer(weights, biases, dtype))
     assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()]), "a weight was not assigned"
     return net
+
+
+def _take_experts(files: _Tensors, moe: nn.Module, prefix: str, c: NativeConfig, dtype: torch.dtype) -> None:
+    """A layer's mixture of experts (models/feedforward.py `MoE`) from llama.cpp's tensors: the
+    router ffn_gate_inp [E, hidden], the experts' ffn_gate_exps / ffn_up_exps [E, width, hidden]
+    and ffn_down_exps [E, hidden, width], each expert keeping its file's grid; qwen2moe's shared
+    expert ffn_{gate,up,down}_shexp and its gate ffn_gate_inp_shexp [1, hidden]."""
+    hidden, width, count = c.hidden_size, c.expert_size, c.num_experts
+    router = files.take(prefix + "ffn_gate_inp.weight", (count, hidden))
+    moe.gate = linear_layer(float_weight([router], dtype), None, dtype)
+    gates = files.experts(prefix + "ffn_gate_exps.weight", (count, width, hidden))
+    ups = files.experts(prefix + "ffn_up_exps.weight", (count, width, hidden))
+    downs = files.experts(prefix + "ffn_down_exps.weight", (count, hidden, width))
+    for expert, gate, up, down in zip(moe.experts, gates, ups, downs, strict=True):
+        expert.gate_up_proj = fused_layer([gate, up], [None, None], dtype)
+        expert.down_proj = fused_layer([down], [None], dtype)
+    if c.shared_expert_size:
+        size = c.shared_expert_size
+        shared = moe.shared_expert
+        shared.gate_up_proj = fused_layer([files.take(prefix + "ffn_gate_shexp.weight", (size, hidden)),
+                                           files.take(prefix + "ffn_up_shexp.weight", (size, hidden))],
+                                          [None, None], dtype)  # fmt: skip
+        down = files.take(prefix + "ffn_down_shexp.weight", (hidden, size))
+        shared.down_proj = fused_layer([down], [None], dtype)
+        name = prefix + "ffn_gate_inp_shexp.weight"  # [1, hidden], or [hidden] as llama-quantize leaves it
+        flat = name in files.tensors and len(files.tensors[name].shape) == 1
+        gate = files.take(name, (hidden,) if flat else (1, hidden))
+        gate = gate.reshape(1, hidden) if flat else gate
+        moe.shared_expert_gate = linear_layer(float_weight([gate], dtype), None, dtype)

@@ -226,7 +226,7 @@ def fuse_checkpoint(
     out = {name.removeprefix("model."): tensor for name, tensor in state.items()}
     out = {name: t for name, t in out.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.num_experts:  # Mixtral's names -> Qwen-MoE's, which `MoE` keeps
-        out = {_mixtral_to_qwen(name): t for name, t in out.items()}
+        out = {mixtral_to_qwen(name): t for name, t in out.items()}
         # a transformers model's own state dict holds each layer's experts as [E, out, in]
         for name in [n for n in out if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
             stacked = out.pop(name)
@@ -251,7 +251,7 @@ def fuse_checkpoint(
 _MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-def _mixtral_to_qwen(name: str) -> str:
+def mixtral_to_qwen(name: str) -> str:
     """layers.0.block_sparse_moe.experts.3.w1.weight -> layers.0.mlp.experts.3.gate_proj.weight"""
     if ".block_sparse_moe." not in name:
         return name

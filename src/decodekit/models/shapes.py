@@ -31,6 +31,7 @@ import torch
 from decodekit.models.checkpoint import TOKENIZER_FILES, load_tokenizer
 from decodekit.models.families import FAMILIES
 from decodekit.models.native import NativeLM
+from decodekit.models.native_config import NativeConfig
 from decodekit.models.registry import ASSETS, resolve_dtype
 
 TOKENIZER_DIR = ASSETS / "shakespeare"  # the embedded BPE tokenizer: 2,048 tokens, EOS 0
@@ -66,6 +67,15 @@ _GEMMA3_1B = {
     "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": True,
 }  # fmt: skip
 
+_QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
 # Name -> the real model's config.json fields that set its shapes.
 SHAPES: dict[str, dict] = {
     "smollm2-135m": _SMOLLM2_135M,
@@ -77,6 +87,9 @@ SHAPES: dict[str, dict] = {
     # Gemma 3 1B: five sliding layers (window 512) to one full, sandwich norms, GeGLU; its
     # 262,144-token vocabulary cut as the others' are
     "gemma-3-1b": _GEMMA3_1B,
+    # Qwen3-30B-A3B's layers (a mixture of 128 experts, 8 a token), 4 of its 48: 2.5B
+    # parameters, 0.25B of them read per token; a step costs 1/12 of the whole's
+    "qwen3-30b-a3b-4l": {**_QWEN3_30B_A3B, "num_hidden_layers": 4},
 }
 
 
@@ -101,6 +114,7 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         return torch.randn(out_features, in_features, generator=generator).mul_(std)
 
     family = FAMILIES[config["model_type"]]
+    parsed = NativeConfig.from_dict(config)
     # A family that scales its embedding by sqrt(hidden) on input (Gemma) draws it sqrt(hidden)
     # smaller, so its layers see what the other shapes' do, and its final norm's gain of
     # sqrt(hidden) gives the tied head's logits the same spread.
@@ -125,9 +139,31 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             if qkv_bias:
                 state[p + f"self_attn.{part}_proj.bias"] = torch.zeros(rows * head_dim)
         state[p + "self_attn.o_proj.weight"] = gaussian(hidden, heads * head_dim)
+        if parsed.moe_layers[i]:
+            state.update(_random_experts(parsed, p, gaussian))
+            continue
         state[p + "mlp.gate_proj.weight"] = gaussian(width, hidden)
         state[p + "mlp.up_proj.weight"] = gaussian(width, hidden)
         state[p + "mlp.down_proj.weight"] = gaussian(hidden, width)
+    return state
+
+
+def _random_experts(config: NativeConfig, prefix: str, gaussian) -> dict[str, torch.Tensor]:
+    """One layer's mixture of experts under its checkpoint's names (Mixtral's or Qwen's): the
+    router N(0, 1/hidden), so its scores spread over a few experts, and each expert an MLP."""
+    hidden, width = config.hidden_size, config.expert_size
+    mixtral = config.model_type == "mixtral"
+    block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    state = {block + "gate.weight": gaussian(config.num_experts, hidden)}
+    mlps = [(f"experts.{e}.", width) for e in range(config.num_experts)]
+    if config.shared_expert_size:
+        mlps.append(("shared_expert.", config.shared_expert_size))
+        state[block + "shared_expert_gate.weight"] = gaussian(1, hidden)
+    for name, size in mlps:
+        state[block + name + names[0] + ".weight"] = gaussian(size, hidden)
+        state[block + name + names[1] + ".weight"] = gaussian(size, hidden)
+        state[block + name + names[2] + ".weight"] = gaussian(hidden, size)
     return state
 
 
