@@ -163,7 +163,8 @@ def both(tmp_path_factory):
     compress_to_dir("shakespeare", CompressConfig("rtn", bits=4, head_bits=8), path / "int4-head8")
     where = {"shakespeare": "shakespeare", "draft": "shakespeare-draft", "arith": "arith",
              "int8": path / "int8", "int4": path / "int4", "int4-head8": path / "int4-head8",
-             "half": half_checkpoint(path / "half")}  # fmt: skip
+             "half": half_checkpoint(path / "half"),
+             "moe": _test_devices().moe_checkpoint(path / "moe")}  # fmt: skip
     try:
         from decodekit.compress.gguf import write_gguf
 

@@ -263,7 +263,7 @@ def moe_files(request, tmp_path_factory):
     from decodekit.models.shapes import save_checkpoint, shape_config
 
     folder = tmp_path_factory.mktemp(request.param)
-    config = {**shape_config("qwen3-30b-a3b-4l"), "hidden_size": 256, "intermediate_size": 384,
+    config = {**shape_config("qwen3-30b-a3b-2l"), "hidden_size": 256, "intermediate_size": 384,
               "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2,
               **MOE_SHAPES[request.param]}  # fmt: skip
