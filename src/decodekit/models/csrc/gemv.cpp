@@ -458,10 +458,12 @@ void rows_kernel(const char* wp, int64_t row_bytes, int64_t N, int64_t K, const 
         float out[16];
         const float* x = xp + m0 * K;
         const int64_t ahead = m0 == 0 ? kAheadBytes : 0;  // later x blocks hit the cache
-        // AVX-512: rows under 2 KiB (int8 896 -> 9,728) prefetch as one stream a block or more
-        // ahead, longer ones a stream per row (on a Zen 4, int8 896 -> 4,864 ran 452-456 us
-        // with streams per row, 194-233 with one; 4,864 -> 896 335-337 against 357-380).
-        const bool short_rows = row_bytes < 2048;
+        // AVX-512: rows under 4 KiB (int8 896 -> 9,728; 2,048 -> 8,192) prefetch as one stream
+        // a block or more ahead, longer ones a stream per row (on a Zen 4, int8 896 -> 4,864
+        // ran 452-456 us with streams per row, 194-233 with one; 4,864 -> 896 335-337 against
+        // 357-380; weights not in cache, alternated processes: 2,048 -> 1,536 299 -> 184 us,
+        // 2,048 -> 8,192 1,602 -> 865, 3,072 -> 3,072 810 -> 692, 3,584 and 4,096 no better).
+        const bool short_rows = row_bytes < 4096;
         const int64_t wide_ahead = ahead && short_rows ? std::max(ahead, 4 * row_bytes) : ahead;
         if (!wide)
           for (int64_t m = 0; m < mb; m += 2) {  // pairs of x rows (dot4_avx2)
