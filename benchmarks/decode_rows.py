@@ -5,8 +5,10 @@ moves each format's speed relative to float32, whose path it does not touch.
     python benchmarks/decode_rows.py [--model qwen2.5-0.5b-16l] [--rows int4,int4-g64,int8]
                                      [--compile] [--peer llamacpp] [--threads 1]
 
-Rows: NAME = int4 / int8 with "-gG" for groups of G inputs (per channel without) and "-a8"
-for the activation-quantised kernels (W4A8 / W8A8). Per row: 32 new tokens after
+Rows: NAME = int4 / int8 with "-gG" for groups of G inputs (per channel without), "-a8"
+for the activation-quantised kernels (W4A8 / W8A8) and "-hB" for the output head on a B-bit
+grid (llama.cpp's files quantise theirs; at the shapes' cut 2,048-token vocabulary
+`compress` keeps it float, CompressConfig's "auto"). Per row: 32 new tokens after
 bench/packed.py's prompt (EOS ignored), median of `repeats` rounds after a warm-up
 (bench/packed.py's `median_seconds`), tokens/s and the ratio to float32. Prints one JSON line.
 `--compile`: every row (float32 too) decodes through the engine's compiled decode step, as
@@ -39,11 +41,12 @@ PAIRS = (("float32", "f32"), ("int8", "q8_0"), ("int8-g32-a8", "q8_0"), ("int8-a
 
 
 def config(row: str) -> CompressConfig:
-    """Row "int4-g64-a8" -> RTN, 4 bits, groups of 64, activation_bits 8."""
+    """Row "int4-g64-a8-h8" -> RTN, 4 bits, groups of 64, activation_bits 8, an int8 head."""
     bits, *rest = row.split("-")
     group = next((int(part[1:]) for part in rest if part.startswith("g")), None)
+    head = next((int(part[1:]) for part in rest if part.startswith("h")), "auto")
     return CompressConfig("rtn", bits=int(bits.removeprefix("int")), group_size=group,
-                          activation_bits=8 if "a8" in rest else None)  # fmt: skip
+                          activation_bits=8 if "a8" in rest else None, head_bits=head)  # fmt: skip
 
 
 def main() -> None:
@@ -86,9 +89,10 @@ def main() -> None:
                    **({"prefill_tok_s": round(fill[name], 1)} if name in fill else {}),
                    **({"kernels": counts[name]} if name in counts else {})}
             for name, tok_s in speed.items()}  # fmt: skip
+    pairs = [*PAIRS, *((row, fmt) for row in speed for ours, fmt in PAIRS if row.startswith(f"{ours}-h"))]
     ratios = {f"{ours} / {fmt}": {"decode": round(speed[ours] / speed[f"llama.cpp {fmt}"], 2),
                                   "prefill": round(fill[ours] / fill[f"llama.cpp {fmt}"], 2)}
-              for ours, fmt in PAIRS if peer and ours in speed}  # fmt: skip
+              for ours, fmt in pairs if peer and ours in speed}  # fmt: skip
     head = {"model": args.model, "kernels": kernels.status().reason, "threads": args.threads,
             "clock": "process CPU" if clock == 0 else "wall", "compile": args.compile}  # fmt: skip
     head |= {"new_tokens": args.new_tokens, "prefill_tokens": len(ids), "repeats": args.repeats}

@@ -159,13 +159,18 @@ def test_engine_generates_like_transformers(moe, batch_invariant):
 
 def test_a_token_gets_the_same_bits_whatever_shares_its_forward(moe):
     """The batch-invariant mode: a prompt's logits alone equal its logits beside another, bit for
-    bit, though the other's tokens send other rows through its experts."""
+    bit, though the other's tokens send other rows through its experts; and fed one token a
+    forward (each token's experts run alone) they equal the prompt's in one forward (the
+    experts grouped over its tokens)."""
     _, base, _ = moe
     model = NativeLM(base.net, base.config, batch_invariant=True)
     alone = model.forward(torch.tensor([PROMPTS[0]]), model.new_cache(1))[0]
     other = PROMPTS[1][: len(PROMPTS[0])]
     together = model.forward(torch.tensor([PROMPTS[0], other]), model.new_cache(2))[0]
     assert torch.equal(alone, together)
+    cache = model.new_cache(1)
+    stepped = torch.cat([model.forward(torch.tensor([[token]]), cache)[0] for token in PROMPTS[0]])
+    assert torch.equal(stepped, alone)
 
 
 def test_the_compiled_steps_are_refused_by_name_and_the_engine_runs_eager(moe):
