@@ -44,8 +44,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def configs(vocab_size: int) -> dict[str, transformers.PretrainedConfig]:
     return {
+        # 3 experts a token: the order they are summed in shows in the bits (two sum either way)
         "mixtral": transformers.MixtralConfig(**TINY, vocab_size=vocab_size, num_local_experts=6,
-                                              num_experts_per_tok=2),
+                                              num_experts_per_tok=3),
         # the shared expert (test_native: an MLP in some layers)
         "qwen2_moe": transformers.Qwen2MoeConfig(
             **TINY, vocab_size=vocab_size, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
