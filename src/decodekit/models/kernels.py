@@ -221,6 +221,29 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
     return out
 
 
+def dequantize_blocks(blocks: torch.Tensor, scales: torch.Tensor, in_features: int,
+                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """`dequantize` of an int4 layer's weight from the GEMV kernel's layout (`pack_int4_blocks`),
+    which is all an int4 layer keeps of its codes (qlinear.py); [N, K] into this thread's scratch."""
+    out = scratch(scales.shape[0], in_features, dtype)
+    torch.ops.decodekit.dequantize_blocks(blocks, scales, in_features, out)
+    return out
+
+
+def unpack_int4_blocks(blocks: torch.Tensor, out_features: int, in_features: int,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The int8 codes [N, K] (with `rows` [n], only those, [n, K]) that `pack_int4_blocks`
+    packed into `blocks`: its inverse."""
+    chunks = blocks.shape[1] // 64
+    words = blocks.view(-1, chunks, 4, 32, 2)  # [block, chunk, row, word, byte]
+    index = torch.arange(out_features, device=blocks.device) if rows is None else rows
+    picked = words[index // 4, :, index % 4]  # [n, chunk, word, byte]
+    low, high = picked[..., 0].to(torch.int16), picked[..., 1].to(torch.int16)
+    planes = torch.stack([low & 15, low >> 4, high & 15, high >> 4], dim=2)  # [n, chunk, plane, word]
+    codes = (planes - 8).to(torch.int8).reshape(index.shape[0], chunks * 128)
+    return codes[:, :in_features].contiguous()
+
+
 def pack_int4_blocks(codes: torch.Tensor, width: int) -> torch.Tensor:
     """int4 codes int8 [N, K] in [-8, 7] as the kernels read them (csrc/gemv_int4.cpp):
     padded with zero codes to `width` (a multiple of 128) inputs and to a multiple of 4 rows,

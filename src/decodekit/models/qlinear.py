@@ -16,9 +16,13 @@ and 23):
 - "int8gemv" / "int4gemv": decodekit's own GEMV kernels (models/kernels.py, csrc/gemv.cpp),
   where they are built, for up to PACKED_MAX_ROWS rows. int8gemv reads the stored int8 codes
   and float32 scales, per channel or per group of any size, with x in float32 (weight-only:
-  the numbers of "unpack" up to summation order). int4gemv reads a copy of the codes in its
-  own layout (`kernels.pack_int4_blocks`, built at load like int4pack's and never saved),
-  one scale per channel or groups of 32 or 64j, with x rounded to bfloat16 as int4pack does.
+  the numbers of "unpack" up to summation order). int4gemv reads the codes in its own layout
+  (`kernels.pack_int4_blocks`, built at load), one scale per channel or groups of 32 or 64j,
+  with x rounded to bfloat16 as int4pack does; the layer then holds the codes in that layout
+  only (`qweight` empty): a state dict, `codes()`, another device and the other paths unpack
+  them again (`stored_qweight`, `kernels.unpack_int4_blocks`), and a prefill dequantises
+  straight from it (`kernels.dequantize_blocks`). A second copy had doubled an int4 model's
+  resident weights.
   Above PACKED_MAX_ROWS rows (a prefill) they take the packed kernels' prefill path: one
   GEMM over the weight dequantised per call (`prefill_dtype`) (grouped int8 too: its float32
   "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the
@@ -289,7 +293,10 @@ class QuantizedLinear(nn.Module):
         if codes.numel() and (codes.min() < -qmax - 1 or codes.max() > qmax):
             raise ValueError(f"codes must lie in [-{qmax + 1}, {qmax}] for {self.spec.bits} bits")
         codes = codes.to(torch.int8)
-        self.qweight.copy_(pack_int4(codes) if self.packed else codes)
+        stored = pack_int4(codes) if self.packed else codes
+        if self.qweight.shape != stored.shape:  # dropped for the kernel's layout (module docstring)
+            self.qweight = torch.empty_like(stored, device=self.scales.device)
+        self.qweight.copy_(stored)
         self.scales.copy_(scales.to(torch.float32))
         if offsets is not None:
             self.offsets.copy_(offsets.to(torch.float32))
@@ -312,8 +319,23 @@ class QuantizedLinear(nn.Module):
         self.kernel = kernel
         self.prepare_kernel()
 
+    def codes_in_kernel(self) -> bool:
+        """Whether the layer holds its codes in the int4 GEMV kernel's layout only (module
+        docstring): `qweight` empty, `kernel_weight` the codes (only int4gemv drops `qweight`;
+        `kernel` may have changed since, `set_kernel`)."""
+        return self.packed and self.qweight.numel() == 0 and self.kernel_weight.numel() > 0
+
+    def stored_qweight(self) -> torch.Tensor:
+        """The codes as a checkpoint stores them (`qweight`: pack_int4's nibbles, or int8),
+        unpacked from the kernel's layout where the layer keeps only that."""
+        if not self.codes_in_kernel():
+            return self.qweight
+        return pack_int4(kernels.unpack_int4_blocks(self.kernel_weight, self.out_features, self.in_features))
+
     def prepare_kernel(self) -> None:
         """(Re)build the packed kernel's operands from qweight and scales (or free them)."""
+        if self.codes_in_kernel():
+            self.qweight = self.stored_qweight()  # the codes back where every path below reads them
         weight = scales = None
         if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
             group = int4_kernel_group(self.spec, self.in_features)
@@ -340,20 +362,29 @@ class QuantizedLinear(nn.Module):
             scales = self.scales[:, 0].to(torch.bfloat16)
         self.kernel_weight = weight if weight is not None else self.qweight.new_empty(0)
         self.kernel_scales = scales if scales is not None else self.scales.new_empty(0).bfloat16()
+        if self.kernel == "int4gemv" and weight is not None:
+            self.qweight = self.qweight.new_empty(0)  # one copy of the codes: the kernel's
 
     def codes(self) -> torch.Tensor:
         """Integer codes int8 [N, K]."""
+        if self.codes_in_kernel():
+            return kernels.unpack_int4_blocks(self.kernel_weight, self.out_features, self.in_features)
         return unpack_int4(self.qweight, self.in_features) if self.packed else self.qweight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
                            ) -> torch.Tensor:  # fmt: skip
         """Ŵ [N, K] in `dtype` (with the offsets, where the layer has them); with `rows` [n], only
         those rows, [n, K] (the same values: every step is row by row)."""
-        codes, scales, offsets = self.qweight, self.scales, self.offsets
+        scales, offsets = self.scales, self.offsets
         if rows is not None:
-            codes, scales = codes[rows], scales[rows]
+            scales = scales[rows]
             offsets = None if offsets is None else offsets[rows]
-        weight = dequantize(unpack_int4(codes, self.in_features) if self.packed else codes, scales)
+        if self.codes_in_kernel():
+            codes = kernels.unpack_int4_blocks(self.kernel_weight, self.out_features, self.in_features, rows)
+        else:
+            codes = self.qweight if rows is None else self.qweight[rows]
+            codes = unpack_int4(codes, self.in_features) if self.packed else codes
+        weight = dequantize(codes, scales)
         if offsets is not None:
             n, k = weight.shape
             weight = (weight.view(n, offsets.shape[1], -1) + offsets[..., None]).view(n, k)
@@ -382,7 +413,9 @@ class QuantizedLinear(nn.Module):
         the dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
             dtype = prefill_dtype()
-            if kernels.eager_op(self.scales, x):  # one pass over the codes, the same numbers
+            if kernels.eager_op(self.scales, x) and self.codes_in_kernel():  # from the kernel's layout
+                weight = kernels.dequantize_blocks(self.kernel_weight, self.scales, self.in_features, dtype)
+            elif kernels.eager_op(self.scales, x):  # one pass over the codes, the same numbers
                 weight = kernels.dequantize(self.qweight, self.scales, self.in_features, dtype)
             else:
                 weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]
@@ -411,11 +444,28 @@ class QuantizedLinear(nn.Module):
         scales = self.scales.to(x.dtype)  # [N, G]
         if self.spec.group_size is None:
             if self.packed:
-                return int4_halves_matmul(x, self.qweight, self.in_features) * scales[:, 0]
+                return int4_halves_matmul(x, self.stored_qweight(), self.in_features) * scales[:, 0]
             return F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
         if x.numel() // self.in_features < self.spec.group_size:
             return grouped_matmul(x, self.codes(), scales)
         return F.linear(x, dequantize(self.codes(), self.scales, x.dtype))  # offsets: forward adds them
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.codes_in_kernel():  # the checkpoint's portable nibbles, not the empty buffer
+            destination[prefix + "qweight"] = self.stored_qweight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        if self.codes_in_kernel():  # a buffer of the stored shape to load into (then dropped again)
+            self.qweight = self.stored_qweight()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        # to another device: the codes as stored go with the layer (only CPU kernels read the
+        # kernel's layout)
+        if self.codes_in_kernel() and fn(self.kernel_weight[:0]).device.type != "cpu":
+            self.qweight = self.stored_qweight()
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         group = "channel" if self.spec.group_size is None else f"group={self.spec.group_size}"
