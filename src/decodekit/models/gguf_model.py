@@ -2,8 +2,9 @@
 
 The file is read with gguf-py (`gguf.GGUFReader`, llama.cpp's own reader; the `gguf` extra).
 Its metadata becomes the config.json dict NativeConfig already parses (`gguf_config`):
-`general.architecture` llama, qwen2, qwen3, phi3, gemma, gemma2 or gemma3 (llama.cpp converts
-Mistral and SmolLM to "llama"; gemma3 is Gemma 3's text model), and under `{arch}.`:
+`general.architecture` llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3, qwen2moe or qwen3moe
+(llama.cpp converts Mistral and SmolLM to "llama", and Mixtral to "llama" with experts; gemma3
+is Gemma 3's text model), and under `{arch}.`:
 context_length, embedding_length, feed_forward_length, block_count, attention.head_count(_kv),
 attention.key_length, attention.layer_norm_rms_epsilon, rope.freq_base, rope.dimension_count
 (phi3's partial rotation), rope.scaling.type/factor (no sliding window: llama.cpp runs these

@@ -2,7 +2,8 @@
 
 Reads a Hugging Face checkpoint directory (config.json, model.safetensors or sharded
 safetensors with an index, tokenizer files) of Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3,
-or Gemma 1, 2 or 3: pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE
+Gemma 1, 2 or 3, or the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (feedforward.py
+`MoE` in place of the MLP): pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE
 (rope.py; partial rotation for Phi-4-mini, a second base for Gemma 3's sliding layers), SwiGLU
 or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
 (Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
