@@ -281,3 +281,16 @@ def test_gguf_writing_refuses_what_llama_cpps_graph_would_run_otherwise(tmp_path
     save(config, tmp_path / "hf", tiny_llama_dir)
     with pytest.raises(ValueError, match=message):
         write_gguf(tmp_path / "hf", tmp_path / "x.gguf")
+
+
+def test_speculative_decoding_with_a_mixture_as_target_is_greedy_decoding(moe):
+    """Verification spans send several tokens of a row through the experts at once (the
+    grouped path); with an int4 copy of the mixture as the draft (its experts quantised),
+    greedy speculative decoding gives the target's own greedy tokens."""
+    _, base, _ = moe
+    greedy = dk.SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    [want] = dk.generate(base, "ROMEO: But soft", greedy)
+    result = dk.speculative_generate(base, "self-int4", "ROMEO: But soft", greedy, fallback=False)
+    [got] = result.completions  # a single string prompt: its n = 1 completions
+    assert got.token_ids == want.token_ids
+    assert result.stats.drafted_tokens > 0 and result.stats.accepted_tokens > 0
