@@ -282,6 +282,35 @@ def pack_a8_blocks(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([_a8_chunks(p, bits) for p in parts if p.numel()], dim=1).reshape(rows, -1)
 
 
+def unpack_a8_blocks(blocks: torch.Tensor, out_features: int, in_features: int, bits: int,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The int8 codes [N, K] (with `rows` [n], only those, [n, K]) that `pack_a8_blocks` packed
+    into `blocks` for `bits`: its inverse."""
+    total = -(-in_features // A8_BLOCK)
+    padded = blocks.shape[0]
+    step_bytes = 4 if bits == 8 else 2  # a block's bytes per step (nibble pairs for int4)
+    per_block = 8 * step_bytes  # 8 steps
+    flat = blocks.reshape(padded // 4, -1)  # [row block, bytes]: the parts side by side
+    parts, at = [], 0
+    full = total // A8_LANES * A8_LANES
+    for lanes, chunks in ((A8_LANES, full // A8_LANES), (total - full, 1)):
+        if not lanes or not chunks:
+            continue
+        size = chunks * 4 * lanes * per_block
+        part = flat[:, at : at + size].reshape(padded // 4, chunks, 4, -1).transpose(1, 2)
+        part = part.reshape(padded, chunks, -1).to(torch.int16)  # [R, C, chunk bytes]
+        if bits == 8:
+            q = part.reshape(padded, chunks, 8, lanes, 4)
+        else:  # steps 2t and 2t + 1 in a byte's low and high nibbles
+            pairs = part.reshape(padded, chunks, 4, lanes, 4)
+            q = torch.stack([pairs & 15, pairs >> 4], dim=3).reshape(padded, chunks, 8, lanes, 4)
+        parts.append(q.permute(0, 1, 3, 2, 4).reshape(padded, chunks * lanes, 8, 4))  # [R, block, step, byte]
+        at += size
+    codes = torch.cat(parts, dim=1).reshape(padded, -1) - (128 if bits == 8 else 8)
+    codes = codes[:out_features, :in_features] if rows is None else codes[rows, :in_features]
+    return codes.to(torch.int8).contiguous()
+
+
 def _a8_chunks(q: torch.Tensor, bits: int) -> torch.Tensor:
     """q [R, C, L, 8, 4] (row, chunk, block, step, byte) -> uint8 [R / 4, C * 4 * chunk bytes]:
     steps before blocks, nibble pairs for int4, a block's 4 rows side by side per chunk."""

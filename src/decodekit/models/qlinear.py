@@ -19,10 +19,10 @@ and 23):
   the numbers of "unpack" up to summation order). int4gemv reads the codes in its own layout
   (`kernels.pack_int4_blocks`, built at load), one scale per channel or groups of 32 or 64j,
   with x rounded to bfloat16 as int4pack does; the layer then holds the codes in that layout
-  only (`qweight` empty): a state dict, `codes()`, another device and the other paths unpack
-  them again (`stored_qweight`, `kernels.unpack_int4_blocks`), and a prefill dequantises
-  straight from it (`kernels.dequantize_blocks`). A second copy had doubled an int4 model's
-  resident weights.
+  only (`qweight` empty, `codes_layout` names it; so do "int8a8" / "int4a8" below): a state
+  dict, `codes()`, another device and the other paths unpack them again (`stored_qweight`,
+  `kernels.unpack_int4_blocks`, `unpack_a8_blocks`), and a prefill dequantises straight from
+  it (`kernels.dequantize_blocks`). A second copy had doubled an int4 model's resident weights.
   Above PACKED_MAX_ROWS rows (a prefill) they take the packed kernels' prefill path: one
   GEMM over the weight dequantised per call (`prefill_dtype`) (grouped int8 too: its float32
   "unpack" matmul prefilled at 0.47x llama.cpp's q8_0 at 240M, BENCHMARKS.md). Where the
@@ -99,6 +99,8 @@ from decodekit.models.quant_grid import (
 KERNELS = ("int4gemv", "int8gemv", "int4a8", "int8a8", "int4pack", "int8pack", "unpack")
 NATIVE_KERNELS = ("int4gemv", "int8gemv", "int4a8", "int8a8")  # decodekit's own (models/kernels.py)
 ACTIVATION_KERNELS = ("int4a8", "int8a8")  # x quantised too (activation_bits 8)
+# the kernels whose layout is then the layer's only copy of its codes (module docstring)
+CODES_IN_KERNEL = ("int4gemv", "int4a8", "int8a8")
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes `_weight_int4pack_mm_for_cpu` takes
 # The CPU flags of native bfloat16 matrix products (module docstring, `prefill_dtype`).
 BFLOAT16_GEMM_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -246,6 +248,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("kernel_scales", empty.to(torch.bfloat16), persistent=False)
         self.kernel = choose_kernel(self.spec, in_features, out_features)
         self.kernel_group = 0  # the int4 kernel's group size, set by `prepare_kernel`
+        self.codes_layout: str | None = None  # the kernel whose layout holds the codes (qweight empty)
         self.register_load_state_dict_post_hook(_prepare_after_load)
 
     @property
@@ -320,22 +323,31 @@ class QuantizedLinear(nn.Module):
         self.prepare_kernel()
 
     def codes_in_kernel(self) -> bool:
-        """Whether the layer holds its codes in the int4 GEMV kernel's layout only (module
-        docstring): `qweight` empty, `kernel_weight` the codes (only int4gemv drops `qweight`;
-        `kernel` may have changed since, `set_kernel`)."""
-        return self.packed and self.qweight.numel() == 0 and self.kernel_weight.numel() > 0
+        """Whether the layer holds its codes in a kernel's layout only (module docstring):
+        `qweight` empty, `kernel_weight` the codes in the layout `codes_layout` names."""
+        return getattr(self, "codes_layout", None) is not None
+
+    def kernel_codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 codes [N, K] (or those `rows`) unpacked from the kernel's layout."""
+        n, k = self.out_features, self.in_features
+        if self.codes_layout == "int4gemv":
+            return kernels.unpack_int4_blocks(self.kernel_weight, n, k, rows)
+        bits = 8 if self.codes_layout == "int8a8" else 4
+        return kernels.unpack_a8_blocks(self.kernel_weight, n, k, bits, rows)
 
     def stored_qweight(self) -> torch.Tensor:
         """The codes as a checkpoint stores them (`qweight`: pack_int4's nibbles, or int8),
         unpacked from the kernel's layout where the layer keeps only that."""
         if not self.codes_in_kernel():
             return self.qweight
-        return pack_int4(kernels.unpack_int4_blocks(self.kernel_weight, self.out_features, self.in_features))
+        codes = self.kernel_codes()
+        return pack_int4(codes) if self.packed else codes
 
     def prepare_kernel(self) -> None:
         """(Re)build the packed kernel's operands from qweight and scales (or free them)."""
         if self.codes_in_kernel():
             self.qweight = self.stored_qweight()  # the codes back where every path below reads them
+            self.codes_layout = None
         weight = scales = None
         if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
             group = int4_kernel_group(self.spec, self.in_features)
@@ -362,13 +374,14 @@ class QuantizedLinear(nn.Module):
             scales = self.scales[:, 0].to(torch.bfloat16)
         self.kernel_weight = weight if weight is not None else self.qweight.new_empty(0)
         self.kernel_scales = scales if scales is not None else self.scales.new_empty(0).bfloat16()
-        if self.kernel == "int4gemv" and weight is not None:
+        if self.kernel in CODES_IN_KERNEL and weight is not None:
             self.qweight = self.qweight.new_empty(0)  # one copy of the codes: the kernel's
+            self.codes_layout = self.kernel
 
     def codes(self) -> torch.Tensor:
         """Integer codes int8 [N, K]."""
         if self.codes_in_kernel():
-            return kernels.unpack_int4_blocks(self.kernel_weight, self.out_features, self.in_features)
+            return self.kernel_codes()
         return unpack_int4(self.qweight, self.in_features) if self.packed else self.qweight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
@@ -380,7 +393,7 @@ class QuantizedLinear(nn.Module):
             scales = scales[rows]
             offsets = None if offsets is None else offsets[rows]
         if self.codes_in_kernel():
-            codes = kernels.unpack_int4_blocks(self.kernel_weight, self.out_features, self.in_features, rows)
+            codes = self.kernel_codes(rows)
         else:
             codes = self.qweight if rows is None else self.qweight[rows]
             codes = unpack_int4(codes, self.in_features) if self.packed else codes
@@ -413,9 +426,10 @@ class QuantizedLinear(nn.Module):
         the dequantised weight above PACKED_MAX_ROWS rows (module docstring). Returns x's dtype."""
         if x.numel() // self.in_features > PACKED_MAX_ROWS:
             dtype = prefill_dtype()
-            if kernels.eager_op(self.scales, x) and self.codes_in_kernel():  # from the kernel's layout
+            eager = kernels.eager_op(self.scales, x)
+            if eager and self.codes_layout == "int4gemv":  # from the kernel's layout, one pass
                 weight = kernels.dequantize_blocks(self.kernel_weight, self.scales, self.in_features, dtype)
-            elif kernels.eager_op(self.scales, x):  # one pass over the codes, the same numbers
+            elif eager and not self.codes_in_kernel():  # one pass over the codes, the same numbers
                 weight = kernels.dequantize(self.qweight, self.scales, self.in_features, dtype)
             else:
                 weight = dequantize(self.codes(), self.scales, dtype)  # [N, K]
