@@ -471,7 +471,8 @@ def test_a_truncated_file_is_named_and_nothing_loads(tmp_path):
 
 def test_unsupported_architecture_tensor_type_and_tokenizer_are_named(tmp_path, tiny_llama_dir):
     write_file(tmp_path / "gpt2.gguf", {"w": np.zeros((2, 2), np.float32)}, arch="gpt2")
-    allowed = r"\['gemma', 'gemma2', 'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"
+    allowed = (r"\['gemma', 'gemma2', 'gemma3', 'llama', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', "
+               r"'qwen3', 'qwen3moe'\]")
     with pytest.raises(ValueError, match=rf"gpt2.gguf: general.architecture must be one of {allowed}, got"):
         load_model(str(tmp_path / "gpt2.gguf"))
     f32 = write_gguf(tiny_llama_dir, tmp_path / "f32.gguf")

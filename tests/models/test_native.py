@@ -80,6 +80,9 @@ FAMILIES = {
     "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
         **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
         shared_expert_intermediate_size=56, decoder_sparse_step=2),
+    # AI2's: OLMo 2's post-norm blocks and q/k norms over the whole projection; OLMoE's mixture
+    "olmo2": lambda: transformers.Olmo2Config(**TINY),
+    "olmoe": lambda: transformers.OlmoeConfig(**TINY, num_experts=5, num_experts_per_tok=2),
 }
 PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2, 30], [7, 1, 88, 14], [64, 9, 0, 12, 77, 3, 50]]
 

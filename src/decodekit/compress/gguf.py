@@ -278,6 +278,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
     elif parsed.rope.kind != "default":
         raise ValueError(f"{model_dir}: GGUF writing takes default, linear or llama3 RoPE (and phi3's "
                          f"longrope), got {parsed.rope.kind!r}")
+    if family.qk_norm_full and arch == "olmoe" and parsed.num_kv_heads != parsed.num_heads:
+        # llama.cpp's olmoe reads attn_k_norm as wide as the model (OLMoE-1B-7B has no GQA)
+        raise ValueError(f"{model_dir}: llama.cpp's olmoe takes num_key_value_heads equal to "
+                         f"num_attention_heads ({parsed.num_heads}), got {parsed.num_kv_heads}")
     if parsed.num_experts:
         experts_metadata(writer, parsed, arch, model_dir)
         state = stacked_experts(state, parsed)
@@ -299,7 +303,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "f32")
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and parsed.tie_word_embeddings):
             continue
         projection = name.split(".")[-2]
-        target = gguf_name(name, family.sandwich_norms)
+        # (a post-norm block's norms take the sandwich's names: post_attention_norm, post_ffw_norm)
+        target = gguf_name(name, family.sandwich_norms or family.post_norms)
         if isinstance(tensor, tuple):
             data, raw_dtype = code_blocks(*tensor, where=f"{model_dir}: {name}")
         elif isinstance(tensor, list):  # a compressed directory's experts, one (codes, scales, bits) each
@@ -334,7 +339,7 @@ def experts_metadata(writer: Any, parsed: Any, arch: str, model_dir: Path) -> No
                          "have an MLP")
     writer.add_expert_count(parsed.num_experts)
     writer.add_expert_used_count(parsed.experts_per_token)
-    if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+    if arch not in ("llama", "olmoe"):  # Mixtral's and OLMoE's experts are feed_forward_length wide
         writer.add_expert_feed_forward_length(parsed.expert_size)
     if parsed.shared_expert_size:
         writer.add_expert_shared_feed_forward_length(parsed.shared_expert_size)

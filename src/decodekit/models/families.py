@@ -51,6 +51,10 @@ class Family:
     # experts' weights are renormalised when config.json has no norm_topk_prob (Mixtral: always)
     experts: bool = False
     normalize_experts: bool = False
+    # q and k RMSNorm over the whole projection, before it is split into heads (OLMo 2, OLMoE)
+    qk_norm_full: bool = False
+    # no input norms: each sublayer's output is normed before its residual add (OLMo 2)
+    post_norms: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -77,6 +81,9 @@ FAMILIES: dict[str, Family] = {
                         sliding="use_sliding_window", experts=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3moe", qk_norm=True, sliding="use_sliding_window",
                         experts=True),
+    # AI2's fully open models: OLMo 2 (post-norm blocks) and OLMoE (a mixture of experts)
+    "olmo2": Family("Olmo2ForCausalLM", "olmo2", qk_norm=True, qk_norm_full=True, post_norms=True),
+    "olmoe": Family("OlmoeForCausalLM", "olmoe", qk_norm=True, qk_norm_full=True, experts=True),
 }
 
 

@@ -2,7 +2,8 @@
 
 The file is read with gguf-py (`gguf.GGUFReader`, llama.cpp's own reader; the `gguf` extra).
 Its metadata becomes the config.json dict NativeConfig already parses (`gguf_config`):
-`general.architecture` llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3, qwen2moe or qwen3moe
+`general.architecture` llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3, qwen2moe, qwen3moe,
+olmo2 or olmoe
 (llama.cpp converts Mistral and SmolLM to "llama", and Mixtral to "llama" with experts; gemma3
 is Gemma 3's text model), and under `{arch}.`:
 context_length, embedding_length, feed_forward_length, block_count, attention.head_count(_kv),
@@ -63,6 +64,12 @@ LAYER_TENSORS = {
 SANDWICH_TENSORS = {
     **LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}  # fmt: skip
+# A post-norm block's (OLMo 2): no input norms, each sublayer's output normed
+POST_NORM_TENSORS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }  # fmt: skip
 # The MLP gate's activation of llama.cpp's graph of each architecture (ggml_gelu is GELU's tanh form)
@@ -168,6 +175,8 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
     # graphs read it (src/models/gemma{2,3}.cpp):
     if arch in GEMMA_GRAPHS:
         config.update(gemma_config(arch, value, config))
+    if arch == "olmo2" and value("attention.sliding_window", None) is not None:  # OLMo 3's
+        raise ValueError(f"{where}: an olmo2 file with attention.sliding_window (OLMo 3) is not supported")
     if experts:
         config.update(experts_config(arch, value, tensors, config))
     return config
@@ -175,7 +184,7 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> di
 
 # Whether llama.cpp's graph renormalises the chosen experts' weights (src/models/{llama,qwen2moe,
 # qwen3moe}.cpp, build_moe_ffn's norm_w), whatever the checkpoint's norm_topk_prob said
-NORMALISED_EXPERTS = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+NORMALISED_EXPERTS = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
 def experts_config(arch: str, value, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -543,8 +552,13 @@ def _build_net(files: _Tensors, c: NativeConfig, dtype: torch.dtype) -> LlamaNet
               "ffn_up": (2 if fused is not FUSED else 1) * c.intermediate_size}
     for index, block in enumerate(net.layers):
         prefix = f"blk.{index}."
-        for gguf_name, ours in (SANDWICH_TENSORS if c.sandwich_norms else LAYER_TENSORS).items():
+        norms = POST_NORM_TENSORS if c.post_norms else SANDWICH_TENSORS if c.sandwich_norms else LAYER_TENSORS
+        for gguf_name, ours in norms.items():
             size = c.head_dim if "_q_norm" in gguf_name or "_k_norm" in gguf_name else hidden
+            if c.qk_norm_full and "_q_norm" in gguf_name:  # over the whole projection (OLMo 2, OLMoE)
+                size = q_width
+            if c.qk_norm_full and "_k_norm" in gguf_name:
+                size = kv_width
             if ours.startswith(("self_attn.q_norm", "self_attn.k_norm")) and not c.qk_norm:
                 continue
             module = block.get_submodule(ours.rsplit(".", 1)[0])

@@ -2,10 +2,11 @@
 
 Reads a Hugging Face checkpoint directory (config.json, model.safetensors or sharded
 safetensors with an index, tokenizer files) of Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3,
-Gemma 1, 2 or 3, or the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (feedforward.py
-`MoE` in place of the MLP): pre-norm decoder blocks with RMSNorm, grouped-query attention with RoPE
-(rope.py; partial rotation for Phi-4-mini, a second base for Gemma 3's sliding layers), SwiGLU
-or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
+Gemma 1, 2 or 3, OLMo 2 (norms after each sublayer instead of before; q/k norms over the
+whole projection, OLMoE's too), or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+OLMoE (feedforward.py `MoE` in place of the MLP): pre-norm decoder blocks with RMSNorm,
+grouped-query attention with RoPE (rope.py; partial rotation for Phi-4-mini, a second base
+for Gemma 3's sliding layers), SwiGLU or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
 (Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
 norms' (1 + w), a scaled embedding, sandwich norms, scaled queries, capped logits, and
 Gemma 2's capped attention scores (models/attention.py `softcap`).
@@ -85,8 +86,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             config.num_heads * config.head_dim, config.hidden_size, bias=config.output_bias
         )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # per head (Qwen3, Gemma 3), or over the whole projection (OLMo 2, OLMoE: `full_norms`)
+        q_dim, k_dim = config.head_dim, config.head_dim
+        if config.qk_norm_full:
+            q_dim, k_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.full_norms = config.qk_norm_full
         # the rotary tables' columns this layer reads: a sliding layer's own RoPE (Gemma 3;
         # rope.py `RotaryTables`), or all of them
         dim = config.head_dim
@@ -120,6 +126,14 @@ class Attention(nn.Module):
         if self.table_columns is not None:
             cos, sin = cos[..., self.table_columns], sin[..., self.table_columns]
         qkv = apply_linear(self.qkv_proj, x, rowwise)
+        if self.full_norms:  # q and k normed whole, then split into heads
+            q_width, k_width = heads * self.head_dim, kv_heads * self.head_dim
+            q = self.q_norm(qkv[..., :q_width]).view(batch, num_new, heads, self.head_dim)
+            k = self.k_norm(qkv[..., q_width : q_width + k_width])
+            k = k.view(batch, num_new, kv_heads, self.head_dim)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+            v = qkv[..., q_width + k_width :].view(batch, num_new, kv_heads, self.head_dim)
+            return self._attend(q, k, v, cache, layer, mask, causal, rowwise)
         qkv = qkv.view(batch, num_new, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is None:
             # One RoPE call over the query and key heads together.
@@ -129,12 +143,17 @@ class Attention(nn.Module):
             q = self.rotate(self.q_norm(qkv[:, :, :heads]), cos, sin)
             k = self.rotate(self.k_norm(qkv[:, :, heads : heads + kv_heads]), cos, sin)
         v = qkv[:, :, heads + kv_heads :]
+        return self._attend(q, k, v, cache, layer, mask, causal, rowwise)
+
+    def _attend(self, q, k, v, cache, layer, mask, causal, rowwise) -> torch.Tensor:
+        """The rotated q [B, T, H, D], k and v attended over the cache, through o_proj."""
+        batch, num_new = q.shape[:2]
         if self.query_scale is not None:  # scores scaled by query_pre_attn_scalar ** -0.5 (Gemma)
             q = q * self.query_scale
         # The cache stores k/v and attends: ContiguousKVCache here, the engine's paged
         # batch (engine/batch.py) there; the layer maths stay in this one module.
         out = cache.attend(layer, q, k, v, mask, causal, rowwise, self.softcap)  # [B, T, H, D]
-        return apply_linear(self.o_proj, out.reshape(batch, num_new, heads * self.head_dim), rowwise)
+        return apply_linear(self.o_proj, out.reshape(batch, num_new, self.num_heads * self.head_dim), rowwise)
 
 
 class Block(nn.Module):
@@ -145,16 +164,23 @@ class Block(nn.Module):
     def __init__(self, config: NativeConfig, local: bool = False, experts: bool = False):
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(dim, eps)
+        self.post_norms = config.post_norms  # OLMo 2: no input norms, outputs normed (forward)
+        if not config.post_norms:
+            self.input_layernorm = RMSNorm(dim, eps)
         self.self_attn = Attention(config, local)
         self.post_attention_layernorm = RMSNorm(dim, eps)
         self.mlp = MoE(config) if experts else MLP(config)  # models/feedforward.py
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(dim, eps)
+        if config.sandwich_norms or config.post_norms:
             self.post_feedforward_layernorm = RMSNorm(dim, eps)
         self.sandwich = config.sandwich_norms
 
     def forward(self, x, cos, sin, cache, layer, mask, causal, rowwise=False):
+        if self.post_norms:  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
+            attended = self.self_attn(x, cos, sin, cache, layer, mask, causal, rowwise)
+            x = x + self.post_attention_layernorm(attended)
+            return x + self.post_feedforward_layernorm(self.mlp(x, rowwise))
         normed = self.input_layernorm(x)
         attended = self.self_attn(normed, cos, sin, cache, layer, mask, causal, rowwise)
         if not self.sandwich:

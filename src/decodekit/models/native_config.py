@@ -53,6 +53,8 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
         if rotated <= 0 or rotated % 2 or rotated > head_dim:
             return (f"partial_rotary_factor must rotate an even number of a head's {head_dim} dims, "
                     f"got {rotated}")
+    if config.get("clip_qkv") is not None:
+        return f"clip_qkv must be null (OLMoE's q/k/v clamp is not run), got {config['clip_qkv']!r}"
     if config.get("quantization_config"):
         return "pre-quantised checkpoints (quantization_config) are not supported"
     return None
@@ -77,6 +79,8 @@ class NativeConfig:
     output_bias: bool = False  # o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3
+    qk_norm_full: bool = False  # the q/k norms span the whole projection, not a head (OLMo 2, OLMoE)
+    post_norms: bool = False  # each sublayer's output normed, no input norms (OLMo 2)
     tie_word_embeddings: bool = False
     # Each layer's sliding window (None: full attention); () when no layer slides.
     layer_windows: tuple[int | None, ...] = ()
@@ -180,6 +184,8 @@ class NativeConfig:
             output_bias=output_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=family.qk_norm,
+            qk_norm_full=family.qk_norm_full,
+            post_norms=family.post_norms,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
             layer_windows=windows,
             activation=activation(config),

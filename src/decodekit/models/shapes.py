@@ -127,13 +127,16 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     qkv_bias = family.qkv_bias or config.get("attention_bias", False)
     norms = ["input_layernorm", "post_attention_layernorm"]
     norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if family.sandwich_norms else []
+    if family.post_norms:  # OLMo 2: only the sublayers' outputs are normed
+        norms = ["post_attention_layernorm", "post_feedforward_layernorm"]
+    q_norm, k_norm = (heads * head_dim, kv_heads * head_dim) if family.qk_norm_full else (head_dim, head_dim)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for norm in norms:
             state[p + norm + ".weight"] = torch.full((hidden,), unit)
         if family.qk_norm:
-            state[p + "self_attn.q_norm.weight"] = torch.full((head_dim,), unit)
-            state[p + "self_attn.k_norm.weight"] = torch.full((head_dim,), unit)
+            state[p + "self_attn.q_norm.weight"] = torch.full((q_norm,), unit)
+            state[p + "self_attn.k_norm.weight"] = torch.full((k_norm,), unit)
         for part, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
             state[p + f"self_attn.{part}_proj.weight"] = gaussian(rows * head_dim, hidden)
             if qkv_bias:
