@@ -6,8 +6,8 @@ Gemma 1, 2 or 3, OLMo 2 (norms after each sublayer instead of before; q/k norms 
 whole projection, OLMoE's too), or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
 OLMoE (feedforward.py `MoE` in place of the MLP): pre-norm decoder blocks with RMSNorm,
 grouped-query attention with RoPE (rope.py; partial rotation for Phi-4-mini, a second base
-for Gemma 3's sliding layers), SwiGLU or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama `attention_bias`), per-head q/k RMSNorm
-(Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
+for Gemma 3's sliding layers), SwiGLU or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama
+`attention_bias`), per-head q/k RMSNorm (Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
 norms' (1 + w), a scaled embedding, sandwich norms, scaled queries, capped logits, and
 Gemma 2's capped attention scores (models/attention.py `softcap`).
 
