@@ -7,9 +7,10 @@ whole projection, OLMoE's too), or the mixtures of experts Mixtral, Qwen2-MoE, Q
 OLMoE (feedforward.py `MoE` in place of the MLP): pre-norm decoder blocks with RMSNorm,
 grouped-query attention with RoPE (rope.py; partial rotation for Phi-4-mini, a second base
 for Gemma 3's sliding layers), SwiGLU or GeGLU MLP, optional q/k/v(/o) biases (Qwen2, Llama
-`attention_bias`), per-head q/k RMSNorm (Qwen3, Gemma 3), tied or separate output embeddings; Gemma's differences (families.py): the
-norms' (1 + w), a scaled embedding, sandwich norms, scaled queries, capped logits, and
-Gemma 2's capped attention scores (models/attention.py `softcap`).
+`attention_bias`), per-head q/k RMSNorm (Qwen3, Gemma 3), tied or separate output
+embeddings; Gemma's differences (families.py): the norms' (1 + w), a scaled embedding,
+sandwich norms, scaled queries, capped logits, and Gemma 2's capped attention scores
+(models/attention.py `softcap`).
 
 Design (STYLE.md; gpt-fast and nano-vllm do the same): q/k/v and gate/up are each one
 fused `nn.Linear` (fewer, larger matmuls; compress/ swaps any `nn.Linear` in `model.net`);
