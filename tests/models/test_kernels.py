@@ -543,5 +543,11 @@ def test_a_layer_holds_its_codes_once(bits, group, a8, k, n):
         torch.testing.assert_close(layer(same_input), y, atol=1e-3, rtol=1e-3)
         layer.set_kernel("auto")
         assert layer.qweight.numel() == 0 and torch.equal(layer(x), y)
+    other = torch.randint(-spec.qmax, spec.qmax + 1, (n, k), generator=generator, dtype=torch.int8)
+    layer.set_codes(other, scales)  # new codes over the kernel's copy, then a state dict over those
+    assert torch.equal(layer.codes(), other) and layer.qweight.numel() == 0
+    layer.load_state_dict(state)
+    assert torch.equal(layer.codes(), codes) and layer.qweight.numel() == 0
     moved = fresh.to("meta")  # another device: the stored codes go with it
     assert moved.qweight.shape == state["qweight"].shape and moved.qweight.device.type == "meta"
+    assert not moved.codes_in_kernel()

@@ -297,8 +297,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"codes must lie in [-{qmax + 1}, {qmax}] for {self.spec.bits} bits")
         codes = codes.to(torch.int8)
         stored = pack_int4(codes) if self.packed else codes
-        if self.qweight.shape != stored.shape:  # dropped for the kernel's layout (module docstring)
-            self.qweight = torch.empty_like(stored, device=self.scales.device)
+        if self.codes_in_kernel():  # new codes replace the kernel's copy (module docstring)
+            self.qweight, self.codes_layout = torch.empty_like(stored, device=self.scales.device), None
         self.qweight.copy_(stored)
         self.scales.copy_(scales.to(torch.float32))
         if offsets is not None:
@@ -343,11 +343,16 @@ class QuantizedLinear(nn.Module):
         codes = self.kernel_codes()
         return pack_int4(codes) if self.packed else codes
 
+    def restore_codes(self) -> None:
+        """The codes back in `qweight`, where every path reads them, if the kernel's layout held
+        them alone."""
+        if self.codes_in_kernel():
+            self.qweight = self.stored_qweight()
+            self.codes_layout = None
+
     def prepare_kernel(self) -> None:
         """(Re)build the packed kernel's operands from qweight and scales (or free them)."""
-        if self.codes_in_kernel():
-            self.qweight = self.stored_qweight()  # the codes back where every path below reads them
-            self.codes_layout = None
+        self.restore_codes()
         weight = scales = None
         if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
             group = int4_kernel_group(self.spec, self.in_features)
@@ -470,15 +475,14 @@ class QuantizedLinear(nn.Module):
             destination[prefix + "qweight"] = self.stored_qweight()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        if self.codes_in_kernel():  # a buffer of the stored shape to load into (then dropped again)
-            self.qweight = self.stored_qweight()
+        self.restore_codes()  # a buffer of the stored shape to load into (the kernel's rebuilt after)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # to another device: the codes as stored go with the layer (only CPU kernels read the
         # kernel's layout)
         if self.codes_in_kernel() and fn(self.kernel_weight[:0]).device.type != "cpu":
-            self.qweight = self.stored_qweight()
+            self.restore_codes()
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
