@@ -541,8 +541,11 @@ def test_a_layer_holds_its_codes_once(bits, group, a8, k, n):
         assert torch.equal(layer.codes(), codes) and layer.qweight.numel() > 0
         same_input = x.bfloat16().float() if a8 is None else x  # int4gemv rounds x to bfloat16
         torch.testing.assert_close(layer(same_input), y, atol=1e-3, rtol=1e-3)
+        unpacked = layer.unpacked_matmul(x)
         layer.set_kernel("auto")
         assert layer.qweight.numel() == 0 and torch.equal(layer(x), y)
+        # the fallback a traced step takes without the kernels' fakes, from the kernel's copy
+        assert torch.equal(layer.unpacked_matmul(x), unpacked)
     other = torch.randint(-spec.qmax, spec.qmax + 1, (n, k), generator=generator, dtype=torch.int8)
     layer.set_codes(other, scales)  # new codes over the kernel's copy, then a state dict over those
     assert torch.equal(layer.codes(), other) and layer.qweight.numel() == 0

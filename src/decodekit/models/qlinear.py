@@ -464,7 +464,7 @@ class QuantizedLinear(nn.Module):
         if self.spec.group_size is None:
             if self.packed:
                 return int4_halves_matmul(x, self.stored_qweight(), self.in_features) * scales[:, 0]
-            return F.linear(x, self.qweight.to(x.dtype)) * scales[:, 0]
+            return F.linear(x, self.stored_qweight().to(x.dtype)) * scales[:, 0]  # (W8A8: unpacked)
         if x.numel() // self.in_features < self.spec.group_size:
             return grouped_matmul(x, self.codes(), scales)
         return F.linear(x, dequantize(self.codes(), self.scales, x.dtype))  # offsets: forward adds them
