@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from tiny_weights import randomize
+from tiny_weights import hf_greedy, hf_logits, randomize, save_tiny
 
 import decodekit as dk
 from decodekit.compress.pretrained import save_compressed_dir
@@ -55,13 +54,7 @@ def gemma3_config(vocab_size: int, **changes) -> transformers.Gemma3TextConfig:
 
 
 def save(config, path, tokenizer_dir=None) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    randomize(model, **GEMMA_NORMS)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if tokenizer_dir is not None and (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, path / name)
-    return model.eval()
+    return save_tiny(config, path, tokenizer_dir, **GEMMA_NORMS)
 
 
 @pytest.fixture(scope="module")
@@ -74,20 +67,6 @@ def gemma3(tmp_path_factory, tiny_llama_dir):
     model = load_model(path)
     assert isinstance(model, NativeLM)
     return hf_model, model
-
-
-def hf_logits(hf_model, sequence: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([sequence])).logits[0].float()  # [T, V]
-
-
-def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        ones = torch.ones((1, len(prompt)), dtype=torch.long)
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=ones,
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
 
 
 SEQUENCE = [(7 * i + 3) % 97 for i in range(40)]
@@ -161,7 +140,7 @@ def test_engine_generates_past_the_windows_like_transformers(gemma3, batch_invar
     sampled = dk.SamplingParams(max_new_tokens=NEW_TOKENS, seed=1, n=3, ignore_eos=True)
     got = dk.generate(model, PROMPTS + [PROMPTS[1]], [greedy, greedy, sampled])  # the engine
     for prompt, [completion] in zip(PROMPTS, got[:2]):
-        assert completion.token_ids == hf_greedy(hf_model, prompt)
+        assert completion.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
     for prompt, completions in zip(PROMPTS, got):  # every row's log-probs are transformers'
         for completion in completions:
             sequence = prompt + completion.token_ids
@@ -265,7 +244,7 @@ def test_gemma2s_capped_scores_on_the_engine_like_transformers(tmp_path, batch_i
     model = NativeLM(base.net, base.config, batch_invariant=batch_invariant)
     greedy = dk.SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, [completion] in zip(PROMPTS, dk.generate(model, PROMPTS, greedy)):
-        assert completion.token_ids == hf_greedy(hf_model, prompt)
+        assert completion.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
         logits = hf_logits(hf_model, prompt + completion.token_ids)[len(prompt) - 1 : -1]
         chosen = torch.tensor(completion.token_ids)[:, None]
         expected = torch.log_softmax(logits, -1).gather(-1, chosen)[:, 0]

@@ -108,6 +108,17 @@ def logprobs(lm, tokens: list[int]):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
+def peer_logprobs(path, ids: list[int], context: int = 128, text: str | None = None):
+    """llama.cpp's log p(ids[i + 1] | ids[:i + 1]) on the file at `path`, [len(ids) - 1], as
+    `logprobs` lists decodekit's; with `text`, first that llama.cpp tokenises it to `ids`."""
+    import torch
+
+    with llamacpp.PeerSession(PEER, path, context, 1, None) as session:
+        if text is not None:
+            assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
+        return torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ids) - 1]
+
+
 @pytest.fixture(scope="module")
 def gemma3_files(tmp_path_factory):
     """Gemma 3 1B's widths in 6 layers (five sliding, one full) with a window of 8, as
@@ -143,9 +154,7 @@ def test_gemma3_files_read_as_llama_cpp_reads_them(which, gemma3_files, one_thre
 
     ours = logprobs(model, ids)
     assert torch.equal(ours, logprobs(reference, ids))
-    with llamacpp.PeerSession(PEER, paths[which], 128, 1, None) as session:
-        assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
-        theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
+    theirs = peer_logprobs(paths[which], ids, text=text)
     assert len(ids) > 3 * 8 and (ours - theirs).abs().max() < 0.03
     unwindowed = dataclasses.replace(model.config, layer_windows=())
     full = type(model)(model.net, unwindowed, tokenizer=model.tokenizer)
@@ -179,9 +188,7 @@ def test_a_gemma2_file_from_decodekit_reads_in_llama_cpp_as_in_decodekit(tmp_pat
 
     ours = logprobs(model, ids)
     assert torch.equal(ours, logprobs(reference, ids))
-    with llamacpp.PeerSession(PEER, path, 128, 1, None) as session:
-        assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
-        theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
+    theirs = peer_logprobs(path, ids, text=text)
     assert (ours - theirs).abs().max() < 0.03
     for block in model.net.layers:  # the same weights, the scores uncapped
         block.self_attn.softcap = None
@@ -241,8 +248,7 @@ def test_a_phi3_file_from_llama_cpps_converter_reads_as_llama_cpp_reads_it(tmp_p
         for tokens, context in ((ids, 128), ((ids * 40)[:600], 1024)):
             mine = logprobs(ours, tokens)
             assert (mine - logprobs(reference, tokens)).abs().max() < 1e-4
-            with llamacpp.PeerSession(PEER, path, context, 1, None) as session:
-                theirs = torch.tensor(session.ask({"do": "logprobs", "ids": tokens})["logprobs"])[: len(mine)]
+            theirs = peer_logprobs(path, tokens, context)
             assert (mine - theirs).abs().max() < 0.03, (path.name, context)
 
 
@@ -294,9 +300,7 @@ def test_mixture_of_experts_files_read_as_llama_cpp_reads_them(which, moe_files,
     text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
     ids = model.encode(text)
     ours = logprobs(model, ids)
-    with llamacpp.PeerSession(PEER, paths[which], 128, 1, None) as session:
-        assert session.ask({"do": "tokenize", "texts": [text]})["tokenized"] == [ids]
-        theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
+    theirs = peer_logprobs(paths[which], ids, text=text)
     if which == "q4_0":
         assert (ours - theirs).abs().median() < 0.1 and (ours - theirs).abs().max() < 0.5
         return
@@ -336,6 +340,5 @@ def test_olmo_files_read_as_llama_cpp_reads_them(family, tmp_path, one_thread):
         ids = model.encode(text)
         ours = logprobs(model, ids)
         assert torch.equal(ours, logprobs(reference, ids))
-        with llamacpp.PeerSession(PEER, path, 128, 1, None) as session:
-            theirs = torch.tensor(session.ask({"do": "logprobs", "ids": ids})["logprobs"])[: len(ours)]
+        theirs = peer_logprobs(path, ids)
         assert (ours - theirs).abs().max() < 0.03, path.name

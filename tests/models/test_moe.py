@@ -10,12 +10,11 @@ saved compressed model.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from tiny_weights import randomize
+from tiny_weights import hf_greedy, hf_logits, save_tiny
 from torch import nn
 
 import decodekit as dk
@@ -56,13 +55,7 @@ def configs(vocab_size: int) -> dict[str, transformers.PretrainedConfig]:
 
 def save(config, path, tokenizer_dir) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    randomize(model, seed=3)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, path / name)
-    return model.eval()
+    return save_tiny(config, path, tokenizer_dir, seed=3)
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
@@ -74,19 +67,6 @@ def moe(request, tmp_path_factory, tiny_llama_dir):
     model = load_model(path)
     assert isinstance(model, NativeLM)
     return hf_model, model, path
-
-
-def hf_logits(hf_model, sequence: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([sequence])).logits[0].float()  # [T, V]
-
-
-def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        ones = torch.ones((1, len(prompt)), dtype=torch.long)
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=ones, max_new_tokens=NEW_TOKENS,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
 
 
 def tiny_moe(normalize: bool, shared: int) -> MoE:
@@ -147,7 +127,7 @@ def test_engine_generates_like_transformers(moe, batch_invariant):
     sampled = dk.SamplingParams(max_new_tokens=NEW_TOKENS, seed=1, n=3, ignore_eos=True)
     got = dk.generate(model, PROMPTS + [PROMPTS[1]], [greedy, greedy, sampled])  # the engine
     for prompt, [completion] in zip(PROMPTS, got[:2]):
-        assert completion.token_ids == hf_greedy(hf_model, prompt)
+        assert completion.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
     for prompt, completions in zip(PROMPTS + [PROMPTS[1]], got):  # every row's log-probs are transformers'
         for completion in completions:
             sequence = prompt + completion.token_ids
