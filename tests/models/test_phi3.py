@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 import transformers
-from tiny_weights import randomize
+from tiny_weights import randomize, save_tiny
 
 import decodekit as dk
 from decodekit.engine import compiled
@@ -48,12 +48,10 @@ def phi(tmp_path_factory):
                                      rope_parameters=dict(ROPE), tie_word_embeddings=True, pad_token_id=0,
                                      eos_token_id=None, bos_token_id=None)  # fmt: skip
     config._attn_implementation = "eager"
-    hf_model = transformers.Phi3ForCausalLM(config)
-    randomize(hf_model)
-    hf_model.save_pretrained(path)
+    hf_model = save_tiny(config, path)
     model = load_model(path)
     assert isinstance(model, NativeLM)
-    return hf_model.eval(), model, path
+    return hf_model, model, path
 
 
 def hf_stepwise(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:

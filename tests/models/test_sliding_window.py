@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_weights import randomize
+from tiny_weights import randomize, save_tiny
 
 import decodekit as dk
 from decodekit.decode.sample import _steps
@@ -39,12 +39,10 @@ def mistral(tmp_path_factory):
     config = transformers.MistralConfig(**TINY, sliding_window=WINDOW, eos_token_id=None,
                                         bos_token_id=None, pad_token_id=None)  # fmt: skip
     config._attn_implementation = "eager"
-    hf_model = transformers.MistralForCausalLM(config)
-    randomize(hf_model)
-    hf_model.save_pretrained(path)
+    hf_model = save_tiny(config, path)
     model = load_model(path)
     assert isinstance(model, NativeLM) and model.max_context == 64
-    return hf_model.eval(), model
+    return hf_model, model
 
 
 def hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
