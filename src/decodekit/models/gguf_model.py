@@ -426,9 +426,9 @@ class _Tensors:
         self.tensors, self.where, self.config = tensors, where, config
         self.taken: set[str] = set()
 
-    def take(
-        self, name: str, shape: tuple[int, ...], required: bool = True
-    ) -> torch.Tensor | Quantized | None:
+    def checked(self, name: str, shape: tuple[int, ...], required: bool = True) -> Any:
+        """The file's tensor `name`, taken, once its shape is `shape` (None if absent and not
+        `required`)."""
         tensor = self.tensors.get(name)
         if tensor is None:
             if required:
@@ -439,6 +439,14 @@ class _Tensors:
         if stored != shape:
             raise ValueError(f"{self.where}: tensor {name!r} has shape {list(stored)}, the metadata "
                              f"implies {list(shape)}")  # fmt: skip
+        return tensor
+
+    def take(
+        self, name: str, shape: tuple[int, ...], required: bool = True
+    ) -> torch.Tensor | Quantized | None:
+        tensor = self.checked(name, shape, required)
+        if tensor is None:
+            return None
         type_name = tensor.tensor_type.name
         raw = tensor.data
         part = name.split(".")[2] if name.startswith("blk.") else ""
@@ -453,14 +461,7 @@ class _Tensors:
     def experts(self, name: str, shape: tuple[int, int, int]) -> list[np.ndarray | Quantized]:
         """A 3-D tensor of experts [E, N, K] (llama.cpp's ffn_*_exps), each expert's matrix
         decoded on its own (a float one still a view of the file's mapping)."""
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ValueError(f"{self.where}: tensor {name!r} is missing")
-        stored = tuple(reversed([int(d) for d in tensor.shape]))
-        if stored != shape:
-            raise ValueError(f"{self.where}: tensor {name!r} has shape {list(stored)}, the metadata "
-                             f"implies {list(shape)}")  # fmt: skip
-        self.taken.add(name)
+        tensor = self.checked(name, shape)
         raw = np.asarray(tensor.data)
         kind = tensor.tensor_type.name
         return [self.decoded(name, raw[expert], kind, shape[1:]) for expert in range(shape[0])]
