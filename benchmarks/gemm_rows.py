@@ -7,7 +7,7 @@ The linear layers of one model's decode step in model order, each layer its own 
 tied lm head), so the weights stream from memory or L3 as in a step. Each round calls every
 op on every layer, the ops interleaved; the median round's process CPU time per shape is
 printed as JSON with GFLOP/s. Usage: python benchmarks/gemm_rows.py [--rows 1,4,8,16,32,64]
-[--model shakespeare|240m] [--rounds 7] [--threads 1]
+[--model shakespeare|240m|8b] [--rounds 7] [--threads 1]
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ MODELS = {
         "layers": 16,
         "shapes": [(896, 1152), (896, 896), (896, 9728), (4864, 896)],
         "head": (896, 151936),
+    },
+    # Llama-3.1-8B's layers (fused q/k/v and gate/up, as NativeLM holds them), the shapes'
+    # cut 2,048-token head: every weight row stride a multiple of 4 KiB
+    "8b": {
+        "layers": 1,
+        "shapes": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
+        "head": (4096, 2048),
     },
 }
 

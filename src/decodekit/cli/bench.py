@@ -22,7 +22,7 @@ BENCHES = ("decode", "constrained", "contrastive", "compress", "speculative", "s
 SHAPED = ("decode", "engine", "dtype")  # the benchmarks that take --shape
 # models/shapes.py
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-0.5b-16l", "llama-3.2-1b", "gemma-3-1b",
-          "qwen3-30b-a3b-2l")
+          "qwen3-30b-a3b-2l", "llama-3.1-8b-4l")
 TIMED = ("constrained", "compress", "speculative", "server", "engine", "beam", "latency", "dtype", "packed",
          "kv", "decode", "startup")  # the benchmarks that take --repeats
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models import kernels
+from decodekit.models.hugepages import on_huge_pages
 
 # Their weights stay row-major (native.py `transpose_weight_layout`).
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -108,7 +109,7 @@ def keep_half_weights(net: nn.Module, dtype: torch.dtype) -> int:
             half = HalfWeightLinear(module.in_features, module.out_features, bias=module.bias is not None)
         weight = module.weight
         if id(weight) not in halves:
-            stored = weight.detach().to(dtype).contiguous()
+            stored = on_huge_pages(weight.detach().to(dtype))
             halves[id(weight)] = nn.Parameter(stored, requires_grad=weight.requires_grad)
         half.weight, half.bias = halves[id(weight)], module.bias
         _replace(net, name, half)

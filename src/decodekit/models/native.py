@@ -50,6 +50,7 @@ from decodekit.models.base import Cache, LanguageModel
 from decodekit.models.checkpoint import eos_token_ids, load_safetensors, load_tokenizer, read_config
 from decodekit.models.contiguous_kv import ContiguousKVCache, attention_mask
 from decodekit.models.feedforward import MLP, MoE
+from decodekit.models.hugepages import on_huge_pages
 from decodekit.models.linear import apply_linear
 from decodekit.models.native_config import NativeConfig, unsupported_reason
 from decodekit.models.rope import RotaryTables, apply_rope
@@ -294,13 +295,13 @@ def transpose_weight_layout(net: nn.Module) -> None:
     on the dev machine for this model's shapes, BENCHMARKS.md "Fast engine"). A tied output
     head moves the embedding with it: a lookup then reads a strided row, which is cheap.
     Float32 weights only: bfloat16 and float16 ones stay row-major, the layout their
-    one-row path (`one_row_gemv`) reads fastest.
+    one-row path (`one_row_gemv`) reads fastest. The copies go on huge pages (hugepages.py).
     """
     for module in net.modules():
         float32 = isinstance(module, nn.Linear) and module.weight.dtype == torch.float32
         if float32 and module.weight.is_contiguous():
             weight = module.weight
-            layout = weight.detach().t().contiguous().t()
+            layout = on_huge_pages(weight.detach().t()).t()  # [in, out] contiguous
             module.weight = nn.Parameter(layout, requires_grad=weight.requires_grad)
             if isinstance(net, LlamaNet) and weight is getattr(net.embed_tokens, "weight", None):
                 net.embed_tokens.weight = module.weight  # keep the tie

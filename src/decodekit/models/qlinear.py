@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.models import kernels
+from decodekit.models.hugepages import on_huge_pages
 from decodekit.models.kernel_build import cpu_flags
 from decodekit.models.quant_grid import (
     QuantSpec,
@@ -377,7 +378,9 @@ class QuantizedLinear(nn.Module):
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
         elif self.kernel == "int8pack":
             scales = self.scales[:, 0].to(torch.bfloat16)
-        self.kernel_weight = weight if weight is not None else self.qweight.new_empty(0)
+        if self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
+            self.qweight = on_huge_pages(self.qweight)  # what the kernel streams (hugepages.py)
+        self.kernel_weight = on_huge_pages(weight) if weight is not None else self.qweight.new_empty(0)
         self.kernel_scales = scales if scales is not None else self.scales.new_empty(0).bfloat16()
         if self.kernel in CODES_IN_KERNEL and weight is not None:
             self.qweight = self.qweight.new_empty(0)  # one copy of the codes: the kernel's

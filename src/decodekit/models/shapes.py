@@ -76,6 +76,15 @@ _QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
 }  # fmt: skip
 
+_LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": 128, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+}  # fmt: skip
+
 # Name -> the real model's config.json fields that set its shapes.
 SHAPES: dict[str, dict] = {
     "smollm2-135m": _SMOLLM2_135M,
@@ -90,6 +99,9 @@ SHAPES: dict[str, dict] = {
     # Qwen3-30B-A3B's layers (a mixture of 128 experts, 8 a token), 2 of its 48: 1.26B
     # parameters, 0.07B of them read per token (a step costs about 1/24 of the whole's)
     "qwen3-30b-a3b-2l": {**_QWEN3_30B_A3B, "num_hidden_layers": 2},
+    # Llama-3.1-8B's layers (hidden 4,096, MLP 14,336), 4 of its 32: 0.89B parameters, a step
+    # costs about 1/8 of the whole's; the 7-8B class that most people run on a CPU
+    "llama-3.1-8b-4l": {**_LLAMA31_8B, "num_hidden_layers": 4},
 }
 
 

@@ -4,12 +4,13 @@
 //
 // PyTorch's float32 GEMM (MKL / oneDNN) ran at 90-100 GFLOP/s from 64 to 8,192 rows on this
 // Zen 5 core and at 50-70 at 8-16 rows, where this kernel ran at 200-240 and 110-175
-// (BENCHMARKS.md, "Small-M float32 GEMM"). It packs nothing: a register tile of MR rows x NV
+// (BENCHMARKS.md, "Small-M float32 GEMM"). A register tile of MR rows x NV
 // vectors of columns (AVX-512: 16 floats a vector) holds its sums in registers while k runs;
 // each step loads the NV weight vectors of row k of wt once and broadcasts x[m, k] into an
 // FMA for each of the MR rows. The weight panel of a column tile (KC rows of wt x 16 NV
-// columns) stays in L1 / L2 while the row tiles run over it; the first row tile, which reads it
-// from memory, prefetches a few rows of wt ahead.
+// columns) stays in L1 / L2 while the row tiles run over it: copied into a contiguous buffer
+// from 3 row tiles on (kPackTiles), else read in place, the first row tile, which reads it
+// from memory, prefetching a few rows of wt ahead.
 //
 // Each output is summed in the order of decodekit::linear_t's axpy kernels (gemv.cpp): two
 // running float32 sums per output, y = fma(wt[k, n], x[m, k], y) for k = 0, 1, ..., mid - 1
@@ -20,15 +21,28 @@
 // linear_t adds it (`finish`).
 #include "gemv_common.h"
 
+#include <cstring>
+
 namespace {
 
 // Steps of k per panel (KC): 64 KiB of wt at the 6 x 4 tile, re-read from L1 / L2 by each row
 // tile (128 and 512 measured no better).
 constexpr int64_t kPanelSteps = 256;
 // Rows of x per block (a multiple of both tiles' rows): a block's slice of x for one panel
-// (at most 192 x 256 floats, 192 KiB) stays in L2 while the block runs over the column tiles,
-// for prefills of thousands of rows.
-constexpr int64_t kBlockRows = 192;
+// (at most 264 x 256 floats, 264 KiB) stays in L2 while the block runs over the column tiles,
+// for prefills of thousands of rows. Each block reads all of wt again, so a prefill of 200-264
+// rows runs as one block (192 rows a block left 200 as 192 + 8, the second reading wt for 8
+// rows: 10-15 % slower at Llama-3.1-8B's widths).
+constexpr int64_t kBlockRows = 264;
+// From this many row tiles in a block, each panel of a column tile is first copied into a
+// contiguous buffer (`packed`, 24 KiB for AVX2's tile, 64 KiB for AVX-512's) that the row tiles
+// then read. In place, the panel's 256 rows are a row of wt apart, 16-112 KiB at 4,096-28,672
+// columns: the same few L1 sets and a page each, re-read from L2 or memory by every row tile.
+// The copy prefetches the next panel's lines into L2. At 200 rows, Zen 4 (no AMX), one thread,
+// AVX2 kernels: 51-53 -> 61-76 GFLOP/s at 4,096 -> 4,096 / 28,672 and 14,336 -> 4,096; AVX-512
+// 75 -> 88 at 14,336 -> 4,096, the others within noise (BENCHMARKS.md, "Huge pages and a packed
+// GEMM panel"). Under 3 tiles (a batched decode of up to 12-18 rows) the copy would not pay.
+constexpr int64_t kPackTiles = 3;
 // Work per parallel task, in multiply-adds (see linear_gemm_2d).
 constexpr int64_t kMinFmasPerTask = 1 << 20;
 // How many rows of wt ahead of the step being computed the first row tile prefetches (past
@@ -161,10 +175,13 @@ void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t
   constexpr int64_t cols = T::kVectors * T::kWidth;
   const int64_t mid = input_half(K), halves = input_parts(K);
   std::vector<float> scratch(halves == 2 ? kBlockRows * cols : 0);
+  std::vector<float> packed;
   for (int64_t b0 = 0; b0 < M; b0 += kBlockRows) {
     // The block's rows in tiles of nearly equal rows (16 rows: 6, 5, 5 rather than 6, 6, 4): a
     // short tile spends more loads per FMA. Measured 2-8 % faster at 8-64 rows.
     const int64_t rows = std::min(M - b0, kBlockRows), count = (rows + T::kRows - 1) / T::kRows;
+    const bool pack = count >= kPackTiles;
+    if (pack) packed.resize(kPanelSteps * cols);
     for (int64_t c0 = n0; c0 < n1; c0 += cols) {
       const int64_t width = std::min(cols, n1 - c0);
       const int nv = int((width + T::kWidth - 1) / T::kWidth);
@@ -173,6 +190,13 @@ void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t
         const int64_t kb = half ? mid : 0, ke = half ? K : mid;
         for (int64_t k0 = kb; k0 < ke; k0 += kPanelSteps) {
           const int64_t k1 = std::min(ke, k0 + kPanelSteps);
+          if (pack)
+            for (int64_t k = k0; k < k1; ++k) {
+              const float* row = wt + k * N + c0;
+              for (int64_t o = 0; o < width; o += 16)  // the next panel's line (past wt's end too: no fault)
+                _mm_prefetch(reinterpret_cast<const char*>(row + kPanelSteps * N + o), _MM_HINT_T1);
+              std::memcpy(packed.data() + (k - k0) * cols, row, width * sizeof(float));
+            }
           for (int64_t i = 0, m0 = b0; i < count; ++i) {
             const int mr = int(rows / count + (i < rows % count ? 1 : 0));
             float* yt = y + m0 * N + c0;
@@ -180,7 +204,11 @@ void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t
             Sums sums{k0 == kb ? nullptr : yt, N, yt, N, nullptr, 0};
             if (half) sums = k1 == ke ? Sums{k0 == kb ? nullptr : st, cols, yt, N, yt, N}
                                       : Sums{k0 == kb ? nullptr : st, cols, st, cols, nullptr, 0};
-            run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, sums, last, m0 == b0);
+            if (pack)  // the panel's step k0 + j is row j of `packed` (row stride `cols`)
+              run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K + k0, K, packed.data(), cols, 0, k1 - k0, sums,
+                                                   last, false);
+            else
+              run_tile<Wide, T::kRows, T::kVectors>(mr, nv, x + m0 * K, K, wt + c0, N, k0, k1, sums, last, m0 == b0);
             m0 += mr;
           }
         }
