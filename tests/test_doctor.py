@@ -88,3 +88,20 @@ def test_unbuilt_kernels_without_a_compiler_are_reported_not_built(monkeypatch, 
                     f"{environment.KERNELS_COST}; install g++ (or set CXX), then `python -m "
                     "decodekit.models.kernels --build` (or the first model run) builds them")
     assert not (tmp_path / "cache").exists()
+
+
+def test_huge_pages_say_the_policy_and_what_their_absence_costs(capsys, monkeypatch):
+    from decodekit.models import hugepages
+
+    lines = {line[:14].strip(): line[14:] for line in doctor(capsys).splitlines() if line[:1].isalpha()}
+    assert lines["huge pages"] == hugepages.policy()
+    monkeypatch.setenv("DECODEKIT_HUGE_PAGES", "0")
+    hugepages.available.cache_clear()
+    try:
+        facts = environment.report()
+    finally:
+        monkeypatch.undo()
+        hugepages.available.cache_clear()
+    assert facts["huge_pages"] == "off (DECODEKIT_HUGE_PAGES=0)"
+    [line] = [line for line in facts["missing"] if line.startswith("transparent huge pages")]
+    assert "off (DECODEKIT_HUGE_PAGES=0)" in line and environment.HUGE_PAGES_COST in line

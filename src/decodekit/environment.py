@@ -33,13 +33,17 @@ EXTRA_COSTS = {
 KERNELS_COST = ("CPU decoding runs PyTorch's paths: at batch 1, float32 1.45x slower, bfloat16 3.0x, "
                 "int8 per channel 1.6x, grouped int8 23x (240M shape, Zen 5)")
 
+# Without huge pages (models/hugepages.py): Zen 4, one thread, Llama-3.1-8B's widths
+# (BENCHMARKS.md, "Huge pages and a packed GEMM panel").
+HUGE_PAGES_COST = "so the kernels miss the TLB more: int8 decode ~6 % slower at Llama-3.1-8B's widths (Zen 4)"
+
 
 def report() -> dict[str, Any]:
     """Versions, devices, CPU flags, kernels, cache directory, extras, and the missing pieces."""
     import torch
 
     from decodekit.cache_dir import cache_dir
-    from decodekit.models import kernel_build, kernels
+    from decodekit.models import hugepages, kernel_build, kernels
     from decodekit.runtime import available_cores
 
     flags = kernel_build.cpu_flags()
@@ -64,6 +68,7 @@ def report() -> dict[str, Any]:
                     "activation_quantised": _a8_isa() if state.available else None,
                     "compiler": compiler},
         "cache_dir": str(cache_dir()),
+        "huge_pages": hugepages.policy(),
         "extras": extras,
     }
     missing = []
@@ -75,6 +80,9 @@ def report() -> dict[str, Any]:
     if state.available and facts["kernels"]["activation_quantised"] != "avx512-vnni":
         missing.append("AVX-512 VNNI: layers with activation_bits=8 (W8A8 / W4A8) run the AVX2 integer "
                        "dot products")
+    if not hugepages.available():
+        missing.append(f"transparent huge pages ({facts['huge_pages']}): weights stay on 4 KiB pages, "
+                       f"{HUGE_PAGES_COST}")
     if not facts["cuda"]:
         why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA device visible"
         missing.append(f"GPU: everything runs on the CPU ({why}); install a CUDA build of torch to use one")

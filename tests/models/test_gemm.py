@@ -17,7 +17,7 @@ needs_kernels = pytest.mark.skipif(
     not kernels.available(), reason=f"native kernels unavailable: {kernels.status().reason}"
 )
 # (M, K, N): N past whole tiles of 64 columns and vectors of 16, K odd, below 64 (one input
-# half) and past a panel of 256; M under and from 3 row tiles (panels read in place, packed).
+# half) and past a panel of 256; M under and past the row tiles from which AVX2 packs panels.
 SHAPES = [
     (9, 45, 37),
     (16, 256, 1376),
@@ -27,7 +27,8 @@ SHAPES = [
     (33, 688, 16),
     (2, 31, 200),
     (200, 1100, 70),  # one block of rows, each input half over several panels
-    (272, 1100, 70),  # two blocks: 264 rows on packed panels, then 8 on panels in place
+    (272, 1100, 70),  # two blocks: 264 rows (AVX2: 66 tiles, packed panels), then 8
+    (20, 300, 1024),  # rows of wt 4 KiB apart: AVX2 packs from 3 row tiles
 ]
 
 

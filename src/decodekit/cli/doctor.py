@@ -43,6 +43,7 @@ def run_doctor(args) -> None:
         print(f"              W8A8 / W4A8 (activation_bits=8): {kernels['activation_quantised']}")
     print(f"compiler      {kernels['compiler'] or 'none'}")
     print(f"cache         {facts['cache_dir']} (DECODEKIT_CACHE_DIR moves it)")
+    print(f"huge pages    {facts['huge_pages']}")
     for extra, entry in facts["extras"].items():
         packages = ", ".join(f"{name} {version or '(missing)'}" for name, version in
                              entry["packages"].items())

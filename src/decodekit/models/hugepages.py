@@ -32,17 +32,25 @@ HUGE_PAGE = 2 << 20
 POLICY = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def policy() -> str:
+    """Why tensors do or do not go on huge pages here: the system's THP policy ("always",
+    "madvise": they do), or what stops them."""
+    if os.environ.get("DECODEKIT_HUGE_PAGES", "1") == "0":
+        return "off (DECODEKIT_HUGE_PAGES=0)"
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "not Linux"
+    try:
+        text = POLICY.read_text()
+    except OSError:
+        return f"unknown ({POLICY} unreadable)"
+    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+    return chosen if chosen in ("always", "madvise") else f"{chosen} (the system's policy)"
+
+
 @cache
 def available() -> bool:
-    """Whether tensors go on huge pages here (module docstring)."""
-    if os.environ.get("DECODEKIT_HUGE_PAGES", "1") == "0":
-        return False
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        return "[never]" not in POLICY.read_text()
-    except OSError:
-        return False
+    """Whether tensors go on huge pages here (module docstring, `policy`)."""
+    return policy() in ("always", "madvise")
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:

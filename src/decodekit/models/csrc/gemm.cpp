@@ -8,9 +8,9 @@
 // vectors of columns (AVX-512: 16 floats a vector) holds its sums in registers while k runs;
 // each step loads the NV weight vectors of row k of wt once and broadcasts x[m, k] into an
 // FMA for each of the MR rows. The weight panel of a column tile (KC rows of wt x 16 NV
-// columns) stays in L1 / L2 while the row tiles run over it: copied into a contiguous buffer
-// from 3 row tiles on (kPackTiles), else read in place, the first row tile, which reads it
-// from memory, prefetching a few rows of wt ahead.
+// columns) stays in L1 / L2 while the row tiles run over it: on AVX2 copied into a contiguous
+// buffer from a few row tiles on (kPackTiles), else read in place, the first row tile, which
+// reads it from memory, prefetching a few rows of wt ahead.
 //
 // Each output is summed in the order of decodekit::linear_t's axpy kernels (gemv.cpp): two
 // running float32 sums per output, y = fma(wt[k, n], x[m, k], y) for k = 0, 1, ..., mid - 1
@@ -32,17 +32,22 @@ constexpr int64_t kPanelSteps = 256;
 // (at most 264 x 256 floats, 264 KiB) stays in L2 while the block runs over the column tiles,
 // for prefills of thousands of rows. Each block reads all of wt again, so a prefill of 200-264
 // rows runs as one block (192 rows a block left 200 as 192 + 8, the second reading wt for 8
-// rows: 10-15 % slower at Llama-3.1-8B's widths).
+// rows; AVX-512, 200 rows: 72-96 -> 84-105 GFLOP/s at Llama-3.1-8B's widths, 81-99 -> 89-104
+// at the 240M shape's).
 constexpr int64_t kBlockRows = 264;
-// From this many row tiles in a block, each panel of a column tile is first copied into a
-// contiguous buffer (`packed`, 24 KiB for AVX2's tile, 64 KiB for AVX-512's) that the row tiles
-// then read. In place, the panel's 256 rows are a row of wt apart, 16-112 KiB at 4,096-28,672
-// columns: the same few L1 sets and a page each, re-read from L2 or memory by every row tile.
-// The copy prefetches the next panel's lines into L2. At 200 rows, Zen 4 (no AMX), one thread,
-// AVX2 kernels: 51-53 -> 61-76 GFLOP/s at 4,096 -> 4,096 / 28,672 and 14,336 -> 4,096; AVX-512
-// 75 -> 88 at 14,336 -> 4,096, the others within noise (BENCHMARKS.md, "Huge pages and a packed
-// GEMM panel"). Under 3 tiles (a batched decode of up to 12-18 rows) the copy would not pay.
-constexpr int64_t kPackTiles = 3;
+// AVX2: from this many row tiles in a block, each panel of a column tile is first copied into
+// a contiguous buffer (`packed`, 24 KiB) that the row tiles then read; in place, the panel's
+// 256 rows are a row of wt apart, each on its own page, and where that stride is a multiple of
+// 4 KiB (N a multiple of 1,024: Llama-3.1-8B's 4,096-28,672) all in the same few L1 sets, so
+// every row tile re-read them from L2 or memory. The copy prefetches the next panel's lines
+// into L2. Medians of 3 alternated runs, Zen 4 (no AMX), one thread, AVX2 kernels forced,
+// GFLOP/s before -> after (BENCHMARKS.md, "Huge pages and a packed GEMM panel"): at
+// Llama-3.1-8B's widths 16 rows 29-30 -> 33-35, 64 rows 49-53 -> 59-64, 200 rows 46-58 ->
+// 77-83; at the 240M shape's (strides not a multiple of 4 KiB) 64 rows 56-60 -> 62-67, 200 rows
+// 54-64 -> 74-83, and 16 rows, left in place, within noise. AVX-512's tile reads 4 lines of a
+// row a step and measured no better packed (16 rows: 0.57-1.12x), so it reads in place.
+constexpr int64_t kPackTiles = 3;          // N a multiple of 1,024 floats (rows 4 KiB-aligned apart)
+constexpr int64_t kPackTilesAnyStride = 16;  // otherwise
 // Work per parallel task, in multiply-adds (see linear_gemm_2d).
 constexpr int64_t kMinFmasPerTask = 1 << 20;
 // How many rows of wt ahead of the step being computed the first row tile prefetches (past
@@ -180,7 +185,7 @@ void gemm_columns(const float* x, int64_t M, int64_t K, const float* wt, int64_t
     // The block's rows in tiles of nearly equal rows (16 rows: 6, 5, 5 rather than 6, 6, 4): a
     // short tile spends more loads per FMA. Measured 2-8 % faster at 8-64 rows.
     const int64_t rows = std::min(M - b0, kBlockRows), count = (rows + T::kRows - 1) / T::kRows;
-    const bool pack = count >= kPackTiles;
+    const bool pack = !Wide && count >= (N * int64_t(sizeof(float)) % 4096 == 0 ? kPackTiles : kPackTilesAnyStride);
     if (pack) packed.resize(kPanelSteps * cols);
     for (int64_t c0 = n0; c0 < n1; c0 += cols) {
       const int64_t width = std::min(cols, n1 - c0);
