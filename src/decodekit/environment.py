@@ -35,7 +35,8 @@ KERNELS_COST = ("CPU decoding runs PyTorch's paths: at batch 1, float32 1.45x sl
 
 # Without huge pages (models/hugepages.py): Zen 4, one thread, Llama-3.1-8B's widths
 # (BENCHMARKS.md, "Huge pages and a packed GEMM panel").
-HUGE_PAGES_COST = "so the kernels miss the TLB more: int8 decode ~6 % slower at Llama-3.1-8B's widths (Zen 4)"
+HUGE_PAGES_COST = ("so the kernels miss the TLB more: float32 decode ~13 % and int8 ~9 % slower "
+                   "at Llama-3.1-8B's widths (Zen 4)")
 
 
 def report() -> dict[str, Any]:

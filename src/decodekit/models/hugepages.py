@@ -5,8 +5,9 @@ over all of K: at Llama-3.1-8B's widths a row of a float32 weight in the transpo
 16-112 KiB, so each step of the GEMM's panel lands on another 4 KiB page, and an int8 GEMV's four
 interleaved 4 KiB rows are four pages. With 4 KiB pages those walks miss the TLB; with 2 MiB pages
 one entry covers 512 of them. On a Zen 4 (no AMX, one thread) the int8 GEMV at 4,096 -> 4,096 read
-14 GB/s from 4 KiB pages and 16.7 from huge ones, and the AVX2 GEMM's weight packing ran 1.4x
-faster (BENCHMARKS.md, "Huge pages and a packed GEMM panel").
+14 GB/s from 4 KiB pages and 16.7 from huge ones, the AVX2 GEMM's weight packing ran 1.4x
+faster, and a whole decode step at those widths 1.13x (float32) and 1.09x (int8) faster
+(BENCHMARKS.md, "Huge pages and a packed GEMM panel").
 
 PyTorch's CPU allocator advises huge pages only under THP_MEM_ALLOC_ENABLE=1, a process-wide
 switch read once; decodekit instead places the tensors its kernels stream (the float32
