@@ -28,12 +28,14 @@ def parameters_of(config: dict) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
-# The published parameter counts (134.5M, 494.0M, 1,235.8M, 999.9M) minus the embedding rows
-# past the 2,048 kept: (49,152 - 2,048) x 576, (151,936 - 2,048) x 896, (128,256 - 2,048) x
-# 2,048, (262,144 - 2,048) x 1,152.
+# The published parameter counts (134.5M, 494.0M, 1,235.8M, 999.9M, 8,030.3M) minus the
+# embedding rows past the 2,048 kept: (49,152 - 2,048) x 576, (151,936 - 2,048) x 896,
+# (128,256 - 2,048) x 2,048, (262,144 - 2,048) x 1,152; Llama-3.1-8B's untied head too, and 28
+# of its 32 layers of 218.112M.
 SIZES = [("smollm2-135m", 134.5 - 27.1), ("qwen2.5-0.5b", 494.0 - 134.3),
          ("qwen2.5-0.5b-16l", 240.4), ("llama-3.2-1b", 1235.8 - 258.5),
-         ("gemma-3-1b", 999.886 - 299.631)]  # fmt: skip
+         ("gemma-3-1b", 999.886 - 299.631),
+         ("llama-3.1-8b-4l", 8030.261 - 2 * 126_208 * 4096 / 1e6 - 28 * 218.112)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "millions"), SIZES)
