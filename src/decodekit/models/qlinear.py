@@ -376,10 +376,9 @@ class QuantizedLinear(nn.Module):
         elif self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
             self.kernel_group = self.in_features // self.scales.shape[1]
             scales = self.scales  # float32 [N, G]: the kernel reads the stored codes
+            self.qweight = on_huge_pages(self.qweight)  # which it streams (hugepages.py)
         elif self.kernel == "int8pack":
             scales = self.scales[:, 0].to(torch.bfloat16)
-        if self.kernel == "int8gemv" and self.qweight.device.type == "cpu":
-            self.qweight = on_huge_pages(self.qweight)  # what the kernel streams (hugepages.py)
         self.kernel_weight = on_huge_pages(weight) if weight is not None else self.qweight.new_empty(0)
         self.kernel_scales = scales if scales is not None else self.scales.new_empty(0).bfloat16()
         if self.kernel in CODES_IN_KERNEL and weight is not None:

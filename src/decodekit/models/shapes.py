@@ -76,13 +76,9 @@ _QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
 }  # fmt: skip
 
-_LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": 128, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+_LLAMA31_8B = {  # Llama-3.2-1B's family and RoPE, at 8B's widths and RoPE factor, untied
+    **_LLAMA32_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+    "rope_scaling": {**_LLAMA32_1B["rope_scaling"], "factor": 8.0}, "tie_word_embeddings": False,
 }  # fmt: skip
 
 # Name -> the real model's config.json fields that set its shapes.
